@@ -1,0 +1,1 @@
+"""The trainer: arguments, configuration, the training loop, schedules and logging."""
