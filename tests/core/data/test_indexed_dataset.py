@@ -1,0 +1,321 @@
+"""The mmap indexed dataset against its documented byte layout, and its error handling."""
+import os
+import pickle
+import struct
+
+import numpy as np
+import pytest
+
+from megatron.core.data.indexed_dataset import (
+    IndexedDatasetBuilder,
+    IndexedDatasetError,
+    MMapIndexedDataset,
+    _write_index,
+    best_fitting_dtype,
+    data_file_path,
+    index_file_path,
+    make_dataset,
+)
+
+# Three documents in uint16 (code 8): doc 0 = item [1, 2, 3]; doc 1 = items [4, 5] and [6];
+# doc 2 = item [7]. Written by hand from the layout in seed-system.md section 4.1.
+THREE_DOC_IDX_HEX = (
+    "4d4d4944494458 0000"          # magic MMIDIDX\0\0
+    "0100000000000000"             # version 1
+    "08"                           # dtype code 8 = uint16
+    "0400000000000000"             # len = 4 items
+    "0400000000000000"             # doc_count = 4 (3 documents + 1)
+    "03000000 02000000 01000000 01000000"  # sizes int32
+    "0000000000000000 0600000000000000 0a00000000000000 0c00000000000000"  # byte pointers int64
+    "0000000000000000 0100000000000000 0300000000000000 0400000000000000"  # doc_idx int64
+)
+THREE_DOC_BIN_HEX = "0100 0200 0300 0400 0500 0600 0700"
+
+
+def _build(prefix, documents, dtype=np.uint16):
+    """Write ``documents`` (lists of items) with add_item/end_document."""
+    builder = IndexedDatasetBuilder(data_file_path(prefix), dtype=dtype)
+    for document in documents:
+        for item in document:
+            builder.add_item(item)
+        builder.end_document()
+    builder.finalize(index_file_path(prefix))
+
+
+def _random_documents(rng, count, vocab):
+    return [[rng.integers(0, vocab, size=rng.integers(0, 20)) for _ in range(rng.integers(1, 4))]
+            for _ in range(count)]
+
+
+@pytest.fixture
+def three_doc_prefix(tmp_path):
+    prefix = str(tmp_path / "three")
+    _build(prefix, [[[1, 2, 3]], [[4, 5], [6]], [[7]]])
+    return prefix
+
+
+def test_writer_matches_hand_written_hex_dump(three_doc_prefix):
+    with open(index_file_path(three_doc_prefix), "rb") as f:
+        assert f.read() == bytes.fromhex(THREE_DOC_IDX_HEX)
+    with open(data_file_path(three_doc_prefix), "rb") as f:
+        assert f.read() == bytes.fromhex(THREE_DOC_BIN_HEX)
+
+
+def test_reader_parses_hand_written_files(tmp_path):
+    prefix = str(tmp_path / "handmade")
+    with open(index_file_path(prefix), "wb") as f:
+        f.write(bytes.fromhex(THREE_DOC_IDX_HEX))
+    with open(data_file_path(prefix), "wb") as f:
+        f.write(bytes.fromhex(THREE_DOC_BIN_HEX))
+    ds = MMapIndexedDataset(prefix)
+    assert len(ds) == 4 and ds.dtype == np.uint16
+    assert [ds[i].tolist() for i in range(4)] == [[1, 2, 3], [4, 5], [6], [7]]
+    assert ds.sizes.tolist() == [3, 2, 1, 1]
+    assert ds.pointers.tolist() == [0, 6, 10, 12]
+    assert ds.doc_idx.tolist() == [0, 1, 3, 4]
+    assert ds.sizes.dtype == np.int32 and ds.pointers.dtype == np.int64 and ds.doc_idx.dtype == np.int64
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.int16, np.int32, np.int64, np.uint16, np.float64])
+def test_round_trip_every_dtype(tmp_path, dtype):
+    rng = np.random.default_rng(0)
+    documents = _random_documents(rng, 30, 100)
+    prefix = str(tmp_path / "rt")
+    _build(prefix, documents, dtype=dtype)
+    ds = make_dataset(prefix, impl="infer")
+    items = [item for document in documents for item in document]
+    assert len(ds) == len(items) and ds.dtype == np.dtype(dtype)
+    for i, item in enumerate(items):
+        np.testing.assert_array_equal(ds[i], np.asarray(item, dtype=dtype))
+    expected_doc_idx = np.concatenate([[0], np.cumsum([len(d) for d in documents])])
+    np.testing.assert_array_equal(ds.doc_idx, expected_doc_idx)
+    expected_pointers = np.concatenate([[0], np.cumsum([len(i) for i in items])[:-1]]) * np.dtype(dtype).itemsize
+    np.testing.assert_array_equal(ds.pointers, expected_pointers)
+
+
+def test_float64_is_written_with_code_7_and_code_6_reads_as_float64(tmp_path):
+    prefix = str(tmp_path / "floats")
+    _build(prefix, [[[0.5, 1.5]]], dtype=np.float64)
+    with open(index_file_path(prefix), "rb") as f:
+        raw = bytearray(f.read())
+    assert raw[17] == 7
+    raw[17] = 6
+    with open(index_file_path(prefix), "wb") as f:
+        f.write(raw)
+    assert MMapIndexedDataset(prefix)[0].tolist() == [0.5, 1.5]
+
+
+def test_get_is_a_zero_copy_view(three_doc_prefix):
+    ds = MMapIndexedDataset(three_doc_prefix)
+    part = ds.get(1, offset=1, length=1)
+    assert part.tolist() == [5]
+    assert ds.get(0, offset=1).tolist() == [2, 3]
+    assert ds.get(0, offset=3, length=0).tolist() == []
+    assert not part.flags.owndata and not part.flags.writeable
+    assert np.shares_memory(part, ds.get(1))
+    assert [a.tolist() for a in ds[1:3]] == [[4, 5], [6]]
+    assert ds[-1].tolist() == [7]
+    with pytest.raises(IndexError):
+        ds.get(0, offset=2, length=2)
+    with pytest.raises(IndexError):
+        ds[4]
+
+
+def test_best_fitting_dtype():
+    assert best_fitting_dtype(50257) == np.uint16
+    assert best_fitting_dtype(65499) == np.uint16
+    assert best_fitting_dtype(65500) == np.int32
+    assert best_fitting_dtype(250880) == np.int32
+
+
+def test_path_helpers_and_exists(three_doc_prefix):
+    assert data_file_path("a/b") == "a/b.bin" and index_file_path("a/b") == "a/b.idx"
+    assert MMapIndexedDataset.exists(three_doc_prefix)
+    assert not MMapIndexedDataset.exists(three_doc_prefix + "_missing")
+
+
+def test_pickle_reopens_by_prefix(three_doc_prefix):
+    ds = MMapIndexedDataset(three_doc_prefix, skip_warmup=False)
+    state = pickle.dumps(ds)
+    assert len(state) < 500
+    again = pickle.loads(state)
+    assert [again[i].tolist() for i in range(len(again))] == [ds[i].tolist() for i in range(len(ds))]
+
+
+def test_empty_dataset(tmp_path):
+    prefix = str(tmp_path / "empty")
+    _build(prefix, [])
+    ds = MMapIndexedDataset(prefix)
+    assert len(ds) == 0 and ds.doc_idx.tolist() == [0]
+    assert os.path.getsize(data_file_path(prefix)) == 0
+
+
+def test_add_document_and_add_documents_equal_item_by_item(tmp_path):
+    rng = np.random.default_rng(1)
+    documents = _random_documents(rng, 20, 1000)
+    _build(str(tmp_path / "items"), documents)
+    one_by_one = IndexedDatasetBuilder(str(tmp_path / "doc.bin"), dtype=np.uint16)
+    for document in documents:
+        one_by_one.add_document(np.concatenate(document), [len(item) for item in document])
+    one_by_one.finalize(str(tmp_path / "doc.idx"))
+    bulk = IndexedDatasetBuilder(str(tmp_path / "bulk.bin"), dtype=np.uint16)
+    items = [item for document in documents for item in document]
+    bulk.add_documents(np.concatenate(items), [len(i) for i in items], [len(d) for d in documents])
+    bulk.finalize(str(tmp_path / "bulk.idx"))
+    for name in ("doc", "bulk"):
+        for ext in ("bin", "idx"):
+            with open(tmp_path / f"items.{ext}", "rb") as a, open(tmp_path / f"{name}.{ext}", "rb") as b:
+                assert a.read() == b.read(), (name, ext)
+
+
+def test_rejects_token_ids_that_do_not_fit(tmp_path):
+    builder = IndexedDatasetBuilder(str(tmp_path / "x.bin"), dtype=np.uint16)
+    with pytest.raises(IndexedDatasetError, match="does not fit in uint16"):
+        builder.add_item(np.array([1, 70000]))
+    with pytest.raises(IndexedDatasetError, match="x.bin"):
+        builder.add_item(np.array([-1]))
+    builder.abort()
+    with pytest.raises(IndexedDatasetError, match="float32"):
+        IndexedDatasetBuilder(str(tmp_path / "y.bin"), dtype=np.float32)
+
+
+def test_unfinished_builder_leaves_no_dataset(tmp_path):
+    prefix = str(tmp_path / "partial")
+    builder = IndexedDatasetBuilder(data_file_path(prefix), dtype=np.uint16)
+    builder.add_item([1, 2, 3])
+    builder.end_document()
+    assert not os.path.exists(data_file_path(prefix)) and not MMapIndexedDataset.exists(prefix)
+    assert all(name.endswith(".tmp") for name in os.listdir(tmp_path))
+    builder.abort()
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(RuntimeError):
+        with IndexedDatasetBuilder(data_file_path(prefix), dtype=np.uint16) as failing:
+            failing.add_item([1])
+            raise RuntimeError("interrupted")
+    assert os.listdir(tmp_path) == []
+
+
+def test_finalize_replaces_a_previous_dataset(tmp_path, three_doc_prefix):
+    _build(three_doc_prefix, [[[9, 9]]])
+    ds = MMapIndexedDataset(three_doc_prefix)
+    assert len(ds) == 1 and ds[0].tolist() == [9, 9]
+    assert sorted(os.listdir(tmp_path)) == ["three.bin", "three.idx"]
+
+
+def test_finalize_closes_an_open_document(tmp_path):
+    prefix = str(tmp_path / "open")
+    builder = IndexedDatasetBuilder(data_file_path(prefix), dtype=np.uint16)
+    builder.add_item([1])
+    builder.end_document()
+    builder.add_item([2])
+    builder.add_item([3])
+    builder.finalize(index_file_path(prefix))
+    assert MMapIndexedDataset(prefix).doc_idx.tolist() == [0, 1, 3]
+
+
+def test_merge_equals_building_everything_at_once(tmp_path):
+    rng = np.random.default_rng(2)
+    parts = [_random_documents(rng, n, 500) for n in (5, 0, 7)]
+    for k, documents in enumerate(parts):
+        _build(str(tmp_path / f"part{k}"), documents)
+    _build(str(tmp_path / "whole"), [d for documents in parts for d in documents])
+    builder = IndexedDatasetBuilder(str(tmp_path / "merged.bin"), dtype=np.uint16)
+    for k in range(len(parts)):
+        builder.merge_file_(str(tmp_path / f"part{k}"))
+    builder.finalize(str(tmp_path / "merged.idx"))
+    for ext in ("bin", "idx"):
+        assert (tmp_path / f"whole.{ext}").read_bytes() == (tmp_path / f"merged.{ext}").read_bytes()
+
+
+def test_merge_rejects_dtype_mismatch_and_open_document(tmp_path, three_doc_prefix):
+    _build(str(tmp_path / "wide"), [[[1]]], dtype=np.int32)
+    builder = IndexedDatasetBuilder(str(tmp_path / "out.bin"), dtype=np.uint16)
+    with pytest.raises(IndexedDatasetError, match=r"wide\.bin.*int32.*out\.bin.*uint16"):
+        builder.merge_file_(str(tmp_path / "wide"))
+    builder.add_item([1])
+    with pytest.raises(IndexedDatasetError, match="end_document"):
+        builder.merge_file_(three_doc_prefix)
+    builder.abort()
+
+
+def test_pointers_are_64_bit_past_4_gib(tmp_path):
+    # Three items of 2^30 int32 tokens put the last pointer at 12 GiB; the .bin is a sparse file.
+    prefix = str(tmp_path / "huge")
+    sizes = [2 ** 30, 2 ** 30, 2 ** 30, 5]
+    _write_index(index_file_path(prefix), np.int32, sizes, [0, 2, 4])
+    total_bytes = sum(sizes) * 4
+    with open(data_file_path(prefix), "wb") as f:
+        f.seek(total_bytes - 20)
+        f.write(np.arange(5, dtype=np.int32).tobytes())
+    ds = MMapIndexedDataset(prefix)
+    assert ds.pointers.tolist() == [0, 2 ** 32, 2 ** 33, 3 * 2 ** 32]
+    assert ds.get(3).tolist() == [0, 1, 2, 3, 4]
+    assert ds.get(2, offset=2 ** 30 - 1).tolist() == [0]
+
+
+def test_make_dataset_impls(three_doc_prefix):
+    assert len(make_dataset(three_doc_prefix, "mmap")) == 4
+    assert len(make_dataset(three_doc_prefix, "infer")) == 4
+    for impl in ("cached", "lazy"):
+        with pytest.raises(IndexedDatasetError, match="--dataset-impl mmap"):
+            make_dataset(three_doc_prefix, impl)
+    with pytest.raises(IndexedDatasetError, match="unknown dataset impl"):
+        make_dataset(three_doc_prefix, "fancy")
+
+
+def _rewrite(path, mutate):
+    with open(path, "rb") as f:
+        raw = bytearray(f.read())
+    raw = mutate(raw)
+    with open(path, "wb") as f:
+        f.write(raw)
+
+
+def _set(offset, fmt, value):
+    def mutate(raw):
+        struct.pack_into(fmt, raw, offset, value)
+        return raw
+    return mutate
+
+
+SIZES_OFFSET, DOC_IDX_OFFSET = 34, 34 + 12 * 4
+
+CORRUPTIONS = {
+    "bad magic": ("idx", lambda raw: b"XXIDIDX\x00\x00" + raw[9:], "bad magic"),
+    "legacy magic": ("idx", lambda raw: b"TNTIDX\x00\x00" + raw[8:], "--dataset-impl mmap"),
+    "version 2": ("idx", _set(9, "<Q", 2), "unsupported index version 2"),
+    "dtype code 9": ("idx", _set(17, "<B", 9), "unknown dtype code 9"),
+    "dtype code 0": ("idx", _set(17, "<B", 0), "unknown dtype code 0"),
+    "truncated idx": ("idx", lambda raw: raw[:-3], "truncated index"),
+    "truncated header": ("idx", lambda raw: raw[:20], "truncated index"),
+    "empty idx": ("idx", lambda raw: b"", "truncated index"),
+    "idx trailing bytes": ("idx", lambda raw: raw + b"\x00", "trailing bytes"),
+    "len too large": ("idx", _set(18, "<Q", 5), "truncated index"),
+    "doc_idx last != len": ("idx", _set(DOC_IDX_OFFSET + 24, "<q", 3), "inconsistent document index"),
+    "doc_idx first != 0": ("idx", _set(DOC_IDX_OFFSET, "<q", 1), "inconsistent document index"),
+    "doc_idx decreasing": ("idx", _set(DOC_IDX_OFFSET + 8, "<q", 4), "offsets decrease"),
+    "size larger than bin": ("idx", _set(SIZES_OFFSET, "<i", 4), "data file has 14 bytes but"),
+    "truncated bin": ("bin", lambda raw: raw[:-2], "data file has 12 bytes but"),
+    "extended bin": ("bin", lambda raw: raw + b"\x00\x00", "data file has 16 bytes but"),
+    "bad pointer": ("idx", _set(SIZES_OFFSET + 16 + 24, "<q", 14), "pointers are inconsistent"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CORRUPTIONS))
+def test_corrupt_files_raise_errors_naming_the_file(three_doc_prefix, name):
+    which, mutate, message = CORRUPTIONS[name]
+    path = index_file_path(three_doc_prefix) if which == "idx" else data_file_path(three_doc_prefix)
+    _rewrite(path, mutate)
+    with pytest.raises(IndexedDatasetError, match=message) as error:
+        MMapIndexedDataset(three_doc_prefix)
+    assert path in str(error.value)
+    assert isinstance(error.value, ValueError)
+
+
+def test_missing_files_raise_errors_naming_the_file(three_doc_prefix):
+    os.remove(data_file_path(three_doc_prefix))
+    with pytest.raises(IndexedDatasetError, match=r"three\.bin: data file not found"):
+        MMapIndexedDataset(three_doc_prefix)
+    os.remove(index_file_path(three_doc_prefix))
+    with pytest.raises(IndexedDatasetError, match=r"three\.idx: index file not found"):
+        make_dataset(three_doc_prefix, "infer")

@@ -1,0 +1,13 @@
+#!/bin/bash
+# Installs the framework and what it needs into the active Python environment (a virtualenv or not).
+# torch is installed only if missing: on our machines `torch==2.13.0` resolves to a local CPU wheel,
+# while a plain `pip install torch` would pull a multi-GB CUDA build. DeepSpeed is built from its
+# source archive without its CUDA ops (they are JIT-built where a GPU exists).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=${PYTHON:-python3}
+if ! $py -c "import torch" >/dev/null 2>&1; then
+    $py -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
+fi
+DS_BUILD_OPS=0 $py -m pip install -q -e ".[test]"
+$py -c "import torch, deepspeed, megatron; from megatron.core.data.helpers import load_helpers; load_helpers(); print(f'installed: torch {torch.__version__}, deepspeed {deepspeed.__version__}')"
