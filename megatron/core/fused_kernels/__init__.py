@@ -1,0 +1,38 @@
+"""Fused kernels for the memory-bound steps of a GPT layer, each with a plain-torch reference.
+
+``scale_mask_softmax``, ``layer_norm``, ``bias_gelu`` and ``bias_dropout_add`` run Triton kernels
+(forward and backward) on CUDA when their constraints hold, and the references
+(``*_reference``) otherwise and always on CPU; ``dispatch`` states the rules. The environment
+variable ``MEGATRON_FUSED_KERNELS=0`` or ``set_fused_kernels_enabled(False)`` forces the references.
+"""
+from megatron.core.fused_kernels.dispatch import (
+    FusedKernelArgumentError,
+    bias_dropout_add,
+    bias_gelu,
+    fused_kernels_enabled,
+    layer_norm,
+    scale_mask_softmax,
+    set_fused_kernels_enabled,
+)
+from megatron.core.fused_kernels.reference import (
+    bias_dropout_add_reference,
+    bias_gelu_reference,
+    causal_mask,
+    layer_norm_reference,
+    scale_mask_softmax_reference,
+)
+
+__all__ = [
+    "FusedKernelArgumentError",
+    "bias_dropout_add",
+    "bias_dropout_add_reference",
+    "bias_gelu",
+    "bias_gelu_reference",
+    "causal_mask",
+    "fused_kernels_enabled",
+    "layer_norm",
+    "layer_norm_reference",
+    "scale_mask_softmax",
+    "scale_mask_softmax_reference",
+    "set_fused_kernels_enabled",
+]

@@ -1,0 +1,219 @@
+"""The public fused ops: each call takes the Triton kernel or the plain-torch reference.
+
+The fast kernel runs when all of these hold, else the reference (same math, same dtypes out):
+
+- fused kernels are enabled: ``set_fused_kernels_enabled(True/False)`` overrides the environment
+  variable ``MEGATRON_FUSED_KERNELS`` (``0``/``false``/``off`` disables; default on);
+- every input tensor is on one CUDA device (CPU always runs the reference);
+- the call is not being traced by ``torch.compile`` (inductor fuses the reference by itself);
+- triton can be imported (if not, one warning, then references);
+- the kernel's own constraints (``*_constraint_violation`` below): floating dtypes fp16/bf16/fp32,
+  rows short enough to sit in registers, int32-indexable element counts.
+
+Inputs that are not contiguous are copied to contiguous ones for the kernels.
+"""
+import importlib
+import os
+import warnings
+
+import torch
+
+from megatron.core.fused_kernels import reference
+
+ENV_VAR = "MEGATRON_FUSED_KERNELS"
+FAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_SOFTMAX_KEYS = 16384  # a whole row of fp32 scores per program, in registers
+MAX_LAYER_NORM_HIDDEN = 16384  # likewise for a row of layer-norm input
+MAX_ELEMENTWISE_NUMEL = 2**31 - 1  # flat indices (and dropout's Philox offsets) are int32
+
+_TRUE_WORDS = ("1", "true", "yes", "on")
+_FALSE_WORDS = ("0", "false", "no", "off")
+_enabled_override = None
+_kernel_modules = {}
+
+
+class FusedKernelArgumentError(ValueError):
+    """A fused op (or MEGATRON_FUSED_KERNELS) got a value it cannot take; the message says which."""
+
+
+def set_fused_kernels_enabled(enabled):
+    """Use the fast kernels where they apply (True), never (False), or as the environment says (None)."""
+    global _enabled_override
+    if enabled is not None and not isinstance(enabled, bool):
+        raise FusedKernelArgumentError(f"set_fused_kernels_enabled takes True, False or None, got {enabled!r}")
+    _enabled_override = enabled
+
+
+def fused_kernels_enabled():
+    """Whether fast kernels may run: the override of set_fused_kernels_enabled, else MEGATRON_FUSED_KERNELS."""
+    if _enabled_override is not None:
+        return _enabled_override
+    value = os.environ.get(ENV_VAR, "1").strip().lower()
+    if value in _TRUE_WORDS:
+        return True
+    if value in _FALSE_WORDS:
+        return False
+    raise FusedKernelArgumentError(
+        f"environment variable {ENV_VAR}={value!r}: expected one of {_TRUE_WORDS + _FALSE_WORDS}"
+    )
+
+
+def runtime_blocker(*tensors):
+    """Why no fast kernel may run on ``tensors`` now (disabled, not CUDA, compiling), or None."""
+    if not fused_kernels_enabled():
+        return f"fused kernels disabled ({ENV_VAR}=0 or set_fused_kernels_enabled(False))"
+    if not all(t.is_cuda for t in tensors):
+        return "inputs are not all CUDA tensors"
+    if len({t.device for t in tensors}) > 1:
+        return "inputs are on different devices"
+    if torch.compiler.is_compiling():
+        return "traced by torch.compile, which fuses the reference itself"
+    return None
+
+
+def _dtype_violation(name, tensor):
+    if tensor.dtype not in FAST_DTYPES:
+        return f"{name} has dtype {tensor.dtype}, the kernel takes {FAST_DTYPES}"
+    return None
+
+
+def softmax_constraint_violation(scores, mask):
+    """Why the Triton softmax cannot take these inputs on any device, or None."""
+    if scores.shape[-1] > MAX_SOFTMAX_KEYS:
+        return f"sk = {scores.shape[-1]} keys > {MAX_SOFTMAX_KEYS}"
+    if scores.numel() == 0:
+        return "scores are empty"
+    return _dtype_violation("scores", scores)
+
+
+def layer_norm_constraint_violation(x, weight, bias):
+    """Why the Triton layer norm cannot take these inputs on any device, or None."""
+    if x.shape[-1] > MAX_LAYER_NORM_HIDDEN:
+        return f"hidden size {x.shape[-1]} > {MAX_LAYER_NORM_HIDDEN}"
+    if x.numel() == 0:
+        return "x is empty"
+    for name, tensor in (("x", x), ("weight", weight), ("bias", bias)):
+        violation = _dtype_violation(name, tensor)
+        if violation:
+            return violation
+    return None
+
+
+def _elementwise_violation(x, others):
+    """Shared rules of bias_gelu and bias_dropout_add: x's dtype, the others' equal to it, sizes."""
+    if x.numel() == 0 or x.numel() > MAX_ELEMENTWISE_NUMEL:
+        return f"{x.numel()} elements, the kernel takes 1 to {MAX_ELEMENTWISE_NUMEL}"
+    violation = _dtype_violation("the input", x)
+    if violation:
+        return violation
+    for name, tensor in others:
+        if tensor is not None and tensor.dtype != x.dtype:
+            return f"{name} has dtype {tensor.dtype} != {x.dtype} (torch would promote the result)"
+    return None
+
+
+def bias_gelu_constraint_violation(bias, y):
+    """Why the Triton bias-GeLU cannot take these inputs on any device, or None."""
+    return _elementwise_violation(y, (("bias", bias),))
+
+
+def bias_dropout_add_constraint_violation(x, bias, residual, prob):
+    """Why the Triton bias-dropout-add cannot take these inputs on any device, or None."""
+    if prob >= 1.0:
+        return "prob = 1 drops everything (the reference returns the residual)"
+    return _elementwise_violation(x, (("bias", bias), ("residual", residual)))
+
+
+def _kernels(module_name):
+    """The Triton module ``fused_kernels.<module_name>``, or None (after one warning) without triton."""
+    if module_name not in _kernel_modules:
+        try:
+            _kernel_modules[module_name] = importlib.import_module(f"megatron.core.fused_kernels.{module_name}")
+        except ImportError as error:
+            warnings.warn(f"fused kernels: {module_name} unavailable ({error}); using the torch references")
+            _kernel_modules[module_name] = None
+    return _kernel_modules[module_name]
+
+
+def _broadcasts_to(shape, target):
+    try:
+        return torch.broadcast_shapes(shape, target) == target
+    except RuntimeError:
+        return False
+
+
+def _check_hidden_vector(op, name, vector, hidden):
+    if vector is not None and tuple(vector.shape) != (hidden,):
+        raise FusedKernelArgumentError(f"{op}: {name} must have shape [{hidden}] (the last dim), got {tuple(vector.shape)}")
+
+
+def scale_mask_softmax(scores, mask, scale, causal, softmax_in_fp32):
+    """probs = softmax(scale * scores, masked keys excluded) over the last dim.
+
+    scores: [b, np, sq, sk]; mask: bool tensor broadcastable to scores, True = masked out, or
+    None; ``causal`` also masks keys after each query (queries are the last sq of sk positions,
+    Megatron's ScaledUpperTriangMaskedSoftmax when sq == sk). Masked keys get probability 0; a
+    fully masked row is uniform. Returns probs in the scores' dtype. ``softmax_in_fp32`` selects the
+    reference's compute dtype; the fused kernel always computes in fp32.
+    """
+    if scores.dim() != 4:
+        raise FusedKernelArgumentError(f"scale_mask_softmax: scores must be [b, np, sq, sk], got shape {tuple(scores.shape)}")
+    if causal and scores.shape[-2] > scores.shape[-1]:
+        raise FusedKernelArgumentError(f"scale_mask_softmax: causal needs sq <= sk, got scores {tuple(scores.shape)}")
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            raise FusedKernelArgumentError(f"scale_mask_softmax: mask must be a bool tensor (True = masked), got {mask.dtype}")
+        if not _broadcasts_to(mask.shape, scores.shape):
+            raise FusedKernelArgumentError(
+                f"scale_mask_softmax: mask {tuple(mask.shape)} does not broadcast to scores {tuple(scores.shape)}"
+            )
+    tensors = (scores,) if mask is None else (scores, mask)
+    if runtime_blocker(*tensors) is None and softmax_constraint_violation(scores, mask) is None:
+        kernels = _kernels("triton_softmax")
+        if kernels is not None:
+            return kernels.ScaleMaskSoftmaxFunction.apply(scores, mask, scale, causal)
+    return reference.scale_mask_softmax_reference(scores, mask, scale, causal, softmax_in_fp32)
+
+
+def layer_norm(x, weight, bias, eps):
+    """y = (x - mean) / sqrt(var + eps) * weight + bias over the last dim of x [..., h].
+
+    weight, bias: [h]; statistics in fp32; y has x's dtype, gradients have their input's dtype.
+    """
+    _check_hidden_vector("layer_norm", "weight", weight, x.shape[-1])
+    _check_hidden_vector("layer_norm", "bias", bias, x.shape[-1])
+    if runtime_blocker(x, weight, bias) is None and layer_norm_constraint_violation(x, weight, bias) is None:
+        kernels = _kernels("triton_layer_norm")
+        if kernels is not None:
+            return kernels.LayerNormFunction.apply(x, weight, bias, eps)
+    return reference.layer_norm_reference(x, weight, bias, eps)
+
+
+def bias_gelu(bias, y):
+    """gelu_tanh(y + bias) for y [..., h], bias [h]: Megatron's fused bias_gelu (tanh approximation)."""
+    _check_hidden_vector("bias_gelu", "bias", bias, y.shape[-1])
+    if runtime_blocker(bias, y) is None and bias_gelu_constraint_violation(bias, y) is None:
+        kernels = _kernels("triton_elementwise")
+        if kernels is not None:
+            return kernels.BiasGeluFunction.apply(bias, y)
+    return reference.bias_gelu_reference(bias, y)
+
+
+def bias_dropout_add(x, bias, residual, prob, training):
+    """residual + dropout(x + bias, prob) for x, residual [..., h] and bias [h] or None.
+
+    Dropout (only when ``training``) keeps each element with probability 1 - prob and scales it by
+    1 / (1 - prob); its randomness comes from torch's default generator of x's device, so
+    restoring that generator's state reproduces the mask (activation checkpointing).
+    """
+    if tuple(x.shape) != tuple(residual.shape):
+        raise FusedKernelArgumentError(f"bias_dropout_add: x {tuple(x.shape)} and residual {tuple(residual.shape)} differ")
+    _check_hidden_vector("bias_dropout_add", "bias", bias, x.shape[-1])
+    if not 0.0 <= prob <= 1.0:
+        raise FusedKernelArgumentError(f"bias_dropout_add: prob must be in [0, 1], got {prob}")
+    tensors = (x, residual) if bias is None else (x, bias, residual)
+    if runtime_blocker(*tensors) is None and bias_dropout_add_constraint_violation(x, bias, residual, prob) is None:
+        kernels = _kernels("triton_elementwise")
+        if kernels is not None:
+            return kernels.BiasDropoutAddFunction.apply(x, bias, residual, prob, training and prob > 0.0)
+    return reference.bias_dropout_add_reference(x, bias, residual, prob, training)

@@ -1,0 +1,76 @@
+"""Plain-torch references of the fused kernels: the ground truth the fast versions are checked against.
+
+Each function is written with ordinary torch operations, runs on any device and supports autograd
+through torch itself. On CPU they are always the path taken; on GPU they are the fallback whenever a
+fast kernel's constraints do not hold (see ``dispatch``).
+"""
+import torch
+import torch.nn.functional as F
+
+
+def _at_least_fp32(dtype):
+    """fp32 for the half dtypes, the dtype itself for fp32 and float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def causal_mask(sq, sk, device=None):
+    """Bool mask [sq, sk], True where key k is in the future of query q (so masked out).
+
+    Queries are the last ``sq`` positions of a ``sk``-long sequence (bottom-right alignment):
+    query q sits at absolute position ``sk - sq + q`` and sees keys ``k <= sk - sq + q``. For
+    ``sq == sk`` this is the upper triangle above the diagonal, Megatron's ``ScaledUpperTriangMaskedSoftmax``.
+    """
+    if sq > sk:
+        raise ValueError(f"causal softmax needs sq <= sk (queries are the last sq of sk positions); got sq={sq}, sk={sk}")
+    query_position = torch.arange(sk - sq, sk, device=device)[:, None]  # [sq, 1]
+    key_position = torch.arange(sk, device=device)[None, :]  # [1, sk]
+    return key_position > query_position
+
+
+def scale_mask_softmax_reference(scores, mask, scale, causal, softmax_in_fp32):
+    """probs = softmax(fill(scale * scores, masked, finfo.min)) over the last dim.
+
+    scores: [b, np, sq, sk]; mask: bool, broadcastable to scores, True = masked out (or None);
+    causal adds ``causal_mask(sq, sk)``. Masked positions are filled with the smallest finite value
+    of the compute dtype, so they get probability exactly 0 and a fully masked row comes out
+    uniform (Megatron's ``attention_mask_func``). The softmax runs in (at least) fp32 when
+    ``softmax_in_fp32``, else in the scores' dtype; probs have the scores' dtype.
+    """
+    x = scores.to(_at_least_fp32(scores.dtype)) if softmax_in_fp32 else scores
+    x = x * scale
+    if causal:
+        x = x.masked_fill(causal_mask(x.shape[-2], x.shape[-1], device=x.device), torch.finfo(x.dtype).min)
+    if mask is not None:
+        x = x.masked_fill(mask, torch.finfo(x.dtype).min)
+    return torch.softmax(x, dim=-1).to(scores.dtype)
+
+
+def layer_norm_reference(x, weight, bias, eps):
+    """y = (x - mean) / sqrt(var + eps) * weight + bias over the last dim, statistics in fp32.
+
+    x: [..., h]; weight, bias: [h]. var is the biased variance; computed in (at least) fp32 whatever
+    the dtypes of x and weight; y has x's dtype.
+    """
+    compute_dtype = _at_least_fp32(x.dtype)
+    y = F.layer_norm(x.to(compute_dtype), (x.shape[-1],), weight.to(compute_dtype), bias.to(compute_dtype), eps)
+    return y.to(x.dtype)
+
+
+def bias_gelu_reference(bias, y):
+    """gelu_tanh(y + bias) = 0.5 t (1 + tanh(sqrt(2/pi) (t + 0.044715 t^3))), t = y + bias.
+
+    The tanh approximation of GeLU used by Megatron's fused bias_gelu (HF "gelu_new").
+    y: [..., h]; bias: [h].
+    """
+    return F.gelu(y + bias, approximate="tanh")
+
+
+def bias_dropout_add_reference(x, bias, residual, prob, training):
+    """residual + dropout(x + bias, prob): kept elements are scaled by 1 / (1 - prob).
+
+    x, residual: same shape [..., h]; bias: [h] or None. Without ``training`` dropout is the
+    identity. The dropout mask comes from torch's default generator of x's device.
+    """
+    if bias is not None:
+        x = x + bias
+    return residual + F.dropout(x, p=prob, training=training)

@@ -1,0 +1,140 @@
+"""Triton layer norm, forward and backward, with fp32 statistics.
+
+Forward, per row x of [n, h]: mean = sum(x)/h, var = sum((x - mean)^2)/h, rstd = 1/sqrt(var + eps),
+xhat = (x - mean) * rstd, y = xhat * w + b. mean and rstd ([n], fp32) are kept for backward.
+
+Backward, with g = dy * w per row::
+
+    dx = rstd * (g - xhat * mean(g * xhat) - mean(g))
+    dw = sum_rows dy * xhat,   db = sum_rows dy
+
+dx is written row by row; dw and db are accumulated in fp32 registers by a fixed number of
+programs, each striding over rows, and the per-program partial sums [programs, 2, h] are added by
+torch afterwards (a small tensor next to x).
+
+This module imports triton; ``dispatch`` imports it only when a CUDA tensor needs it.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from megatron.core.fused_kernels.launch import LAYER_NORM_PROGRAMS_PER_SM, cdiv, next_power_of_2, reduction_programs
+
+_TILE_ELEMENTS = 2048
+
+
+@triton.jit
+def _layer_norm_forward_kernel(
+    x_ptr, weight_ptr, bias_ptr, y_ptr, mean_ptr, rstd_ptr, n_rows, n_cols, eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok = rows < n_rows
+    col_ok = cols < n_cols
+    in_bounds = row_ok[:, None] & col_ok[None, :]
+    offsets = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
+    x = tl.load(x_ptr + offsets, mask=in_bounds, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=1) / n_cols
+    centered = tl.where(in_bounds, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=1) / n_cols + eps)
+    weight = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    y = centered * rstd[:, None] * weight[None, :] + bias[None, :]
+    tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=in_bounds)
+    tl.store(mean_ptr + rows, mean, mask=row_ok)
+    tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _layer_norm_backward_kernel(
+    x_ptr, weight_ptr, mean_ptr, rstd_ptr, grad_y_ptr, grad_x_ptr, partial_sums_ptr, n_rows, n_cols,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    program = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < n_cols
+    weight = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    grad_weight = tl.zeros([BLOCK_N], dtype=tl.float32)
+    grad_bias = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for first_row in range(program * BLOCK_M, n_rows, n_programs * BLOCK_M):
+        rows = first_row + tl.arange(0, BLOCK_M)
+        row_ok = rows < n_rows
+        in_bounds = row_ok[:, None] & col_ok[None, :]
+        offsets = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
+        x = tl.load(x_ptr + offsets, mask=in_bounds, other=0.0).to(tl.float32)
+        grad_y = tl.load(grad_y_ptr + offsets, mask=in_bounds, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+        x_hat = tl.where(in_bounds, (x - mean[:, None]) * rstd[:, None], 0.0)
+        weighted_grad = grad_y * weight[None, :]
+        mean_grad_x_hat = tl.sum(weighted_grad * x_hat, axis=1) / n_cols
+        mean_grad = tl.sum(weighted_grad, axis=1) / n_cols
+        grad_x = (weighted_grad - x_hat * mean_grad_x_hat[:, None] - mean_grad[:, None]) * rstd[:, None]
+        tl.store(grad_x_ptr + offsets, grad_x.to(grad_x_ptr.dtype.element_ty), mask=in_bounds)
+        grad_weight += tl.sum(grad_y * x_hat, axis=0)
+        grad_bias += tl.sum(grad_y, axis=0)
+    # partial sums [programs, 2, h]: this program's share of grad_weight, then of grad_bias
+    tl.store(partial_sums_ptr + program * 2 * n_cols + cols, grad_weight, mask=col_ok)
+    tl.store(partial_sums_ptr + (program * 2 + 1) * n_cols + cols, grad_bias, mask=col_ok)
+
+
+def default_launch_config(n_cols):
+    """(rows per program, warps) for rows of ``n_cols`` elements: ~_TILE_ELEMENTS per program."""
+    block_n = next_power_of_2(n_cols)
+    block_m = max(1, _TILE_ELEMENTS // block_n)
+    num_warps = min(16, max(4, block_m * block_n // 512))
+    return block_m, num_warps
+
+
+def layer_norm_forward(x2d, weight, bias, eps, block_m=None, num_warps=None):
+    """(y [n, h] in x's dtype, mean [n] fp32, rstd [n] fp32) of a contiguous x2d [n, h]."""
+    n_rows, n_cols = x2d.shape
+    default_block_m, default_warps = default_launch_config(n_cols)
+    block_m = block_m or default_block_m
+    y = torch.empty_like(x2d)
+    mean = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
+    _layer_norm_forward_kernel[(cdiv(n_rows, block_m),)](
+        x2d, weight, bias, y, mean, rstd, n_rows, n_cols, float(eps),
+        BLOCK_M=block_m, BLOCK_N=next_power_of_2(n_cols), num_warps=num_warps or default_warps,
+    )
+    return y, mean, rstd
+
+
+def layer_norm_backward(grad_y2d, x2d, weight, mean, rstd, block_m=None, num_warps=None, programs_per_sm=None):
+    """(grad_x [n, h], grad_weight and grad_bias stacked [2, h] fp32) from contiguous grad_y2d [n, h]."""
+    n_rows, n_cols = x2d.shape
+    default_block_m, default_warps = default_launch_config(n_cols)
+    block_m = block_m or default_block_m
+    programs_per_sm = programs_per_sm or LAYER_NORM_PROGRAMS_PER_SM
+    n_programs = reduction_programs(x2d.device, cdiv(n_rows, block_m), programs_per_sm)
+    grad_x = torch.empty_like(x2d)
+    partial_sums = torch.empty((n_programs, 2, n_cols), dtype=torch.float32, device=x2d.device)
+    _layer_norm_backward_kernel[(n_programs,)](
+        x2d, weight, mean, rstd, grad_y2d, grad_x, partial_sums, n_rows, n_cols,
+        BLOCK_M=block_m, BLOCK_N=next_power_of_2(n_cols), num_warps=num_warps or default_warps,
+    )
+    return grad_x, partial_sums.sum(0)
+
+
+class LayerNormFunction(torch.autograd.Function):
+    """Autograd wrapper over ``layer_norm_forward`` / ``layer_norm_backward``; x may be [..., h]."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        hidden = x.shape[-1]
+        x2d = x.contiguous().view(-1, hidden)  # [n, h], n = product of the leading dims
+        y, mean, rstd = layer_norm_forward(x2d, weight.contiguous(), bias.contiguous(), eps)
+        ctx.save_for_backward(x2d, weight, mean, rstd)
+        ctx.bias_dtype = bias.dtype
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x2d, weight, mean, rstd = ctx.saved_tensors
+        grad_y2d = grad_y.contiguous().view(x2d.shape)  # [n, h]
+        grad_x, grad_parameters = layer_norm_backward(grad_y2d, x2d, weight.contiguous(), mean, rstd)
+        grad_weight, grad_bias = grad_parameters[0].to(weight.dtype), grad_parameters[1].to(ctx.bias_dtype)
+        return grad_x.view(grad_y.shape), grad_weight, grad_bias, None

@@ -1,0 +1,137 @@
+"""Causal self-attention with heads split over the tensor-parallel ranks.
+
+Notation: s sequence, b micro-batch, h hidden, n heads, hn head dim, np = n / tp heads on this rank.
+
+Two ways to compute the same function, chosen by ``GPTModelConfig.attention_impl``:
+
+* "sdpa" (default): ``torch.nn.functional.scaled_dot_product_attention`` with ``is_causal`` for
+  the plain causal case and an additive bias (ALiBi, and -inf where --reset-attention-mask or the
+  causal mask forbids) otherwise. Its kernels accumulate q.k in fp32, so query-key layer scaling
+  (which only protects fp16 score matmuls from overflow) has nothing to do; mathematically
+  softmax(q k^T / sqrt(hn) + B) is what both paths compute.
+* "materialized": the seed's order of operations. scores = q k^T / norm_factor with
+  norm_factor = sqrt(hn) * layer_number under query-key layer scaling (sqrt(hn) otherwise), in the
+  params dtype; probs = scale_mask_softmax(scores, scale=layer_number) in fp32; dropout; probs v.
+  ALiBi enters the scores as B / layer_number so the softmax sees q k^T / sqrt(hn) + B again.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.core import fused_kernels
+from megatron.core.models.gpt.config import GPTModelConfig
+from megatron.core.models.gpt.init import weight_init_method
+from megatron.core.models.gpt.masks import causal_mask
+from megatron.core.models.gpt.positional import (alibi_bias, alibi_slopes, apply_rotary_embedding,
+                                                 rotary_cos_sin)
+from megatron.core.parallel_state import ParallelGroups
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.random import MODEL_PARALLEL_RNG, get_rng_tracker
+from megatron.core.tensor_parallel.utils import divide
+
+
+class ParallelSelfAttention(nn.Module):
+    """o = concat_j(dropout(softmax(q_j k_j^T / sqrt(hn) + B_j + causal)) v_j) W_o^T + b_o.
+
+    ``query_key_value`` is a ColumnParallelLinear h -> 3 n hn whose output rows are ordered per head,
+    [n, 3, hn] (head j's q, k, v rows together), so splitting the rows over TP ranks hands each rank
+    np whole heads. ``dense`` is a RowParallelLinear n hn -> h whose all-reduce sums the heads of all
+    ranks; its bias is returned unadded (skip_bias_add) for the fused bias-dropout-add.
+    Attention dropout runs under the model-parallel RNG fork: different heads live on different
+    ranks and need independent masks.
+    """
+
+    def __init__(self, config: GPTModelConfig, layer_number: int, groups: ParallelGroups, device=None):
+        super().__init__()
+        self.config = config
+        self.layer_number = layer_number
+        self.heads_per_partition = divide(config.num_attention_heads, groups.tp_size)
+        self.head_dim = config.kv_channels
+        common = dict(tp_group=groups.tp, use_cpu_initialization=config.use_cpu_initialization,
+                      params_dtype=config.params_dtype, device=device)
+        self.query_key_value = ColumnParallelLinear(
+            config.hidden_size, 3 * config.projection_size, gather_output=False,
+            init_method=weight_init_method(config, layer_number, "self_attention.query_key_value.weight"), **common)
+        self.dense = RowParallelLinear(
+            config.projection_size, config.hidden_size, input_is_parallel=True, skip_bias_add=True,
+            init_method=weight_init_method(config, layer_number, "self_attention.dense.weight",
+                                           output_projection=True), **common)
+        if config.position_embedding_type == "alibi":
+            first_head = groups.tp_rank * self.heads_per_partition
+            slopes = alibi_slopes(config.num_attention_heads)[first_head:first_head + self.heads_per_partition]
+            self.register_buffer("alibi_slopes", slopes.to(device), persistent=False)
+
+    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden_states [s, b, h], position_ids [b, s], attention_mask bool [b, 1, s, s] (True = masked,
+        causality included) or None for plain causal attention -> (output [s, b, h], bias [h])."""
+        seq_length, batch = hidden_states.shape[:2]
+        mixed, _ = self.query_key_value(hidden_states)  # [s, b, np * 3 * hn]
+        mixed = mixed.view(seq_length, batch, self.heads_per_partition, 3 * self.head_dim)
+        query, key, value = mixed.split(self.head_dim, dim=-1)  # 3 x [s, b, np, hn]
+        if self.config.position_embedding_type == "rotary":
+            cos, sin = rotary_cos_sin(position_ids, self.head_dim)
+            query, key = apply_rotary_embedding(query, cos, sin), apply_rotary_embedding(key, cos, sin)
+        # [s, b, np, hn] -> [b, np, s, hn]
+        query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        alibi = None
+        if self.config.position_embedding_type == "alibi":
+            alibi = alibi_bias(self.alibi_slopes, seq_length).to(query.dtype)  # [np, s, s]
+        if self.config.attention_impl == "sdpa":
+            context = self._sdpa(query, key, value, alibi, attention_mask)
+        else:
+            context = self._materialized(query, key, value, alibi, attention_mask)
+        # [b, np, s, hn] -> [s, b, np * hn]
+        context = context.permute(2, 0, 1, 3).reshape(seq_length, batch, -1)
+        return self.dense(context)
+
+    def _dropout_probability(self) -> float:
+        return self.config.attention_dropout if self.training else 0.0
+
+    def _sdpa(self, query, key, value, alibi, attention_mask):
+        """scaled_dot_product_attention with is_causal, or with the additive bias B + mask."""
+        bias = None
+        if alibi is not None or attention_mask is not None:
+            if attention_mask is None:
+                seq_length = query.shape[-2]
+                attention_mask = causal_mask(seq_length, device=query.device)
+            if alibi is None:
+                bias = ~attention_mask  # bool: True = may attend
+            else:
+                bias = alibi.masked_fill(attention_mask, float("-inf"))  # [b or 1, np, s, s]
+        dropout = self._dropout_probability()
+        scale = 1.0 / math.sqrt(self.head_dim)
+        if dropout == 0.0:
+            return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, is_causal=bias is None,
+                                                  scale=scale)
+        with get_rng_tracker().fork(MODEL_PARALLEL_RNG):
+            return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, is_causal=bias is None,
+                                                  dropout_p=dropout, scale=scale)
+
+    def _materialized(self, query, key, value, alibi, attention_mask):
+        """The seed's path: scores in the params dtype, scale-mask-softmax (fp32), dropout, probs v."""
+        batch, heads, seq_length, head_dim = query.shape
+        coefficient = float(self.layer_number) if self.config.apply_query_key_layer_scaling else 1.0
+        norm_factor = math.sqrt(head_dim) * coefficient
+        # the 1 / norm_factor scaling happens inside the GEMM (fp32 accumulator), so fp16 scores never
+        # hold the unscaled q.k: that is what query-key layer scaling is for
+        if alibi is None:
+            scores = torch.empty(batch * heads, seq_length, seq_length, dtype=query.dtype, device=query.device)
+            beta = 0.0
+        else:
+            scores = alibi.expand(batch, heads, seq_length, seq_length).reshape(batch * heads, seq_length, seq_length)
+            beta = 1.0 / coefficient
+        scores = torch.baddbmm(scores, query.reshape(batch * heads, seq_length, head_dim),
+                               key.reshape(batch * heads, seq_length, head_dim).transpose(1, 2),
+                               beta=beta, alpha=1.0 / norm_factor)
+        scores = scores.view(batch, heads, seq_length, seq_length)
+        softmax = fused_kernels.scale_mask_softmax if self.config.masked_softmax_fusion \
+            else fused_kernels.scale_mask_softmax_reference
+        probs = softmax(scores, attention_mask, coefficient, attention_mask is None, self.config.softmax_in_fp32)
+        dropout = self._dropout_probability()
+        if dropout > 0.0:
+            with get_rng_tracker().fork(MODEL_PARALLEL_RNG):
+                probs = F.dropout(probs, p=dropout, training=True)
+        return torch.matmul(probs, value)  # [b, np, s, hn]

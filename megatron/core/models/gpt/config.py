@@ -1,0 +1,163 @@
+"""GPTModelConfig: the shape and numerics of the GPT model, with the seed's flag names and defaults.
+
+Fields carry the names of Megatron-DeepSpeed's flags (``num_layers`` <- ``--num-layers``, ...), so the
+trainer converts its parsed arguments field by field. Three are derived rather than parsed:
+``padded_vocab_size`` (tokenizer + --make-vocab-size-divisible-by / --pad-vocab-size-to),
+``params_dtype`` (--fp16 / --bf16) and ``attention_impl`` (no seed flag, see the class docstring).
+Validation happens at construction and names the flags; ``validate_for_tensor_parallel`` adds the
+checks that depend on the TP degree.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from megatron.core.parallel_state import TP_FLAG, check_divisible
+
+POSITION_EMBEDDING_TYPES = ("absolute", "rotary", "alibi")
+GLU_ACTIVATIONS = ("geglu", "liglu", "reglu", "swiglu")
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "materialized")
+PARAMS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class GPTConfigError(ValueError):
+    """A model configuration that cannot work; the message names the flags and the fix."""
+
+
+def _flag(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class GPTModelConfig:
+    """Hyper-parameters of a decoder-only transformer, in the seed's vocabulary.
+
+    h = hidden_size, n = num_attention_heads, hn = kv_channels (default h / n),
+    ffn = ffn_hidden_size (default 4h), V = padded_vocab_size, L = num_layers.
+    ``padded_vocab_size`` is the vocabulary after padding (--make-vocab-size-divisible-by /
+    --pad-vocab-size-to); the padding rows are ordinary classes that targets never hit.
+
+    ``attention_impl`` chooses how attention is computed:
+    "sdpa" (default) runs torch's scaled_dot_product_attention (flash / cuDNN / memory-efficient on
+    GPU); "materialized" forms the [b, n, s, s] scores as the seed does (query-key layer scaling,
+    fused scale-mask-softmax, dropout, matmul with the values). Both compute the same function.
+    """
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    padded_vocab_size: int
+    seq_length: int
+    ffn_hidden_size: int | None = None
+    kv_channels: int | None = None
+    max_position_embeddings: int | None = None
+    position_embedding_type: str = "absolute"
+    layernorm_epsilon: float = 1e-5
+    apply_residual_connection_post_layernorm: bool = False
+    embed_layernorm: bool = False
+    glu_activation: str | None = None
+    openai_gelu: bool = False
+    bias_gelu_fusion: bool = True
+    bias_dropout_fusion: bool = True
+    masked_softmax_fusion: bool = True
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    apply_query_key_layer_scaling: bool = True
+    attention_softmax_in_fp32: bool = False
+    fp32_residual_connection: bool = False
+    params_dtype: torch.dtype = torch.float32
+    use_cpu_initialization: bool = False
+    seed: int = 1234
+    checkpoint_activations: bool = False
+    checkpoint_num_layers: int = 1
+    distribute_checkpointed_activations: bool = False
+    attention_impl: str = "sdpa"
+
+    def __post_init__(self):
+        self._check_sizes()
+        if self.ffn_hidden_size is None:
+            object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads != 0:
+                raise GPTConfigError(
+                    f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
+                    f"({self.num_attention_heads}) when --kv-channels is not given; set --kv-channels")
+            object.__setattr__(self, "kv_channels", self.hidden_size // self.num_attention_heads)
+        for name in ("ffn_hidden_size", "kv_channels"):
+            if getattr(self, name) < 1:
+                raise GPTConfigError(f"{_flag(name)} must be a positive integer, got {getattr(self, name)}")
+        self._check_positions()
+        self._check_activation()
+        self._check_numerics()
+
+    def _check_sizes(self):
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "padded_vocab_size", "seq_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                flag = "the padded vocabulary size" if name == "padded_vocab_size" else _flag(name)
+                raise GPTConfigError(f"{flag} must be a positive integer, got {value!r}")
+
+    def _check_positions(self):
+        kind = self.position_embedding_type
+        if kind not in POSITION_EMBEDDING_TYPES:
+            raise GPTConfigError(f"--position-embedding-type must be one of {POSITION_EMBEDDING_TYPES}, got {kind!r}")
+        if kind == "rotary":
+            if self.max_position_embeddings is not None:
+                raise GPTConfigError("--max-position-embeddings must not be set with --position-embedding-type "
+                                     "rotary (rotary embeddings have no position table); drop the flag")
+            if self.kv_channels % 2 != 0:
+                raise GPTConfigError(f"rotary embeddings rotate pairs of channels: --kv-channels "
+                                     f"(head dim, {self.kv_channels}) must be even")
+            return
+        if self.max_position_embeddings is None:
+            raise GPTConfigError(f"--max-position-embeddings is required with --position-embedding-type {kind}; "
+                                 f"set it to at least --seq-length ({self.seq_length})")
+        if self.max_position_embeddings < self.seq_length:
+            raise GPTConfigError(f"--max-position-embeddings ({self.max_position_embeddings}) must be >= "
+                                 f"--seq-length ({self.seq_length}) with --position-embedding-type {kind}")
+
+    def _check_activation(self):
+        if self.glu_activation is None:
+            return
+        if self.glu_activation not in GLU_ACTIVATIONS:
+            raise GPTConfigError(f"--glu-activation must be one of {GLU_ACTIVATIONS}, got {self.glu_activation!r}")
+        if self.bias_gelu_fusion:
+            raise GPTConfigError("--glu-activation requires --no-bias-gelu-fusion (the fused bias-GeLU kernel "
+                                 "cannot apply a gated activation)")
+
+    def _check_numerics(self):
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise GPTConfigError(f"{_flag(name)} must be in [0, 1), got {getattr(self, name)}")
+        if self.init_method_std <= 0:
+            raise GPTConfigError(f"--init-method-std must be > 0, got {self.init_method_std}")
+        if self.layernorm_epsilon <= 0:
+            raise GPTConfigError(f"--layernorm-epsilon must be > 0, got {self.layernorm_epsilon}")
+        if self.params_dtype not in PARAMS_DTYPES:
+            raise GPTConfigError(f"params dtype must be one of {PARAMS_DTYPES} (--fp16 / --bf16 / neither), "
+                                 f"got {self.params_dtype}")
+        if self.checkpoint_num_layers < 1:
+            raise GPTConfigError(f"--checkpoint-num-layers must be >= 1, got {self.checkpoint_num_layers}")
+        if self.distribute_checkpointed_activations and not self.checkpoint_activations:
+            raise GPTConfigError("--distribute-checkpointed-activations requires --checkpoint-activations")
+        if self.attention_impl not in ATTENTION_IMPLEMENTATIONS:
+            raise GPTConfigError(f"attention implementation must be one of {ATTENTION_IMPLEMENTATIONS}, "
+                                 f"got {self.attention_impl!r}")
+
+    @property
+    def projection_size(self) -> int:
+        """n * hn: the width of the queries (and of keys and values)."""
+        return self.kv_channels * self.num_attention_heads
+
+    @property
+    def softmax_in_fp32(self) -> bool:
+        """Query-key layer scaling forces the softmax into fp32, as in the seed."""
+        return self.attention_softmax_in_fp32 or self.apply_query_key_layer_scaling
+
+    def validate_for_tensor_parallel(self, tensor_model_parallel_size: int) -> None:
+        """Raise ParallelConfigError unless heads, ffn and vocabulary split evenly over the TP ranks."""
+        tp = tensor_model_parallel_size
+        check_divisible(self.num_attention_heads, tp, "--num-attention-heads", TP_FLAG)
+        check_divisible(self.ffn_hidden_size, tp, "--ffn-hidden-size", TP_FLAG)
+        check_divisible(self.padded_vocab_size, tp,
+                        "the padded vocabulary size (--make-vocab-size-divisible-by, --pad-vocab-size-to)", TP_FLAG)

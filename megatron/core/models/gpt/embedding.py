@@ -1,0 +1,62 @@
+"""Input embedding and the output head tied to it."""
+import torch
+from torch import nn
+
+from megatron.core.models.gpt.config import GPTModelConfig
+from megatron.core.models.gpt.init import initialize_replicated_weight, weight_init_method
+from megatron.core.models.gpt.positional import LearnedPositionEmbedding
+from megatron.core.models.gpt.transformer_layer import LayerNorm
+from megatron.core.parallel_state import ParallelGroups
+from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+EMBEDDING_LAYER_NUMBER = 0  # layer number of the embedding in the layout-independent init
+
+
+class Embedding(nn.Module):
+    """e = dropout(LN_e(W[tokens]) + P[positions])  -> [b, s, h]
+
+    W: the word embeddings [V, h], split by vocabulary rows over the TP ranks (VocabParallelEmbedding).
+    LN_e: only with --embed-layernorm (the seed applies it to the word embeddings alone).
+    P: the learned position table, only with --position-embedding-type absolute (rotary and ALiBi act
+    inside attention). Dropout is --hidden-dropout, from the default generator (same mask on all TP
+    ranks, as e is replicated). The output head reuses W: ``logits(x) = x W^T``.
+    """
+
+    def __init__(self, config: GPTModelConfig, groups: ParallelGroups, device=None):
+        super().__init__()
+        self.config = config
+        self.tp_group = groups.tp
+        self.word_embeddings = VocabParallelEmbedding(
+            config.padded_vocab_size, config.hidden_size, tp_group=groups.tp,
+            init_method=weight_init_method(config, EMBEDDING_LAYER_NUMBER, "word_embeddings.weight"),
+            use_cpu_initialization=config.use_cpu_initialization, params_dtype=config.params_dtype, device=device)
+        self.embed_layernorm = None
+        if config.embed_layernorm:
+            self.embed_layernorm = LayerNorm(config.hidden_size, config.layernorm_epsilon, config.params_dtype, device)
+        self.position_embeddings = None
+        if config.position_embedding_type == "absolute":
+            self.position_embeddings = LearnedPositionEmbedding(
+                config.max_position_embeddings, config.hidden_size, config.params_dtype, device)
+            initialize_replicated_weight(
+                self.position_embeddings.weight,
+                weight_init_method(config, EMBEDDING_LAYER_NUMBER, "position_embeddings.weight"),
+                config.use_cpu_initialization)
+        self.embedding_dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """tokens [b, s], position_ids [b, s] -> [b, s, h] (fp32 with --fp32-residual-connection)."""
+        embeddings = self.word_embeddings(tokens)
+        if self.embed_layernorm is not None:
+            embeddings = self.embed_layernorm(embeddings)
+        if self.position_embeddings is not None:
+            embeddings = embeddings + self.position_embeddings(position_ids)
+        if self.config.fp32_residual_connection:
+            embeddings = embeddings.float()
+        return self.embedding_dropout(embeddings)
+
+    def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The tied output head: [..., h] -> [..., V / tp], this rank's vocabulary slice of x W^T."""
+        hidden_states = copy_to_tensor_model_parallel_region(hidden_states, self.tp_group)
+        weight = self.word_embeddings.weight
+        return torch.nn.functional.linear(hidden_states.to(weight.dtype), weight)

@@ -1,0 +1,95 @@
+"""GPTModel: the whole decoder-only language model on one pipeline stage (PP = 1)."""
+import torch
+from torch import nn
+
+from megatron.core.models.gpt.config import GPTModelConfig
+from megatron.core.models.gpt.embedding import Embedding
+from megatron.core.models.gpt.transformer_layer import LayerNorm, ParallelTransformerLayer
+from megatron.core.parallel_state import ParallelConfigError, ParallelGroups
+from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.random import checkpoint
+
+
+def masked_token_mean(losses: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """sum(loss * mask) / sum(mask): the mean loss over the tokens that count (the seed's rule)."""
+    loss_mask = loss_mask.to(torch.float32)
+    return (losses.float() * loss_mask).sum() / loss_mask.sum()
+
+
+def language_model_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
+                        tp_group) -> torch.Tensor:
+    """Masked mean cross entropy of vocabulary-parallel logits [..., V / tp] against labels [...]."""
+    return masked_token_mean(vocab_parallel_cross_entropy(logits, labels, tp_group), loss_mask)
+
+
+def default_position_ids(tokens: torch.Tensor) -> torch.Tensor:
+    """0, 1, ..., s-1 for every row of tokens [b, s]."""
+    batch, seq_length = tokens.shape
+    return torch.arange(seq_length, device=tokens.device).expand(batch, seq_length)
+
+
+class GPTModel(nn.Module):
+    """logits = LN_f(Layer_L(... Layer_1(Embedding(tokens)))) W_word^T, on [s, b, h] inside.
+
+    The output head is tied to the word embeddings W_word (one parameter, vocabulary-split over TP).
+    With labels the model returns the loss: the mean over tokens of the cross entropy, weighted by
+    the loss mask (padded vocabulary rows are ordinary classes that targets never hit). With
+    --checkpoint-activations the layers run in chunks of --checkpoint-num-layers whose activations
+    are recomputed in backward (RNG replayed, so dropout masks repeat exactly).
+
+    Dropout needs the model-parallel RNG stream: call
+    ``tensor_parallel.random.model_parallel_seed`` before training.
+    """
+
+    def __init__(self, config: GPTModelConfig, groups: ParallelGroups, device=None):
+        super().__init__()
+        if groups.pp_size != 1:
+            raise ParallelConfigError(f"GPTModel runs the whole model on one stage; with "
+                                      f"--pipeline-model-parallel-size {groups.pp_size} build GPTModelPipe")
+        config.validate_for_tensor_parallel(groups.tp_size)
+        self.config = config
+        self.groups = groups
+        self.embedding = Embedding(config, groups, device=device)
+        self.layers = nn.ModuleList(ParallelTransformerLayer(config, number, groups, device=device)
+                                    for number in range(1, config.num_layers + 1))
+        self.final_layernorm = LayerNorm(config.hidden_size, config.layernorm_epsilon, config.params_dtype, device)
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [b, s]; position_ids [b, s] (default 0..s-1); attention_mask bool [b, 1, s, s]
+        (True = masked, see masks.py) or None for causal attention.
+
+        Returns logits [b, s, V / tp] in the params dtype, or, given labels [b, s] (and optionally
+        loss_mask [b, s], default all ones), the scalar fp32 loss.
+        """
+        if position_ids is None:
+            position_ids = default_position_ids(tokens)
+        hidden_states = self.embedding(tokens, position_ids)  # [b, s, h]
+        hidden_states = hidden_states.transpose(0, 1).contiguous()  # [s, b, h]
+        hidden_states = self._run_layers(hidden_states, position_ids, attention_mask)
+        hidden_states = self.final_layernorm(hidden_states)
+        logits = self.embedding.logits(hidden_states)  # [s, b, V / tp]
+        if labels is None:
+            return logits.transpose(0, 1)  # [b, s, V / tp]
+        if loss_mask is None:
+            loss_mask = torch.ones_like(labels, dtype=torch.float32)
+        return language_model_loss(logits, labels.t(), loss_mask.t(), self.groups.tp)
+
+    def _run_layers(self, hidden_states, position_ids, attention_mask):
+        """The transformer layers, in checkpointed chunks under --checkpoint-activations. [s, b, h]."""
+
+        def run_chunk(start, end):
+            def forward_chunk(hidden):
+                for layer in self.layers[start:end]:
+                    hidden = layer(hidden, position_ids, attention_mask)
+                return hidden
+            return forward_chunk
+
+        if not self.config.checkpoint_activations:
+            return run_chunk(0, len(self.layers))(hidden_states)
+        chunk = self.config.checkpoint_num_layers
+        for start in range(0, len(self.layers), chunk):
+            hidden_states = checkpoint(run_chunk(start, start + chunk), self.config.distribute_checkpointed_activations,
+                                       hidden_states, tp_group=self.groups.tp)
+        return hidden_states

@@ -1,0 +1,67 @@
+"""The transformer's MLP, h -> ffn -> h, with the ffn dimension split over the tensor-parallel ranks."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.core import fused_kernels
+from megatron.core.models.gpt.config import GPTModelConfig
+from megatron.core.models.gpt.init import weight_init_method
+from megatron.core.parallel_state import ParallelGroups
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+GLU_GATE_FUNCTIONS = {
+    "geglu": F.gelu,
+    "liglu": _identity,
+    "reglu": F.relu,
+    "swiglu": F.silu,
+}
+
+
+class ParallelMLP(nn.Module):
+    """y = act(x W1^T + b1) W2^T + b2, or with a GLU: [a | g] = x W1^T + b1, y = (a * act(g)) W2^T + b2.
+
+    W1 (``dense_h_to_4h``) is column-parallel: rank r computes ffn / tp of the hidden units, no
+    communication. W2 (``dense_4h_to_h``) is row-parallel: partial products are all-reduced, and its
+    bias is returned unadded for the fused bias-dropout-add.
+
+    act: the tanh approximation of GeLU fused with the bias (default, the seed's bias-GeLU fusion),
+    exact erf GeLU with --no-bias-gelu-fusion, tanh GeLU with --openai-gelu. GLU variants (geglu:
+    erf GeLU, liglu: identity, reglu: ReLU, swiglu: SiLU) gate one half of a 2 ffn-wide W1 with the
+    other. W1 is then split with stride 2: the full weight is [W_a; W_g] and rank r holds
+    [W_a,r; W_g,r], so every rank gates its own units and the result does not depend on the TP degree
+    (the seed's per-rank [a | g] checkpoint layout).
+    """
+
+    def __init__(self, config: GPTModelConfig, layer_number: int, groups: ParallelGroups, device=None):
+        super().__init__()
+        self.config = config
+        gated = config.glu_activation is not None
+        common = dict(tp_group=groups.tp, use_cpu_initialization=config.use_cpu_initialization,
+                      params_dtype=config.params_dtype, device=device, skip_bias_add=True)
+        self.dense_h_to_4h = ColumnParallelLinear(
+            config.hidden_size, (2 if gated else 1) * config.ffn_hidden_size, gather_output=False,
+            stride=2 if gated else 1,
+            init_method=weight_init_method(config, layer_number, "mlp.dense_h_to_4h.weight"), **common)
+        self.dense_4h_to_h = RowParallelLinear(
+            config.ffn_hidden_size, config.hidden_size, input_is_parallel=True,
+            init_method=weight_init_method(config, layer_number, "mlp.dense_4h_to_h.weight", output_projection=True),
+            **common)
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[s, b, h] -> (output [s, b, h], bias [h])."""
+        intermediate, bias = self.dense_h_to_4h(hidden_states)  # [s, b, (2) ffn / tp]
+        if self.config.glu_activation is not None:
+            linear, gate = (intermediate + bias).chunk(2, dim=-1)  # 2 x [s, b, ffn / tp]
+            intermediate = linear * GLU_GATE_FUNCTIONS[self.config.glu_activation](gate)
+        elif self.config.bias_gelu_fusion:
+            intermediate = fused_kernels.bias_gelu(bias, intermediate)
+        else:
+            approximate = "tanh" if self.config.openai_gelu else "none"
+            intermediate = F.gelu(intermediate + bias, approximate=approximate)
+        return self.dense_4h_to_h(intermediate)

@@ -1,0 +1,224 @@
+"""GPTModelPipe: the GPT model as a DeepSpeed ``PipelineModule`` list of layers.
+
+Layer list (its indices are the seed's layer numbers, which name the checkpoint files
+``layer_XX-model_YY-model_states.pt``; "no state" entries are plain functions):
+
+    0          check_pipeline_inputs          validates the batch tuple (no state)
+    1          TiedLayerSpec("embed", EmbeddingPipe)            word (+ position) embeddings
+    2          to_sequence_first              [b, s, h] -> [s, b, h] (no state)
+    3 .. L+2   ParallelTransformerLayerPipe   transformer layers 1 .. L
+    L+3        to_batch_first                 [s, b, h] -> [b, s, h] (no state)
+    L+4        LayerNorm                      final norm
+    L+5        TiedLayerSpec("embed", EmbeddingPipe, forward_fn=tied_logits)  logits [b, s, V / tp]
+    L+6        logits_to_fp32                 (no state)
+    loss_fn    LanguageModelLoss              masked mean cross entropy
+
+Batch (from the trainer's batch function): inputs ``(tokens, position_ids)`` or, with
+--reset-attention-mask, ``(tokens, position_ids, attention_mask)``; labels ``(labels, loss_mask)``.
+Between stages flows ``(hidden, position_ids[, attention_mask])``: only ``hidden`` is floating point,
+so only it carries a gradient back. The bool mask comes last: NCCL cannot send bool tensors, and
+after ``engine.set_has_attention_mask(True)`` DeepSpeed sends the last tensor of the tuple as fp16
+and turns it back into bool on the next stage (call it only when the mask is present).
+
+The word embeddings live on the first stage and again, tied, on the last (DeepSpeed all-reduces
+their gradients over the two stages). Partition methods are DeepSpeed's: "uniform" (equal layer
+counts), "parameters" (balanced parameter counts), "type:<regex>" (balanced count of layers whose
+class name matches, e.g. "type:transformer", or "type:transformer|embedding" so the embedding and
+the head each weigh as much as a transformer layer). ``stage_boundaries`` computes them upfront.
+"""
+import re
+
+import torch
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.utils import partition_balanced, partition_uniform
+
+from megatron.core.models.gpt.config import GPTModelConfig
+from megatron.core.models.gpt.embedding import Embedding
+from megatron.core.models.gpt.gpt_model import language_model_loss
+from megatron.core.models.gpt.transformer_layer import LayerNorm, ParallelTransformerLayer
+from megatron.core.parallel_state import ParallelGroups
+from megatron.core.tensor_parallel.random import checkpoint
+
+PARTITION_METHODS = ("uniform", "parameters", "type:<class-name regex>")
+
+
+class PipelineInputError(ValueError):
+    """The batch handed to the pipeline does not have the layout the first stage expects."""
+
+
+class EmbeddingPipe(Embedding):
+    """Embedding with the pipeline's tuple interface:
+    (tokens, position_ids[, mask]) -> (embeddings [b, s, h], position_ids[, mask])."""
+
+    def forward(self, inputs):
+        tokens, position_ids, *mask = inputs
+        return (super().forward(tokens, position_ids), position_ids, *mask)
+
+
+def tied_logits(embedding: Embedding, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The output head on the tied embedding module: [b, s, h] -> [b, s, V / tp]."""
+    return embedding.logits(hidden_states)
+
+
+class ParallelTransformerLayerPipe(ParallelTransformerLayer):
+    """Transformer layer with the pipeline's tuple interface:
+    (hidden [s, b, h], position_ids[, mask]) -> (hidden', position_ids[, mask])."""
+
+    def forward(self, inputs):
+        hidden_states, position_ids, *mask = inputs
+        attention_mask = mask[0] if mask else None
+        return (super().forward(hidden_states, position_ids, attention_mask), position_ids, *mask)
+
+
+def check_pipeline_inputs(inputs):
+    """Validate (tokens [b, s] int, position_ids [b, s] int[, attention_mask bool [b, 1, s, s]])."""
+    if not isinstance(inputs, (tuple, list)) or len(inputs) not in (2, 3):
+        found = f"{type(inputs).__name__} of length {len(inputs)}" if isinstance(inputs, (tuple, list)) \
+            else type(inputs).__name__
+        raise PipelineInputError("pipeline inputs must be (tokens, position_ids) or (tokens, position_ids, "
+                                 f"attention_mask), got {found}")
+    tokens, position_ids = inputs[0], inputs[1]
+    if tokens.dim() != 2 or tokens.is_floating_point() or position_ids.shape != tokens.shape \
+            or position_ids.is_floating_point():
+        raise PipelineInputError(f"tokens and position_ids must be integer tensors of one shape [b, s], got "
+                                 f"{tokens.dtype} {tuple(tokens.shape)} and {position_ids.dtype} "
+                                 f"{tuple(position_ids.shape)}")
+    if len(inputs) == 3:
+        batch, seq_length = tokens.shape
+        mask = inputs[2]
+        if mask.dtype != torch.bool or tuple(mask.shape) != (batch, 1, seq_length, seq_length):
+            raise PipelineInputError(f"attention_mask must be bool [b, 1, s, s] = {(batch, 1, seq_length, seq_length)}, "
+                                     f"got {mask.dtype} {tuple(mask.shape)}")
+    return tuple(inputs)
+
+
+def to_sequence_first(inputs):
+    """(hidden [b, s, h], *rest) -> (hidden [s, b, h], *rest)."""
+    return (inputs[0].transpose(0, 1).contiguous(), *inputs[1:])
+
+
+def to_batch_first(inputs):
+    """(hidden [s, b, h], position_ids[, mask]) -> hidden [b, s, h]; the rest is no longer needed."""
+    return inputs[0].transpose(0, 1).contiguous()
+
+
+def logits_to_fp32(logits: torch.Tensor) -> torch.Tensor:
+    return logits.float()
+
+
+class LanguageModelLoss:
+    """loss_fn(logits [b, s, V / tp], (labels [b, s], loss_mask [b, s])) -> masked mean cross entropy."""
+
+    def __init__(self, tp_group):
+        self.tp_group = tp_group
+
+    def __call__(self, logits: torch.Tensor, labels_and_mask) -> torch.Tensor:
+        labels, loss_mask = labels_and_mask
+        return language_model_loss(logits, labels, loss_mask, self.tp_group)
+
+
+class TransformerChunkCheckpoint:
+    """PipelineModule's activation_checkpoint_func: checkpoint a chunk of transformer layers.
+
+    DeepSpeed calls it as ``f(run_chunk, hidden, position_ids[, mask])`` only for chunks made of
+    ParallelTransformerLayerPipe alone (its rule for a module named GPTModelPipe). The layers pass
+    position ids and mask through unchanged, so only the hidden states go through the checkpoint.
+    """
+
+    def __init__(self, distribute_saved_activations: bool, tp_group):
+        self.distribute_saved_activations = distribute_saved_activations
+        self.tp_group = tp_group
+
+    def __call__(self, run_chunk, hidden_states, *passthrough):
+        def run_hidden(hidden):
+            return run_chunk(hidden, *passthrough)[0]
+
+        hidden_states = checkpoint(run_hidden, self.distribute_saved_activations, hidden_states,
+                                   tp_group=self.tp_group)
+        return (hidden_states, *passthrough)
+
+
+def gpt_layer_specs(config: GPTModelConfig, groups: ParallelGroups) -> list:
+    """The layer list of the module docstring, for ``PipelineModule(layers=...)``."""
+    embedding = dict(tied_weight_attr="word_embeddings.weight")
+    specs = [check_pipeline_inputs, TiedLayerSpec("embed", EmbeddingPipe, config, groups, **embedding),
+             to_sequence_first]
+    specs += [LayerSpec(ParallelTransformerLayerPipe, config, number, groups)
+              for number in range(1, config.num_layers + 1)]
+    specs += [to_batch_first,
+              LayerSpec(LayerNorm, config.hidden_size, config.layernorm_epsilon, config.params_dtype),
+              TiedLayerSpec("embed", EmbeddingPipe, config, groups, forward_fn=tied_logits, **embedding),
+              logits_to_fp32]
+    return specs
+
+
+def check_partition_method(partition_method: str) -> None:
+    """Raise ValueError unless DeepSpeed's PipelineModule implements ``partition_method``."""
+    method = partition_method.lower()
+    if method not in ("uniform", "parameters") and not method.startswith("type:"):
+        raise ValueError(f"--pp-partition-method {partition_method!r} is not supported; use one of {PARTITION_METHODS}")
+
+
+def _layer_name(layer) -> str:
+    """The name DeepSpeed's "type:" partitioning matches: the class of a spec or module, or a function's name."""
+    if isinstance(layer, LayerSpec):
+        return layer.typename.__name__
+    if isinstance(layer, torch.nn.Module):
+        return type(layer).__name__
+    return getattr(layer, "__name__", "")
+
+
+def _parameter_count(layer) -> int:
+    if isinstance(layer, LayerSpec):
+        layer = layer.build()
+    if isinstance(layer, torch.nn.Module):
+        return sum(p.numel() for p in layer.parameters() if p.requires_grad)
+    return 0
+
+
+def stage_boundaries(layer_specs: list, num_stages: int, partition_method: str) -> list[int]:
+    """[0, b_1, ..., len(layer_specs)]: stage i runs layers [b_i, b_{i+1}), as PipelineModule splits them.
+
+    Uses DeepSpeed's own partition_uniform / partition_balanced with the weights its
+    ``_partition_layers`` gives each method ("parameters" builds each layer once to count).
+    """
+    check_partition_method(partition_method)
+    method = partition_method.lower()
+    if method == "uniform":
+        return partition_uniform(num_items=len(layer_specs), num_parts=num_stages)
+    if method == "parameters":
+        return partition_balanced(weights=[_parameter_count(layer) for layer in layer_specs], num_parts=num_stages)
+    pattern = re.compile(method.split(":", 1)[1], re.IGNORECASE)
+    weights = [1 if pattern.search(_layer_name(layer)) else 0 for layer in layer_specs]
+    if not any(weights):
+        raise ValueError(f"--pp-partition-method {partition_method!r} matches no layer; layer classes are "
+                         f"{sorted({_layer_name(layer) for layer in layer_specs})}")
+    return partition_balanced(weights=weights, num_parts=num_stages)
+
+
+class GPTModelPipe(PipelineModule):
+    """The GPT model as a DeepSpeed PipelineModule; see the module docstring for the layer list.
+
+    ``topology`` is DeepSpeed's PipeModelDataParallelTopology(num_pp, num_mp, num_dp) matching
+    ``groups``. With --checkpoint-activations, chunks of --checkpoint-num-layers consecutive layers
+    of a stage are recomputed in backward (DeepSpeed checkpoints only chunks made of transformer
+    layers). The class name matters: DeepSpeed recognises "GPTModelPipe" for that rule.
+    """
+
+    def __init__(self, config: GPTModelConfig, groups: ParallelGroups, topology,
+                 partition_method: str = "type:transformer"):
+        config.validate_for_tensor_parallel(groups.tp_size)
+        check_partition_method(partition_method)
+        specs = gpt_layer_specs(config, groups)
+        interval = config.checkpoint_num_layers if config.checkpoint_activations else 0
+        super().__init__(layers=specs, topology=topology, loss_fn=LanguageModelLoss(groups.tp),
+                         partition_method=partition_method, activation_checkpoint_interval=interval,
+                         activation_checkpoint_func=TransformerChunkCheckpoint(
+                             config.distribute_checkpointed_activations, groups.tp))
+        self.config = config
+
+    def _synchronize_tied_weights(self):
+        """DeepSpeed broadcasts the tied weights in place (at build and after loading a checkpoint);
+        without no_grad autograd records that as an op without a derivative on leaf parameters."""
+        with torch.no_grad():
+            super()._synchronize_tied_weights()

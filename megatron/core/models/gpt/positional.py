@@ -1,0 +1,83 @@
+"""Position information: a learned absolute table, rotary embeddings (GPT-NeoX), ALiBi biases.
+
+Rotary, for a head vector x in R^d (d even) at position p, with theta_i = base^(-2i/d), i < d/2:
+    x' = x * cos(p theta) + rotate_half(x) * sin(p theta),   rotate_half([x1, x2]) = [-x2, x1]
+where the angle vector is [p theta_0 .. p theta_{d/2-1}] repeated twice (GPT-NeoX's layout: channel i
+pairs with channel i + d/2). The angles, cos, sin and the rotation are computed in fp32 and the
+result is cast back, which keeps bf16 and fp16 runs accurate at long positions.
+
+ALiBi (Press et al.): head j adds m_j * (k - q) to the score of query q and key k, with the slopes
+m_j a geometric sequence 2^(-8/n), 2^(-16/n), ...; for n not a power of two the first 2^floor(log2 n)
+slopes are followed by every other slope of the 2 * 2^floor(log2 n) sequence. The seed adds
+m_j * k instead; the two differ by a constant per query row, which the softmax cancels, and
+m_j * (k - q) stays small where it matters (near the diagonal), so it loses less in low precision.
+"""
+import math
+
+import torch
+from torch import nn
+
+ROTARY_BASE = 10000.0
+
+
+class LearnedPositionEmbedding(nn.Module):
+    """E[p] for a learned table E: [max_positions, h], replicated on every TP rank."""
+
+    def __init__(self, max_positions: int, hidden_size: int, params_dtype: torch.dtype, device=None):
+        super().__init__()
+        self.max_positions = max_positions
+        self.weight = nn.Parameter(torch.empty(max_positions, hidden_size, dtype=params_dtype, device=device))
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """position_ids [b, s] -> [b, s, h]."""
+        if position_ids.shape[-1] > self.max_positions:
+            raise ValueError(f"sequence of {position_ids.shape[-1]} positions is longer than "
+                             f"--max-position-embeddings ({self.max_positions})")
+        return nn.functional.embedding(position_ids, self.weight)
+
+
+def rotary_cos_sin(position_ids: torch.Tensor, dim: int, base: float = ROTARY_BASE) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, fp32, shaped [s, b, 1, dim] to broadcast over heads.
+
+    position_ids: [b, s] integer positions (reset per document with --reset-position-ids).
+    """
+    channel = torch.arange(0, dim, 2, dtype=torch.float32, device=position_ids.device)
+    inv_freq = 1.0 / (base ** (channel / dim))  # [dim / 2]
+    angles = position_ids.t().to(torch.float32)[..., None] * inv_freq  # [s, b, dim / 2]
+    angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]  # [s, b, 1, dim]
+    return angles.cos(), angles.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [-x2, x1] over the last dim (halves of equal size)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin in fp32, cast back to x's dtype. x: [s, b, np, hn]."""
+    x32 = x.to(torch.float32)
+    return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)
+
+
+def _power_of_two_slopes(n: int) -> list[float]:
+    start = 2.0 ** (-8.0 / n)
+    return [start ** (i + 1) for i in range(n)]
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """The ALiBi slope of each of the ``num_heads`` heads, fp32 [num_heads]."""
+    if num_heads < 1:
+        raise ValueError(f"ALiBi needs at least one attention head, got {num_heads}")
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = _power_of_two_slopes(closest)
+    if closest < num_heads:
+        slopes += _power_of_two_slopes(2 * closest)[0::2][:num_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def alibi_bias(slopes: torch.Tensor, seq_length: int) -> torch.Tensor:
+    """m_j * (k - q) for each head j: fp32 [len(slopes), s, s] (add the causal mask separately)."""
+    position = torch.arange(seq_length, dtype=torch.float32, device=slopes.device)
+    distance = position[None, :] - position[:, None]  # [s (q), s (k)]
+    return slopes.to(torch.float32)[:, None, None] * distance

@@ -1,0 +1,68 @@
+"""LayerNorm and the pre-LN transformer layer."""
+import torch
+from torch import nn
+
+from megatron.core import fused_kernels
+from megatron.core.models.gpt.attention import ParallelSelfAttention
+from megatron.core.models.gpt.config import GPTModelConfig
+from megatron.core.models.gpt.mlp import ParallelMLP
+from megatron.core.parallel_state import ParallelGroups
+
+
+class LayerNorm(nn.Module):
+    """y = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias over the last dim, statistics in fp32.
+
+    Replicated on every TP rank (its input is). Runs the fused kernel on GPU, the reference on CPU.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, params_dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=params_dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fused_kernels.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class ParallelTransformerLayer(nn.Module):
+    """One pre-LN decoder layer on [s, b, h]:
+
+        a = LN_1(x);  x' = r_1 + dropout(Attn(a))  with r_1 = x (or a with --apply-residual-connection-post-layernorm)
+        m = LN_2(x'); y  = r_2 + dropout(MLP(m))   with r_2 = x' (or m)
+
+    Dropout (--hidden-dropout) and the residual add are fused with the projections' biases. With
+    --fp32-residual-connection the residual stream x, x', y is fp32 while the LayerNorm outputs
+    (the inputs of the matmuls) are in the params dtype. ``layer_number`` is global and 1-based;
+    it drives query-key layer scaling and the layout-independent init.
+    """
+
+    def __init__(self, config: GPTModelConfig, layer_number: int, groups: ParallelGroups, device=None):
+        super().__init__()
+        self.config = config
+        self.layer_number = layer_number
+        norm = dict(eps=config.layernorm_epsilon, params_dtype=config.params_dtype, device=device)
+        self.input_layernorm = LayerNorm(config.hidden_size, **norm)
+        self.self_attention = ParallelSelfAttention(config, layer_number, groups, device=device)
+        self.post_attention_layernorm = LayerNorm(config.hidden_size, **norm)
+        self.mlp = ParallelMLP(config, layer_number, groups, device=device)
+        self.residual_dtype = torch.float32 if config.fp32_residual_connection else config.params_dtype
+
+    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden_states [s, b, h], position_ids [b, s], attention_mask bool [b, 1, s, s] or None -> [s, b, h]."""
+        normed = self.input_layernorm(hidden_states).to(self.config.params_dtype)
+        attention_output, attention_bias = self.self_attention(normed, position_ids, attention_mask)
+        residual = normed if self.config.apply_residual_connection_post_layernorm else hidden_states
+        hidden_states = self._bias_dropout_add(attention_output, attention_bias, residual)
+        normed = self.post_attention_layernorm(hidden_states).to(self.config.params_dtype)
+        mlp_output, mlp_bias = self.mlp(normed)
+        residual = normed if self.config.apply_residual_connection_post_layernorm else hidden_states
+        return self._bias_dropout_add(mlp_output, mlp_bias, residual)
+
+    def _bias_dropout_add(self, x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + dropout(x + bias) in the residual dtype."""
+        dtype = self.residual_dtype
+        add = fused_kernels.bias_dropout_add if self.config.bias_dropout_fusion \
+            else fused_kernels.bias_dropout_add_reference
+        return add(x.to(dtype), bias.to(dtype), residual.to(dtype), self.config.hidden_dropout, self.training)

@@ -1,0 +1,66 @@
+"""Cross entropy over logits whose vocabulary dimension is split across the TP group.
+
+For one token with logits z (over the full vocabulary V) and target t:
+
+    loss = log sum_j exp(z_j - m) - (z_t - m),   m = max_j z_j
+    dloss/dz_j = softmax(z)_j - [j == t]
+
+Rank r holds z restricted to its vocabulary range [r V / k, (r + 1) V / k). The max, the target logit
+(found on exactly one rank) and the sum of exponentials are combined by all-reduces of [s, b]
+tensors: the [s, b, V] logits are never gathered. All arithmetic is in fp32 after subtracting the
+global max, so logits of any magnitude (e.g. around 1e4) give finite, accurate losses.
+"""
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from megatron.core.parallel_state import group_rank, group_size
+from megatron.core.tensor_parallel.utils import VocabUtility
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group):
+        logits_max = logits.detach().max(dim=-1).values.float()  # [s, b]
+        if group is not None:
+            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits.to(torch.float32, copy=True).sub_(logits_max.unsqueeze(-1))  # [s, b, v/k], ours
+
+        vocab_start, vocab_end = VocabUtility.vocab_range_from_per_partition_vocab_size(
+            logits.shape[-1], group_rank(group), group_size(group))
+        outside = (target < vocab_start) | (target >= vocab_end)  # [s, b]
+        local_target = (target - vocab_start).masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+
+        exp_logits = shifted.exp_()  # [s, b, v/k]
+        # One all-reduce for both [s, b] sums: the target logit (on one rank) and the partition function.
+        sums = torch.stack([target_logit, exp_logits.sum(dim=-1)])  # [2, s, b]
+        if group is not None:
+            dist.all_reduce(sums, group=group)
+        target_logit, sum_exp = sums[0], sums[1]
+        loss = torch.log(sum_exp) - target_logit  # [s, b]
+
+        softmax = exp_logits.div_(sum_exp.unsqueeze(-1))  # [s, b, v/k]
+        ctx.input_dtype = logits.dtype
+        ctx.save_for_backward(softmax, outside, local_target)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, outside, local_target = ctx.saved_tensors
+        grad_logits = softmax  # [s, b, v/k]; reused in place (a second backward raises, as it should)
+        one_hot_on_this_rank = (~outside).to(grad_logits.dtype).unsqueeze(-1)  # [s, b, 1]
+        grad_logits.scatter_add_(-1, local_target.unsqueeze(-1), -one_hot_on_this_rank)
+        grad_logits.mul_(grad_loss.unsqueeze(-1))
+        return grad_logits.to(ctx.input_dtype), None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
+                                 tp_group: ProcessGroup | None) -> torch.Tensor:
+    """Per-token loss [s, b] from logits [s, b, v/k] split over ``tp_group`` and targets [s, b].
+
+    Targets must be ids of the full vocabulary, in [0, V); mask padded or ignored positions in the
+    loss afterwards (a loss mask), not with a special id. The loss is fp32 whatever the logits' dtype.
+    """
+    group = tp_group if group_size(tp_group) > 1 else None
+    return _VocabParallelCrossEntropy.apply(logits, target, group)

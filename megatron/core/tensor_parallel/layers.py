@@ -1,0 +1,199 @@
+"""Tensor-parallel linear layers and the vocabulary-parallel embedding.
+
+Weights are stored [output, input] as in ``torch.nn.Linear``; each rank of a TP group of size k holds
+one slice of the full weight and marks it with the attributes ``tensor_model_parallel`` (bool),
+``partition_dim`` and ``partition_stride`` so that checkpoint tools can merge or re-split it.
+
+Initialization. With ``use_cpu_initialization`` the FULL master weight is built on CPU in fp32,
+``init_method`` fills it, and each rank keeps its slice: the gathered weights are the same for every
+k (given the same CPU generator state). Without it, ``init_method`` fills the local slice directly,
+under the model-parallel RNG fork so that slices differ across TP ranks (Megatron's GPU path; call
+``random.model_parallel_seed`` first).
+"""
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from megatron.core.parallel_state import group_rank, group_size
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from megatron.core.tensor_parallel.random import get_rng_tracker
+from megatron.core.tensor_parallel.utils import VocabUtility, divide
+
+InitMethod = Callable[[torch.Tensor], None]
+
+
+def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int) -> None:
+    """Mark how ``tensor`` is sliced across the TP group (read by checkpoint merge tools)."""
+    tensor.tensor_model_parallel = is_parallel
+    tensor.partition_dim = dim
+    tensor.partition_stride = stride
+
+
+def _slice_of_master(master: torch.Tensor, partition_dim: int, stride: int, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's slice of a full weight split along ``partition_dim``.
+
+    With stride s the dimension is cut into k * s blocks and rank r keeps blocks r, r + k, r + 2k, ...:
+    a fused weight [A_1; ...; A_s] (e.g. Q, K, V stacked) is then split as each A_i separately.
+    """
+    block = divide(master.shape[partition_dim], world_size * stride)
+    blocks = torch.split(master, block, dim=partition_dim)
+    return torch.cat(blocks[rank::world_size], dim=partition_dim)
+
+
+def _init_weight(weight: nn.Parameter, full_shape: tuple[int, int], partition_dim: int, stride: int,
+                 init_method: InitMethod, use_cpu_initialization: bool, tp_group: ProcessGroup | None) -> None:
+    """Fill the local slice ``weight`` of a weight of ``full_shape``; see the module docstring."""
+    set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=partition_dim, stride=stride)
+    with torch.no_grad():
+        if use_cpu_initialization:
+            master = torch.empty(full_shape, dtype=torch.float32, device="cpu")
+            init_method(master)
+            local = _slice_of_master(master, partition_dim, stride, group_rank(tp_group), group_size(tp_group))
+            weight.copy_(local)
+        else:
+            with get_rng_tracker().fork():
+                init_method(weight)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A + b with A split by columns across the k ranks of the TP group.
+
+        A = [A_1, ..., A_k],  b = [b_1, ..., b_k],  rank r computes  Y_r = X A_r + b_r.
+
+    X is replicated (its gradient is all-reduced over the group in backward). The output stays split
+    ([.., output_size / k]) unless ``gather_output``, which all-gathers it to [.., output_size].
+    ``stride`` s splits each of s stacked sub-matrices of A separately (fused QKV), see
+    ``_slice_of_master``. With ``skip_bias_add`` the bias is returned instead of added, so that a
+    following fused kernel can add it.
+
+    forward(x [.., input_size]) -> (y, bias or None).
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, tp_group: ProcessGroup | None, bias: bool = True,
+                 gather_output: bool = False, init_method: InitMethod, use_cpu_initialization: bool = False,
+                 params_dtype: torch.dtype = torch.float32, skip_bias_add: bool = False, stride: int = 1,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        if gather_output and stride > 1:
+            raise ValueError("ColumnParallelLinear: gather_output with stride > 1 would interleave the strided "
+                             "blocks of the output; keep the output split (gather_output=False)")
+        if gather_output and skip_bias_add:
+            raise ValueError("ColumnParallelLinear: skip_bias_add returns the local bias slice, which does not "
+                             "match a gathered output; use gather_output=False or skip_bias_add=False")
+        tp_size = group_size(tp_group)
+        self.input_size, self.output_size = input_size, output_size
+        self.output_size_per_partition = divide(output_size, tp_size)
+        self.tp_group, self.gather_output, self.skip_bias_add = tp_group, gather_output, skip_bias_add
+        self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size,
+                                               dtype=params_dtype, device=device))
+        _init_weight(self.weight, (output_size, input_size), 0, stride, init_method, use_cpu_initialization, tp_group)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition, dtype=params_dtype, device=device))
+            set_tensor_model_parallel_attributes(self.bias, is_parallel=True, dim=0, stride=stride)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x = copy_to_tensor_model_parallel_region(x, self.tp_group)
+        bias = None if self.skip_bias_add else self.bias
+        y = F.linear(x, self.weight, bias)  # [.., output_size / k]
+        if self.gather_output:
+            y = gather_from_tensor_model_parallel_region(y, self.tp_group)  # [.., output_size]
+        return y, (self.bias if self.skip_bias_add else None)
+
+    def extra_repr(self) -> str:
+        return (f"input_size={self.input_size}, output_size={self.output_size}, "
+                f"per_partition={self.output_size_per_partition}, gather_output={self.gather_output}")
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A + b with A split by rows across the k ranks of the TP group.
+
+        A = [A_1; ...; A_k],  X = [X_1, ..., X_k],  Y = sum_r X_r A_r + b.
+
+    Rank r holds A_r and receives X_r ([.., input_size / k]; with ``input_is_parallel=False`` it
+    receives the full X and keeps its block). The partial products are all-reduced; b is replicated
+    and added once after the reduction (or returned, with ``skip_bias_add``).
+
+    forward(x) -> (y [.., output_size], bias or None).
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, tp_group: ProcessGroup | None, bias: bool = True,
+                 input_is_parallel: bool = True, init_method: InitMethod, use_cpu_initialization: bool = False,
+                 params_dtype: torch.dtype = torch.float32, skip_bias_add: bool = False,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        tp_size = group_size(tp_group)
+        self.input_size, self.output_size = input_size, output_size
+        self.input_size_per_partition = divide(input_size, tp_size)
+        self.tp_group, self.input_is_parallel, self.skip_bias_add = tp_group, input_is_parallel, skip_bias_add
+        self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition,
+                                               dtype=params_dtype, device=device))
+        _init_weight(self.weight, (output_size, input_size), 1, 1, init_method, use_cpu_initialization, tp_group)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=device))
+            set_tensor_model_parallel_attributes(self.bias, is_parallel=False, dim=0, stride=1)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_model_parallel_region(x, self.tp_group)  # [.., input_size / k]
+        partial = F.linear(x, self.weight)  # [.., output_size], this rank's X_r A_r
+        y = reduce_from_tensor_model_parallel_region(partial, self.tp_group)
+        if self.skip_bias_add:
+            return y, self.bias
+        if self.bias is not None:
+            y = y + self.bias
+        return y, None
+
+    def extra_repr(self) -> str:
+        return (f"input_size={self.input_size}, output_size={self.output_size}, "
+                f"per_partition={self.input_size_per_partition}, input_is_parallel={self.input_is_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """E[ids] with the table E [V, h] split by vocabulary rows across the k ranks of the TP group.
+
+    Rank r holds rows [r V / k, (r + 1) V / k); it looks up the ids in its range, writes zeros for the
+    others, and the all-reduce over the group assembles E[ids] (exactly one rank contributes each row).
+
+    forward(ids [b, s]) -> [b, s, h]. Ids outside [0, V) raise ValueError.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group: ProcessGroup | None,
+                 init_method: InitMethod, use_cpu_initialization: bool = False,
+                 params_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+        super().__init__()
+        tp_size = group_size(tp_group)
+        self.num_embeddings, self.embedding_dim, self.tp_group = num_embeddings, embedding_dim, tp_group
+        self.vocab_start_index, self.vocab_end_index = VocabUtility.vocab_range_from_global_vocab_size(
+            num_embeddings, group_rank(tp_group), tp_size)
+        self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim,
+                                               dtype=params_dtype, device=device))
+        _init_weight(self.weight, (num_embeddings, embedding_dim), 0, 1, init_method, use_cpu_initialization,
+                     tp_group)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.numel() > 0 and bool((ids < 0).any() | (ids >= self.num_embeddings).any()):
+            raise ValueError(f"VocabParallelEmbedding: token ids must lie in [0, {self.num_embeddings}) "
+                             f"(the padded vocabulary), got min {int(ids.min())}, max {int(ids.max())}")
+        if group_size(self.tp_group) == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)  # [b, s]
+        local_ids = (ids - self.vocab_start_index).masked_fill(outside, 0)
+        partial = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # [b, s, h]
+        return reduce_from_tensor_model_parallel_region(partial, self.tp_group)
+
+    def extra_repr(self) -> str:
+        return (f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, "
+                f"per_partition={self.num_embeddings_per_partition}")

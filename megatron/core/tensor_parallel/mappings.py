@@ -1,0 +1,109 @@
+"""Autograd collectives that enter and leave tensor-parallel regions.
+
+Each function pairs a forward collective with its conjugate (adjoint) in backward, so that the
+gradient of a rank's local computation is the gradient of the global one:
+
+    function                                    forward                   backward
+    copy_to_tensor_model_parallel_region        identity                  all-reduce (sum)
+    reduce_from_tensor_model_parallel_region    all-reduce (sum)          identity
+    scatter_to_tensor_model_parallel_region     split last dim, keep mine all-gather last dim
+    gather_from_tensor_model_parallel_region    all-gather last dim       split last dim, keep mine
+
+The group is explicit; ``group=None`` or a group of one rank makes every function the identity.
+"""
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from megatron.core.parallel_state import group_rank, group_size
+from megatron.core.tensor_parallel.utils import all_gather_along_first_dim, split_tensor_along_last_dim
+
+
+def _all_reduce(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Sum over the group into a new tensor (the input may be saved by autograd elsewhere)."""
+    reduced = tensor.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(reduced, group=group)
+    return reduced
+
+
+def _split_along_last_dim(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """[..., n] -> this rank's [..., n / k]."""
+    chunks = split_tensor_along_last_dim(tensor, group_size(group))
+    return chunks[group_rank(group)].contiguous()
+
+
+def _gather_along_last_dim(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """[..., n] on each of k ranks -> [..., k * n], rank r's block at [r * n, (r + 1) * n)."""
+    stacked = all_gather_along_first_dim(tensor.unsqueeze(0), group)  # [k, ..., n]
+    return stacked.movedim(0, -2).reshape(*tensor.shape[:-1], -1)  # [..., k, n] -> [..., k * n]
+
+
+class _CopyToTensorModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _all_reduce(grad_output, ctx.group), None
+
+
+class _ReduceFromTensorModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, group):
+        return _all_reduce(tensor, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output, None
+
+
+class _ScatterToTensorModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        return _split_along_last_dim(tensor, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _gather_along_last_dim(grad_output, ctx.group), None
+
+
+class _GatherFromTensorModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        return _gather_along_last_dim(tensor, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _split_along_last_dim(grad_output, ctx.group), None
+
+
+def copy_to_tensor_model_parallel_region(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Y = X on every rank; dL/dX = sum over ranks of dL/dY (X is replicated, used by all ranks)."""
+    if group_size(group) == 1:
+        return tensor
+    return _CopyToTensorModelParallelRegion.apply(tensor, group)
+
+
+def reduce_from_tensor_model_parallel_region(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Y = sum over ranks of X_r; dL/dX_r = dL/dY (Y is replicated)."""
+    if group_size(group) == 1:
+        return tensor
+    return _ReduceFromTensorModelParallelRegion.apply(tensor, group)
+
+
+def scatter_to_tensor_model_parallel_region(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """[..., n] replicated -> rank r keeps [..., r * n / k : (r + 1) * n / k]; backward all-gathers."""
+    if group_size(group) == 1:
+        return tensor
+    return _ScatterToTensorModelParallelRegion.apply(tensor, group)
+
+
+def gather_from_tensor_model_parallel_region(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """[..., n / k] per rank -> [..., n] replicated, blocks in rank order; backward keeps my block."""
+    if group_size(group) == 1:
+        return tensor
+    return _GatherFromTensorModelParallelRegion.apply(tensor, group)

@@ -1,0 +1,73 @@
+"""Small helpers of tensor parallelism: exact division, splits, vocabulary ranges, 1-D partitions."""
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from megatron.core.parallel_state import group_rank, group_size
+
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single; the GPU image runs torch 2.11.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_gather_along_first_dim(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """[n, ...] on each of the k ranks of ``group`` -> [k * n, ...], rank order (not autograd-aware)."""
+    if group_size(group) == 1:
+        return tensor
+    tensor = tensor.contiguous()
+    output = torch.empty((group_size(group) * tensor.shape[0], *tensor.shape[1:]),
+                         dtype=tensor.dtype, device=tensor.device)
+    _all_gather_flat(output, tensor, group=group)
+    return output
+
+
+def divide(numerator: int, denominator: int) -> int:
+    """numerator / denominator, raising ValueError unless the division is exact."""
+    if denominator == 0 or numerator % denominator != 0:
+        raise ValueError(f"{numerator} is not divisible by {denominator}")
+    return numerator // denominator
+
+
+def split_tensor_along_last_dim(tensor: torch.Tensor, num_partitions: int,
+                                contiguous_split_chunks: bool = False) -> tuple[torch.Tensor, ...]:
+    """[..., n] -> num_partitions views [..., n / num_partitions] (copies when contiguous is asked)."""
+    last_dim_size = divide(tensor.shape[-1], num_partitions)
+    chunks = torch.split(tensor, last_dim_size, dim=-1)
+    if contiguous_split_chunks:
+        return tuple(chunk.contiguous() for chunk in chunks)
+    return chunks
+
+
+class VocabUtility:
+    """The vocabulary range [first, last) held by one rank when V is split evenly over the TP group."""
+
+    @staticmethod
+    def vocab_range_from_per_partition_vocab_size(per_partition_vocab_size: int, rank: int,
+                                                  world_size: int) -> tuple[int, int]:
+        del world_size  # the range depends only on the partition size and the rank
+        first = rank * per_partition_vocab_size
+        return first, first + per_partition_vocab_size
+
+    @staticmethod
+    def vocab_range_from_global_vocab_size(global_vocab_size: int, rank: int,
+                                           world_size: int) -> tuple[int, int]:
+        per_partition = divide(global_vocab_size, world_size)
+        return VocabUtility.vocab_range_from_per_partition_vocab_size(per_partition, rank, world_size)
+
+
+def split_tensor_into_1d_equal_chunks(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """This rank's chunk of the flattened tensor, zero-padded so that every rank holds ceil(n / k).
+
+    The inverse is ``gather_split_1d_tensor(chunk, group, tensor.numel())``.
+    """
+    world_size = group_size(group)
+    flat = tensor.detach().reshape(-1)
+    chunk_size = -(-flat.numel() // world_size)
+    padded = torch.nn.functional.pad(flat, (0, chunk_size * world_size - flat.numel()))
+    return padded[group_rank(group) * chunk_size:(group_rank(group) + 1) * chunk_size].clone()
+
+
+def gather_split_1d_tensor(chunk: torch.Tensor, group: ProcessGroup | None, numel: int) -> torch.Tensor:
+    """All-gather the 1-D chunks of ``split_tensor_into_1d_equal_chunks`` into the flat tensor [numel]."""
+    if group_size(group) == 1:
+        return chunk[:numel]
+    return all_gather_along_first_dim(chunk, group)[:numel]

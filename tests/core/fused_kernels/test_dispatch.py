@@ -1,0 +1,128 @@
+"""Dispatch rules: the on/off switch, CPU always on the references, kernel constraints, bad arguments."""
+import pytest
+import torch
+
+from megatron.core import fused_kernels
+from megatron.core.fused_kernels import dispatch
+from megatron.core.fused_kernels.dispatch import FusedKernelArgumentError
+
+
+@pytest.fixture(autouse=True)
+def _environment_default(monkeypatch):
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    dispatch.set_fused_kernels_enabled(None)
+    yield
+    dispatch.set_fused_kernels_enabled(None)
+
+
+@pytest.mark.parametrize(
+    "value, expected", [(None, True), ("1", True), ("true", True), ("ON", True), ("0", False), ("off", False), ("False", False)]
+)
+def test_environment_variable_switches_kernels(monkeypatch, value, expected):
+    if value is not None:
+        monkeypatch.setenv(dispatch.ENV_VAR, value)
+    assert fused_kernels.fused_kernels_enabled() is expected
+
+
+def test_bad_environment_value_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv(dispatch.ENV_VAR, "maybe")
+    with pytest.raises(FusedKernelArgumentError, match="MEGATRON_FUSED_KERNELS='maybe'"):
+        fused_kernels.fused_kernels_enabled()
+
+
+def test_function_overrides_environment_until_reset(monkeypatch):
+    monkeypatch.setenv(dispatch.ENV_VAR, "1")
+    fused_kernels.set_fused_kernels_enabled(False)
+    assert not fused_kernels.fused_kernels_enabled()
+    assert "disabled" in dispatch.runtime_blocker(torch.zeros(1))
+    monkeypatch.setenv(dispatch.ENV_VAR, "0")
+    fused_kernels.set_fused_kernels_enabled(True)
+    assert fused_kernels.fused_kernels_enabled()
+    fused_kernels.set_fused_kernels_enabled(None)
+    assert not fused_kernels.fused_kernels_enabled()
+    with pytest.raises(FusedKernelArgumentError, match="True, False or None"):
+        fused_kernels.set_fused_kernels_enabled("yes")
+
+
+def test_cpu_tensors_never_take_the_fast_path():
+    assert dispatch.runtime_blocker(torch.zeros(2), torch.zeros(2)) == "inputs are not all CUDA tensors"
+
+
+def test_cpu_calls_return_the_references_exactly_and_never_ask_for_triton(monkeypatch):
+    requested = {}
+    monkeypatch.setattr(dispatch, "_kernel_modules", requested)
+    torch.manual_seed(0)
+    scores = torch.randn(2, 3, 8, 8, dtype=torch.bfloat16)
+    mask = torch.rand(2, 1, 8, 8) < 0.3
+    assert torch.equal(
+        fused_kernels.scale_mask_softmax(scores, mask, 0.5, True, True),
+        fused_kernels.scale_mask_softmax_reference(scores, mask, 0.5, True, True),
+    )
+    x, weight, bias = torch.randn(4, 2, 16), torch.randn(16), torch.randn(16)
+    assert torch.equal(fused_kernels.layer_norm(x, weight, bias, 1e-5), fused_kernels.layer_norm_reference(x, weight, bias, 1e-5))
+    assert torch.equal(fused_kernels.bias_gelu(bias, x), fused_kernels.bias_gelu_reference(bias, x))
+    residual = torch.randn(4, 2, 16)
+    torch.manual_seed(1)
+    fused = fused_kernels.bias_dropout_add(x, bias, residual, 0.1, True)
+    torch.manual_seed(1)
+    assert torch.equal(fused, fused_kernels.bias_dropout_add_reference(x, bias, residual, 0.1, True))
+    assert requested == {}
+
+
+def test_cpu_autograd_flows_through_the_public_ops():
+    torch.manual_seed(2)
+    x = torch.randn(3, 2, 8, requires_grad=True)
+    weight = torch.randn(8, requires_grad=True)
+    bias = torch.randn(8, requires_grad=True)
+    y = fused_kernels.layer_norm(x, weight, bias, 1e-5)
+    y = fused_kernels.bias_dropout_add(fused_kernels.bias_gelu(bias, y), bias, x, 0.0, True)
+    y.sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (x, weight, bias))
+
+
+def test_softmax_constraints():
+    assert dispatch.softmax_constraint_violation(torch.empty(1, 1, 2, 8, dtype=torch.float16), None) is None
+    too_long = torch.empty(1, 1, 1, dispatch.MAX_SOFTMAX_KEYS + 1, device="meta")
+    assert "keys" in dispatch.softmax_constraint_violation(too_long, None)
+    assert "float64" in dispatch.softmax_constraint_violation(torch.empty(1, 1, 2, 8, dtype=torch.float64), None)
+    assert "empty" in dispatch.softmax_constraint_violation(torch.empty(0, 1, 2, 8), None)
+
+
+def test_layer_norm_constraints():
+    x, vector = torch.empty(4, 64, dtype=torch.bfloat16), torch.empty(64)
+    assert dispatch.layer_norm_constraint_violation(x, vector, vector) is None  # fp32 weights with bf16 x
+    wide = torch.empty(2, dispatch.MAX_LAYER_NORM_HIDDEN + 1, device="meta")
+    assert "hidden size" in dispatch.layer_norm_constraint_violation(wide, vector, vector)
+    assert "weight" in dispatch.layer_norm_constraint_violation(x, vector.double(), vector)
+
+
+def test_elementwise_constraints():
+    y, bias = torch.empty(4, 64, dtype=torch.float16), torch.empty(64, dtype=torch.float16)
+    assert dispatch.bias_gelu_constraint_violation(bias, y) is None
+    assert "promote" in dispatch.bias_gelu_constraint_violation(bias.float(), y)
+    huge = torch.empty(2**31, device="meta")
+    assert "elements" in dispatch.bias_gelu_constraint_violation(torch.empty(1, device="meta"), huge)
+    assert dispatch.bias_dropout_add_constraint_violation(y, None, y, 0.1) is None
+    assert "residual" in dispatch.bias_dropout_add_constraint_violation(y, bias, y.float(), 0.1)
+    assert "prob = 1" in dispatch.bias_dropout_add_constraint_violation(y, bias, y, 1.0)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: fused_kernels.scale_mask_softmax(torch.zeros(2, 8, 8), None, 1.0, False, True), r"\[b, np, sq, sk\]"),
+        (lambda: fused_kernels.scale_mask_softmax(torch.zeros(1, 1, 8, 8), torch.zeros(8, 8), 1.0, False, True), "bool"),
+        (
+            lambda: fused_kernels.scale_mask_softmax(torch.zeros(1, 1, 8, 8), torch.zeros(3, 8, dtype=torch.bool), 1.0, False, True),
+            "does not broadcast",
+        ),
+        (lambda: fused_kernels.scale_mask_softmax(torch.zeros(1, 1, 8, 4), None, 1.0, True, True), "sq <= sk"),
+        (lambda: fused_kernels.layer_norm(torch.zeros(2, 8), torch.zeros(4), torch.zeros(8), 1e-5), "weight must have shape"),
+        (lambda: fused_kernels.bias_gelu(torch.zeros(4), torch.zeros(2, 8)), "bias must have shape"),
+        (lambda: fused_kernels.bias_dropout_add(torch.zeros(2, 8), None, torch.zeros(2, 4), 0.1, True), "residual"),
+        (lambda: fused_kernels.bias_dropout_add(torch.zeros(2, 8), None, torch.zeros(2, 8), 1.5, True), r"\[0, 1\]"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(call, message):
+    with pytest.raises(FusedKernelArgumentError, match=message):
+        call()

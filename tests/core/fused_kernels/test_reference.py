@@ -1,0 +1,175 @@
+"""The plain-torch references against direct formulas, in float64 and in the half dtypes."""
+import math
+
+import pytest
+import torch
+
+from megatron.core.fused_kernels import (
+    bias_dropout_add_reference,
+    bias_gelu_reference,
+    causal_mask,
+    layer_norm_reference,
+    scale_mask_softmax_reference,
+)
+
+
+def _softmax_formula(scores, masked, scale):
+    """exp(scale s - max) / sum over visible keys; masked keys 0; a fully masked row uniform."""
+    x = scores * scale
+    visible = ~masked
+    x_max = torch.where(visible, x, torch.full_like(x, -math.inf)).amax(-1, keepdim=True)
+    numerators = torch.where(visible, torch.exp(x - x_max), torch.zeros_like(x))
+    probs = numerators / numerators.sum(-1, keepdim=True)
+    uniform = torch.full_like(x, 1.0 / x.shape[-1])
+    return torch.where(visible.any(-1, keepdim=True), probs, uniform)
+
+
+def test_causal_mask_is_upper_triangle_and_aligns_queries_at_the_end():
+    assert torch.equal(causal_mask(4, 4), torch.triu(torch.ones(4, 4, dtype=torch.bool), diagonal=1))
+    # 2 queries at absolute positions 3 and 4 of 5: query 0 sees keys 0..3, query 1 sees all.
+    expected = torch.tensor([[0, 0, 0, 0, 1], [0, 0, 0, 0, 0]], dtype=torch.bool)
+    assert torch.equal(causal_mask(2, 5), expected)
+    with pytest.raises(ValueError, match="sq <= sk"):
+        causal_mask(5, 4)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_softmax_reference_matches_formula_in_float64(causal, with_mask):
+    torch.manual_seed(0)
+    b, heads, sq, sk = 2, 3, 6, 6
+    scores = torch.randn(b, heads, sq, sk, dtype=torch.float64) * 4
+    mask = torch.rand(b, 1, sq, sk) < 0.4 if with_mask else None
+    if with_mask:
+        mask[1, 0, 2, :] = True  # a fully masked row
+    masked = torch.zeros(b, heads, sq, sk, dtype=torch.bool)
+    if causal:
+        masked = masked | causal_mask(sq, sk)
+    if with_mask:
+        masked = masked | mask
+    probs = scale_mask_softmax_reference(scores, mask, 0.37, causal, softmax_in_fp32=True)
+    assert probs.dtype == torch.float64
+    torch.testing.assert_close(probs, _softmax_formula(scores, masked, 0.37), rtol=1e-12, atol=1e-14)
+    assert torch.all(probs[masked & masked.logical_not().any(-1, keepdim=True)] == 0)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(b, heads, sq, dtype=torch.float64))
+
+
+def test_softmax_reference_gradient_matches_formula():
+    torch.manual_seed(1)
+    scores = torch.randn(2, 2, 5, 5, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(2, 1, 5, 5) < 0.3
+    mask[0, 0, 4, :] = True
+    scale = 0.5
+    probs = scale_mask_softmax_reference(scores, mask, scale, True, softmax_in_fp32=True)
+    grad_probs = torch.randn_like(probs)
+    probs.backward(grad_probs)
+    masked = mask | causal_mask(5, 5)
+    p = probs.detach()
+    expected = scale * p * (grad_probs - (p * grad_probs).sum(-1, keepdim=True))
+    expected = torch.where(masked, torch.zeros_like(expected), expected)
+    torch.testing.assert_close(scores.grad, expected, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("softmax_in_fp32", [True, False])
+def test_softmax_reference_half_dtypes_round_the_float64_result(dtype, softmax_in_fp32):
+    torch.manual_seed(2)
+    scores = (torch.randn(1, 2, 8, 16) * 3).to(dtype)
+    mask = torch.rand(1, 1, 8, 16) < 0.2
+    probs = scale_mask_softmax_reference(scores, mask, 0.25, False, softmax_in_fp32)
+    assert probs.dtype == dtype
+    truth = _softmax_formula(scores.double(), mask.expand(1, 2, 8, 16), 0.25)
+    tolerance = 4 * torch.finfo(dtype).eps  # a few roundings of the half dtype
+    torch.testing.assert_close(probs.double(), truth, rtol=tolerance, atol=tolerance)
+
+
+def _layer_norm_formula(x, weight, bias, eps):
+    mean = x.mean(-1, keepdim=True)
+    var = ((x - mean) ** 2).mean(-1, keepdim=True)
+    return (x - mean) / torch.sqrt(var + eps) * weight + bias
+
+
+def test_layer_norm_reference_matches_formula_and_gradients_in_float64():
+    torch.manual_seed(3)
+    x = (torch.randn(4, 3, 10, dtype=torch.float64) * 2 + 1).requires_grad_(True)
+    weight = torch.randn(10, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(10, dtype=torch.float64, requires_grad=True)
+    y = layer_norm_reference(x, weight, bias, 1e-5)
+    # F.layer_norm on an fp32 upcast would lose float64 precision: the reference keeps the input's
+    # precision when it is higher than fp32.
+    torch.testing.assert_close(y, _layer_norm_formula(x, weight, bias, 1e-5), rtol=1e-6, atol=1e-6)
+    grad_y = torch.randn_like(y)
+    y.backward(grad_y)
+    xd = x.detach()
+    mean = xd.mean(-1, keepdim=True)
+    rstd = 1 / torch.sqrt(((xd - mean) ** 2).mean(-1, keepdim=True) + 1e-5)
+    x_hat = (xd - mean) * rstd
+    g = grad_y * weight.detach()
+    expected_grad_x = rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True) - g.mean(-1, keepdim=True))
+    torch.testing.assert_close(x.grad, expected_grad_x, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(weight.grad, (grad_y * x_hat).sum((0, 1)), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(bias.grad, grad_y.sum((0, 1)), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_layer_norm_reference_keeps_input_dtype_with_fp32_statistics(weight_dtype):
+    torch.manual_seed(4)
+    x = (torch.randn(6, 64) * 3 + 100).to(torch.bfloat16)  # a large mean: bf16 statistics would be poor
+    weight = torch.randn(64).to(weight_dtype)
+    bias = torch.randn(64).to(weight_dtype)
+    y = layer_norm_reference(x, weight, bias, 1e-5)
+    assert y.dtype == torch.bfloat16
+    truth = _layer_norm_formula(x.double(), weight.double(), bias.double(), 1e-5)
+    # one bf16 rounding of the output (2^-8 relative), nothing more
+    torch.testing.assert_close(y.double(), truth, rtol=2**-8, atol=2**-8 * truth.abs().max().item())
+
+
+def _megatron_bias_gelu(bias, y):
+    x = bias + y
+    return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+
+def _megatron_bias_gelu_grad(g, bias, y):
+    x = bias + y
+    tanh_out = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
+    ff = 0.5 * x * ((1 - tanh_out * tanh_out) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (1 + tanh_out)
+    return ff * g
+
+
+def test_bias_gelu_reference_matches_megatron_formula_and_gradient():
+    torch.manual_seed(5)
+    y = (torch.randn(5, 3, 16, dtype=torch.float64) * 3).requires_grad_(True)
+    bias = torch.randn(16, dtype=torch.float64, requires_grad=True)
+    out = bias_gelu_reference(bias, y)
+    # Megatron writes sqrt(2/pi) as 0.79788456 (8 digits), hence the 1e-7 tolerance.
+    torch.testing.assert_close(out, _megatron_bias_gelu(bias, y), rtol=1e-7, atol=1e-7)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    expected = _megatron_bias_gelu_grad(grad_out, bias.detach(), y.detach())
+    torch.testing.assert_close(y.grad, expected, rtol=1e-7, atol=1e-7)
+    torch.testing.assert_close(bias.grad, expected.sum((0, 1)), rtol=1e-7, atol=1e-6)
+
+
+def test_bias_dropout_add_reference_without_dropout_is_the_sum():
+    torch.manual_seed(6)
+    x, residual = torch.randn(4, 2, 8), torch.randn(4, 2, 8)
+    bias = torch.randn(8)
+    assert torch.equal(bias_dropout_add_reference(x, bias, residual, 0.3, False), residual + (x + bias))
+    assert torch.equal(bias_dropout_add_reference(x, None, residual, 0.0, True), residual + x)
+
+
+def test_bias_dropout_add_reference_drops_and_scales_from_the_default_generator():
+    x = torch.rand(64, 4, 256) + 0.5  # away from 0, so kept and dropped elements differ
+    bias = torch.rand(256) + 0.1
+    residual = torch.randn(64, 4, 256)
+    prob = 0.2
+    torch.manual_seed(7)
+    out = bias_dropout_add_reference(x, bias, residual, prob, True)
+    kept = (out - residual).abs() > 1e-6
+    torch.testing.assert_close(out[kept], (residual + (x + bias) / (1 - prob))[kept])
+    torch.testing.assert_close(out[~kept], residual[~kept])
+    keep_rate = kept.double().mean().item()
+    sigma = math.sqrt(prob * (1 - prob) / kept.numel())
+    assert abs(keep_rate - (1 - prob)) < 6 * sigma
+    torch.manual_seed(7)
+    assert torch.equal(bias_dropout_add_reference(x, bias, residual, prob, True), out)

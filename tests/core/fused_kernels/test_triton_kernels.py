@@ -1,0 +1,254 @@
+"""The Triton kernels against the references on CUDA: fp16, bf16 and fp32, several shapes, forward and backward.
+
+The ``references`` fixture makes every reference raise inside the public ops, so each public call in
+these tests provably takes the fast path; comparisons use the saved originals.
+"""
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.utils.checkpoint
+
+from megatron.core import fused_kernels
+from megatron.core.fused_kernels import dispatch, reference
+
+pytestmark = pytest.mark.gpu
+
+HALF_AND_FULL = [torch.float16, torch.bfloat16, torch.float32]
+DTYPE_IDS = ["fp16", "bf16", "fp32"]
+_REFERENCE_NAMES = [
+    "scale_mask_softmax_reference",
+    "layer_norm_reference",
+    "bias_gelu_reference",
+    "bias_dropout_add_reference",
+]
+
+
+def _forbidden(name):
+    def call(*args, **kwargs):
+        raise AssertionError(f"{name} was called: the fast path was not taken")
+
+    return call
+
+
+@pytest.fixture
+def references(monkeypatch):
+    dispatch.set_fused_kernels_enabled(True)
+    originals = SimpleNamespace(**{name: getattr(reference, name) for name in _REFERENCE_NAMES})
+    for name in _REFERENCE_NAMES:
+        monkeypatch.setattr(reference, name, _forbidden(name))
+    yield originals
+    dispatch.set_fused_kernels_enabled(None)
+
+
+def _assert_matches(fast, ref, ulps, reduced=1):
+    """|fast - ref| within ``ulps`` epsilons of the dtype, plus fp32 rounding of a sum of ``reduced``
+    terms (summed in another order), relative to each value and to max |ref|."""
+    assert fast.dtype == ref.dtype and fast.shape == ref.shape
+    assert torch.isfinite(fast).all()
+    tolerance = ulps * torch.finfo(ref.dtype).eps + 4 * math.sqrt(reduced) * torch.finfo(torch.float32).eps
+    scale = ref.double().abs().max().item()
+    torch.testing.assert_close(fast.double(), ref.double(), rtol=tolerance, atol=tolerance * scale)
+
+
+def _leaf(tensor):
+    return tensor.detach().clone().requires_grad_(True)
+
+
+def _fast_and_reference(fast_fn, ref_fn, inputs, grad_out):
+    """Outputs and input gradients of both functions on clones of the same inputs."""
+    results = []
+    for fn in (fast_fn, ref_fn):
+        leaves = [None if t is None else _leaf(t) for t in inputs]
+        out = fn(*leaves)
+        out.backward(grad_out)
+        results.append((out.detach(), [None if t is None else t.grad for t in leaves]))
+    return results
+
+
+SOFTMAX_CASES = [
+    ((2, 4, 128, 128), True, None),
+    ((2, 4, 128, 128), False, (2, 1, 128, 128)),
+    ((1, 3, 37, 77), False, (37, 77)),
+    ((1, 3, 37, 77), True, (1, 3, 37, 77)),
+    ((2, 2, 64, 2048), True, None),
+    ((1, 2, 8, 16384), False, None),
+]
+
+
+@pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape, causal, mask_shape", SOFTMAX_CASES)
+def test_scale_mask_softmax_matches_reference(references, dtype, shape, causal, mask_shape):
+    torch.manual_seed(0)
+    scores = (torch.randn(shape, device="cuda") * 3).to(dtype)
+    mask = None if mask_shape is None else torch.rand(mask_shape, device="cuda") < 0.3
+    grad_probs = torch.randn(shape, device="cuda").to(dtype)
+    (probs, (grad,)), (ref_probs, (ref_grad,)) = _fast_and_reference(
+        lambda s: fused_kernels.scale_mask_softmax(s, mask, 0.125, causal, True),
+        lambda s: references.scale_mask_softmax_reference(s, mask, 0.125, causal, True),
+        [scores],
+        grad_probs,
+    )
+    _assert_matches(probs, ref_probs, ulps=2, reduced=shape[-1])
+    _assert_matches(grad, ref_grad, ulps=8, reduced=shape[-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS[:2])
+def test_softmax_fully_masked_rows_and_half_precision_reference(references, dtype):
+    torch.manual_seed(1)
+    scores = torch.randn(2, 2, 16, 64, device="cuda").to(dtype).transpose(2, 3)  # not contiguous: [2, 2, 64, 16]
+    mask = torch.rand(2, 1, 64, 16, device="cuda") < 0.5
+    mask[:, :, 3, :] = True
+    probs = fused_kernels.scale_mask_softmax(scores, mask, 1.0, False, False)
+    torch.testing.assert_close(probs[:, :, 3, :].float(), torch.full_like(probs[:, :, 3, :].float(), 1 / 16))
+    _assert_matches(probs, references.scale_mask_softmax_reference(scores, mask, 1.0, False, False), ulps=4)
+
+
+def test_softmax_falls_back_beyond_the_key_limit():
+    scores = torch.randn(1, 1, 2, dispatch.MAX_SOFTMAX_KEYS + 1, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(
+        fused_kernels.scale_mask_softmax(scores, None, 1.0, False, True),
+        reference.scale_mask_softmax_reference(scores, None, 1.0, False, True),
+    )
+
+
+@pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape", [(16, 4, 1024), (7, 3, 1000), (5, 12288), (3, 33)])
+def test_layer_norm_matches_reference(references, dtype, shape):
+    torch.manual_seed(2)
+    hidden = shape[-1]
+    x = (torch.randn(shape, device="cuda") * 2 + 0.5).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(dtype)
+    bias = (0.1 * torch.randn(hidden, device="cuda")).to(dtype)
+    grad_y = torch.randn(shape, device="cuda").to(dtype)
+    (y, grads), (ref_y, ref_grads) = _fast_and_reference(
+        lambda *t: fused_kernels.layer_norm(*t, 1e-5),
+        lambda *t: references.layer_norm_reference(*t, 1e-5),
+        [x, weight, bias],
+        grad_y,
+    )
+    _assert_matches(y, ref_y, ulps=2, reduced=hidden)
+    _assert_matches(grads[0], ref_grads[0], ulps=8, reduced=hidden)
+    rows = x.numel() // hidden
+    _assert_matches(grads[1], ref_grads[1], ulps=2, reduced=rows)
+    _assert_matches(grads[2], ref_grads[2], ulps=2, reduced=rows)
+
+
+def test_layer_norm_mixed_fp32_weights_and_non_contiguous_input(references):
+    torch.manual_seed(3)
+    x = torch.randn(512, 8, 256, device="cuda").to(torch.bfloat16).transpose(0, 1)  # [8, 512, 256], strided
+    weight = torch.randn(256, device="cuda")
+    bias = torch.randn(256, device="cuda")
+    grad_y = torch.randn(8, 512, 256, device="cuda").to(torch.bfloat16)
+    (y, grads), (ref_y, ref_grads) = _fast_and_reference(
+        lambda *t: fused_kernels.layer_norm(*t, 1e-5),
+        lambda *t: references.layer_norm_reference(*t, 1e-5),
+        [x, weight, bias],
+        grad_y,
+    )
+    assert y.dtype == torch.bfloat16 and grads[1].dtype == torch.float32
+    _assert_matches(y, ref_y, ulps=2, reduced=256)
+    _assert_matches(grads[0], ref_grads[0], ulps=8, reduced=256)
+    # dw is fp32 but sums bf16 products over 4096 rows: bf16 inputs, fp32 sums in another order.
+    _assert_matches(grads[1], ref_grads[1], ulps=2, reduced=4096)
+
+
+@pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape", [(16, 4, 4096), (7, 3, 1000), (1, 33), (2, 3000)])
+def test_bias_gelu_matches_reference(references, dtype, shape):
+    torch.manual_seed(4)
+    y = (torch.randn(shape, device="cuda") * 3).to(dtype)
+    bias = torch.randn(shape[-1], device="cuda").to(dtype)
+    grad_out = torch.randn(shape, device="cuda").to(dtype)
+    (out, (grad_bias, grad_y)), (ref_out, (ref_grad_bias, ref_grad_y)) = _fast_and_reference(
+        fused_kernels.bias_gelu, references.bias_gelu_reference, [bias, y], grad_out
+    )
+    # The kernel adds the bias in fp32; the reference rounds y + bias to the dtype first.
+    _assert_matches(out, ref_out, ulps=4)
+    _assert_matches(grad_y, ref_grad_y, ulps=8)
+    _assert_matches(grad_bias, ref_grad_bias, ulps=8, reduced=y.numel() // shape[-1])
+
+
+@pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=DTYPE_IDS)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_bias_dropout_add_without_dropout_matches_reference(references, dtype, with_bias):
+    torch.manual_seed(5)
+    x, residual = torch.randn(2, 64, 1000, device="cuda").to(dtype), torch.randn(2, 64, 1000, device="cuda").to(dtype)
+    bias = torch.randn(1000, device="cuda").to(dtype) if with_bias else None
+    grad_out = torch.randn_like(x)
+    for prob, training in ((0.3, False), (0.0, True)):
+        (out, grads), (ref_out, ref_grads) = _fast_and_reference(
+            lambda *t: fused_kernels.bias_dropout_add(*t, prob, training),
+            lambda *t: references.bias_dropout_add_reference(*t, prob, training),
+            [x, bias, residual],
+            grad_out,
+        )
+        _assert_matches(out, ref_out, ulps=2)
+        assert torch.equal(grads[0], ref_grads[0]) and torch.equal(grads[2], ref_grads[2])
+        if with_bias:
+            _assert_matches(grads[1], ref_grads[1], ulps=2, reduced=128)
+
+
+@pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape", [(32, 4, 1024), (7, 3, 1000)])
+def test_bias_dropout_add_drops_scales_and_backpropagates_its_mask(references, dtype, shape):
+    torch.manual_seed(6)
+    prob = 0.2
+    x = (torch.rand(shape, device="cuda") + 0.5).to(dtype).requires_grad_(True)
+    bias = (torch.rand(shape[-1], device="cuda") + 0.1).to(dtype).requires_grad_(True)
+    residual = torch.randn(shape, device="cuda").to(dtype).requires_grad_(True)
+    out = fused_kernels.bias_dropout_add(x, bias, residual, prob, True)
+    grad_out = torch.ones_like(out)
+    out.backward(grad_out)
+    kept = x.grad != 0  # grad_x = keep / (1 - prob)
+    _assert_matches(x.grad, torch.where(kept, 1 / (1 - prob), 0.0).to(dtype), ulps=1)
+    expected = residual.double() + torch.where(kept, (x.double() + bias.double()) / (1 - prob), 0.0)
+    _assert_matches(out, expected.to(dtype), ulps=4)
+    assert torch.equal(residual.grad, grad_out)
+    torch.testing.assert_close(bias.grad.double(), x.grad.double().reshape(-1, shape[-1]).sum(0), rtol=1e-2, atol=1e-2)
+    keep_rate = kept.double().mean().item()
+    assert abs(keep_rate - (1 - prob)) < 6 * math.sqrt(prob * (1 - prob) / kept.numel())
+    # Each Philox counter feeds 4 neighbouring columns: each lane keeps at 1 - prob, independently.
+    lanes = kept[..., : shape[-1] // 4 * 4].reshape(-1, 4).double()  # [n, 4]
+    for rate in lanes.mean(0).tolist():
+        assert abs(rate - (1 - prob)) < 6 * math.sqrt(prob * (1 - prob) / lanes.shape[0])
+    both = (lanes[:, 0] * lanes[:, 1]).mean().item()
+    assert abs(both - (1 - prob) ** 2) < 6 * math.sqrt((1 - prob) ** 2 * (1 - (1 - prob) ** 2) / lanes.shape[0])
+
+
+def test_bias_dropout_add_mask_follows_the_cuda_generator_and_checkpoint_replays_it(references):
+    torch.manual_seed(7)
+    x = torch.randn(64, 4, 512, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(512, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn_like(x)
+    state = torch.cuda.get_rng_state()
+    first = fused_kernels.bias_dropout_add(x, bias, residual, 0.3, True)
+    second = fused_kernels.bias_dropout_add(x, bias, residual, 0.3, True)
+    torch.cuda.set_rng_state(state)
+    assert torch.equal(fused_kernels.bias_dropout_add(x, bias, residual, 0.3, True), first)
+    assert not torch.equal(first, second)
+
+    def block(inputs):
+        return fused_kernels.bias_dropout_add(inputs, bias, residual, 0.3, True) * 2
+
+    grad_out = torch.randn_like(x)
+    plain, checkpointed = _leaf(x), _leaf(x)
+    torch.cuda.manual_seed(11)
+    out_plain = block(plain)
+    out_plain.backward(grad_out)
+    torch.cuda.manual_seed(11)
+    out_checkpointed = torch.utils.checkpoint.checkpoint(block, checkpointed, use_reentrant=False)
+    out_checkpointed.backward(grad_out)
+    assert torch.equal(out_plain, out_checkpointed)
+    assert torch.equal(plain.grad, checkpointed.grad)
+
+
+def test_disabled_kernels_use_the_references_on_cuda():
+    dispatch.set_fused_kernels_enabled(False)
+    try:
+        x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+        weight, bias = torch.randn(256, device="cuda"), torch.randn(256, device="cuda")
+        assert torch.equal(fused_kernels.layer_norm(x, weight, bias, 1e-5), reference.layer_norm_reference(x, weight, bias, 1e-5))
+    finally:
+        dispatch.set_fused_kernels_enabled(None)

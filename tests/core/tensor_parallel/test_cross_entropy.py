@@ -1,0 +1,107 @@
+"""Vocab-parallel cross entropy (megatron/core/tensor_parallel/cross_entropy.py) against torch's."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from tests.dist_utils import run_distributed
+
+SEQ, BATCH, VOCAB = 7, 3, 32
+
+
+def assert_normwise_close(actual, expected, tol=1e-5):
+    error = (actual.double() - expected.double()).norm() / expected.double().norm()
+    assert error <= tol, f"normwise error {error:.3e} > {tol}"
+
+
+def _inputs(scale=3.0, offset=0.0):
+    generator = torch.Generator().manual_seed(11)
+    logits = torch.randn(SEQ, BATCH, VOCAB, generator=generator) * scale + offset
+    target = torch.randint(0, VOCAB, (SEQ, BATCH), generator=generator)
+    target[0, :] = torch.tensor([0, VOCAB // 2, VOCAB - 1])  # first, middle and last partitions
+    grad_loss = torch.rand(SEQ, BATCH, generator=generator)
+    return logits, target, grad_loss
+
+
+def _reference(logits, target, grad_loss, dtype):
+    """torch's cross entropy on the full logits in ``dtype``: loss [s, b] and d<loss, grad_loss>/dlogits."""
+    full = logits.to(dtype, copy=True).requires_grad_(True)
+    loss = F.cross_entropy(full.reshape(-1, VOCAB), target.reshape(-1), reduction="none").view(SEQ, BATCH)
+    loss.backward(grad_loss.to(dtype))
+    return loss.detach(), full.grad
+
+
+def _check(group, k, me, scale=3.0, offset=0.0, dtype=torch.float32):
+    logits, target, grad_loss = _inputs(scale, offset)
+    loss_ref, grad_ref = _reference(logits, target, grad_loss, dtype)
+    local = logits.chunk(k, dim=-1)[me].clone().requires_grad_(True)  # [s, b, V/k]
+    loss = vocab_parallel_cross_entropy(local, target, group)
+    assert loss.shape == (SEQ, BATCH) and loss.dtype == torch.float32
+    assert torch.isfinite(loss).all()
+    assert_normwise_close(loss.detach(), loss_ref)
+    loss.backward(grad_loss)
+    assert torch.isfinite(local.grad).all()
+    assert_normwise_close(local.grad, grad_ref.chunk(k, dim=-1)[me])
+
+
+def _check_collectives_stay_small(group, k, me):
+    """Only all-reduces of [s, b]-sized tensors: the [s, b, V] logits are never gathered."""
+    sizes, all_reduce = [], dist.all_reduce
+
+    def recording_all_reduce(tensor, *args, **kwargs):
+        sizes.append(tensor.numel())
+        return all_reduce(tensor, *args, **kwargs)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("vocab_parallel_cross_entropy must not gather")
+
+    patched = {"all_reduce": recording_all_reduce, "all_gather": forbidden, "all_gather_into_tensor": forbidden,
+               "all_gather_single": forbidden}
+    saved = {name: getattr(dist, name) for name in patched if hasattr(dist, name)}
+    try:
+        for name in saved:
+            setattr(dist, name, patched[name])
+        _check(group, k, me)
+    finally:
+        for name, function in saved.items():
+            setattr(dist, name, function)
+    assert sizes and max(sizes) <= 2 * SEQ * BATCH
+
+
+def _cross_entropy_world4(rank, world_size):
+    pair_group = [dist.new_group(ranks) for ranks in ([0, 1], [2, 3])][rank // 2]
+    world_group = dist.new_group(list(range(world_size)))
+    for group, k, me in ((None, 1, 0), (pair_group, 2, rank % 2), (world_group, 4, rank)):
+        _check(group, k, me)
+        _check(group, k, me, scale=10.0, offset=1e4, dtype=torch.float64)  # logits around 1e4
+        if group is not None:
+            _check_collectives_stay_small(group, k, me)
+
+
+@pytest.mark.distributed
+def test_matches_torch_cross_entropy_for_tp_1_2_4():
+    run_distributed(_cross_entropy_world4, 4)
+
+
+def test_single_rank_matches_torch():
+    _check(None, 1, 0)
+
+
+def test_stable_for_large_logits():
+    """Around 1e4 the naive exp overflows; the max-subtracted form matches a float64 reference."""
+    logits, target, _ = _inputs(scale=10.0, offset=1e4)
+    assert torch.isinf(logits.exp()).any()
+    _check(None, 1, 0, scale=10.0, offset=1e4, dtype=torch.float64)
+    _check(None, 1, 0, scale=10.0, offset=-1e4, dtype=torch.float64)
+
+
+def test_bf16_logits_give_fp32_loss_and_bf16_grad():
+    logits, target, grad_loss = _inputs()
+    local = logits.bfloat16().requires_grad_(True)
+    loss = vocab_parallel_cross_entropy(local, target, None)
+    loss.backward(grad_loss)
+    assert loss.dtype == torch.float32 and local.grad.dtype == torch.bfloat16
+    loss_ref, grad_ref = _reference(logits.bfloat16().double(), target, grad_loss, torch.float64)
+    assert_normwise_close(loss.detach(), loss_ref, tol=1e-6)
+    assert_normwise_close(local.grad, grad_ref, tol=1e-2)

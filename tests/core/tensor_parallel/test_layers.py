@@ -1,0 +1,196 @@
+"""Tensor-parallel layers (megatron/core/tensor_parallel/layers.py) against their TP=1 torch equivalents."""
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from megatron.core.tensor_parallel.random import get_rng_tracker, model_parallel_seed
+from tests.dist_utils import run_distributed
+
+IN, OUT, VOCAB, HIDDEN = 8, 12, 16, 6
+SEQ, BATCH = 5, 3
+SEED = 1234
+init_normal = functools.partial(torch.nn.init.normal_, mean=0.0, std=0.5)
+
+
+def _randn(*shape, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _master_weight(shape):
+    """The full weight that use_cpu_initialization builds from the default generator seeded with SEED."""
+    torch.manual_seed(SEED)
+    weight = torch.empty(shape)
+    init_normal(weight)
+    return weight
+
+
+def _gather(tensor, dim, group):
+    """Concatenate the TP ranks' slices along ``dim`` (test-side, plain all_gather)."""
+    if group is None:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _chunk(tensor, dim, k, me):
+    return tensor.chunk(k, dim=dim)[me]
+
+
+def assert_normwise_close(actual, expected, tol=1e-5):
+    error = (actual - expected).norm() / expected.norm()
+    assert error <= tol, f"normwise error {error:.3e} > {tol}"
+
+
+def _reference_linear(weight, bias, x, grad_y):
+    """y = x W^T + b and the gradients of <y, grad_y> w.r.t. x, W, b."""
+    x, weight, bias = (t.clone().requires_grad_(True) for t in (x, weight, bias))
+    y = F.linear(x, weight, bias)
+    y.backward(grad_y)
+    return y.detach(), x.grad, weight.grad, bias.grad
+
+
+def _check_column(group, k, me):
+    torch.manual_seed(SEED)
+    layer = ColumnParallelLinear(IN, OUT, tp_group=group, init_method=init_normal, use_cpu_initialization=True)
+    weight, bias = _master_weight((OUT, IN)), _randn(OUT, seed=1)
+    assert torch.equal(_gather(layer.weight.detach(), 0, group), weight)  # same full weight for every TP
+    assert (layer.weight.tensor_model_parallel, layer.weight.partition_dim, layer.weight.partition_stride) == (
+        True, 0, 1)
+    with torch.no_grad():
+        layer.bias.copy_(_chunk(bias, 0, k, me))
+    x, grad_y = _randn(SEQ, BATCH, IN, seed=2), _randn(SEQ, BATCH, OUT, seed=3)
+    y_ref, gx_ref, gw_ref, gb_ref = _reference_linear(weight, bias, x, grad_y)
+    for gather_output in (False, True):
+        layer.gather_output = gather_output
+        layer.zero_grad()
+        x_in = x.clone().requires_grad_(True)
+        y, returned_bias = layer(x_in)
+        assert returned_bias is None
+        expected_y, local_grad_y = (y_ref, grad_y) if gather_output else (
+            _chunk(y_ref, -1, k, me), _chunk(grad_y, -1, k, me))
+        assert y.shape == expected_y.shape
+        assert_normwise_close(y.detach(), expected_y)
+        y.backward(local_grad_y)
+        assert_normwise_close(x_in.grad, gx_ref)
+        assert_normwise_close(_gather(layer.weight.grad, 0, group), gw_ref)
+        assert_normwise_close(_gather(layer.bias.grad, 0, group), gb_ref)
+    layer.gather_output, layer.skip_bias_add = False, True
+    y, returned_bias = layer(x)
+    assert returned_bias is layer.bias
+    assert_normwise_close((y + returned_bias).detach(), _chunk(y_ref, -1, k, me))
+
+
+def _check_row(group, k, me):
+    torch.manual_seed(SEED)
+    layer = RowParallelLinear(OUT, IN, tp_group=group, init_method=init_normal, use_cpu_initialization=True)
+    weight, bias = _master_weight((IN, OUT)), _randn(IN, seed=4)
+    assert torch.equal(_gather(layer.weight.detach(), 1, group), weight)
+    assert (layer.weight.partition_dim, layer.bias.tensor_model_parallel) == (1, False)
+    with torch.no_grad():
+        layer.bias.copy_(bias)
+    x, grad_y = _randn(SEQ, BATCH, OUT, seed=5), _randn(SEQ, BATCH, IN, seed=6)
+    y_ref, gx_ref, gw_ref, gb_ref = _reference_linear(weight, bias, x, grad_y)
+    for input_is_parallel in (True, False):
+        layer.input_is_parallel = input_is_parallel
+        layer.zero_grad()
+        x_in = (_chunk(x, -1, k, me) if input_is_parallel else x).clone().requires_grad_(True)
+        y, returned_bias = layer(x_in)
+        assert returned_bias is None
+        assert_normwise_close(y.detach(), y_ref)
+        y.backward(grad_y)
+        assert_normwise_close(x_in.grad, _chunk(gx_ref, -1, k, me) if input_is_parallel else gx_ref)
+        assert_normwise_close(_gather(layer.weight.grad, 1, group), gw_ref)
+        assert_normwise_close(layer.bias.grad, gb_ref)
+    layer.skip_bias_add = True
+    y, returned_bias = layer(x)
+    assert returned_bias is layer.bias
+    assert_normwise_close((y + returned_bias).detach(), y_ref)
+
+
+def _check_embedding(group, k, me):
+    torch.manual_seed(SEED)
+    layer = VocabParallelEmbedding(VOCAB, HIDDEN, tp_group=group, init_method=init_normal,
+                                   use_cpu_initialization=True)
+    table = _master_weight((VOCAB, HIDDEN))
+    assert torch.equal(_gather(layer.weight.detach(), 0, group), table)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(7))
+    ids[0, :4] = torch.tensor([0, VOCAB // 4, VOCAB // 2, VOCAB - 1])  # every rank's range is hit
+    grad_y = _randn(BATCH, SEQ, HIDDEN, seed=8)
+    table_ref = table.clone().requires_grad_(True)
+    y_ref = F.embedding(ids, table_ref)
+    y_ref.backward(grad_y)
+    y = layer(ids)
+    assert y.shape == (BATCH, SEQ, HIDDEN)
+    assert_normwise_close(y.detach(), y_ref.detach())
+    y.backward(grad_y)
+    assert_normwise_close(_gather(layer.weight.grad, 0, group), table_ref.grad)
+    for bad in (VOCAB, -1):
+        with pytest.raises(ValueError, match=rf"\[0, {VOCAB}\)"):
+            layer(torch.tensor([[1, bad]]))
+
+
+def _check_column_stride(group, k, me):
+    """A fused [Q; K; V] weight with stride 3: each rank holds its share of Q, of K and of V."""
+    hidden = 8
+    torch.manual_seed(SEED)
+    layer = ColumnParallelLinear(hidden, 3 * hidden, tp_group=group, init_method=init_normal,
+                                 use_cpu_initialization=True, stride=3)
+    weight = _master_weight((3 * hidden, hidden))
+    q, k_, v = weight.split(hidden)
+    expected = torch.cat([_chunk(part, 0, k, me) for part in (q, k_, v)])
+    assert torch.equal(layer.weight.detach(), expected)
+    assert layer.weight.partition_stride == 3
+    x = _randn(SEQ, BATCH, hidden, seed=9)
+    y, _ = layer(x)
+    y_ref = F.linear(x, weight).split(hidden, dim=-1)
+    assert_normwise_close(y.detach(), torch.cat([_chunk(part, -1, k, me) for part in y_ref], dim=-1))
+    with pytest.raises(ValueError, match="stride"):
+        ColumnParallelLinear(hidden, 3 * hidden, tp_group=group, init_method=init_normal, gather_output=True,
+                             use_cpu_initialization=True, stride=3)
+
+
+def _check_device_init(group, k, me):
+    """Without use_cpu_initialization each slice comes from the TP rank's model-parallel stream."""
+    model_parallel_seed(SEED, tp_rank=me, pp_rank=0)
+    default_state = torch.get_rng_state()
+    layer = ColumnParallelLinear(IN, OUT, tp_group=group, init_method=init_normal)
+    assert torch.equal(torch.get_rng_state(), default_state)  # the default stream is untouched
+    expected = torch.empty(OUT // k, IN)
+    expected.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(SEED + 2718 + me))
+    assert torch.equal(layer.weight.detach(), expected)
+
+
+def _layers_world4(rank, world_size):
+    pairs = [[0, 1], [2, 3]]
+    pair_group = [dist.new_group(ranks) for ranks in pairs][rank // 2]
+    world_group = dist.new_group(list(range(world_size)))
+    for group, k, me in ((None, 1, 0), (pair_group, 2, rank % 2), (world_group, 4, rank)):
+        for check in (_check_column, _check_row, _check_embedding, _check_column_stride, _check_device_init):
+            check(group, k, me)
+
+
+@pytest.mark.distributed
+def test_layers_match_tp1_reference_for_tp_1_2_4():
+    run_distributed(_layers_world4, 4)
+
+
+def test_single_process_layers_equal_torch_modules():
+    for check in (_check_column, _check_row, _check_embedding, _check_column_stride, _check_device_init):
+        check(None, 1, 0)
+
+
+def test_device_init_without_seed_names_the_fix():
+    get_rng_tracker().reset()
+    with pytest.raises(ValueError, match="model_parallel_seed"):
+        ColumnParallelLinear(IN, OUT, tp_group=None, init_method=init_normal)
+
+
+def test_invalid_column_options():
+    with pytest.raises(ValueError, match="skip_bias_add"):
+        ColumnParallelLinear(IN, OUT, tp_group=None, init_method=init_normal, use_cpu_initialization=True,
+                             gather_output=True, skip_bias_add=True)
