@@ -1,0 +1,360 @@
+"""What the training loop reports: the seed's log line, validation and memory lines, milestone lines,
+throughput (the seed's TFLOPs, model TFLOP/s and MFU) and a measured matmul peak.
+
+Formats follow seed-system.md §5.1 character for character; the functions return strings and the
+trainer prints them on the rank the seed uses (the log line on the last rank, milestones on rank 0).
+
+FLOP counts (B = global batch, s = sequence length, L = layers, h = hidden, V = padded vocabulary,
+f = ffn hidden size, p = heads x kv channels, g = 2 with a GLU else 1):
+
+- Model FLOPs per iteration (DESIGN.md "Measuring performance"): the matmuls of one forward pass per
+  token and layer are QKV 6hp, scores 2sp, attention x values 2sp, output projection 2ph,
+  MLP 2hf·g + 2fh; the logits add 2hV per token. Training costs three forward passes (backward = 2),
+  recomputation earns nothing:
+      F = 3·B·s·[L·(8hp + 4sp + 2hf(g + 1)) + 2hV]
+  which for p = h, f = 4h, no GLU is 72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h)).
+- The seed's TFLOPs field, kept for continuity (it uses V/(16·L·h), 32 instead of 24 with GLU, and
+  4 instead of 3 passes with --checkpoint-activations):
+      coef·ckpt·B·s·L·h²·(1 + s/(6h) + V/(16·L·h)) / (t·world_size·1e12)
+- model TFLOP/s = F / (t · world_size · 1e12) per GPU; MFU = model TFLOP/s / measured peak TFLOP/s.
+"""
+import math
+import resource
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Mapping
+
+import torch
+
+from megatron.core.models.gpt.config import GPTModelConfig
+
+VALIDATION_END_PREFIX = "the end of training for val data"
+TEST_END_PREFIX = "the end of training for test data"
+BUILDING_DATASETS_LINE = "> building train, validation, and test datasets ..."
+PARAMETERS_HEADER_LINE = "Number of parameters: [tensor rank - pipeline rank] w/ and w/o embeddings:"
+MEGABYTE = 1024.0 * 1024.0
+
+
+# ---------------------------------------------------------------------------------------- FLOPs
+
+
+def seed_tflops(*, global_batch_size: int, seq_length: int, num_layers: int, hidden_size: int,
+                padded_vocab_size: int, glu: bool, checkpoint_activations: bool, iteration_time: float,
+                world_size: int) -> float:
+    """The seed's per-GPU TFLOPs estimate (module docstring), for an iteration of ``iteration_time`` s."""
+    coefficient = 32 if glu else 24
+    passes = 4 if checkpoint_activations else 3
+    b, s, n, h, v = global_batch_size, seq_length, num_layers, hidden_size, padded_vocab_size
+    flops = coefficient * passes * b * s * n * h ** 2 * (1.0 + s / (6.0 * h) + v / (16.0 * n * h))
+    return flops / (iteration_time * world_size * 1e12)
+
+
+def model_flops_per_iteration(*, global_batch_size: int, seq_length: int, num_layers: int, hidden_size: int,
+                              padded_vocab_size: int, ffn_hidden_size: int | None = None,
+                              projection_size: int | None = None, glu: bool = False) -> float:
+    """F = 3·B·s·[L·(8hp + 4sp + 2hf(g + 1)) + 2hV]: forward + backward matmul FLOPs of one iteration.
+
+    ``ffn_hidden_size`` defaults to 4h, ``projection_size`` (heads x kv channels) to h; ``glu``
+    doubles the first MLP matmul (g = 2).
+    """
+    h, s = hidden_size, seq_length
+    f = 4 * h if ffn_hidden_size is None else ffn_hidden_size
+    p = h if projection_size is None else projection_size
+    gate = 2 if glu else 1
+    per_token_per_layer = 8 * h * p + 4 * s * p + 2 * h * f * (gate + 1)
+    per_token = num_layers * per_token_per_layer + 2 * h * padded_vocab_size
+    return 3.0 * global_batch_size * s * per_token
+
+
+def model_tflops_and_mfu(flops_per_iteration: float, iteration_time: float, world_size: int,
+                         peak_tflops: float | None) -> tuple[float, float | None]:
+    """(model TFLOP/s per GPU, MFU as a fraction or None without a measured peak)."""
+    tflops = flops_per_iteration / (iteration_time * world_size * 1e12)
+    return tflops, (tflops / peak_tflops if peak_tflops else None)
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Rates of one iteration; per replica divides by the data-parallel size, TFLOP figures are per GPU."""
+
+    iteration_time: float
+    samples_per_second: float
+    samples_per_second_per_replica: float
+    tokens_per_second: float
+    tokens_per_second_per_replica: float
+    tflops: float
+    model_tflops: float
+    mfu: float | None
+
+
+def compute_throughput(config: GPTModelConfig, *, global_batch_size: int, seq_length: int,
+                       iteration_time: float, world_size: int, data_parallel_size: int,
+                       peak_tflops: float | None = None) -> Throughput:
+    """Throughput of an iteration of ``global_batch_size`` sequences of ``seq_length`` tokens.
+
+    ``seq_length`` is the curriculum length when curriculum learning truncates the batch.
+    """
+    samples_per_second = global_batch_size / iteration_time
+    glu = config.glu_activation is not None
+    tflops = seed_tflops(global_batch_size=global_batch_size, seq_length=seq_length,
+                         num_layers=config.num_layers, hidden_size=config.hidden_size,
+                         padded_vocab_size=config.padded_vocab_size, glu=glu,
+                         checkpoint_activations=config.checkpoint_activations,
+                         iteration_time=iteration_time, world_size=world_size)
+    flops = model_flops_per_iteration(global_batch_size=global_batch_size, seq_length=seq_length,
+                                      num_layers=config.num_layers, hidden_size=config.hidden_size,
+                                      padded_vocab_size=config.padded_vocab_size,
+                                      ffn_hidden_size=config.ffn_hidden_size,
+                                      projection_size=config.projection_size, glu=glu)
+    model_tflops, mfu = model_tflops_and_mfu(flops, iteration_time, world_size, peak_tflops)
+    return Throughput(iteration_time=iteration_time, samples_per_second=samples_per_second,
+                      samples_per_second_per_replica=samples_per_second / data_parallel_size,
+                      tokens_per_second=samples_per_second * seq_length,
+                      tokens_per_second_per_replica=samples_per_second * seq_length / data_parallel_size,
+                      tflops=tflops, model_tflops=model_tflops, mfu=mfu)
+
+
+def gigaflos_no_embeddings(new_samples: int, seq_length: int, parameters_without_embeddings_billions: float) -> float:
+    """The seed's increment of its "gigaflos (without embeddings)" x-axis: 6 · samples · s · params(B)."""
+    return 6.0 * new_samples * seq_length * parameters_without_embeddings_billions
+
+
+def measure_matmul_peak_tflops(device, size: int = 8192, warmup: int = 10, repeats: int = 20,
+                               trials: int = 5) -> float | None:
+    """Best TFLOP/s of a ``size``³ bf16 matmul on a CUDA ``device`` (2·size³ FLOPs each); None on CPU.
+
+    ``warmup`` products first, then ``trials`` timings of ``repeats`` back-to-back products between
+    CUDA events; the best trial is the peak. The operands come from a private generator, so the
+    training RNG streams are untouched.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=generator)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=generator)
+    out = torch.empty(size, size, device=device, dtype=torch.bfloat16)
+    for _ in range(warmup):
+        torch.matmul(a, b, out=out)
+    torch.cuda.synchronize(device)
+    best_seconds = math.inf
+    for _ in range(trials):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            torch.matmul(a, b, out=out)
+        end.record()
+        end.synchronize()
+        best_seconds = min(best_seconds, start.elapsed_time(end) / 1000.0)
+    return 2.0 * size ** 3 * repeats / best_seconds / 1e12
+
+
+# ---------------------------------------------------------------------------------------- the log line
+
+
+class LossAccumulator:
+    """The losses and iteration counts between two log lines (the seed's ``total_loss_dict``).
+
+    An applied ("advanced") iteration adds its losses to the sums; a skipped one (fp16 overflow)
+    adds nothing and counts as a nan iteration when any of its losses is inf or nan.
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.loss_sums: dict[str, float] = {}
+        self.advanced_iterations = 0
+        self.skipped_iterations = 0
+        self.nan_iterations = 0
+
+    def add(self, losses: Mapping[str, float], skipped: bool):
+        if not skipped:
+            self.advanced_iterations += 1
+            for key, value in losses.items():
+                self.loss_sums[key] = self.loss_sums.get(key, 0.0) + float(value)
+            return
+        self.skipped_iterations += 1
+        if any(not math.isfinite(float(value)) for value in losses.values()):
+            self.nan_iterations += 1
+
+    @property
+    def total_iterations(self) -> int:
+        return self.advanced_iterations + self.skipped_iterations
+
+    def averages(self) -> dict[str, float]:
+        """Loss sums divided by max(1, advanced iterations)."""
+        return {key: total / max(1, self.advanced_iterations) for key, total in self.loss_sums.items()}
+
+
+@dataclass(frozen=True)
+class TrainingLogFields:
+    """The values of one log line. Optional fields are printed only when not None.
+
+    ``losses``: interval averages (a loss is printed only when > 0, as in the seed). ``loss_scale``:
+    pass it only with --fp16. ``params_norm``: only with --log-params-norm. ``curriculum_seqlen``:
+    only with curriculum learning. ``mfu``: only when a matmul peak was measured.
+    """
+
+    iteration: int
+    train_iters: int
+    consumed_samples: int
+    consumed_tokens: int
+    elapsed_time_per_iteration: float
+    learning_rate: float
+    global_batch_size: int
+    skipped_iterations: int
+    nan_iterations: int
+    samples_per_second: float
+    tflops: float
+    losses: Mapping[str, float] = field(default_factory=dict)
+    loss_scale: float | None = None
+    grad_norm: float | None = None
+    num_zeros: float | None = None
+    params_norm: float | None = None
+    curriculum_seqlen: int | None = None
+    model_tflops: float | None = None
+    mfu: float | None = None
+
+
+def training_log_line(fields: TrainingLogFields) -> str:
+    """The seed's per-iteration line (seed-system.md §5.1), then our two fields.
+
+    After `` TFLOPs: x.xx |`` come `` model TFLOP/s: x.xx |`` (per GPU, DESIGN.md's model FLOPs) and
+    `` MFU: xx.xx% |`` (model TFLOP/s over the measured matmul peak, as a percentage with two
+    decimals), each when given.
+    """
+    f = fields
+    line = f" iteration {f.iteration:8d}/{f.train_iters:8d} |"
+    line += f" consumed samples: {f.consumed_samples:12d} |"
+    line += f" consumed tokens: {f.consumed_tokens:12d} |"
+    line += f" elapsed time per iteration (s): {f.elapsed_time_per_iteration:.2f} |"
+    line += f" learning rate: {f.learning_rate:.3E} |"
+    line += f" global batch size: {f.global_batch_size:5d} |"
+    for key, average in f.losses.items():
+        if average > 0.0:
+            line += f" {key}: {average:.6E} |"
+    if f.loss_scale is not None:
+        line += f" loss scale: {f.loss_scale:.1f} |"
+    if f.grad_norm is not None:
+        line += f" grad norm: {f.grad_norm:.3f} |"
+    if f.num_zeros is not None:
+        line += f" num zeros: {f.num_zeros:.1f} |"
+    if f.params_norm is not None:
+        line += f" params norm: {f.params_norm:.3f} |"
+    if f.curriculum_seqlen is not None:
+        line += f" curriculum seqlen: {f.curriculum_seqlen:5d} |"
+    line += f" number of skipped iterations: {f.skipped_iterations:3d} |"
+    line += f" number of nan iterations: {f.nan_iterations:3d} |"
+    line += f" samples per second: {f.samples_per_second:.3f} |"
+    line += f" TFLOPs: {f.tflops:.2f} |"
+    if f.model_tflops is not None:
+        line += f" model TFLOP/s: {f.model_tflops:.2f} |"
+    if f.mfu is not None:
+        line += f" MFU: {f.mfu:.2%} |"
+    return line
+
+
+# ---------------------------------------------------------------------------------------- validation
+
+
+def perplexity(loss: float) -> float:
+    """exp(min(20, loss)), as the seed reports it."""
+    return math.exp(min(20.0, loss))
+
+
+def validation_prefix(iteration: int) -> str:
+    """The ``prefix`` of an evaluation during training; the end of training uses the *_END_PREFIX strings."""
+    return f"iteration {iteration}"
+
+
+def validation_log_lines(prefix: str, losses: Mapping[str, float], group_name: str | None = None) -> list[str]:
+    """The three lines of an evaluation: dashes, ``validation loss at {prefix} | {key} value: ... |``, dashes.
+
+    With a named validation group the line starts with ``{group_name} loss at``. The dash lines are
+    one character longer than the middle line, which ends with ``| `` (no leading space).
+    """
+    line = f"{group_name} loss at {prefix} | " if group_name is not None else f"validation loss at {prefix} | "
+    for key, value in losses.items():
+        line += f"{key} value: {value:.6E} | "
+        line += f"{key} PPL: {perplexity(value):.6E} | "
+    dashes = "-" * (len(line) + 1)
+    return [dashes, line, dashes]
+
+
+# ---------------------------------------------------------------------------------------- memory
+
+
+def memory_report_line(rank: int, iteration: int, device=None) -> str:
+    """``[Rank r] (after N iterations) memory (MB) | allocated: ... | max allocated: ... | reserved: ... |
+    max reserved: ...`` from the CUDA allocator of ``device``.
+
+    On CPU (``device`` None or a CPU device) the process's peak resident set size is reported
+    instead: ``[Rank r] (after N iterations) memory (MB) | max resident: ...``.
+    """
+    label = f"[Rank {rank}] (after {iteration} iterations) memory (MB)"
+    if device is None or torch.device(device).type != "cuda":
+        # ru_maxrss is in kilobytes on Linux.
+        max_resident = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+        return f"{label} | max resident: {max_resident}"
+    return (f"{label} | allocated: {torch.cuda.memory_allocated(device) / MEGABYTE}"
+            f" | max allocated: {torch.cuda.max_memory_allocated(device) / MEGABYTE}"
+            f" | reserved: {torch.cuda.memory_reserved(device) / MEGABYTE}"
+            f" | max reserved: {torch.cuda.max_memory_reserved(device) / MEGABYTE}")
+
+
+# ---------------------------------------------------------------------------------------- milestones
+
+
+def parameter_count_lines(parameters_billions: float, parameters_without_embeddings_billions: float) -> list[str]:
+    """``estimated model parameters: X`` and ``... without embeddings: Y`` (billions, whole model)."""
+    return [f"estimated model parameters: {parameters_billions}",
+            f"estimated model parameters without embeddings: {parameters_without_embeddings_billions}"]
+
+
+def rank_parameter_line(tp_rank: int, pp_rank: int, parameters_billions: float,
+                        parameters_without_embeddings_billions: float) -> str:
+    """``[TTT-PPP] X.XXXXB / Y.YYYYB``: one (tensor, pipeline) rank's parameters with and without embeddings."""
+    return (f"[{tp_rank:0>3d}-{pp_rank:0>3d}] {parameters_billions:.4f}B / "
+            f"{parameters_without_embeddings_billions:.4f}B")
+
+
+def initialization_time_line(seconds: float) -> str:
+    return f"time to initialize megatron (seconds): {seconds:.3f}"
+
+
+def datetime_line(label: str, now: datetime | None = None) -> str:
+    """``[label] datetime: YYYY-MM-DD HH:MM:SS `` (with the seed's trailing space)."""
+    now = datetime.now() if now is None else now
+    return f"[{label}] datetime: {now.strftime('%Y-%m-%d %H:%M:%S')} "
+
+
+def train_iterations_line(train_iters: int) -> str:
+    return f"setting training iterations to {train_iters}"
+
+
+def saving_checkpoint_line(iteration: int, directory: str) -> str:
+    return f"saving checkpoint at iteration {iteration:7d} to {directory}"
+
+
+def saved_checkpoint_line(iteration: int, directory: str) -> str:
+    return f"  successfully saved checkpoint at iteration {iteration:7d} to {directory}"
+
+
+def loaded_checkpoint_line(directory: str, iteration: int) -> str:
+    return f"  successfully loaded checkpoint from {directory} at iteration {iteration}"
+
+
+def kill_switch_line(path: str) -> str:
+    return f"Detected kill switch at {path}. Exiting"
+
+
+def exit_after_minutes_label(minutes: float) -> str:
+    """Label for ``datetime_line`` when --exit-duration-in-mins stops the run."""
+    return f"exiting program after {minutes} minutes"
+
+
+def exit_at_iteration_label(iteration: int) -> str:
+    """Label for ``datetime_line`` when --exit-interval stops the run."""
+    return f"exiting program at iteration {iteration}"

@@ -1,0 +1,176 @@
+"""TensorBoard scalars with the seed's tag names and x-axes (seed-system.md §5.2), so existing
+dashboards keep working.
+
+x-axes: "vs samples" tags use the consumed training samples as the step, "vs tokens" the consumed
+tokens, "vs gigaflos (without embeddings)" the seed's accumulated 6·samples·s·params(B); every
+other tag uses the iteration. Only the rank the trainer enables (the last rank, as in the seed)
+creates a writer; elsewhere every method returns at once. Each (re)start opens a new events file.
+
+Two tags are ours, written with the seed's timing tags: ``iteration-time/model TFLOP/s per gpu``
+and, when a matmul peak was measured, ``iteration-time/MFU``.
+"""
+from dataclasses import dataclass
+from typing import Mapping
+
+from megatron.training.metrics import Throughput, perplexity
+
+
+@dataclass(frozen=True)
+class TensorBoardSettings:
+    """The TensorBoard flags.
+
+    log_dir: --tensorboard-dir; queue_size: --tensorboard-queue-size (SummaryWriter max_queue);
+    log_interval: --tensorboard-log-interval; log_timers: --log-timers-to-tensorboard;
+    log_batch_size: --log-batch-size-to-tensorboard; log_learning_rate: not
+    --no-log-learnig-rate-to-tensorboard (sic); log_loss_scale: not --no-log-loss-scale-to-tensorboard;
+    log_validation_ppl: --log-validation-ppl-to-tensorboard.
+    """
+
+    log_dir: str
+    queue_size: int = 1000
+    log_interval: int = 1
+    log_timers: bool = False
+    log_batch_size: bool = False
+    log_learning_rate: bool = True
+    log_loss_scale: bool = True
+    log_validation_ppl: bool = False
+
+    def __post_init__(self):
+        if self.queue_size < 1:
+            raise ValueError(f"--tensorboard-queue-size must be >= 1, got {self.queue_size}")
+        if self.log_interval < 1:
+            raise ValueError(f"--tensorboard-log-interval must be >= 1, got {self.log_interval}")
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where training stands: the x-axes of the scalars."""
+
+    iteration: int
+    consumed_samples: int
+    consumed_tokens: int
+    gigaflos_no_embeddings: float = 0.0
+
+
+@dataclass(frozen=True)
+class IterationScalars:
+    """The per-iteration values (this iteration's loss, not the interval average).
+
+    Optional values are written only when not None: ``loss_scale`` only with --fp16,
+    ``params_norm`` only with --log-params-norm, ``curriculum_seqlen`` only with curriculum learning.
+    """
+
+    learning_rate: float
+    global_batch_size: int
+    losses: Mapping[str, float]
+    loss_scale: float | None = None
+    grad_norm: float | None = None
+    num_zeros: float | None = None
+    params_norm: float | None = None
+    curriculum_seqlen: int | None = None
+
+
+class TensorBoardLogger:
+    """Writes the seed's scalars through a SummaryWriter when ``enabled`` (the trainer passes is_last_rank)."""
+
+    def __init__(self, settings: TensorBoardSettings | None, enabled: bool):
+        self.settings = settings
+        self.writer = None
+        if settings is not None and enabled:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(log_dir=settings.log_dir, max_queue=settings.queue_size)
+
+    @property
+    def active(self) -> bool:
+        return self.writer is not None
+
+    def _add_with_axes(self, tag: str, value: float, progress: Progress, axes: tuple[str, ...]):
+        """``tag`` against the iteration, then ``tag vs {axis}`` for each of samples/tokens/gigaflos."""
+        self.writer.add_scalar(tag, value, progress.iteration)
+        steps = {"samples": progress.consumed_samples, "tokens": progress.consumed_tokens,
+                 "gigaflos (without embeddings)": progress.gigaflos_no_embeddings}
+        for axis in axes:
+            self.writer.add_scalar(f"{tag} vs {axis}", value, steps[axis])
+
+    def write_run_start(self, arguments: Mapping[str, object], iteration: int, world_size: int):
+        """Every argument as text at ``iteration``, and the world_size blip (world_size, then 0 one step later)."""
+        if not self.active:
+            return
+        for name, value in arguments.items():
+            self.writer.add_text(name, str(value), global_step=iteration)
+        self.writer.add_scalar("iteration-time/world_size", world_size, iteration)
+        self.writer.add_scalar("iteration-time/world_size", 0, iteration + 1)
+
+    def should_write_iteration(self, iteration: int) -> bool:
+        return self.active and iteration % self.settings.log_interval == 0
+
+    def write_iteration(self, progress: Progress, scalars: IterationScalars):
+        """The per-iteration scalars, every --tensorboard-log-interval iterations."""
+        if not self.should_write_iteration(progress.iteration):
+            return
+        it, samples, tokens = progress.iteration, progress.consumed_samples, progress.consumed_tokens
+        self.writer.add_scalar("steps-vs-samples/y=steps,x=samples", it, samples)
+        self.writer.add_scalar("steps-vs-samples/y=samples,x=steps", samples, it)
+        self.writer.add_scalar("steps-vs-tokens/y=steps,x=tokens", it, tokens)
+        self.writer.add_scalar("steps-vs-tokens/y=tokens,x=steps", tokens, it)
+        if self.settings.log_learning_rate:
+            self._add_with_axes("learning-rate/learning-rate", scalars.learning_rate, progress,
+                                ("samples", "tokens"))
+        if self.settings.log_batch_size:
+            self._add_with_axes("batch-size/batch-size", scalars.global_batch_size, progress, ("samples",))
+        for key, value in scalars.losses.items():
+            self._add_with_axes(f"lm-loss-training/{key}", value, progress,
+                                ("samples", "tokens", "gigaflos (without embeddings)"))
+        if self.settings.log_loss_scale and scalars.loss_scale is not None:
+            self._add_with_axes("loss-scale/loss-scale", scalars.loss_scale, progress, ("samples", "tokens"))
+        for tag, value in (("grad-norm/grad-norm", scalars.grad_norm), ("num-zeros/num-zeros", scalars.num_zeros),
+                           ("params-norm/params-norm", scalars.params_norm)):
+            if value is not None:
+                self._add_with_axes(tag, value, progress, ("samples", "tokens"))
+        if scalars.curriculum_seqlen is not None:
+            self.writer.add_scalar("curriculum_seqlen", scalars.curriculum_seqlen, it)
+
+    def write_timers(self, iteration: int, seconds_by_name: Mapping[str, float]):
+        """``time/{name}-time`` for each timer, with --log-timers-to-tensorboard."""
+        if not self.active or not self.settings.log_timers:
+            return
+        for name, seconds in seconds_by_name.items():
+            self.writer.add_scalar(f"time/{name}-time", seconds, iteration)
+
+    def write_throughput(self, progress: Progress, throughput: Throughput):
+        """The ``iteration-time/*`` scalars of a log interval, with --log-timers-to-tensorboard."""
+        if not self.active or not self.settings.log_timers:
+            return
+        it = progress.iteration
+        self._add_with_axes("iteration-time/iteration-time", throughput.iteration_time, progress,
+                            ("samples", "tokens"))
+        self.writer.add_scalar("iteration-time/samples per second", throughput.samples_per_second, it)
+        self.writer.add_scalar("iteration-time/samples per second per replica",
+                               throughput.samples_per_second_per_replica, it)
+        self.writer.add_scalar("iteration-time/tokens per second", throughput.tokens_per_second, it)
+        self.writer.add_scalar("iteration-time/tokens per second per replica",
+                               throughput.tokens_per_second_per_replica, it)
+        self.writer.add_scalar("iteration-time/TFLOPs per gpu (estimated)", throughput.tflops, it)
+        self.writer.add_scalar("iteration-time/model TFLOP/s per gpu", throughput.model_tflops, it)
+        if throughput.mfu is not None:
+            self.writer.add_scalar("iteration-time/MFU", throughput.mfu, it)
+
+    def write_validation(self, progress: Progress, losses: Mapping[str, float], group_name: str | None = None):
+        """``lm-loss-validation[/{group}]/{key} validation`` (+ vs samples, tokens, gigaflos), and its ppl."""
+        if not self.active:
+            return
+        prefix = f"lm-loss-validation/{group_name}" if group_name else "lm-loss-validation"
+        axes = ("samples", "tokens", "gigaflos (without embeddings)")
+        for key, value in losses.items():
+            self._add_with_axes(f"{prefix}/{key} validation", value, progress, axes)
+            if self.settings.log_validation_ppl:
+                self._add_with_axes(f"{prefix}/{key} validation ppl", perplexity(value), progress, axes)
+
+    def flush(self):
+        if self.active:
+            self.writer.flush()
+
+    def close(self):
+        if self.active:
+            self.writer.close()
+            self.writer = None
