@@ -1,0 +1,285 @@
+"""The DeepSpeed config: loaded, checked against the flags the user gave, and completed from them.
+
+DeepSpeed is always the engine. Without --deepspeed_config (with or without --deepspeed), the
+config is built from the flags, with a notice; pretrain_gpt.py then runs as the seed's scripts
+with --deepspeed do. A --deepspeed_config without --deepspeed is used as well (the seed would have
+ignored it), with a notice.
+
+Rules, applied key by key (a key set to "auto" counts as absent):
+
+| Flag | ds_config key | Rule |
+|---|---|---|
+| --micro-batch-size | train_micro_batch_size_per_gpu | must match; filled from the flag |
+| --global-batch-size | train_batch_size (gradient_accumulation_steps) | must match when the flag is given; else taken from the config; filled |
+| --fp16, --bf16 | fp16.enabled, bf16.enabled | a given flag must match; a config that enables one without the flag turns it on (notice); filled |
+| --zero-stage | zero_optimization.stage | must match when the flag is given; else the config's, else 0; filled |
+| --clip-grad | gradient_clipping | the config wins (one notice when a given flag differs); else filled from the flag |
+| --loss-scale, --initial-loss-scale, --min-loss-scale, --loss-scale-window, --hysteresis | fp16.loss_scale, .initial_scale_power, .min_loss_scale, .loss_scale_window, .hysteresis | with fp16: the config wins (one notice per key where a given flag differs); absent keys come from a given flag, else DeepSpeed's default (all from the flags when the config is built from them) |
+
+With bf16, gradients accumulate in fp32: ``data_types.grad_accum_dtype = "fp32"`` unless the config
+sets it, with a notice. DeepSpeed 0.19 runs bf16 + fp32 accumulation as its BF16_Optimizer, which it
+only allows at ZeRO stage 1 (stage 0 raises "unsupported mix"); the seed's "bf16 needs stage 0"
+was that same optimizer, so stage 0 becomes 1 in that case (said in the notice). Refused: ZeRO
+stage 3, stage >= 2 with pipeline parallelism, fp16 without CUDA, enabled ``curriculum_learning``,
+``checkpoint.load_universal`` (long-run work), and ``optimizer``/``scheduler`` blocks (the optimizer
+and the LR schedule come from the flags). With --optimizer sgd at ZeRO stage >= 1,
+``zero_allow_untested_optimizer`` is set (as in the BigScience configs) unless the config sets it.
+"""
+import json
+import math
+
+from megatron.training.argument_types import ArgumentError
+
+FP16_DEFAULTS = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                 "hysteresis": 2, "min_loss_scale": 1}  # DeepSpeed 0.19's DeepSpeedFP16Config
+# (args dest, flag, fp16 key): how the Megatron loss-scale flags map onto the ds_config fp16 block.
+LOSS_SCALE_FLAGS = (("loss_scale", "--loss-scale", "loss_scale"),
+                    ("initial_loss_scale", "--initial-loss-scale", "initial_scale_power"),
+                    ("min_loss_scale", "--min-loss-scale", "min_loss_scale"),
+                    ("loss_scale_window", "--loss-scale-window", "loss_scale_window"),
+                    ("hysteresis", "--hysteresis", "hysteresis"))
+FP32_NAMES = ("fp32", "float32", "float")
+_MISSING = object()
+
+
+def load_ds_config(path: str) -> dict:
+    """The JSON object in ``path``; ArgumentError naming the file (and line) when it cannot be read."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as exc:
+        raise ArgumentError(f"--deepspeed_config: cannot read {path}: {exc.strerror}") from None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ArgumentError(f"--deepspeed_config: {path} is not valid JSON: {exc.msg} at line "
+                            f"{exc.lineno} column {exc.colno}") from None
+    if not isinstance(config, dict):
+        raise ArgumentError(f"--deepspeed_config: {path} must hold a JSON object, got {type(config).__name__}")
+    return config
+
+
+def _given(block, key):
+    value = block.get(key, _MISSING)
+    return _MISSING if value == "auto" else value
+
+
+def _block(config, key, where):
+    block = config.setdefault(key, {})
+    if not isinstance(block, dict):
+        raise ArgumentError(f"{key} in {where} must be a JSON object, got {block!r}")
+    return block
+
+
+class _Resolution:
+    """One pass over the config; methods follow the table of the module docstring."""
+
+    def __init__(self, args, explicit, data_parallel_size, pipeline_parallel_size, cuda_available):
+        self.args, self.explicit, self.notices = args, explicit, []
+        self.dp, self.pp, self.cuda_available = data_parallel_size, pipeline_parallel_size, cuda_available
+        self.path = args.deepspeed_config or args.deepscale_config
+        self.from_flags = self.path is None
+        self.where = "the ds_config built from the flags" if self.from_flags else self.path
+        self.config = {} if self.from_flags else load_ds_config(self.path)
+
+    def key_int(self, block, key, name, minimum=1):
+        value = _given(block, key)
+        if value is not _MISSING and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+            raise ArgumentError(f"{name} in {self.where} must be an integer >= {minimum}, got {value!r}")
+        return value
+
+    def source_notices(self):
+        args = self.args
+        if args.deepscale_config and not args.deepspeed_config:
+            self.notices.append("--deepscale_config is deprecated; read as --deepspeed_config")
+        if self.from_flags:
+            self.notices.append("no --deepspeed_config: the DeepSpeed engine runs with a ds_config built "
+                                "from the flags")
+        elif not (args.deepspeed or args.deepscale):
+            self.notices.append(f"--deepspeed_config {self.path} without --deepspeed: DeepSpeed is always "
+                                f"the engine here, the file is used")
+
+    def refuse_unsupported(self):
+        config = self.config
+        if "bfloat16" in config and "bf16" not in config:
+            config["bf16"] = config.pop("bfloat16")
+        for key in ("optimizer", "scheduler"):
+            if key in config:
+                raise ArgumentError(f"{key} in {self.where} is not supported: the optimizer and the LR "
+                                    f"schedule come from the flags (--optimizer, --lr, --lr-decay-style, ...); "
+                                    f"remove the {key} block")
+        curriculum = config.get("curriculum_learning")
+        if isinstance(curriculum, dict) and curriculum.get("enabled"):
+            raise ArgumentError(f"curriculum_learning in {self.where}: curriculum learning is not available "
+                                f"yet (it comes with the long-run work); set enabled to false or remove it")
+        checkpoint = config.get("checkpoint")
+        if isinstance(checkpoint, dict) and checkpoint.get("load_universal"):
+            raise ArgumentError(f"checkpoint.load_universal in {self.where}: loading universal checkpoints is "
+                                f"not available yet (it comes with the long-run work); remove it")
+
+    def batch(self):
+        args, config = self.args, self.config
+        micro = args.micro_batch_size
+        config_micro = self.key_int(config, "train_micro_batch_size_per_gpu", "train_micro_batch_size_per_gpu")
+        if config_micro is not _MISSING and config_micro != micro:
+            raise ArgumentError(f"--micro-batch-size {micro} does not match train_micro_batch_size_per_gpu "
+                                f"{config_micro} in {self.where}: make them equal (or drop the key)")
+        config_global = self.key_int(config, "train_batch_size", "train_batch_size")
+        accumulation = self.key_int(config, "gradient_accumulation_steps", "gradient_accumulation_steps")
+        if "global_batch_size" in self.explicit:
+            if config_global is not _MISSING and config_global != args.global_batch_size:
+                raise ArgumentError(f"--global-batch-size {args.global_batch_size} does not match "
+                                    f"train_batch_size {config_global} in {self.where}: make them equal "
+                                    f"(or drop the key)")
+        elif config_global is not _MISSING:
+            args.global_batch_size = config_global
+        elif accumulation is not _MISSING:
+            args.global_batch_size = micro * accumulation * self.dp
+        else:
+            args.global_batch_size = micro * self.dp
+        if accumulation is not _MISSING and micro * accumulation * self.dp != args.global_batch_size:
+            raise ArgumentError(
+                f"gradient_accumulation_steps {accumulation} in {self.where} gives a global batch of "
+                f"{micro * accumulation * self.dp} (micro batch {micro} x data parallel {self.dp}), not "
+                f"{args.global_batch_size}: drop gradient_accumulation_steps (it is derived) or fix it")
+        if accumulation is _MISSING:
+            config.pop("gradient_accumulation_steps", None)  # "auto": DeepSpeed derives it
+        config["train_micro_batch_size_per_gpu"] = micro
+        config["train_batch_size"] = args.global_batch_size
+
+    def precision(self):
+        for name in ("fp16", "bf16"):
+            block = _block(self.config, name, self.where)
+            enabled = _given(block, "enabled")
+            if enabled is not _MISSING and not isinstance(enabled, bool):
+                raise ArgumentError(f"{name}.enabled in {self.where} must be true or false, got {enabled!r}")
+            if getattr(self.args, name) and enabled is False:
+                raise ArgumentError(f"--{name} is given but {name}.enabled is false in {self.where}: "
+                                    f"set it to true, or drop --{name}")
+            if not getattr(self.args, name) and enabled is True:
+                setattr(self.args, name, True)
+                self.notices.append(f"{name}.enabled in {self.where}: training in {name} (as if --{name})")
+            block["enabled"] = getattr(self.args, name)
+        if self.args.fp16 and self.args.bf16:
+            raise ArgumentError(f"--fp16 and --bf16 (fp16.enabled, bf16.enabled in {self.where}) are "
+                                f"exclusive: choose one")
+        if self.args.fp16 and not self.cuda_available:
+            raise ArgumentError("--fp16 needs a CUDA GPU: DeepSpeed cannot run fp16 on CPU (\"Type fp16 is "
+                                "not supported on your device\"); use --bf16 with a bf16 ds_config, or fp32")
+
+    def loss_scaling(self):
+        given = [flag for dest, flag, _ in LOSS_SCALE_FLAGS if dest in self.explicit]
+        if not self.args.fp16:
+            if given:
+                self.notices.append(f"{', '.join(given)}: no effect without --fp16 (loss scaling is for fp16)")
+            return
+        block = self.config["fp16"]
+        for dest, flag, key in LOSS_SCALE_FLAGS:
+            flag_value = self._flag_to_fp16_key(dest, flag)
+            config_value = _given(block, key)
+            if config_value is _MISSING:
+                explicit_or_built = dest in self.explicit or self.from_flags
+                block[key] = flag_value if explicit_or_built else FP16_DEFAULTS[key]
+            elif dest in self.explicit and config_value != flag_value:
+                self.notices.append(f"fp16.{key} = {config_value} in {self.where} wins over {flag} "
+                                    f"{getattr(self.args, dest)}")
+            setattr(self.args, dest, self._fp16_key_to_flag(dest, block[key]))
+
+    def _flag_to_fp16_key(self, dest, flag):
+        value = getattr(self.args, dest)
+        if dest == "loss_scale":
+            return 0 if value is None else value
+        if dest == "initial_loss_scale":
+            power = math.log2(value) if value > 0 else math.nan
+            if not power.is_integer():
+                raise ArgumentError(f"{flag} {value} is not a power of 2: DeepSpeed takes it as "
+                                    f"fp16.initial_scale_power (scale = 2**power)")
+            return int(power)
+        return int(value) if float(value).is_integer() else value
+
+    @staticmethod
+    def _fp16_key_to_flag(dest, value):
+        if dest == "loss_scale":
+            return None if value == 0 else float(value)
+        if dest == "initial_loss_scale":
+            return 2.0 ** value
+        return value
+
+    def clipping(self):
+        value = _given(self.config, "gradient_clipping")
+        if value is _MISSING:
+            self.config["gradient_clipping"] = self.args.clip_grad
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ArgumentError(f"gradient_clipping in {self.where} must be a number >= 0, got {value!r}")
+        if "clip_grad" in self.explicit and value != self.args.clip_grad:
+            self.notices.append(f"gradient_clipping = {value} in {self.where} wins over --clip-grad "
+                                f"{self.args.clip_grad}")
+        self.args.clip_grad = float(value)
+
+    def zero_stage(self):
+        block = _block(self.config, "zero_optimization", self.where)
+        config_stage = self.key_int(block, "stage", "zero_optimization.stage", minimum=0)
+        if "zero_stage" in self.explicit:
+            if config_stage is not _MISSING and config_stage != self.args.zero_stage:
+                raise ArgumentError(f"--zero-stage {self.args.zero_stage} does not match "
+                                    f"zero_optimization.stage {config_stage} in {self.where}: make them equal")
+            stage, named = self.args.zero_stage, "--zero-stage"
+        elif config_stage is not _MISSING:
+            stage, named = config_stage, f"zero_optimization.stage in {self.where}"
+        else:
+            stage, named = 0, "the default ZeRO stage"
+        if stage not in (0, 1, 2):
+            raise ArgumentError(f"{named} is {stage}: ZeRO stage 3 and above are not supported; use 0, 1 or 2")
+        if stage >= 2 and self.pp > 1:
+            raise ArgumentError(f"{named} is {stage} with --pipeline-model-parallel-size {self.pp}: DeepSpeed's "
+                                f"pipeline engine cannot run ZeRO stage 2 or more; use stage 0 or 1, or PP 1")
+        block["stage"] = stage
+        self.args.zero_stage = stage
+
+    def grad_accumulation(self):
+        types = _block(self.config, "data_types", self.where)
+        accum = _given(types, "grad_accum_dtype")
+        stage = self.config["zero_optimization"]["stage"]
+        if not self.args.bf16:
+            if accum is _MISSING:
+                types.pop("grad_accum_dtype", None)
+            if not types:
+                del self.config["data_types"]
+            return
+        if accum is _MISSING:
+            types["grad_accum_dtype"] = "fp32"
+            message = "bf16: gradients accumulate in fp32 (data_types.grad_accum_dtype = \"fp32\""
+            if stage == 0:
+                self.config["zero_optimization"]["stage"] = self.args.zero_stage = 1
+                message += ("; DeepSpeed runs it as BF16_Optimizer, which needs zero_optimization.stage 1: "
+                            "stage 0 -> 1, as the seed's bf16 + stage 0 ran the same optimizer")
+            self.notices.append(message + "); set data_types.grad_accum_dtype in the ds_config to change it")
+        elif str(accum).lower() in FP32_NAMES and stage == 0:
+            raise ArgumentError(f"data_types.grad_accum_dtype {accum!r} with bf16 at zero_optimization.stage 0 "
+                                f"in {self.where}: DeepSpeed cannot run this mix; use stage 1 (its "
+                                f"BF16_Optimizer) or grad_accum_dtype \"bf16\"")
+
+    def optimizer_support(self):
+        """DeepSpeed refuses optimizers outside its ZeRO list (SGD) at stage >= 1 unless told otherwise."""
+        if self.args.optimizer == "sgd" and self.config["zero_optimization"]["stage"] >= 1:
+            self.config.setdefault("zero_allow_untested_optimizer", True)
+
+
+def resolve_ds_config(args, explicit, data_parallel_size, pipeline_parallel_size, cuda_available):
+    """Load (or build) the ds_config, check it against the flags, complete it; return (config, notices).
+
+    Sets the effective values on ``args``: global_batch_size, fp16, bf16, clip_grad, zero_stage and
+    the loss-scale flags. ``explicit`` is the set of dests given on the command line.
+    """
+    resolution = _Resolution(args, explicit, data_parallel_size, pipeline_parallel_size, cuda_available)
+    resolution.source_notices()
+    resolution.refuse_unsupported()
+    resolution.batch()
+    resolution.precision()
+    resolution.loss_scaling()
+    resolution.clipping()
+    resolution.zero_stage()
+    resolution.grad_accumulation()
+    resolution.optimizer_support()
+    return resolution.config, resolution.notices

@@ -1,0 +1,265 @@
+"""The accepted flags, in the groups and order of Megatron-DeepSpeed's ``--help``.
+
+Names and defaults are the seed's (seed-system.md §2) with these deliberate differences:
+``--zero-stage`` defaults to None (the seed's 1.0 only toggled zero.Init; the effective stage is
+the ds_config's), ``--tokenizer-type`` defaults to GPT2BPETokenizer (pretrain_gpt.py's default in
+the seed), ``--use-cpu-initialization`` is a plain store_true, integer flags accept "6_000_000"
+and "10e6", and the seed's ``type=bool`` flags read true/false. New flags: ``--lr-warmup-tokens``,
+``--data-cache-path`` and the ``inverse-square-root`` decay style; ``--train-tokens`` and
+``--codecarbon-dir`` work (no-ops in the seed). ``--local_rank`` is also spelled ``--local-rank``.
+"""
+from megatron.core.models.gpt.config import GLU_ACTIVATIONS, POSITION_EMBEDDING_TYPES
+from megatron.core.tokenizer import REJECTED_TOKENIZER_TYPES, SUPPORTED_TOKENIZER_TYPES
+from megatron.training.argument_types import parse_bool, parse_float, parse_int
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+DATA_IMPLS = ("lazy", "cached", "mmap", "infer")
+
+
+def _bool_value_flag(group, flag, help_text):
+    group.add_argument(flag, type=parse_bool, nargs="?", const=True, default=None, metavar="BOOL",
+                       help=help_text + " (true/false; the bare flag means true)")
+
+
+def add_network_size_args(parser):
+    """Add the seed's "network size" flags to ``parser``."""
+    group = parser.add_argument_group("network size")
+    group.add_argument("--num-layers", type=parse_int, default=None, help="number of transformer layers L")
+    group.add_argument("--hidden-size", type=parse_int, default=None, help="hidden size h")
+    group.add_argument("--ffn-hidden-size", type=parse_int, default=None, help="MLP inner size (default 4h)")
+    group.add_argument("--num-attention-heads", type=parse_int, default=None, help="attention heads n")
+    group.add_argument("--kv-channels", type=parse_int, default=None, help="per-head dimension (default h/n)")
+    group.add_argument("--max-position-embeddings", type=parse_int, default=None,
+                       help="rows of the position table; >= --seq-length (absolute, alibi), unset for rotary")
+    group.add_argument("--make-vocab-size-divisible-by", type=parse_int, default=128,
+                       help="pad the vocabulary to a multiple of this times TP")
+    group.add_argument("--pad-vocab-size-to", type=parse_int, default=None,
+                       help="pad the vocabulary to exactly this size (independent of TP)")
+    group.add_argument("--layernorm-epsilon", type=parse_float, default=1e-5, help="LayerNorm epsilon")
+    group.add_argument("--apply-residual-connection-post-layernorm", action="store_true",
+                       help="BERT-style residual ordering (residual taken after the LayerNorm)")
+    group.add_argument("--embed-layernorm", action="store_true", help="LayerNorm after the word embedding")
+    group.add_argument("--openai-gelu", action="store_true", help="tanh approximation of GeLU")
+    _bool_value_flag(group, "--onnx-safe", "erf GeLU for ONNX export (our exact GeLU already is the erf "
+                     "form, so any value gives the same model)")
+    group.add_argument("--position-embedding-type", choices=POSITION_EMBEDDING_TYPES, default="absolute",
+                       help="absolute (learned), rotary or alibi")
+    group.add_argument("--glu-activation", choices=GLU_ACTIVATIONS, default=None,
+                       help="gated MLP activation; needs --no-bias-gelu-fusion")
+    group.add_argument("--kill-switch-path", default=None,
+                       help="when this file exists: exit at start, or save a checkpoint and exit")
+    group.add_argument("--log-level", choices=LOG_LEVELS, default=None, help="log level of rank 0")
+    group.add_argument("--log-level-replica", choices=LOG_LEVELS, default=None,
+                       help="log level of the other ranks")
+
+
+def add_regularization_args(parser):
+    """Add the seed's "regularization" flags to ``parser``."""
+    group = parser.add_argument_group("regularization")
+    group.add_argument("--attention-dropout", type=parse_float, default=0.1, help="attention-probability dropout")
+    group.add_argument("--hidden-dropout", type=parse_float, default=0.1,
+                       help="dropout of hidden states, residuals and embeddings")
+    group.add_argument("--weight-decay", type=parse_float, default=0.01,
+                       help="decoupled weight decay (not applied to biases and norm weights)")
+    group.add_argument("--clip-grad", type=parse_float, default=1.0,
+                       help="global L2 gradient clipping; the ds_config's gradient_clipping wins")
+    group.add_argument("--adam-beta1", type=parse_float, default=0.9, help="Adam beta1")
+    group.add_argument("--adam-beta2", type=parse_float, default=0.999, help="Adam beta2")
+    group.add_argument("--adam-eps", type=parse_float, default=1e-8, help="Adam epsilon")
+    group.add_argument("--sgd-momentum", type=parse_float, default=0.9, help="SGD momentum")
+
+
+def add_training_args(parser):
+    """Add the seed's "training" flags to ``parser``."""
+    group = parser.add_argument_group("training")
+    group.add_argument("--micro-batch-size", type=parse_int, default=None, help="samples per GPU per micro step")
+    group.add_argument("--global-batch-size", type=parse_int, default=None,
+                       help="samples per optimizer step (default micro batch x data parallel size)")
+    group.add_argument("--rampup-batch-size", type=parse_int, nargs=3, default=None,
+                       metavar=("START", "INCREMENT", "RAMP_SAMPLES"),
+                       help="ramp the global batch from START by INCREMENT over RAMP_SAMPLES samples")
+    group.add_argument("--checkpoint-activations", action="store_true", help="recompute activations in backward")
+    group.add_argument("--distribute-checkpointed-activations", action="store_true",
+                       help="keep 1/TP of each checkpointed activation per rank (same as --partition-activations)")
+    group.add_argument("--checkpoint-num-layers", type=parse_int, default=1, help="layers per checkpointed chunk")
+    group.add_argument("--train-iters", type=parse_int, default=None, help="total iterations")
+    group.add_argument("--train-samples", type=parse_int, default=None, help="total samples")
+    group.add_argument("--train-tokens", type=parse_int, default=None,
+                       help="also stop when this many tokens have been consumed")
+    group.add_argument("--log-interval", type=parse_int, default=100, help="iterations between log lines")
+    group.add_argument("--exit-interval", type=parse_int, default=None,
+                       help="save and exit when the iteration is a multiple of this")
+    group.add_argument("--exit-duration-in-mins", type=parse_int, default=None,
+                       help="save and exit after this many minutes")
+    group.add_argument("--tensorboard-dir", default=None, help="TensorBoard output directory")
+    group.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false",
+                       help="do not fuse scale, mask and softmax")
+    group.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false",
+                       help="do not fuse bias and GeLU (exact erf GeLU)")
+    group.add_argument("--no-bias-dropout-fusion", dest="bias_dropout_fusion", action="store_false",
+                       help="do not fuse bias, dropout and residual add")
+    group.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
+                       help="adam (with decoupled weight decay) or sgd")
+    group.add_argument("--dataloader-type", choices=("single", "cyclic"), default=None,
+                       help="single (resumable, sequential) or cyclic (reshuffled every epoch); default single")
+    group.add_argument("--codecarbon-dir", default=None, help="record energy and emissions with codecarbon here")
+    _bool_value_flag(group, "--eval-only", "skip training: only evaluate on the validation and test sets")
+    group.add_argument("--abort-on-unmet-fused-kernel-constraints", action="store_true",
+                       help="exit instead of falling back when a fused kernel cannot serve the configured shapes")
+    group.add_argument("--pp-partition-method", default=None,
+                       help="DeepSpeed PipelineModule partition method (default type:transformer)")
+
+
+def add_initialization_args(parser):
+    """Add the seed's "initialization" flags to ``parser``."""
+    group = parser.add_argument_group("initialization")
+    group.add_argument("--seed", type=parse_int, default=1234, help="random seed (stage seed is seed + 100 pp_rank)")
+    group.add_argument("--init-method-std", type=parse_float, default=0.02, help="std of the normal initialization")
+
+
+def add_learning_rate_args(parser):
+    """Add the seed's "learning rate" flags to ``parser``."""
+    group = parser.add_argument_group("learning rate")
+    group.add_argument("--lr", type=parse_float, default=None, help="peak learning rate")
+    group.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="linear", help="decay shape")
+    group.add_argument("--lr-decay-iters", type=parse_int, default=None,
+                       help="decay length in iterations (default --train-iters)")
+    group.add_argument("--lr-decay-samples", type=parse_int, default=None,
+                       help="decay length in samples (default --train-samples)")
+    group.add_argument("--lr-decay-tokens", type=parse_int, default=None,
+                       help="decay length in tokens (replaces the iteration/sample decay)")
+    group.add_argument("--lr-warmup-fraction", type=parse_float, default=None,
+                       help="warmup as a fraction of the decay length")
+    group.add_argument("--lr-warmup-iters", type=parse_int, default=0, help="warmup in iterations")
+    group.add_argument("--lr-warmup-samples", type=parse_int, default=0, help="warmup in samples")
+    group.add_argument("--lr-warmup-tokens", type=parse_int, default=None, help="warmup in tokens")
+    group.add_argument("--min-lr", type=parse_float, default=0.0, help="learning-rate floor")
+
+
+def add_checkpointing_args(parser):
+    """Add the seed's "checkpointing" flags to ``parser``."""
+    group = parser.add_argument_group("checkpointing")
+    group.add_argument("--save", default=None, help="checkpoint directory to save to")
+    group.add_argument("--save-interval", type=parse_int, default=None, help="iterations between saves")
+    group.add_argument("--no-save-rng", action="store_true", default=None, help="do not save the RNG states")
+    group.add_argument("--load", default=None, help="checkpoint directory to resume from")
+    group.add_argument("--no-load-optim", action="store_true", default=None,
+                       help="do not load the optimizer and LR-scheduler states")
+    group.add_argument("--no-load-rng", action="store_true", default=None, help="do not load the RNG states")
+    group.add_argument("--finetune", action="store_true",
+                       help="load the weights and start at iteration 0 (with the DeepSpeed engine the "
+                            "optimizer is loaded too unless --no-load-optim)")
+
+
+def add_mixed_precision_args(parser):
+    """Add the seed's "mixed precision" flags to ``parser``."""
+    group = parser.add_argument_group("mixed precision")
+    group.add_argument("--fp16", action="store_true", help="fp16 parameters (CUDA only); see ds_config fp16")
+    group.add_argument("--bf16", action="store_true", help="bf16 parameters; see ds_config bf16")
+    group.add_argument("--loss-scale", type=parse_float, default=None,
+                       help="static loss scale (default dynamic); the ds_config's fp16.loss_scale wins")
+    group.add_argument("--initial-loss-scale", type=parse_float, default=2.0 ** 32,
+                       help="initial dynamic loss scale, a power of 2; fp16.initial_scale_power wins")
+    group.add_argument("--min-loss-scale", type=parse_float, default=1.0,
+                       help="minimum dynamic loss scale; fp16.min_loss_scale wins")
+    group.add_argument("--loss-scale-window", type=parse_float, default=1000,
+                       help="iterations without overflow before doubling; fp16.loss_scale_window wins")
+    group.add_argument("--hysteresis", type=parse_int, default=2,
+                       help="overflows tolerated before halving; fp16.hysteresis wins")
+    group.add_argument("--fp32-residual-connection", action="store_true", help="residual stream in fp32")
+    group.add_argument("--no-query-key-layer-scaling", dest="apply_query_key_layer_scaling",
+                       action="store_false", help="do not scale the attention scores by 1/layer_number")
+    group.add_argument("--attention-softmax-in-fp32", action="store_true", help="softmax in fp32")
+
+
+def add_distributed_args(parser):
+    """Add the seed's "distributed" flags to ``parser``."""
+    group = parser.add_argument_group("distributed")
+    group.add_argument("--tensor-model-parallel-size", type=parse_int, default=1, help="TP degree")
+    group.add_argument("--pipeline-model-parallel-size", type=parse_int, default=1, help="PP degree")
+    group.add_argument("--distributed-backend", choices=("nccl", "gloo"), default="nccl",
+                       help="collective backend (gloo is used automatically without CUDA)")
+    group.add_argument("--local_rank", "--local-rank", dest="local_rank", type=parse_int, default=None,
+                       help="set by the launcher")
+    _bool_value_flag(group, "--lazy-mpu-init", "defer the model-parallel init (only false is supported)")
+    group.add_argument("--use-cpu-initialization", action="store_true",
+                       help="initialize weights on CPU, identical under every TP/PP layout")
+
+
+def add_validation_args(parser):
+    """Add the seed's "validation" flags to ``parser``."""
+    group = parser.add_argument_group("validation")
+    group.add_argument("--eval-iters", type=parse_int, default=100,
+                       help="iterations per evaluation (0 disables validation and test)")
+    group.add_argument("--eval-interval", type=parse_int, default=1000, help="iterations between evaluations")
+
+
+def add_data_args(parser):
+    """Add the seed's "data and dataloader" flags to ``parser``."""
+    group = parser.add_argument_group("data and dataloader")
+    group.add_argument("--data-path", nargs="*", default=None, help="PREFIX or W1 PREFIX1 W2 PREFIX2 ...")
+    group.add_argument("--split", default=None, help='train/valid/test proportions (default "969, 30, 1")')
+    for split in ("train", "valid", "test"):
+        group.add_argument(f"--{split}-weighted-split-paths", nargs="*", default=None,
+                           help=f'{split} groups "NAME: W1 S1:E1 PATH1, W2 S2:E2 PATH2"')
+        group.add_argument(f"--{split}-weighted-split-paths-path", default=None,
+                           help=f"file holding the {split} groups, double-quoted")
+    group.add_argument("--data-cache-path", default=None, help="directory for the index caches")
+    group.add_argument("--log-path", default=None, help="directory for the arguments listing")
+    group.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocabulary (vocab.json)")
+    group.add_argument("--merge-file", default=None, help="GPT-2 BPE merges (merges.txt)")
+    group.add_argument("--seq-length", type=parse_int, default=None, help="training sequence length")
+    group.add_argument("--encoder-seq-length", type=parse_int, default=None, help="alias of --seq-length")
+    group.add_argument("--mmap-warmup", action="store_true", help="read the data files once at start")
+    group.add_argument("--num-workers", type=parse_int, default=2, help="training DataLoader workers")
+    group.add_argument("--valid-num-workers", type=parse_int, default=2, help="validation DataLoader workers")
+    group.add_argument("--tokenizer-type", choices=SUPPORTED_TOKENIZER_TYPES + REJECTED_TOKENIZER_TYPES,
+                       default="GPT2BPETokenizer", help="tokenizer")
+    group.add_argument("--tokenizer-name-or-path", default=None, help="local HF tokenizer directory")
+    group.add_argument("--data-impl", choices=DATA_IMPLS, default="infer",
+                       help="mmap, or infer from the files (lazy and cached are legacy, refused)")
+    group.add_argument("--reset-position-ids", action="store_true", help="restart position ids after each EOD")
+    group.add_argument("--reset-attention-mask", action="store_true", help="no attention across EOD")
+    group.add_argument("--eod-mask-loss", action="store_true", help="no loss on EOD tokens")
+
+
+def add_logging_args(parser):
+    """Add the seed's "logging" flags to ``parser``."""
+    group = parser.add_argument_group("logging")
+    group.add_argument("--log-params-norm", action="store_true", help="log the L2 norm of all parameters")
+    group.add_argument("--log-num-zeros-in-grad", action="store_true", help="log the count of zero gradients")
+    group.add_argument("--tensorboard-log-interval", type=parse_int, default=1,
+                       help="iterations between TensorBoard scalars")
+    group.add_argument("--tensorboard-queue-size", type=parse_int, default=1000, help="SummaryWriter max_queue")
+    group.add_argument("--log-timers-to-tensorboard", action="store_true", help="write time/* scalars")
+    group.add_argument("--log-batch-size-to-tensorboard", action="store_true", help="write batch-size/*")
+    group.add_argument("--no-log-learnig-rate-to-tensorboard", dest="log_learning_rate_to_tensorboard",
+                       action="store_false", help="do not write learning-rate/* (sic: the seed's spelling)")
+    group.add_argument("--no-log-loss-scale-to-tensorboard", dest="log_loss_scale_to_tensorboard",
+                       action="store_false", help="do not write loss-scale/*")
+    group.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
+                       help="also write validation perplexity")
+
+
+def add_zero_args(parser):
+    """Add the seed's "ZeRO" flags to ``parser``."""
+    group = parser.add_argument_group("ZeRO")
+    group.add_argument("--zero-stage", type=parse_int, default=None,
+                       help="ZeRO stage 0, 1 or 2; must match the ds_config's zero_optimization.stage")
+
+
+def add_activation_checkpointing_args(parser):
+    """Add the seed's "activation checkpointing" flags to ``parser``."""
+    group = parser.add_argument_group("activation checkpointing")
+    group.add_argument("--deepspeed-activation-checkpointing", action="store_true",
+                       help="accepted for the seed's scripts: our checkpointing already replays the "
+                            "model-parallel RNG as DeepSpeed's did")
+    group.add_argument("--partition-activations", action="store_true",
+                       help="keep 1/TP of each checkpointed activation per rank")
+
+
+ARGUMENT_GROUPS = (add_network_size_args, add_regularization_args, add_training_args,
+                   add_initialization_args, add_learning_rate_args, add_checkpointing_args,
+                   add_mixed_precision_args, add_distributed_args, add_validation_args, add_data_args,
+                   add_logging_args, add_zero_args, add_activation_checkpointing_args)

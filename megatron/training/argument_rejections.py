@@ -1,0 +1,124 @@
+"""Flags of Megatron-DeepSpeed that are recognised and refused, each with its reason.
+
+A flag we accept must work (DESIGN.md principle 1), so every seed flag whose feature we lack, that
+was a no-op in the seed, or that belongs to another model type is refused at parse time with a
+message that says why and what to do instead. The flags are hidden from ``--help``.
+
+| Flags | Why refused |
+|---|---|
+| --skip-train-iteration-range, --override-lr-scheduler, --use-checkpoint-lr-scheduler, --use-bnb-optimizer, --universal-checkpoint, --reset-progress | the feature comes with the long-run work (skip ranges, LR overrides, 8-bit Adam, universal checkpoints, progress reset); ds_config ``curriculum_learning`` is refused likewise (argument_ds_config.py) |
+| --sync-tp-duplicated-parameters | averaging the TP-duplicated LayerNorm weights and biases is not implemented yet |
+| --inference | builds a model without optimizer for the generation tools; pretraining always trains |
+| --batch-size, --warmup, --model-parallel-size | deprecated in the seed, which asserted with these messages |
+| --cpu-optimizer, --cpu_torch_adam | the seed raised NotImplementedError / ignored it; offload is a ds_config matter |
+| --zero-reduce-scatter, --zero-contigious-gradients, --zero-reduce-bucket-size, --zero-allgather-bucket-size | no-ops in the seed: the ds_config's zero_optimization block decides |
+| --remote-device, --use-pin-memory | ZeRO-3 ``zero.Init`` options; ZeRO stage 3 is not supported |
+| --scattered-embeddings, --memory-centric-tiled-linear, --tile-factor, --split-transformers | no-ops in the seed |
+| --contigious-checkpointing, --checkpoint-in-cpu, --synchronize-each-layer, --profile-backward | DeepSpeed checkpointing options our activation checkpointing does not implement |
+| --fp16-lm-cross-entropy | the loss is always computed in fp32 |
+| --no-save-optim | the DeepSpeed engine always saves the optimizer (the seed's flag worked only without DeepSpeed) |
+| --accumulate-allreduce-grads-in-fp32, --DDP-impl, --use-contiguous-buffers-in-ddp | Megatron's own DDP, unused: DeepSpeed does data parallelism |
+| --num-layers-per-virtual-pipeline-stage, --no-scatter-gather-tensors-in-pipeline | Megatron's own pipeline schedule, unused: DeepSpeed's pipeline engine runs 1F1B |
+| --adlr-autoresume, --adlr-autoresume-interval | NVIDIA's ADLR cluster autoresume |
+| --deepspeed_mpi | MPI discovery; our launchers are deepspeed, torchrun, torch.distributed.launch and srun |
+| BERT, T5/MLM, prefix-LM/MTF, ICT/biencoder/REALM and ViT flags | other model types; this trainer pretrains GPT |
+
+Not refused here but checked after parsing: ``--lazy-mpu-init true`` (validation.py).
+"""
+from megatron.training.argument_types import RejectedFlag
+
+_LONG_RUN = "is not available yet (it comes with the long-run work); remove the flag"
+_OTHER_MODEL = "this trainer pretrains GPT models only; remove the flag"
+_OWN_DDP = ("Megatron's own data parallelism is not used: DeepSpeed provides it (ZeRO stage in the "
+            "ds_config's zero_optimization.stage); remove the flag")
+_OWN_PIPELINE = ("Megatron's own pipeline schedule is not used: DeepSpeed's pipeline engine runs "
+                 "1F1B; remove the flag")
+_SEED_NO_OP = "had no effect in the seed; remove the flag"
+_CHECKPOINTING = ("is a DeepSpeed activation-checkpointing option that our activation checkpointing "
+                  "(RNG-replaying, optionally partitioned with --partition-activations) does not "
+                  "implement; remove the flag")
+_ZERO3 = ("is a ZeRO-3 zero.Init option and ZeRO stage 3 is not supported (use stage 0, 1 or 2; "
+          "offload through the ds_config's zero_optimization.offload_optimizer); remove the flag")
+
+
+def _zero_block(key):
+    return f"had no effect in the seed: set zero_optimization.{key} in the ds_config instead"
+
+
+_SPECIFIC_REASONS = {
+    "--skip-train-iteration-range": f"skipping iteration ranges {_LONG_RUN}",
+    "--override-lr-scheduler": f"overriding the checkpoint's LR schedule on resume {_LONG_RUN}",
+    "--use-checkpoint-lr-scheduler": f"taking the LR schedule from the checkpoint {_LONG_RUN}",
+    "--use-bnb-optimizer": f"8-bit Adam (bitsandbytes) {_LONG_RUN}",
+    "--universal-checkpoint": f"loading universal checkpoints {_LONG_RUN}; resume with the same TP/PP layout",
+    "--reset-progress": f"resetting the progress counters on load {_LONG_RUN}",
+    "--sync-tp-duplicated-parameters": ("averaging the TP-duplicated LayerNorm weights and biases in every "
+                                        "forward is not available yet; remove the flag"),
+    "--inference": ("builds a model without optimizer for the text-generation tools; pretraining "
+                    "always trains; remove the flag"),
+    "--batch-size": "--batch-size argument is no longer valid, use --micro-batch-size instead",
+    "--warmup": "--warmup argument is no longer valid, use --lr-warmup-fraction instead",
+    "--model-parallel-size": ("--model-parallel-size is no longer valid, use "
+                              "--tensor-model-parallel-size instead"),
+    "--cpu-optimizer": ("CPU optimizers are not supported (the seed raised NotImplementedError); "
+                        "offload through the ds_config's zero_optimization.offload_optimizer"),
+    "--cpu_torch_adam": f"{_SEED_NO_OP} (optimizer offload is set in the ds_config)",
+    "--zero-reduce-scatter": _zero_block("reduce_scatter"),
+    "--zero-contigious-gradients": _zero_block("contiguous_gradients"),
+    "--zero-reduce-bucket-size": _zero_block("reduce_bucket_size"),
+    "--zero-allgather-bucket-size": _zero_block("allgather_bucket_size"),
+    "--remote-device": _ZERO3,
+    "--use-pin-memory": _ZERO3,
+    "--scattered-embeddings": _SEED_NO_OP,
+    "--memory-centric-tiled-linear": _SEED_NO_OP,
+    "--tile-factor": _SEED_NO_OP,
+    "--split-transformers": _SEED_NO_OP,
+    "--contigious-checkpointing": _CHECKPOINTING,
+    "--checkpoint-in-cpu": _CHECKPOINTING,
+    "--synchronize-each-layer": _CHECKPOINTING,
+    "--profile-backward": _CHECKPOINTING,
+    "--fp16-lm-cross-entropy": "the loss is always computed in fp32; remove the flag",
+    "--no-save-optim": ("the DeepSpeed engine always saves the optimizer state (the seed's flag worked "
+                        "only without DeepSpeed); remove the flag"),
+    "--accumulate-allreduce-grads-in-fp32": (
+        "is an option of Megatron's own DDP, which is not used; with DeepSpeed set "
+        "data_types.grad_accum_dtype in the ds_config (\"fp32\" by default with --bf16)"),
+    "--DDP-impl": _OWN_DDP,
+    "--use-contiguous-buffers-in-ddp": _OWN_DDP,
+    "--num-layers-per-virtual-pipeline-stage": _OWN_PIPELINE,
+    "--no-scatter-gather-tensors-in-pipeline": _OWN_PIPELINE,
+    "--adlr-autoresume": ("NVIDIA's ADLR cluster autoresume is not supported; stop with "
+                          "--exit-duration-in-mins or --kill-switch-path and resume with --load"),
+    "--adlr-autoresume-interval": "NVIDIA's ADLR cluster autoresume is not supported; remove the flag",
+    "--deepspeed_mpi": ("MPI discovery is not supported; launch with deepspeed, torchrun, "
+                        "python -m torch.distributed.launch or srun"),
+}
+
+_MODEL_TYPE_FLAGS = {
+    "BERT": ("--bert-no-binary-head", "--mask-prob", "--short-seq-prob", "--sample-rate"),
+    "T5/MLM": ("--vocab-extra-ids", "--decoder-seq-length", "--noise-density", "--mean-noise-span-length"),
+    "prefix-LM/MTF": ("--loss-on-targets-only", "--reweight-loss-based-on-position-frequency",
+                      "--norm-target-loss"),
+    "ICT/biencoder/REALM": (
+        "--retriever-seq-length", "--ict-head-size", "--biencoder-projection-dim",
+        "--biencoder-shared-query-context-model", "--ict-load", "--bert-load", "--titles-data-path",
+        "--query-in-block-prob", "--use-one-sent-docs", "--evidence-data-path",
+        "--retriever-report-topk-accuracies", "--retriever-score-scaling", "--block-data-path",
+        "--embedding-path", "--indexer-batch-size", "--indexer-log-interval"),
+    "ViT": ("--init-method-xavier-uniform", "--num-classes", "--img-dim", "--num-channels", "--patch-dim"),
+}
+REJECTED_FLAGS = {
+    **_SPECIFIC_REASONS,
+    **{flag: f"is a {model_type}-only flag; {_OTHER_MODEL}"
+       for model_type, flags in _MODEL_TYPE_FLAGS.items() for flag in flags},
+}
+
+
+def add_rejected_flags(parser) -> None:
+    """Register every flag of REJECTED_FLAGS so that giving it raises ArgumentError with its reason."""
+    group = parser.add_argument_group(
+        "refused", "seed flags that are recognised and refused with a reason (hidden; the table is in "
+                   "megatron/training/argument_rejections.py)")
+    for flag, reason in REJECTED_FLAGS.items():
+        dest = "rejected_" + flag.lstrip("-").replace("-", "_")
+        group.add_argument(flag, dest=dest, action=RejectedFlag, reason=reason)

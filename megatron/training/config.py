@@ -1,0 +1,428 @@
+"""TrainConfig: the parsed and validated flags as frozen dataclasses, derived once (DESIGN.md principle 2).
+
+    args = parse_args()                                 # megatron/training/arguments.py
+    tokenizer = build_tokenizer(args.tokenizer_type, ...)
+    config = build_config(args, tokenizer.vocab_size)   # everything below receives typed config
+
+``build_config`` pads the vocabulary (megatron.core.tokenizer.vocab_size_with_padding: to
+--pad-vocab-size-to, else to a multiple of --make-vocab-size-divisible-by x TP) and checks it
+splits over TP. Values that the ds_config decides (batch sizes, precision, ZeRO stage, gradient
+clipping, loss scaling) are read from the final ds_config, so config and engine cannot disagree.
+Learning-rate lengths are resolved to samples (the seed's AnnealingLR "steps").
+"""
+import copy
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from megatron.core.data.data_paths import (DEFAULT_SPLIT, parse_data_path, parse_split,
+                                           parse_weighted_split_paths, read_weighted_split_paths_file)
+from megatron.core.data.gpt_dataset import GPTDatasetConfig
+from megatron.core.models.gpt.config import GPTModelConfig
+from megatron.core.tokenizer import vocab_size_with_padding
+from megatron.training.argument_types import ArgumentError
+
+DEFAULT_PP_PARTITION_METHOD = "type:transformer"
+DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "fp16": "fp16", "float16": "fp16",
+               "half": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Layout of the job.
+
+    Attributes:
+        tensor_model_parallel_size: TP degree (--tensor-model-parallel-size).
+        pipeline_model_parallel_size: PP degree (--pipeline-model-parallel-size).
+        data_parallel_size: DP = world_size / (TP x PP).
+        world_size: number of processes, from the launcher's environment.
+        rank: this process's global rank.
+        local_rank: rank on this node (selects the GPU).
+        master_addr: rendezvous host.
+        master_port: rendezvous port.
+        launcher: what started the process (launch_env.LaunchEnv.source).
+        distributed_backend: the backend used: --distributed-backend, or gloo without CUDA.
+        zero_stage: the ZeRO stage DeepSpeed runs (ds_config zero_optimization.stage).
+        pp_partition_method: PipelineModule partition method (--pp-partition-method).
+    """
+
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    data_parallel_size: int
+    world_size: int
+    rank: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    launcher: str
+    distributed_backend: str
+    zero_stage: int
+    pp_partition_method: str
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Datasets, tokenizer and data loading.
+
+    Attributes:
+        dataset: the train/valid/test dataset description (Option 1 --data-path/--split or Option 2
+            weighted split groups); parse_args requires one, so None only when built from other args.
+        tokenizer_type: --tokenizer-type.
+        vocab_file: --vocab-file (GPT2BPETokenizer).
+        merge_file: --merge-file (GPT2BPETokenizer).
+        tokenizer_name_or_path: --tokenizer-name-or-path (PretrainedFromHF).
+        orig_vocab_size: the tokenizer's vocabulary before padding (kept for conversion tools).
+        dataloader_type: "single" (resumable, sequential) or "cyclic" (--dataloader-type).
+        num_workers: training DataLoader workers (--num-workers).
+        valid_num_workers: validation DataLoader workers (--valid-num-workers).
+        eod_mask_loss: no loss on EOD tokens (--eod-mask-loss).
+        reset_position_ids: position ids restart after each EOD (--reset-position-ids).
+        reset_attention_mask: no attention across EOD (--reset-attention-mask).
+    """
+
+    dataset: GPTDatasetConfig | None
+    tokenizer_type: str
+    vocab_file: str | None
+    merge_file: str | None
+    tokenizer_name_or_path: str | None
+    orig_vocab_size: int
+    dataloader_type: str
+    num_workers: int
+    valid_num_workers: int
+    eod_mask_loss: bool
+    reset_position_ids: bool
+    reset_attention_mask: bool
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Optimizer hyper-parameters.
+
+    Attributes:
+        optimizer: "adam" (Adam with decoupled weight decay, the seed's meaning) or "sgd".
+        lr: peak learning rate (--lr).
+        min_lr: learning-rate floor (--min-lr).
+        weight_decay: decoupled weight decay, not applied to biases and norm weights (--weight-decay).
+        adam_beta1, adam_beta2, adam_eps: Adam's beta1, beta2 and epsilon.
+        sgd_momentum: SGD momentum (--sgd-momentum).
+        clip_grad: global L2 clipping DeepSpeed applies: ds_config gradient_clipping, else --clip-grad.
+    """
+
+    optimizer: str
+    lr: float | None
+    min_lr: float
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+    sgd_momentum: float
+    clip_grad: float
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """Batch sizes, length of training, learning-rate schedule, evaluation and exit conditions.
+
+    Attributes:
+        micro_batch_size: samples per GPU per micro step.
+        global_batch_size: samples per optimizer step after the rampup (ds_config train_batch_size).
+        rampup_batch_size: (start, increment, ramp samples) of --rampup-batch-size, or None.
+        train_iters: iterations to train (--train-iters), None for sample-based training.
+        train_samples: samples to train (--train-samples), None for iteration-based training.
+        train_tokens: also stop once this many tokens are consumed (--train-tokens), or None.
+        lr_decay_style: "constant", "linear", "cosine" or "inverse-square-root".
+        lr_warmup_steps: warmup length in samples (iterations x global batch, samples, or a fraction
+            of the decay length; a float in the last case, as in the seed).
+        lr_decay_steps: decay length in samples.
+        lr_warmup_tokens: warmup length in tokens (--lr-warmup-tokens), or None.
+        lr_decay_tokens: decay length in tokens, replacing the sample decay (--lr-decay-tokens), or None.
+        eval_interval: iterations between evaluations.
+        eval_iters: iterations per evaluation; 0 disables validation and test.
+        eval_only: skip training and only evaluate (--eval-only).
+        log_interval: iterations between log lines.
+        exit_interval: save and exit at multiples of this iteration, or None.
+        exit_duration_in_mins: save and exit after this many minutes, or None.
+        kill_switch_path: save and exit when this file exists, or None.
+    """
+
+    micro_batch_size: int
+    global_batch_size: int
+    rampup_batch_size: tuple[int, int, int] | None
+    train_iters: int | None
+    train_samples: int | None
+    train_tokens: int | None
+    lr_decay_style: str
+    lr_warmup_steps: int | float
+    lr_decay_steps: int
+    lr_warmup_tokens: int | None
+    lr_decay_tokens: int | None
+    eval_interval: int
+    eval_iters: int
+    eval_only: bool
+    log_interval: int
+    exit_interval: int | None
+    exit_duration_in_mins: int | None
+    kill_switch_path: str | None
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Saving and resuming.
+
+    Attributes:
+        save: directory to save to, or None.
+        load: directory to resume from, or None.
+        save_interval: iterations between saves (required with save).
+        no_load_optim: do not load optimizer and LR-scheduler states.
+        no_load_rng: do not load the RNG states.
+        no_save_rng: do not save the RNG states.
+        finetune: load the weights and restart at iteration 0.
+    """
+
+    save: str | None
+    load: str | None
+    save_interval: int | None
+    no_load_optim: bool
+    no_load_rng: bool
+    no_save_rng: bool
+    finetune: bool
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """Logs, TensorBoard and emissions.
+
+    Attributes:
+        tensorboard_dir: TensorBoard output directory, or None.
+        tensorboard_log_interval: iterations between TensorBoard scalars.
+        tensorboard_queue_size: SummaryWriter max_queue.
+        log_timers_to_tensorboard: write time/* and iteration-time/*.
+        log_batch_size_to_tensorboard: write batch-size/*.
+        log_learning_rate_to_tensorboard: write learning-rate/* (off with --no-log-learnig-rate-to-tensorboard).
+        log_loss_scale_to_tensorboard: write loss-scale/*.
+        log_validation_ppl_to_tensorboard: also write validation perplexity.
+        log_params_norm: log the L2 norm of the parameters.
+        log_num_zeros_in_grad: log the number of zero gradients.
+        codecarbon_dir: codecarbon output directory (offline tracking), or None.
+        log_level: log level of rank 0, or None for the default.
+        log_level_replica: log level of the other ranks, or None.
+        log_path: directory for the arguments listing (arguments.write_args_listing), or None.
+    """
+
+    tensorboard_dir: str | None
+    tensorboard_log_interval: int
+    tensorboard_queue_size: int
+    log_timers_to_tensorboard: bool
+    log_batch_size_to_tensorboard: bool
+    log_learning_rate_to_tensorboard: bool
+    log_loss_scale_to_tensorboard: bool
+    log_validation_ppl_to_tensorboard: bool
+    log_params_norm: bool
+    log_num_zeros_in_grad: bool
+    codecarbon_dir: str | None
+    log_level: str | None
+    log_level_replica: str | None
+    log_path: str | None
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Numeric precision as DeepSpeed runs it (from the final ds_config).
+
+    Attributes:
+        fp16: fp16 parameters with dynamic (or static) loss scaling.
+        bf16: bf16 parameters.
+        params_dtype: torch dtype of the parameters (float16, bfloat16 or float32).
+        loss_scale: static loss scale, None when dynamic or without fp16.
+        initial_loss_scale: first dynamic scale (2**fp16.initial_scale_power), None without fp16.
+        min_loss_scale: floor of the dynamic scale, None without fp16.
+        loss_scale_window: iterations without overflow before the scale doubles, None without fp16.
+        hysteresis: overflows tolerated before the scale halves, None without fp16.
+        grad_accum_dtype: dtype gradients accumulate in: "fp32", "bf16" or "fp16".
+    """
+
+    fp16: bool
+    bf16: bool
+    params_dtype: torch.dtype
+    loss_scale: float | None
+    initial_loss_scale: float | None
+    min_loss_scale: float | None
+    loss_scale_window: float | None
+    hysteresis: int | None
+    grad_accum_dtype: str
+
+
+@dataclass(frozen=True)
+class DeepSpeedSettings:
+    """The DeepSpeed engine's configuration.
+
+    Attributes:
+        config_path: --deepspeed_config, or None when the config was built from the flags.
+        config: the final ds_config (checked and completed by argument_ds_config.py).
+    """
+
+    config_path: str | None
+    config: dict
+
+    def config_for_initialize(self) -> dict:
+        """A private copy for ``deepspeed.initialize(config=...)``, which may modify what it gets."""
+        return copy.deepcopy(self.config)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything the trainer needs, derived once from the flags.
+
+    Attributes:
+        model: the GPT model (padded vocabulary included).
+        parallel, data, optimizer, schedule, checkpoint, logging, precision, deepspeed: see each class.
+        abort_on_unmet_fused_kernel_constraints: fail instead of falling back to the reference path
+            when a fused kernel cannot serve the configured shapes on GPU.
+        notices: the one-line notices printed while parsing (flags overridden by the ds_config,
+            gloo instead of nccl, fp32 gradient accumulation with bf16, ...).
+    """
+
+    model: GPTModelConfig
+    parallel: ParallelConfig
+    data: DataConfig
+    optimizer: OptimizerConfig
+    schedule: ScheduleConfig
+    checkpoint: CheckpointConfig
+    logging: LoggingConfig
+    precision: PrecisionConfig
+    deepspeed: DeepSpeedSettings
+    abort_on_unmet_fused_kernel_constraints: bool
+    notices: tuple[str, ...]
+
+
+def model_config_from_args(args, padded_vocab_size: int) -> GPTModelConfig:
+    """GPTModelConfig from the parsed flags: fields matched by name, then the renamed ones."""
+    renamed = {"padded_vocab_size": padded_vocab_size,
+               "distribute_checkpointed_activations": bool(args.distribute_checkpointed_activations
+                                                           or args.partition_activations),
+               "use_cpu_initialization": bool(args.use_cpu_initialization)}
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(GPTModelConfig)
+              if f.name not in renamed and hasattr(args, f.name)}
+    return GPTModelConfig(**values, **renamed)
+
+
+def _weighted_groups(args, split):
+    inline = getattr(args, f"{split}_weighted_split_paths")
+    path = getattr(args, f"{split}_weighted_split_paths_path")
+    if inline:
+        return parse_weighted_split_paths(inline, f"--{split}-weighted-split-paths")
+    if path:
+        return read_weighted_split_paths_file(path, f"--{split}-weighted-split-paths-path")
+    return ()
+
+
+def dataset_config_from_args(args) -> GPTDatasetConfig | None:
+    """GPTDatasetConfig from the data flags (files of the -path flags are read), None without data."""
+    groups = {split: _weighted_groups(args, split) for split in ("train", "valid", "test")}
+    if not args.data_path and not any(groups.values()):
+        return None
+    return GPTDatasetConfig(
+        seq_length=args.seq_length, seed=args.seed,
+        data_path=parse_data_path(args.data_path) if args.data_path else (),
+        split=parse_split(args.split or DEFAULT_SPLIT),
+        train_groups=groups["train"], valid_groups=groups["valid"], test_groups=groups["test"],
+        data_impl=args.data_impl, mmap_warmup=args.mmap_warmup, data_cache_path=args.data_cache_path)
+
+
+def lr_lengths_in_samples(args):
+    """(warmup, decay) in samples, the seed's AnnealingLR steps (after parse_args: global batch known)."""
+    if args.train_iters is not None:
+        decay = (args.lr_decay_iters or args.train_iters) * args.global_batch_size
+        warmup = args.lr_warmup_iters * args.global_batch_size
+    else:
+        decay = args.lr_decay_samples or args.train_samples
+        warmup = args.lr_warmup_samples
+    if args.lr_warmup_fraction is not None:
+        warmup = args.lr_warmup_fraction * decay
+    return warmup, decay
+
+
+def _schedule_config(args):
+    warmup, decay = lr_lengths_in_samples(args)
+    return ScheduleConfig(
+        micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+        rampup_batch_size=tuple(args.rampup_batch_size) if args.rampup_batch_size else None,
+        train_iters=args.train_iters, train_samples=args.train_samples, train_tokens=args.train_tokens,
+        lr_decay_style=args.lr_decay_style, lr_warmup_steps=warmup, lr_decay_steps=decay,
+        lr_warmup_tokens=args.lr_warmup_tokens, lr_decay_tokens=args.lr_decay_tokens,
+        eval_interval=args.eval_interval, eval_iters=args.eval_iters, eval_only=bool(args.eval_only),
+        log_interval=args.log_interval, exit_interval=args.exit_interval,
+        exit_duration_in_mins=args.exit_duration_in_mins, kill_switch_path=args.kill_switch_path)
+
+
+def _precision_config(args, ds_config):
+    fp16 = ds_config["fp16"]
+    accum = ds_config.get("data_types", {}).get("grad_accum_dtype")
+    model_dtype = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
+    scaled = args.fp16
+    return PrecisionConfig(
+        fp16=args.fp16, bf16=args.bf16, params_dtype=args.params_dtype,
+        loss_scale=(float(fp16["loss_scale"]) or None) if scaled else None,
+        initial_loss_scale=2.0 ** fp16["initial_scale_power"] if scaled else None,
+        min_loss_scale=fp16["min_loss_scale"] if scaled else None,
+        loss_scale_window=fp16["loss_scale_window"] if scaled else None,
+        hysteresis=fp16["hysteresis"] if scaled else None,
+        grad_accum_dtype=DTYPE_NAMES.get(str(accum).lower(), model_dtype) if accum else model_dtype)
+
+
+def _parallel_config(args):
+    return ParallelConfig(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        data_parallel_size=args.data_parallel_size, world_size=args.world_size, rank=args.rank,
+        local_rank=args.local_rank, master_addr=args.master_addr, master_port=args.master_port,
+        launcher=args.launcher, distributed_backend=args.distributed_backend,
+        zero_stage=args.deepspeed_config_dict["zero_optimization"]["stage"],
+        pp_partition_method=args.pp_partition_method or DEFAULT_PP_PARTITION_METHOD)
+
+
+def _data_config(args, tokenizer_vocab_size):
+    return DataConfig(
+        dataset=dataset_config_from_args(args), tokenizer_type=args.tokenizer_type,
+        vocab_file=args.vocab_file, merge_file=args.merge_file,
+        tokenizer_name_or_path=args.tokenizer_name_or_path, orig_vocab_size=tokenizer_vocab_size,
+        dataloader_type=args.dataloader_type or "single", num_workers=args.num_workers,
+        valid_num_workers=args.valid_num_workers, eod_mask_loss=args.eod_mask_loss,
+        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask)
+
+
+def _fields_from_args(cls, args, **overrides):
+    names = [f.name for f in dataclasses.fields(cls) if f.name not in overrides]
+    return cls(**{name: getattr(args, name) for name in names}, **overrides)
+
+
+def padded_vocab_size(args, tokenizer_vocab_size: int) -> int:
+    """The embedding's row count for this vocabulary under the flags (seed's padding rules)."""
+    try:
+        return vocab_size_with_padding(tokenizer_vocab_size, args.make_vocab_size_divisible_by,
+                                       args.tensor_model_parallel_size, args.pad_vocab_size_to)
+    except ValueError as exc:
+        raise ArgumentError(str(exc)) from None
+
+
+def build_config(args, tokenizer_vocab_size: int) -> TrainConfig:
+    """The TrainConfig of flags parsed by arguments.parse_args and a tokenizer of this vocabulary size."""
+    model = model_config_from_args(args, padded_vocab_size(args, tokenizer_vocab_size))
+    try:
+        model.validate_for_tensor_parallel(args.tensor_model_parallel_size)
+    except ValueError as exc:
+        raise ArgumentError(str(exc)) from None
+    ds_config = args.deepspeed_config_dict
+    return TrainConfig(
+        model=model, parallel=_parallel_config(args), data=_data_config(args, tokenizer_vocab_size),
+        optimizer=_fields_from_args(OptimizerConfig, args, clip_grad=float(ds_config["gradient_clipping"])),
+        schedule=_schedule_config(args),
+        checkpoint=_fields_from_args(CheckpointConfig, args, no_load_optim=bool(args.no_load_optim),
+                                     no_load_rng=bool(args.no_load_rng), no_save_rng=bool(args.no_save_rng)),
+        logging=_fields_from_args(LoggingConfig, args),
+        precision=_precision_config(args, ds_config),
+        deepspeed=DeepSpeedSettings(config_path=args.deepspeed_config or args.deepscale_config,
+                                    config=copy.deepcopy(ds_config)),
+        abort_on_unmet_fused_kernel_constraints=args.abort_on_unmet_fused_kernel_constraints,
+        notices=tuple(args.notices))

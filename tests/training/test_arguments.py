@@ -1,0 +1,572 @@
+"""parse_args: notations, refused flags, cross-flag validation, launch env, CPU rules, CLI surface."""
+import json
+import os
+
+import pytest
+
+from megatron.training.argument_rejections import REJECTED_FLAGS
+from megatron.training.arguments import (ArgumentError, build_parser, format_args, parse_args, parse_args_or_exit,
+                                         write_args_listing)
+
+DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+CLI_SURFACE_FILE = os.path.join(DATA_DIR, "cli_surface.txt")
+
+BASE = {"--num-layers": "2", "--hidden-size": "64", "--num-attention-heads": "4", "--micro-batch-size": "2",
+        "--seq-length": "32", "--max-position-embeddings": "32", "--train-samples": "1000", "--lr": "1e-3",
+        "--data-path": "/data/corpus_text_document", "--vocab-file": "vocab.json", "--merge-file": "merges.txt"}
+
+
+def argv(extra=(), drop=()):
+    """BASE without the flags in ``drop``, then ``extra`` (a later flag repeats win in argparse)."""
+    out = []
+    for flag, value in BASE.items():
+        if flag not in drop:
+            out += [flag, value]
+    return out + list(extra)
+
+
+def world(size, rank=0):
+    """The environment torchrun gives rank ``rank`` of a one-node job of ``size`` processes."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "test"}
+
+
+def parse(extra=(), drop=(), env=None, cuda=False):
+    return parse_args(argv(extra, drop), env=env or {}, cuda_available=cuda)
+
+
+def error(extra=(), drop=(), env=None, cuda=False):
+    with pytest.raises(ArgumentError) as info:
+        parse(extra, drop, env, cuda)
+    return str(info.value)
+
+
+# ---- notations and value types -------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, value", [("6_000_000", 6_000_000), ("10e6", 10_000_000), ("2e3", 2000),
+                                         ("1024", 1024), ("1_0e3", 10_000)])
+def test_integer_notations_of_the_seed_scripts(text, value):
+    assert parse(["--train-samples", text]).train_samples == value
+
+
+@pytest.mark.parametrize("text", ["1.5", "1e-3", "ten", "inf"])
+def test_integer_flag_refuses_non_integers_naming_the_flag(text):
+    message = error(["--train-samples", text])
+    assert "--train-samples" in message and text in message
+
+
+def test_float_and_rampup_notations():
+    args = parse(["--lr", "6e-5", "--min-lr", "6e-6", "--rampup-batch-size", "2", "2", "9_765_625",
+                  "--global-batch-size", "8"])
+    assert (args.lr, args.min_lr, args.rampup_batch_size) == (6e-5, 6e-6, [2, 2, 9_765_625])
+
+
+@pytest.mark.parametrize("words, value", [(["true"], True), (["True"], True), (["1"], True), ([], True),
+                                          (["false"], False), (["0"], False), (["no"], False)])
+def test_eval_only_reads_booleans(words, value):
+    assert parse(["--eval-only", *words]).eval_only is value
+
+
+def test_type_bool_flags_refuse_other_words():
+    assert "--onnx-safe" in error(["--onnx-safe", "maybe"])
+    assert parse(["--onnx-safe", "false"]).onnx_safe is False
+    assert parse(["--lazy-mpu-init", "false"]).lazy_mpu_init is False
+    assert "--lazy-mpu-init" in error(["--lazy-mpu-init", "true"])
+
+
+def test_unknown_flag_and_abbreviation_are_errors():
+    assert "unrecognized arguments: --no-such-flag" in error(["--no-such-flag"])
+    assert "unrecognized arguments" in error(["--num-lay", "2"])
+
+
+# ---- refused flags -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flag", sorted(REJECTED_FLAGS))
+def test_refused_flag_gives_its_reason(flag):
+    message = error([flag, "1"])
+    assert message == f"{flag}: {REJECTED_FLAGS[flag]}"
+
+
+@pytest.mark.parametrize("extra", [["--skip-train-iteration-range", "10-20", "30-40"], ["--override-lr-scheduler"],
+                                   ["--use-checkpoint-lr-scheduler"], ["--use-bnb-optimizer"],
+                                   ["--universal-checkpoint"], ["--reset-progress"]])
+def test_long_run_features_are_not_available_yet(extra):
+    assert "not available yet" in error(extra)
+
+
+@pytest.mark.parametrize("flag, seed_message", [
+    ("--batch-size", "--batch-size argument is no longer valid, use --micro-batch-size instead"),
+    ("--warmup", "--warmup argument is no longer valid, use --lr-warmup-fraction instead"),
+    ("--model-parallel-size", "--model-parallel-size is no longer valid, use --tensor-model-parallel-size instead"),
+])
+def test_deprecated_flags_keep_the_seed_messages(flag, seed_message):
+    assert seed_message in error([flag, "4"])
+
+
+def test_refused_flags_are_hidden_from_help_and_namespace():
+    parser = build_parser()
+    assert "--cpu-optimizer" not in parser.format_help()
+    assert not any(name.startswith("rejected_") for name in vars(parse()))
+
+
+# ---- validation: each rule names its flags -------------------------------------------------------
+
+VALIDATION_CASES = {
+    "train both units": (["--train-iters", "10"], (), None, ["--train-iters", "--train-samples"]),
+    "train no unit": ([], ["--train-samples"], None, ["--train-iters", "--train-samples"]),
+    "iters + decay samples": (["--train-iters", "10", "--lr-decay-samples", "5"], ["--train-samples"], None,
+                              ["--lr-decay-samples", "--train-iters"]),
+    "iters + warmup samples": (["--train-iters", "10", "--lr-warmup-samples", "5"], ["--train-samples"], None,
+                               ["--lr-warmup-samples", "--train-iters"]),
+    "iters + rampup": (["--train-iters", "10", "--rampup-batch-size", "2", "2", "10"], ["--train-samples"], None,
+                       ["--rampup-batch-size", "--train-iters"]),
+    "samples + decay iters": (["--lr-decay-iters", "5"], (), None, ["--lr-decay-iters", "--train-samples"]),
+    "samples + warmup iters": (["--lr-warmup-iters", "5"], (), None, ["--lr-warmup-iters", "--train-samples"]),
+    "fraction + warmup samples": (["--lr-warmup-fraction", "0.1", "--lr-warmup-samples", "5"], (), None,
+                                  ["--lr-warmup-fraction", "--lr-warmup-samples"]),
+    "tokens + fraction": (["--lr-warmup-tokens", "100", "--lr-warmup-fraction", "0.1"], (), None,
+                          ["--lr-warmup-tokens", "--lr-warmup-fraction"]),
+    "fraction 1": (["--lr-warmup-fraction", "1"], (), None, ["--lr-warmup-fraction"]),
+    "warmup >= decay": (["--lr-warmup-samples", "600", "--lr-decay-samples", "500"], (), None,
+                        ["--lr-warmup-samples", "--lr-decay-samples"]),
+    "inverse sqrt without warmup": (["--lr-decay-style", "inverse-square-root"], (), None,
+                                    ["--lr-decay-style inverse-square-root", "--lr-warmup-samples"]),
+    "min lr > lr": (["--min-lr", "0.1"], (), None, ["--min-lr", "--lr"]),
+    "save without interval": (["--save", "/tmp/ckpt"], (), None, ["--save", "--save-interval"]),
+    "missing required": ([], ["--num-layers", "--seq-length"], None, ["--num-layers", "--seq-length"]),
+    "missing lr": ([], ["--lr"], None, ["--lr"]),
+    "seq and encoder seq": (["--encoder-seq-length", "32"], (), None, ["--seq-length", "--encoder-seq-length"]),
+    "global batch not divisible": (["--global-batch-size", "6"], (), world(2),
+                                   ["--global-batch-size 6", "--micro-batch-size 2", "data-parallel size 2", "4"]),
+    "rampup step not divisible": (["--global-batch-size", "16", "--rampup-batch-size", "2", "2", "100"], (), world(2),
+                                  ["--rampup-batch-size", "--micro-batch-size 2", "2, 6, 10"]),
+    "rampup does not reach": (["--global-batch-size", "16", "--rampup-batch-size", "4", "8", "100"], (), None,
+                              ["--rampup-batch-size", "--global-batch-size 16"]),
+    "world vs tp x pp": (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], (), world(6),
+                         ["world size 6", "--tensor-model-parallel-size", "--pipeline-model-parallel-size"]),
+    "seq > max positions": (["--seq-length", "64"], (), None, ["--max-position-embeddings", "--seq-length"]),
+    "alibi seq > max positions": (["--position-embedding-type", "alibi", "--seq-length", "64"], (), None,
+                                  ["--max-position-embeddings", "--seq-length", "alibi"]),
+    "rotary with max positions": (["--position-embedding-type", "rotary"], (), None,
+                                  ["--max-position-embeddings", "rotary"]),
+    "fp16 with bf16": (["--fp16", "--bf16"], (), None, ["--fp16", "--bf16"]),
+    "zero 2 with pp": (["--pipeline-model-parallel-size", "2", "--zero-stage", "2"], (), world(2),
+                       ["--zero-stage", "--pipeline-model-parallel-size"]),
+    "zero 3": (["--zero-stage", "3"], (), None, ["--zero-stage", "stage 3"]),
+    "glu with fusion": (["--glu-activation", "swiglu"], (), None, ["--glu-activation", "--no-bias-gelu-fusion"]),
+    "data path and weighted": (["--train-weighted-split-paths", "T: 1 0:1 /d/a"], (), None,
+                               ["--data-path", "--train-weighted-split-paths"]),
+    "split with weighted": (["--train-weighted-split-paths", "T: 1 0:1 /d/a", "--split", "98,2,0"], ["--data-path"],
+                            None, ["--split", "weighted"]),
+    "valid weighted without train": (["--valid-weighted-split-paths", "V: 1 0:1 /d/a"], ["--data-path"], None,
+                                     ["--valid-weighted-split-paths", "--train-weighted-split-paths"]),
+    "no data": ([], ["--data-path"], None, ["--data-path", "--train-weighted-split-paths"]),
+    "bad data path pairs": (["--data-path", "0.5", "/d/a", "0.5"], (), None, ["--data-path"]),
+    "heads not divisible by tp": (["--tensor-model-parallel-size", "3", "--num-attention-heads", "4"], (), world(3),
+                                  ["--num-attention-heads", "--tensor-model-parallel-size"]),
+    "ffn not divisible by tp": (["--tensor-model-parallel-size", "4", "--ffn-hidden-size", "130"], (), world(4),
+                                ["--ffn-hidden-size", "--tensor-model-parallel-size"]),
+    "padded vocab not divisible by tp": (["--tensor-model-parallel-size", "3", "--num-attention-heads", "3",
+                                          "--hidden-size", "48", "--pad-vocab-size-to", "256"], (), world(3),
+                                         ["--pad-vocab-size-to", "--tensor-model-parallel-size"]),
+    "pad vocab not multiple": (["--pad-vocab-size-to", "300"], (), None,
+                               ["--pad-vocab-size-to", "--make-vocab-size-divisible-by"]),
+    "hidden not divisible by heads": (["--num-attention-heads", "3"], (), None, ["--hidden-size", "--kv-channels"]),
+    "partition without checkpointing": (["--partition-activations"], (), None,
+                                        ["--partition-activations", "--checkpoint-activations"]),
+    "bert tokenizer": (["--tokenizer-type", "BertWordPieceCase"], (), None, ["--tokenizer-type", "BERT"]),
+    "gpt2 tokenizer without files": ([], ["--merge-file"], None, ["--vocab-file", "--merge-file"]),
+    "hf tokenizer without path": (["--tokenizer-type", "PretrainedFromHF"], (), None, ["--tokenizer-name-or-path"]),
+    "legacy data impl": (["--data-impl", "lazy"], (), None, ["--data-impl"]),
+    "bad partition method": (["--pp-partition-method", "bogus"], (), None, ["--pp-partition-method"]),
+    "non-positive interval": (["--log-interval", "0"], (), None, ["--log-interval"]),
+    "beta out of range": (["--adam-beta2", "1.0"], (), None, ["--adam-beta2"]),
+    "negative min lr": (["--min-lr", "-1"], (), None, ["--min-lr"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(VALIDATION_CASES))
+def test_validation_error_names_the_flags(case):
+    extra, drop, env, words = VALIDATION_CASES[case]
+    message = error(extra, drop, env)
+    for word in words:
+        assert word in message, f"{case}: {word!r} missing from {message!r}"
+
+
+def test_valid_rampup_and_defaults():
+    args = parse(["--global-batch-size", "16", "--rampup-batch-size", "4", "4", "100"], env=world(2))
+    assert (args.world_size, args.data_parallel_size, args.global_batch_size) == (2, 2, 16)
+    defaults = parse()
+    assert (defaults.global_batch_size, defaults.ffn_hidden_size, defaults.kv_channels) == (2, 256, 16)
+    assert defaults.tokenizer_type == "GPT2BPETokenizer" and defaults.zero_stage == 0
+
+
+def test_fp16_is_refused_on_cpu_and_accepted_with_cuda():
+    message = error(["--fp16"])
+    assert "--fp16" in message and "CPU" in message and "--bf16" in message
+    assert parse(["--fp16"], cuda=True).fp16
+
+
+def test_backend_rule_on_cpu_prints_one_notice(capsys):
+    args = parse(["--distributed-backend", "nccl"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if "--distributed-backend" in line]
+    assert args.distributed_backend == "gloo" and len(lines) == 1
+    assert parse(cuda=True).distributed_backend == "nccl"
+    assert parse(["--distributed-backend", "gloo"], cuda=True).distributed_backend == "gloo"
+
+
+def test_notices_print_on_rank_0_only(capsys):
+    parse(env=world(2, rank=1))
+    assert capsys.readouterr().out == ""
+    args = parse(env=world(2, rank=0))
+    assert capsys.readouterr().out.count("notice: ") == len(args.notices) >= 1
+
+
+# ---- launchers through parse_args ----------------------------------------------------------------
+
+@pytest.mark.parametrize("spelling", ["--local_rank", "--local-rank"])
+def test_torch_distributed_launch_local_rank_spellings(spelling):
+    args = parse([f"{spelling}=1"], env={**world(2, rank=1)})
+    assert (args.rank, args.local_rank, args.world_size, args.launcher) == (1, 1, 2, "torch.distributed.launch")
+
+
+def test_slurm_ranks_and_parallel_sizes():
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "gpu[3-6]"}
+    args = parse(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], env=env)
+    assert (args.rank, args.world_size, args.local_rank, args.data_parallel_size) == (5, 8, 1, 2)
+    assert (args.master_addr, args.launcher, args.global_batch_size) == ("gpu3", "slurm", 4)
+
+
+def test_explicit_flags_are_the_dests_given():
+    args = parse(["--clip-grad", "1.0", "--no-bias-gelu-fusion", "--deepspeed"])
+    assert {"clip_grad", "bias_gelu_fusion", "deepspeed", "num_layers"} <= args.explicit_flags
+    assert not {"weight_decay", "fp16", "global_batch_size"} & args.explicit_flags
+
+
+# ---- entry-point helpers -------------------------------------------------------------------------
+
+def test_parse_args_or_exit_prints_the_error(capsys, monkeypatch):
+    monkeypatch.setattr("os.environ", {})
+    with pytest.raises(SystemExit) as info:
+        parse_args_or_exit(argv(["--batch-size", "8"]))
+    assert info.value.code == 2
+    assert "error: --batch-size: --batch-size argument is no longer valid" in capsys.readouterr().err
+
+
+def test_args_listing_is_sorted_and_written(tmp_path):
+    args = parse()
+    text = format_args(args)
+    names = [line.split()[0] for line in text.splitlines()[1:-1]]
+    assert names == sorted(names) and "micro_batch_size" in names
+    path = write_args_listing(args, str(tmp_path / "logs"))
+    assert os.path.basename(path).startswith("args_") and open(path).read() == text
+    assert os.listdir(tmp_path / "logs") == [os.path.basename(path)]
+
+
+# ---- CLI surface ---------------------------------------------------------------------------------
+
+def current_cli_surface():
+    """One line per option string: "FLAG default=REPR", or "FLAG refused" for the refused flags."""
+    lines = []
+    for action in build_parser()._actions:
+        for option in action.option_strings:
+            if option in ("-h", "--help"):
+                continue
+            state = "refused" if option in REJECTED_FLAGS else f"default={action.default!r}"
+            lines.append(f"{option} {state}")
+    return sorted(lines)
+
+
+def test_cli_surface_is_frozen():
+    """Adding, removing, refusing a flag or changing a default must be a deliberate edit of cli_surface.txt."""
+    with open(CLI_SURFACE_FILE) as f:
+        frozen = [line.rstrip("\n") for line in f if line.strip() and not line.startswith("#")]
+    current = current_cli_surface()
+    added, removed = sorted(set(current) - set(frozen)), sorted(set(frozen) - set(current))
+    assert not added and not removed, (
+        f"the command line changed; review and update {CLI_SURFACE_FILE}\n new: {added}\n gone: {removed}")
+
+
+# ---- ds_config: loaded, compared with the given flags, completed ---------------------------------
+
+@pytest.fixture
+def ds_file(tmp_path):
+    """Write a ds_config (a dict as JSON, or raw text) and return its path."""
+    def write(config, name="ds_config.json"):
+        path = tmp_path / name
+        path.write_text(config if isinstance(config, str) else json.dumps(config))
+        return str(path)
+    return write
+
+
+def printed_notices(capsys):
+    return [line[len("notice: "):] for line in capsys.readouterr().out.splitlines() if line.startswith("notice: ")]
+
+
+def with_ds(path, *extra):
+    return ["--deepspeed", "--deepspeed_config", path, *extra]
+
+
+def test_bad_json_names_the_file_and_line(ds_file):
+    path = ds_file('{"train_batch_size": 8,\n "fp16": {enabled: true}}')
+    message = error(with_ds(path))
+    assert path in message and "line 2" in message and "--deepspeed_config" in message
+
+
+@pytest.mark.parametrize("content", [None, "[1, 2]"])
+def test_missing_or_non_object_config_names_the_file(ds_file, tmp_path, content):
+    path = ds_file(content) if content else str(tmp_path / "absent.json")
+    assert path in error(with_ds(path))
+
+
+def test_micro_batch_must_match(ds_file):
+    message = error(with_ds(ds_file({"train_micro_batch_size_per_gpu": 4})))
+    assert "--micro-batch-size 2" in message and "train_micro_batch_size_per_gpu 4" in message
+
+
+def test_global_batch_compared_only_when_given(ds_file):
+    path = ds_file({"train_batch_size": 16})
+    message = error(with_ds(path, "--global-batch-size", "8"))
+    assert "--global-batch-size 8" in message and "train_batch_size 16" in message
+    args = parse(with_ds(path), env=world(2))
+    assert args.global_batch_size == 16 and args.deepspeed_config_dict["train_batch_size"] == 16
+    assert "global_batch_size" not in args.explicit_flags
+
+
+def test_gradient_accumulation_steps_gives_or_checks_the_global_batch(ds_file):
+    path = ds_file({"gradient_accumulation_steps": 3})
+    assert parse(with_ds(path), env=world(2)).global_batch_size == 12
+    message = error(with_ds(path, "--global-batch-size", "8"), env=world(2))
+    assert "gradient_accumulation_steps 3" in message and "8" in message
+
+
+def test_auto_values_are_filled_from_the_flags(ds_file):
+    path = ds_file({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto",
+                    "gradient_accumulation_steps": "auto", "data_types": {"grad_accum_dtype": "auto"}})
+    config = parse(with_ds(path, "--global-batch-size", "8", "--clip-grad", "0.7")).deepspeed_config_dict
+    assert (config["train_batch_size"], config["train_micro_batch_size_per_gpu"], config["gradient_clipping"]) == (8, 2, 0.7)
+    assert "gradient_accumulation_steps" not in config and "data_types" not in config
+    bf16 = parse(with_ds(path, "--bf16")).deepspeed_config_dict
+    assert bf16["data_types"] == {"grad_accum_dtype": "fp32"}
+
+
+def test_precision_flags_against_the_config(ds_file, capsys):
+    assert "fp16.enabled is false" in error(with_ds(ds_file({"fp16": {"enabled": False}}), "--fp16"), cuda=True)
+    assert "--fp16" in error(with_ds(ds_file({"bf16": {"enabled": True}}), "--fp16"), cuda=True)
+    assert parse(with_ds(ds_file({"bf16": {"enabled": True}}), "--bf16")).bf16
+    capsys.readouterr()
+    adopted = parse(with_ds(ds_file({"bf16": {"enabled": True}})))
+    assert adopted.bf16 and str(adopted.params_dtype) == "torch.bfloat16"
+    assert sum("bf16.enabled" in n for n in printed_notices(capsys)) == 1
+    message = error(with_ds(ds_file({"fp16": {"enabled": True}})))
+    assert "--fp16" in message and "CPU" in message
+
+
+def test_zero_stage_against_the_config(ds_file):
+    message = error(with_ds(ds_file({"zero_optimization": {"stage": 0}}), "--zero-stage", "1"))
+    assert "--zero-stage 1" in message and "zero_optimization.stage 0" in message
+    assert parse(with_ds(ds_file({"zero_optimization": {"stage": 2}}))).zero_stage == 2
+    assert parse(with_ds(ds_file({}), "--zero-stage", "1")).deepspeed_config_dict["zero_optimization"] == {"stage": 1}
+    assert parse(with_ds(ds_file({}))).zero_stage == 0
+    assert "zero_optimization.stage" in error(with_ds(ds_file({"zero_optimization": {"stage": 3}})))
+    message = error(with_ds(ds_file({"zero_optimization": {"stage": 2}}), "--pipeline-model-parallel-size", "2"),
+                    env=world(2))
+    assert "zero_optimization.stage" in message and "--pipeline-model-parallel-size 2" in message
+
+
+@pytest.mark.parametrize("flags, config, notices, effective", [
+    (["--clip-grad", "0.5"], {"gradient_clipping": 1.0}, 1, 1.0),
+    (["--clip-grad", "1.0"], {"gradient_clipping": 1.0}, 0, 1.0),
+    ([], {"gradient_clipping": 0.3}, 0, 0.3),
+    (["--clip-grad", "0.5"], {}, 0, 0.5),
+])
+def test_gradient_clipping_of_the_config_wins_with_one_notice(ds_file, capsys, flags, config, notices, effective):
+    args = parse(with_ds(ds_file(config), *flags))
+    lines = [n for n in printed_notices(capsys) if "gradient_clipping" in n]
+    assert len(lines) == notices and all("--clip-grad" in n for n in lines)
+    assert args.clip_grad == effective == args.deepspeed_config_dict["gradient_clipping"]
+
+
+SEED_FP16_BLOCK = {"enabled": True, "loss_scale": 0, "loss_scale_window": 500, "hysteresis": 2,
+                   "min_loss_scale": 1, "initial_scale_power": 12}
+
+
+@pytest.mark.parametrize("flags, overridden", [
+    (["--loss-scale", "12"], ["loss_scale"]),
+    (["--loss-scale", "12", "--initial-loss-scale", "65536", "--min-loss-scale", "2", "--loss-scale-window", "1000",
+      "--hysteresis", "4"], ["loss_scale", "initial_scale_power", "min_loss_scale", "loss_scale_window", "hysteresis"]),
+    (["--initial-loss-scale", "4096", "--loss-scale-window", "500", "--hysteresis", "2", "--min-loss-scale", "1"], []),
+])
+def test_loss_scale_flags_one_notice_per_overridden_key(ds_file, capsys, flags, overridden):
+    args = parse(with_ds(ds_file({"fp16": SEED_FP16_BLOCK}), "--fp16", *flags), cuda=True)
+    notices = printed_notices(capsys)
+    for key in ("loss_scale", "initial_scale_power", "min_loss_scale", "loss_scale_window", "hysteresis"):
+        count = sum(n.startswith(f"fp16.{key} =") for n in notices)
+        assert count == (1 if key in overridden else 0), (key, notices)
+    assert args.deepspeed_config_dict["fp16"] == SEED_FP16_BLOCK
+    assert (args.loss_scale, args.initial_loss_scale, args.loss_scale_window) == (None, 4096.0, 500)
+
+
+def test_fp16_keys_filled_from_given_flags_else_deepspeed_defaults(ds_file):
+    block = parse(with_ds(ds_file({"fp16": {"enabled": True}}), "--loss-scale-window", "500"),
+                  cuda=True).deepspeed_config_dict["fp16"]
+    assert block == {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 500,
+                     "hysteresis": 2, "min_loss_scale": 1}
+    built = parse(["--fp16", "--loss-scale", "128"], cuda=True).deepspeed_config_dict["fp16"]
+    assert built == {"enabled": True, "loss_scale": 128, "initial_scale_power": 32, "loss_scale_window": 1000,
+                     "hysteresis": 2, "min_loss_scale": 1}
+    assert "power of 2" in error(["--fp16", "--initial-loss-scale", "1000"], cuda=True)
+
+
+def test_loss_scale_flags_without_fp16_give_one_notice(capsys):
+    parse(["--bf16", "--loss-scale", "12", "--hysteresis", "2"])
+    lines = [n for n in printed_notices(capsys) if "--loss-scale" in n]
+    assert len(lines) == 1 and "--hysteresis" in lines[0] and "without --fp16" in lines[0]
+
+
+@pytest.mark.parametrize("config, stage, accum, notice", [
+    ({"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}, 1, "fp32", "grad_accum_dtype"),
+    ({"bf16": {"enabled": True}, "zero_optimization": {"stage": 0}}, 1, "fp32", "stage 0 -> 1"),
+    ({"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}, 2, "fp32", "grad_accum_dtype"),
+    ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}}, 0, "bf16", None),
+])
+def test_bf16_accumulates_in_fp32_unless_the_config_says(ds_file, capsys, config, stage, accum, notice):
+    args = parse(with_ds(ds_file(config), "--bf16"))
+    final = args.deepspeed_config_dict
+    assert (final["zero_optimization"]["stage"], final["data_types"]["grad_accum_dtype"]) == (stage, accum)
+    assert args.zero_stage == stage
+    lines = [n for n in printed_notices(capsys) if "grad_accum_dtype" in n]
+    assert len(lines) == (1 if notice else 0) and all(notice in n for n in lines)
+
+
+def test_bf16_fp32_accumulation_at_stage_0_is_refused_when_explicit(ds_file):
+    path = ds_file({"bf16": {"enabled": True}, "zero_optimization": {"stage": 0},
+                    "data_types": {"grad_accum_dtype": "fp32"}})
+    message = error(with_ds(path, "--bf16"))
+    assert "grad_accum_dtype" in message and "stage 0" in message
+
+
+def test_sgd_with_zero_is_allowed_explicitly():
+    assert parse(["--optimizer", "sgd", "--zero-stage", "1"]).deepspeed_config_dict["zero_allow_untested_optimizer"]
+    assert "zero_allow_untested_optimizer" not in parse(["--optimizer", "sgd"]).deepspeed_config_dict
+    assert "zero_allow_untested_optimizer" not in parse(["--zero-stage", "1"]).deepspeed_config_dict
+
+
+def test_fp32_training_has_no_data_types():
+    assert "data_types" not in parse().deepspeed_config_dict
+
+
+@pytest.mark.parametrize("config, words", [
+    ({"curriculum_learning": {"enabled": True, "curriculum_type": "seqlen"}}, ["curriculum", "not available yet"]),
+    ({"checkpoint": {"load_universal": True}}, ["load_universal", "not available yet"]),
+    ({"optimizer": {"type": "Adam"}}, ["optimizer", "--optimizer"]),
+    ({"scheduler": {"type": "WarmupLR"}}, ["scheduler", "--lr-decay-style"]),
+])
+def test_unsupported_config_blocks_are_refused(ds_file, config, words):
+    message = error(with_ds(ds_file(config)))
+    for word in words:
+        assert word in message
+
+
+def test_disabled_curriculum_is_accepted(ds_file):
+    assert parse(with_ds(ds_file({"curriculum_learning": {"enabled": False}}))).deepspeed
+
+
+def test_config_source_notices(ds_file, capsys):
+    path = ds_file({})
+    parse(["--deepspeed_config", path])
+    assert sum("without --deepspeed" in n for n in printed_notices(capsys)) == 1
+    parse()
+    assert sum("built from the flags" in n for n in printed_notices(capsys)) == 1
+    parse(with_ds(path))
+    assert not [n for n in printed_notices(capsys) if "ds_config" in n or "deepspeed" in n]
+    args = parse(["--deepscale", "--deepscale_config", ds_file({"train_batch_size": 4})])
+    assert args.global_batch_size == 4 and any("deprecated" in n for n in printed_notices(capsys))
+
+
+class FakeMPU:
+    """The data-parallel size DeepSpeedConfig asks for, without process groups."""
+
+    def __init__(self, dp):
+        self.dp = dp
+
+    def get_data_parallel_world_size(self):
+        return self.dp
+
+    def get_model_parallel_world_size(self):
+        return 1
+
+    def get_sequence_parallel_world_size(self):
+        return 1
+
+    def get_sequence_data_parallel_world_size(self):
+        return self.dp
+
+
+def test_deepspeed_reads_the_completed_config(ds_file, monkeypatch):
+    from deepspeed.runtime import config as ds_runtime_config
+    monkeypatch.setattr(ds_runtime_config.dist, "get_rank", lambda: 0)  # no process group: rank 0 of FakeMPU's DP
+    args = parse(with_ds(ds_file({"bf16": {"enabled": True}}), "--global-batch-size", "16", "--clip-grad", "0.5"),
+                 env=world(2))
+    ds = ds_runtime_config.DeepSpeedConfig(args.deepspeed_config_dict, mpu=FakeMPU(args.data_parallel_size))
+    assert (ds.train_batch_size, ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps) == (16, 2, 4)
+    assert (ds.zero_optimization_stage, ds.grad_accum_dtype, ds.gradient_clipping) == (1, "fp32", 0.5)
+    assert ds.bfloat16_config.enabled and not ds.float16_config.enabled
+
+
+# ---- a BigScience tr11-style launch, scaled down -------------------------------------------------
+
+TR11_DS_CONFIG = {"train_micro_batch_size_per_gpu": 2, "train_batch_size": 64, "gradient_clipping": 1.0,
+                  "zero_optimization": {"stage": 0}, "bf16": {"enabled": True}, "steps_per_print": 2000,
+                  "wall_clock_breakdown": False}
+
+
+def tr11_argv(tmp_path, ds_path):
+    """tr11-176B-ml.slurm's flag blocks (GPT_ARGS, OUTPUT_ARGS, DATA_ARGS, DEEPSPEED_ARGS), tiny sizes."""
+    train = tmp_path / "train-splits.txt"
+    train.write_text('"train: 1 0:0.95 /data/en/en_text_document, 0.5 0:0.95 /data/fr/fr_text_document"\n')
+    valid = tmp_path / "valid-splits.txt"
+    valid.write_text('"valid-en: 1 0.95:1 /data/en/en_text_document" "valid-fr: 1 0.95:1 /data/fr/fr_text_document"\n')
+    gpt_args = ["--pp-partition-method", "type:transformer|embedding", "--num-layers", "4", "--hidden-size", "64",
+                "--pad-vocab-size-to", "250880", "--num-attention-heads", "4", "--seq-length", "64",
+                "--max-position-embeddings", "64", "--micro-batch-size", "2", "--rampup-batch-size", "16", "16",
+                "2_000", "--global-batch-size", "64", "--train-samples", "220_000_000", "--tokenizer-type",
+                "PretrainedFromHF", "--tokenizer-name-or-path", "/tokenizers/bloom", "--init-method-std", "0.0048",
+                "--embed-layernorm", "--bf16", "--seed", "42", "--position-embedding-type", "alibi",
+                "--checkpoint-activations", "--abort-on-unmet-fused-kernel-constraints", "--kill-switch-path",
+                str(tmp_path / "kill-switch"), "--optimizer", "adam", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+                "--adam-eps", "1e-8", "--lr", "6e-5", "--min-lr", "6e-6", "--lr-decay-style", "cosine",
+                "--lr-decay-samples", "200_000_000", "--lr-warmup-samples", "216_320", "--clip-grad", "1.0",
+                "--weight-decay", "1e-1"]
+    output_args = ["--log-interval", "1", "--save-interval", "100", "--eval-interval", "1000", "--eval-iters", "1",
+                   "--tensorboard-dir", str(tmp_path / "tb"), "--tensorboard-queue-size", "5",
+                   "--log-timers-to-tensorboard", "--log-batch-size-to-tensorboard",
+                   "--log-validation-ppl-to-tensorboard"]
+    data_args = ["--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt"),
+                 "--train-weighted-split-paths-path", str(train), "--valid-weighted-split-paths-path", str(valid),
+                 "--data-impl", "mmap", "--num-workers", "2", "--valid-num-workers", "0"]
+    deepspeed_args = ["--deepspeed", "--deepspeed_config", ds_path, "--zero-stage", "0",
+                      "--deepspeed-activation-checkpointing"]
+    launcher_args = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                     "--distributed-backend", "nccl", "--exit-duration-in-mins", "5990",
+                     "--log-level", "info", "--log-level-replica", "error"]
+    return gpt_args + output_args + data_args + deepspeed_args + launcher_args
+
+
+def test_tr11_style_arguments_parse(tmp_path, ds_file, capsys):
+    args = parse_args(tr11_argv(tmp_path, ds_file(TR11_DS_CONFIG)), env=world(8), cuda_available=False)
+    assert (args.world_size, args.data_parallel_size, args.global_batch_size) == (8, 2, 64)
+    assert args.rampup_batch_size == [16, 16, 2000] and args.train_samples == 220_000_000
+    assert (args.position_embedding_type, args.pad_vocab_size_to, args.embed_layernorm) == ("alibi", 250880, True)
+    assert args.bf16 and args.zero_stage == 1 and args.distributed_backend == "gloo"
+    assert args.valid_num_workers == 0 and args.exit_duration_in_mins == 5990
+    notices = printed_notices(capsys)
+    assert any("stage 0 -> 1" in n for n in notices) and any("using gloo" in n for n in notices)
+    assert not any("gradient_clipping" in n for n in notices)
+
+
+@pytest.mark.parametrize("refused", [["--sync-tp-duplicated-parameters"], ["--skip-train-iteration-range", "1-2"]])
+def test_tr11_style_arguments_with_refused_flags(tmp_path, ds_file, refused):
+    argv_tr11 = tr11_argv(tmp_path, ds_file(TR11_DS_CONFIG)) + refused
+    with pytest.raises(ArgumentError, match="not available yet"):
+        parse_args(argv_tr11, env=world(8), cuda_available=False)

@@ -1,0 +1,159 @@
+"""build_config: the typed, frozen TrainConfig derived from parsed flags and a tokenizer's vocabulary."""
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from megatron.core.data.data_paths import DatasetGroup, GroupEntry, WeightedPrefix
+from megatron.core.tokenizer import build_tokenizer
+from megatron.training.arguments import ArgumentError, parse_args
+from megatron.training.config import TrainConfig, build_config
+from tests.training.test_arguments import TR11_DS_CONFIG, argv, tr11_argv, world
+
+GPT2_VOCAB = 50257
+
+
+def config_of(extra=(), drop=(), env=None, cuda=False, vocab=GPT2_VOCAB):
+    args = parse_args(argv(extra, drop), env=env or {}, cuda_available=cuda)
+    return build_config(args, vocab)
+
+
+def test_model_config_gets_the_padded_vocabulary_and_flag_values():
+    config = config_of(["--glu-activation", "swiglu", "--no-bias-gelu-fusion", "--embed-layernorm",
+                        "--use-cpu-initialization", "--hidden-dropout", "0", "--seed", "7"])
+    model = config.model
+    assert (model.padded_vocab_size, config.data.orig_vocab_size) == (50304, GPT2_VOCAB)
+    assert (model.num_layers, model.hidden_size, model.num_attention_heads, model.seq_length) == (2, 64, 4, 32)
+    assert (model.ffn_hidden_size, model.kv_channels, model.max_position_embeddings) == (256, 16, 32)
+    assert (model.glu_activation, model.bias_gelu_fusion, model.embed_layernorm) == ("swiglu", False, True)
+    assert model.use_cpu_initialization and model.hidden_dropout == 0.0 and model.seed == 7
+    assert model.params_dtype == torch.float32 and model.attention_impl == "sdpa"
+
+
+def test_padding_depends_on_tp_unless_padded_to_a_size():
+    assert config_of(["--tensor-model-parallel-size", "2"], env=world(2)).model.padded_vocab_size == 50432
+    padded = config_of(["--tensor-model-parallel-size", "2", "--pad-vocab-size-to", "51200"], env=world(2))
+    assert padded.model.padded_vocab_size == 51200
+    with pytest.raises(ArgumentError, match="--pad-vocab-size-to"):
+        config_of(["--pad-vocab-size-to", "50176"])
+
+
+def test_real_tokenizer_vocabulary(gpt2_tokenizer_files):
+    vocab_file, merge_file = gpt2_tokenizer_files
+    tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file)
+    args = parse_args(argv(["--vocab-file", vocab_file, "--merge-file", merge_file]), env={}, cuda_available=False)
+    config = build_config(args, tokenizer.vocab_size)
+    assert config.data.orig_vocab_size == tokenizer.vocab_size
+    assert config.model.padded_vocab_size % 128 == 0
+    assert 0 <= config.model.padded_vocab_size - tokenizer.vocab_size < 128
+    assert (config.data.vocab_file, config.data.merge_file) == (vocab_file, merge_file)
+
+
+@pytest.mark.parametrize("extra, drop, warmup, decay", [
+    (["--train-iters", "100", "--global-batch-size", "8", "--lr-warmup-iters", "10"], ["--train-samples"], 80, 800),
+    (["--train-iters", "100", "--global-batch-size", "8", "--lr-decay-iters", "50"], ["--train-samples"], 0, 400),
+    (["--train-iters", "100", "--global-batch-size", "8", "--lr-warmup-fraction", "0.25"], ["--train-samples"],
+     200.0, 800),
+    ([], (), 0, 1000),
+    (["--lr-warmup-samples", "100", "--lr-decay-samples", "900"], (), 100, 900),
+    (["--lr-warmup-fraction", "0.1"], (), 100.0, 1000),
+])
+def test_learning_rate_lengths_are_resolved_to_samples(extra, drop, warmup, decay):
+    schedule = config_of(extra, drop).schedule
+    assert (schedule.lr_warmup_steps, schedule.lr_decay_steps) == (warmup, decay)
+    assert type(schedule.lr_warmup_steps) is type(warmup)
+
+
+def test_schedule_keeps_the_stop_conditions_and_tokens():
+    schedule = config_of(["--train-tokens", "10e6", "--lr-warmup-tokens", "1_000", "--lr-decay-tokens", "9e6",
+                          "--lr-decay-style", "inverse-square-root", "--exit-interval", "50", "--eval-only",
+                          "--kill-switch-path", "/tmp/stop"]).schedule
+    assert (schedule.train_samples, schedule.train_iters, schedule.train_tokens) == (1000, None, 10_000_000)
+    assert (schedule.lr_warmup_tokens, schedule.lr_decay_tokens, schedule.lr_decay_style) == \
+        (1000, 9_000_000, "inverse-square-root")
+    assert (schedule.exit_interval, schedule.eval_only, schedule.kill_switch_path) == (50, True, "/tmp/stop")
+
+
+def test_effective_values_come_from_the_ds_config(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 16, "gradient_clipping": 0.25,
+                                "fp16": {"enabled": True, "loss_scale_window": 500, "initial_scale_power": 12}}))
+    config = config_of(["--deepspeed", "--deepspeed_config", str(path), "--clip-grad", "1.0"], env=world(2), cuda=True)
+    assert (config.schedule.global_batch_size, config.optimizer.clip_grad) == (16, 0.25)
+    precision = config.precision
+    assert (precision.fp16, precision.params_dtype, precision.grad_accum_dtype) == (True, torch.float16, "fp16")
+    assert (precision.loss_scale, precision.initial_loss_scale, precision.loss_scale_window) == (None, 4096.0, 500)
+    assert (precision.hysteresis, precision.min_loss_scale) == (2, 1)
+    assert config.deepspeed.config_path == str(path)
+    assert config.parallel.distributed_backend == "nccl" and config.parallel.zero_stage == 0
+
+
+def test_parallel_config_from_slurm():
+    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "n[7-8]"}
+    parallel = config_of(["--tensor-model-parallel-size", "2", "--zero-stage", "1"], env=env).parallel
+    assert dataclasses.astuple(parallel) == (2, 1, 2, 4, 3, 1, "n7", 6000, "slurm", "gloo", 1, "type:transformer")
+
+
+def test_data_config_option_1():
+    data = config_of(["--data-path", "0.3", "/d/a", "0.7", "/d/b", "--split", "98,2,0", "--data-cache-path",
+                      "/cache", "--mmap-warmup", "--dataloader-type", "cyclic", "--eod-mask-loss"]).data
+    dataset = data.dataset
+    assert dataset.data_path == (WeightedPrefix(0.3, "/d/a"), WeightedPrefix(0.7, "/d/b"))
+    assert dataset.split == (0.98, 0.02, 0.0) and (dataset.seq_length, dataset.seed) == (32, 1234)
+    assert (dataset.data_cache_path, dataset.mmap_warmup, dataset.data_impl) == ("/cache", True, "infer")
+    assert (data.dataloader_type, data.eod_mask_loss, data.reset_attention_mask) == ("cyclic", True, False)
+    assert config_of().data.dataloader_type == "single"
+
+
+def test_tr11_config(tmp_path):
+    ds_path = tmp_path / "ds.json"
+    ds_path.write_text(json.dumps(TR11_DS_CONFIG))
+    args = parse_args(tr11_argv(tmp_path, str(ds_path)), env=world(8, rank=3), cuda_available=False)
+    config = build_config(args, 250680)
+    assert config.model.padded_vocab_size == 250880 and config.data.orig_vocab_size == 250680
+    assert config.model.position_embedding_type == "alibi" and config.model.params_dtype == torch.bfloat16
+    assert config.model.checkpoint_activations and config.abort_on_unmet_fused_kernel_constraints
+    assert (config.parallel.pp_partition_method, config.parallel.rank) == ("type:transformer|embedding", 3)
+    assert config.schedule.rampup_batch_size == (16, 16, 2000)
+    assert (config.schedule.lr_warmup_steps, config.schedule.lr_decay_steps) == (216_320, 200_000_000)
+    assert config.precision.grad_accum_dtype == "fp32" and config.parallel.zero_stage == 1
+    assert (config.optimizer.adam_beta2, config.optimizer.weight_decay, config.optimizer.lr) == (0.95, 0.1, 6e-5)
+    assert (config.logging.tensorboard_queue_size, config.logging.log_validation_ppl_to_tensorboard) == (5, True)
+    assert (config.logging.log_level, config.logging.log_level_replica) == ("info", "error")
+    assert config.checkpoint.save_interval == 100 and config.checkpoint.no_load_optim is False
+    dataset = config.data.dataset
+    assert dataset.data_path == () and [g.name for g in dataset.valid_groups] == ["valid-en", "valid-fr"]
+    assert dataset.train_groups == (DatasetGroup("train", (GroupEntry(1.0, 0.0, 0.95, "/data/en/en_text_document"),
+                                                           GroupEntry(0.5, 0.0, 0.95, "/data/fr/fr_text_document"))),)
+    assert config.data.valid_num_workers == 0 and config.data.tokenizer_type == "PretrainedFromHF"
+    assert any("stage 0 -> 1" in notice for notice in config.notices)
+
+
+def test_config_is_frozen_and_the_ds_config_is_handed_as_a_copy():
+    config = config_of()
+    assert isinstance(config, TrainConfig)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.schedule.global_batch_size = 4
+    handed = config.deepspeed.config_for_initialize()
+    handed["train_batch_size"] = 999
+    assert config.deepspeed.config["train_batch_size"] == 2 and config.deepspeed.config_path is None
+
+
+def test_logging_and_checkpoint_flags(tmp_path):
+    config = config_of(["--codecarbon-dir", str(tmp_path / "cc"), "--no-log-learnig-rate-to-tensorboard",
+                        "--log-params-norm", "--save", "/ckpt", "--save-interval", "10", "--no-load-rng",
+                        "--finetune", "--log-path", "/logs"])
+    assert config.logging.codecarbon_dir == str(tmp_path / "cc") and config.logging.log_params_norm
+    assert not config.logging.log_learning_rate_to_tensorboard and config.logging.log_loss_scale_to_tensorboard
+    assert config.logging.log_path == "/logs"
+    assert dataclasses.astuple(config.checkpoint) == ("/ckpt", None, 10, False, True, False, True)
+
+
+def test_every_config_field_is_documented():
+    import megatron.training.config as module
+    for cls in (module.ParallelConfig, module.DataConfig, module.OptimizerConfig, module.ScheduleConfig,
+                module.CheckpointConfig, module.LoggingConfig, module.PrecisionConfig, module.DeepSpeedSettings,
+                module.TrainConfig):
+        for field in dataclasses.fields(cls):
+            assert field.name in cls.__doc__, f"{cls.__name__}.{field.name} is not documented"
