@@ -16,15 +16,14 @@ Example:
         --vocab-size 50257 --output-dir runs/tokenizer
 """
 import argparse
-import glob
-import gzip
+import io
 import json
-import lzma
 import os
 import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
+from megatron.core.data.preprocessing import PreprocessingError, expand_input_paths, open_jsonl  # noqa: E402
 from megatron.core.tokenizer.gpt2_bpe import EOD_TOKEN, bytes_to_unicode  # noqa: E402
 
 MIN_VOCAB_SIZE = 257  # the 256 bytes and <|endoftext|>
@@ -36,27 +35,16 @@ class TrainTokenizerError(ValueError):
 
 
 def expand_inputs(patterns):
-    """Files named by ``--input``: each a path or a glob, sorted within a glob, no duplicates."""
-    paths = []
-    for pattern in patterns:
-        matched = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
-        if not matched:
-            raise TrainTokenizerError(f"--input {pattern}: matches no file")
-        for path in matched:
-            if not os.path.isfile(path):
-                raise TrainTokenizerError(f"--input {path}: no such file")
-            if path not in paths:
-                paths.append(path)
-    return paths
+    """The files named by --input (paths or globs), as the preprocessing tools read them."""
+    try:
+        return expand_input_paths(patterns)
+    except PreprocessingError as err:
+        raise TrainTokenizerError(str(err)) from None
 
 
 def open_text(path):
     """Open a plain, .gz or .xz file as UTF-8 text (undecodable bytes become U+FFFD)."""
-    if path.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8", errors="replace")
-    if path.endswith(".xz"):
-        return lzma.open(path, "rt", encoding="utf-8", errors="replace")
-    return open(path, encoding="utf-8", errors="replace")
+    return io.TextIOWrapper(open_jsonl(path), encoding="utf-8", errors="replace")
 
 
 def iter_texts(paths, json_keys, counts):
