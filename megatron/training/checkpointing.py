@@ -1,0 +1,204 @@
+"""Checkpoints through the DeepSpeed engine, in the seed's layout (seed-system.md §4.3.1), plus the trainer's state.
+
+``engine.save_checkpoint(save, tag="global_step{N}", client_state=...)`` writes the module (one
+``layer_XX-model_TT-model_states.pt`` per pipeline layer, or the whole module for the plain
+engine), the optimizer partitions and ``mp_rank_MM_model_states.pt`` with the engine's own entries
+(the LR schedule under ``lr_scheduler``, skipped steps, global steps and samples), to which the
+client state adds:
+
+    iteration, consumed_train_samples, consumed_train_tokens, consumed_valid_samples,
+    gigaflos_no_embeddings, tokens (= consumed_train_tokens, the seed's key), checkpoint_version 3.0,
+    checkpoint_info {padded_vocab_size, original_vocab_size}, args (model, layout and flags), and
+    unless --no-save-rng the RNG states: random_rng_state, np_rng_state, torch_rng_state,
+    cuda_rng_state, rng_tracker_states.
+
+DeepSpeed writes ``latest`` ("global_stepN"); rank 0 then writes Megatron's
+``latest_checkpointed_iteration.txt`` ("N") too, which the seed only did in its conversion tools.
+
+Loading (--load) takes ``latest``; a missing or empty directory means a start from scratch, with a
+warning. What is restored:
+
+    default            weights, optimizer, LR schedule, counters (iteration, samples, tokens,
+                       validation samples: the data position), RNG states
+    --no-load-optim    no optimizer state (ZeRO rebuilds its fp32 copy from the weights); the LR
+                       schedule and the counters are restored, so the run continues on schedule
+    --no-load-rng      RNG states left as seeded
+    --finetune         weights, and the optimizer unless --no-load-optim (as the seed with
+                       DeepSpeed); the LR schedule, counters and RNG start afresh at iteration 0
+"""
+import dataclasses
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from megatron.core.tensor_parallel import get_rng_tracker
+from megatron.training.config import CheckpointConfig, TrainConfig
+from megatron.training.dist_utils import barrier, is_rank_0, print_rank_0
+from megatron.training.engine import is_pipeline_engine
+from megatron.training.metrics import loaded_checkpoint_line, saved_checkpoint_line, saving_checkpoint_line
+
+CHECKPOINT_VERSION = 3.0
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+# Model fields whose change between save and load is an error (not a shape mismatch DeepSpeed reports).
+CHECKED_MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
+                        "padded_vocab_size", "position_embedding_type", "max_position_embeddings",
+                        "glu_activation", "embed_layernorm", "apply_residual_connection_post_layernorm")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed with this configuration; the message names the flags."""
+
+
+@dataclass
+class TrainingProgress:
+    """Where training stands; saved in every checkpoint and restored on --load."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_train_tokens: int = 0
+    consumed_valid_samples: int = 0
+    gigaflos_no_embeddings: float = 0.0
+
+
+def checkpoint_tag(iteration: int) -> str:
+    return f"global_step{iteration}"
+
+
+def _plain(value):
+    """A value safe to unpickle anywhere: numbers, strings, lists of them; anything else as its str."""
+    if isinstance(value, (bool, int, float, str, type(None))):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    return str(value)
+
+
+def configuration_summary(config: TrainConfig, arguments: dict | None) -> dict:
+    """The ``args`` entry: the model config, the parallel layout and the command-line values."""
+    return {"model": {f.name: _plain(getattr(config.model, f.name)) for f in dataclasses.fields(config.model)},
+            "tensor_model_parallel_size": config.parallel.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": config.parallel.pipeline_model_parallel_size,
+            "data_parallel_size": config.parallel.data_parallel_size,
+            "arguments": {name: _plain(value) for name, value in (arguments or {}).items()}}
+
+
+def rng_states() -> dict:
+    """The seed's five RNG entries of the client state."""
+    return {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(),
+            "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "rng_tracker_states": get_rng_tracker().get_states()}
+
+
+def restore_rng_states(state: dict) -> None:
+    missing = [key for key in ("random_rng_state", "np_rng_state", "torch_rng_state", "rng_tracker_states")
+               if key not in state]
+    if missing:
+        raise CheckpointError(f"the checkpoint holds no RNG states ({', '.join(missing)} missing; saved with "
+                              f"--no-save-rng?): resume with --no-load-rng")
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if torch.cuda.is_available() and state.get("cuda_rng_state") is not None:
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    get_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def client_state(progress: TrainingProgress, config: TrainConfig, arguments: dict | None) -> dict:
+    """What the trainer adds to DeepSpeed's mp_rank file (module docstring)."""
+    state = dataclasses.asdict(progress)
+    state.update(tokens=progress.consumed_train_tokens, checkpoint_version=CHECKPOINT_VERSION,
+                 checkpoint_info={"padded_vocab_size": config.model.padded_vocab_size,
+                                  "original_vocab_size": config.data.orig_vocab_size},
+                 args=configuration_summary(config, arguments))
+    if not config.checkpoint.no_save_rng:
+        state.update(rng_states())
+    return state
+
+
+def _write_tracker_file(directory: str, iteration: int) -> None:
+    path = os.path.join(directory, TRACKER_FILENAME)
+    temporary = f"{path}.tmp{os.getpid()}"
+    with open(temporary, "w") as f:
+        f.write(f"{iteration}\n")
+    os.replace(temporary, path)
+
+
+def save_checkpoint(engine, progress: TrainingProgress, config: TrainConfig, arguments: dict | None = None) -> None:
+    """Collective: every rank writes its part through the engine; rank 0 then updates the tracker file."""
+    directory = config.checkpoint.save
+    print_rank_0(saving_checkpoint_line(progress.iteration, directory))
+    engine.save_checkpoint(directory, tag=checkpoint_tag(progress.iteration),
+                           client_state=client_state(progress, config, arguments))
+    barrier()
+    if is_rank_0():
+        _write_tracker_file(directory, progress.iteration)
+    barrier()
+    print_rank_0(saved_checkpoint_line(progress.iteration, directory))
+
+
+def _check_compatible(state: dict, config: TrainConfig, directory: str) -> None:
+    if state.get("checkpoint_version") is None or "iteration" not in state:
+        raise CheckpointError(f"{directory}: the checkpoint has no trainer state (checkpoint_version, iteration); "
+                              f"it was not written by this trainer")
+    saved = state.get("args", {}).get("model", {})
+    differing = [f"--{name.replace('_', '-')}: checkpoint {saved[name]!r}, configured "
+                 f"{_plain(getattr(config.model, name))!r}"
+                 for name in CHECKED_MODEL_FIELDS if name in saved and saved[name] != _plain(getattr(config.model, name))]
+    if differing:
+        raise CheckpointError(f"{directory}: the checkpoint's model differs from the configured one: "
+                              + "; ".join(differing))
+
+
+def _check_engine_layout(engine, directory: str) -> None:
+    """A pipeline engine's checkpoint keeps the module in layer_XX files, the plain engine's in
+    mp_rank_XX; neither engine reads the other's. Name the cause rather than fail inside DeepSpeed."""
+    latest = os.path.join(directory, "latest")
+    if not os.path.isfile(latest):
+        return
+    with open(latest) as f:
+        tag_directory = os.path.join(directory, f.read().strip())
+    if not os.path.isdir(tag_directory):
+        raise CheckpointError(f"{latest} names {tag_directory}, which does not exist")
+    saved_by_pipeline = any(name.startswith("layer_") for name in os.listdir(tag_directory))
+    loading_with_pipeline = is_pipeline_engine(engine)
+    if saved_by_pipeline != loading_with_pipeline:
+        engines = {True: "the pipeline engine (ZeRO stage 0/1 or PP > 1)", False: "the plain engine (ZeRO stage 2)"}
+        raise CheckpointError(f"{tag_directory} was written by {engines[saved_by_pipeline]} but this run uses "
+                              f"{engines[loading_with_pipeline]}, whose checkpoint layout differs: resume with the "
+                              f"ZeRO stage the checkpoint was written with")
+
+
+def _restart_engine_counters(engine) -> None:
+    """--finetune: DeepSpeed's step and sample counters (and so the next tag) start again from 0."""
+    engine.global_steps = 0
+    engine.global_samples = 0
+    engine.skipped_steps = 0
+
+
+def load_checkpoint(engine, config: TrainConfig) -> TrainingProgress | None:
+    """Restore from --load (module docstring); None when there is nothing to load (start from scratch)."""
+    settings: CheckpointConfig = config.checkpoint
+    if settings.load is None:
+        return None
+    _check_engine_layout(engine, settings.load)
+    path, state = engine.load_checkpoint(settings.load, load_optimizer_states=not settings.no_load_optim,
+                                         load_lr_scheduler_states=not settings.finetune)
+    if path is None:
+        print_rank_0(f"WARNING: no checkpoint found in --load {settings.load} (no 'latest' file): "
+                     f"training starts from scratch")
+        return None
+    _check_compatible(state, config, settings.load)
+    if settings.finetune:
+        _restart_engine_counters(engine)
+        progress = TrainingProgress()
+    else:
+        progress = TrainingProgress(**{f.name: state[f.name] for f in dataclasses.fields(TrainingProgress)})
+        if not settings.no_load_rng:
+            restore_rng_states(state)
+    barrier()
+    print_rank_0(loaded_checkpoint_line(settings.load, state["iteration"]))
+    return progress

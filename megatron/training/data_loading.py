@@ -1,0 +1,184 @@
+"""From the dataset description to batches on the device: datasets, samplers, loaders, the batch function.
+
+Who reads data. Every rank builds the same datasets (the index caches are built once, by global
+rank 0, and memory-mapped by all), since their samples are a pure function of --seed, the data and
+the counts. The ranks that consume tokens then read them themselves: with the pipeline engine the
+first stage (inputs) and the last stage (labels), with the plain engine every rank; middle pipeline
+stages build no loader and read nothing. All TP ranks of a stage share the DP rank, hence the
+sampler, hence the batch: the same batch without a broadcast.
+
+Samplers (megatron.core.data.samplers) start at the consumed samples, so a resumed run reads
+exactly the batches the uninterrupted run would have read next. ``--dataloader-type single`` reads
+the training samples in order (the dataset's shuffle index provides the randomness); ``cyclic``
+reshuffles every epoch and cycles. Validation and test iterators always cycle: a ``single``
+loader that runs out starts again at sample 0, so more evaluations than planned (a resumed run,
+the final evaluation) never stop training.
+
+Batches: a sample holds s + 1 tokens; tokens = text[:, :-1], labels = text[:, 1:]; loss mask,
+position ids and the optional attention mask come from get_ltor_masks_and_position_ids with
+--eod-mask-loss / --reset-position-ids / --reset-attention-mask, computed on the device.
+"""
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+from torch.utils.data import DataLoader
+
+from megatron.core.data.builders import TrainValidTestDatasets, build_train_valid_test_datasets
+from megatron.core.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
+from megatron.core.models.gpt import get_ltor_masks_and_position_ids
+from megatron.training.config import DataConfig
+
+DATALOADER_TYPES = ("single", "cyclic")
+
+
+class DataLoadingError(RuntimeError):
+    """The data cannot provide what training asks for (too few samples, exhausted training data)."""
+
+
+def train_valid_test_num_samples(train_iters: int, global_batch_size: int, train_samples: int | None,
+                                 eval_interval: int, eval_iters: int) -> tuple[int, int, int]:
+    """Samples to build per split, as the seed asks for them.
+
+    train: --train-samples, or train_iters x global batch; valid: one evaluation of eval_iters
+    global batches every eval_interval iterations plus the final one; test: one evaluation.
+    """
+    train = train_samples if train_samples is not None else train_iters * global_batch_size
+    evaluations = train_iters // eval_interval + 1
+    return train, evaluations * eval_iters * global_batch_size, eval_iters * global_batch_size
+
+
+class LMBatch(NamedTuple):
+    """One micro batch on the device: tokens, labels, loss_mask, position_ids [b, s];
+    attention_mask bool [b, 1, s, s] (True = masked) or None for plain causal attention."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+
+
+def get_batch(data: dict, eod_token: int, data_config: DataConfig, device: torch.device) -> LMBatch:
+    """The LM batch of a loader item ``{"text": int64 [b, s + 1]}`` (see the module docstring)."""
+    text = data["text"].to(device, non_blocking=True).long()  # [b, s + 1]
+    tokens = text[:, :-1].contiguous()  # [b, s]
+    labels = text[:, 1:].contiguous()  # [b, s]
+    masks = get_ltor_masks_and_position_ids(tokens, eod_token, reset_position_ids=data_config.reset_position_ids,
+                                            reset_attention_mask=data_config.reset_attention_mask,
+                                            eod_mask_loss=data_config.eod_mask_loss)
+    return LMBatch(tokens, labels, masks.loss_mask, masks.position_ids, masks.attention_mask)
+
+
+def pipeline_batch(batch: LMBatch) -> tuple[tuple, tuple]:
+    """The GPTModelPipe layout: inputs (tokens, position_ids[, attention_mask]), labels (labels, loss_mask)."""
+    inputs = (batch.tokens, batch.position_ids)
+    if batch.attention_mask is not None:
+        inputs += (batch.attention_mask,)
+    return inputs, (batch.labels, batch.loss_mask)
+
+
+def batch_function(eod_token: int, data_config: DataConfig, device: torch.device) -> Callable[[dict], LMBatch]:
+    """``data -> LMBatch`` with the tokenizer's EOD and the mask flags bound."""
+
+    def make_batch(data: dict) -> LMBatch:
+        return get_batch(data, eod_token, data_config, device)
+
+    return make_batch
+
+
+@dataclass
+class LoaderSettings:
+    """How one split is read: sampler kind, micro batch, this rank's DP coordinates, workers, seed."""
+
+    dataloader_type: str
+    micro_batch_size: int
+    data_parallel_rank: int
+    data_parallel_size: int
+    num_workers: int
+    seed: int
+
+    def __post_init__(self):
+        if self.dataloader_type not in DATALOADER_TYPES:
+            raise ValueError(f"--dataloader-type {self.dataloader_type!r}: use one of {DATALOADER_TYPES}")
+
+
+def build_data_loader(dataset, consumed_samples: int, settings: LoaderSettings) -> DataLoader:
+    """A DataLoader whose batch sampler yields this DP rank's micro batches from ``consumed_samples`` on."""
+    common = dict(total_samples=len(dataset), consumed_samples=consumed_samples,
+                  micro_batch_size=settings.micro_batch_size, data_parallel_rank=settings.data_parallel_rank,
+                  data_parallel_size=settings.data_parallel_size)
+    if settings.dataloader_type == "single":
+        sampler = MegatronPretrainingSampler(**common)
+    else:
+        sampler = MegatronPretrainingRandomSampler(**common, seed=settings.seed)
+    # A private generator seeds the workers: drawing from the default one would shift the dropout
+    # masks of a resumed run, whose loaders start at another point of the RNG stream.
+    generator = torch.Generator().manual_seed(settings.seed)
+    return DataLoader(dataset, batch_sampler=sampler, num_workers=settings.num_workers, generator=generator,
+                      pin_memory=torch.cuda.is_available(), persistent_workers=settings.num_workers > 0)
+
+
+def cycling_iterator(dataset, consumed_samples: int, settings: LoaderSettings, name: str) -> Iterator[dict]:
+    """Batches from ``consumed_samples`` on, forever: a cyclic loader goes on to its next epoch, a single
+    loader starts again at sample 0 (consumed counts beyond the dataset wrap around)."""
+    start = consumed_samples % len(dataset) if settings.dataloader_type == "single" else consumed_samples
+    loader = build_data_loader(dataset, start, settings)
+    while True:
+        served = 0
+        for batch in loader:
+            served += 1
+            yield batch
+        if served == 0:
+            raise DataLoadingError(f"{name} dataset ({len(dataset)} samples) holds less than one micro batch "
+                                   f"per data-parallel rank ({settings.micro_batch_size} x "
+                                   f"{settings.data_parallel_size}); give it more samples")
+        if settings.dataloader_type == "single":
+            loader = build_data_loader(dataset, 0, settings)
+
+
+def training_iterator(dataset, consumed_samples: int, settings: LoaderSettings) -> Iterator[dict]:
+    """Training batches: one ordered pass (single) or every epoch reshuffled (cyclic)."""
+    if settings.dataloader_type == "cyclic":
+        return cycling_iterator(dataset, consumed_samples, settings, "train")
+    return _single_pass(dataset, consumed_samples, settings)
+
+
+def _single_pass(dataset, consumed_samples: int, settings: LoaderSettings) -> Iterator[dict]:
+    if consumed_samples < len(dataset):
+        yield from build_data_loader(dataset, consumed_samples, settings)
+    raise DataLoadingError(f"the training data is exhausted: {len(dataset)} samples, all consumed; the run asks "
+                           f"for more samples than were built (--train-samples / --train-iters)")
+
+
+@dataclass
+class DataIterators:
+    """Iterators of this rank; None where this rank reads no data (middle pipeline stages)."""
+
+    train: Iterator[dict] | None = None
+    valid: list[tuple[str, Iterator[dict] | None]] = field(default_factory=list)
+    test: list[tuple[str, Iterator[dict] | None]] = field(default_factory=list)
+
+
+def build_datasets(data_config: DataConfig, num_samples: tuple[int, int, int]) -> TrainValidTestDatasets:
+    """The train/valid/test datasets; collective over the world (index caches built by rank 0)."""
+    if data_config.dataset is None:
+        raise DataLoadingError("no training data: give --data-path or --train-weighted-split-paths")
+    return build_train_valid_test_datasets(data_config.dataset, num_samples)
+
+
+def build_iterators(datasets: TrainValidTestDatasets, reads_data: bool, train_settings: LoaderSettings,
+                    valid_settings: LoaderSettings, consumed_train_samples: int,
+                    consumed_valid_samples: int) -> DataIterators:
+    """This rank's iterators (all None when ``reads_data`` is False); valid/test keep their set names."""
+    if not reads_data:
+        return DataIterators(train=None, valid=[(name, None) for name, _ in datasets.valid],
+                             test=[(name, None) for name, _ in datasets.test])
+    train = None
+    if datasets.train is not None:
+        train = training_iterator(datasets.train, consumed_train_samples, train_settings)
+    valid = [(name, cycling_iterator(dataset, consumed_valid_samples, valid_settings, name))
+             for name, dataset in datasets.valid]
+    test = [(name, cycling_iterator(dataset, 0, valid_settings, name)) for name, dataset in datasets.test]
+    return DataIterators(train=train, valid=valid, test=test)

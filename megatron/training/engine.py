@@ -1,0 +1,237 @@
+"""Model, optimizer, learning-rate schedule and the DeepSpeed engine that runs them (DESIGN.md principle 4).
+
+Which module DeepSpeed gets:
+
+    PP > 1, ZeRO 0/1     GPTModelPipe (a PipelineModule): DeepSpeed's PipelineEngine, 1F1B schedule
+    PP = 1, ZeRO 0/1     GPTModelPipe too, as the seed always did: same checkpoint layout
+                         (layer_XX-model_YY-model_states.pt) whatever the pipeline degree
+    PP = 1, ZeRO 2       GPTModel, a plain module: DeepSpeed's PipelineEngine refuses ZeRO >= 2
+
+The pipeline module is built on DeepSpeed's ``PipeModelDataParallelTopology(num_pp, num_mp=TP,
+num_dp)``, whose rank grid is ours (parallel_state.py); ``check_engine_grid`` verifies that rank by
+rank after ``deepspeed.initialize``. The plain module gets ``mpu=DeepSpeedMPU(groups)``.
+
+Optimizer: ``--optimizer adam`` is Adam with decoupled weight decay (torch.optim.AdamW, fused on
+CUDA): p <- p - lr * (m_hat / (sqrt(v_hat) + eps) + wd * p), with wd = 0 for biases and norm
+weights; ``sgd`` is torch.optim.SGD with --sgd-momentum. DeepSpeed wraps it (ZeRO, BF16_Optimizer,
+fp16 loss scaling) and clips gradients to the ds_config's gradient_clipping.
+
+The learning rate follows AnnealingLR (lr_schedule.py), handed to ``deepspeed.initialize`` as the
+engine's scheduler: the engine steps it after every *applied* optimizer step (an fp16 overflow
+skips it), with the increment from the batch calculator (the current global batch, in samples) and
+the consumed tokens from the trainer, and saves it in the checkpoint's ``lr_scheduler`` entry.
+"""
+import math
+import re
+from collections.abc import Callable
+
+import torch
+
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.transformer_layer import LayerNorm
+from megatron.core.parallel_state import DeepSpeedMPU, ParallelGroups
+from megatron.training.config import OptimizerConfig, ScheduleConfig, TrainConfig
+from megatron.training.dist_utils import print_rank_0, sum_across_group
+from megatron.training.lr_schedule import AnnealingLR
+
+
+class EngineSetupError(RuntimeError):
+    """The DeepSpeed engine does not match the configuration (rank grid, precision)."""
+
+
+def uses_pipeline_engine(pipeline_model_parallel_size: int, zero_stage: int) -> bool:
+    """GPTModelPipe on DeepSpeed's PipelineEngine unless ZeRO >= 2 (then PP is 1, validated at parse)."""
+    return pipeline_model_parallel_size > 1 or zero_stage < 2
+
+
+def current_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def build_model(config: TrainConfig, groups: ParallelGroups) -> torch.nn.Module:
+    """GPTModelPipe on DeepSpeed's topology of our grid, or GPTModel (see the module docstring)."""
+    if not uses_pipeline_engine(groups.pp_size, config.parallel.zero_stage):
+        device = current_device() if torch.cuda.is_available() else None
+        return GPTModel(config.model, groups, device=device)
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    from megatron.core.models.gpt.pipeline import GPTModelPipe
+
+    topology = PipeModelDataParallelTopology(num_pp=groups.pp_size, num_mp=groups.tp_size, num_dp=groups.dp_size)
+    return GPTModelPipe(config.model, groups, topology, partition_method=config.parallel.pp_partition_method)
+
+
+def _is_norm(module: torch.nn.Module) -> bool:
+    return isinstance(module, (LayerNorm, torch.nn.LayerNorm))
+
+
+def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Two parameter groups: {weights, weight_decay} and {biases and norm weights, 0.0}.
+
+    A parameter shared by several modules (the tied embedding) appears once.
+    """
+    decay, no_decay, seen = [], [], set()
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            (no_decay if _is_norm(module) or name == "bias" else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: torch.nn.Module, optimizer: OptimizerConfig) -> torch.optim.Optimizer:
+    """AdamW (decoupled weight decay, fused on CUDA) or SGD over ``weight_decay_groups``."""
+    groups = [group for group in weight_decay_groups(model, optimizer.weight_decay) if group["params"]]
+    if optimizer.optimizer == "adam":
+        return torch.optim.AdamW(groups, lr=optimizer.lr, betas=(optimizer.adam_beta1, optimizer.adam_beta2),
+                                 eps=optimizer.adam_eps, fused=torch.cuda.is_available())
+    if optimizer.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=optimizer.lr, momentum=optimizer.sgd_momentum)
+    raise ValueError(f"--optimizer {optimizer.optimizer!r} is not supported; use adam or sgd")
+
+
+def build_lr_scheduler(torch_optimizer: torch.optim.Optimizer, optimizer: OptimizerConfig,
+                       schedule: ScheduleConfig, increment_provider: Callable[[], int],
+                       token_provider: Callable[[], int]) -> AnnealingLR:
+    """AnnealingLR in samples; ``increment_provider`` gives the current global batch, ``token_provider``
+    the consumed training tokens before the step (the seed's lag, lr_schedule.py)."""
+    return AnnealingLR(torch_optimizer, max_lr=optimizer.lr, min_lr=optimizer.min_lr,
+                       warmup_steps=schedule.lr_warmup_steps, decay_steps=schedule.lr_decay_steps,
+                       decay_style=schedule.lr_decay_style, warmup_tokens=schedule.lr_warmup_tokens,
+                       decay_tokens=schedule.lr_decay_tokens, increment_provider=increment_provider,
+                       token_provider=token_provider)
+
+
+FP16_STAGE_0_NOTICE = ("fp16 at zero_optimization.stage 0: DeepSpeed 0.19's engine.backward does not scale the "
+                       "loss for its non-ZeRO fp16 optimizers while their step() divides the gradients by the loss "
+                       "scale (deepspeedai/DeepSpeed#8393), so the model would barely move; running ZeRO stage 1, "
+                       "the seed's fp16 setting, whose optimizer scales the loss (same math; the optimizer state is "
+                       "split over the data-parallel ranks)")
+
+
+def deepspeed_config(config: TrainConfig) -> dict:
+    """The ds_config handed to deepspeed.initialize: the user's, completed by the arguments module.
+
+    ZeRO accepts SGD only as an "untested" optimizer, which the config must allow explicitly. fp16
+    at ZeRO stage 0 runs at stage 1 (FP16_STAGE_0_NOTICE).
+    """
+    ds_config = config.deepspeed.config_for_initialize()
+    if config.optimizer.optimizer == "sgd":
+        ds_config.setdefault("zero_allow_untested_optimizer", True)
+    if config.precision.fp16 and ds_config["zero_optimization"]["stage"] == 0:
+        print_rank_0("notice: " + FP16_STAGE_0_NOTICE)
+        ds_config["zero_optimization"]["stage"] = 1
+    return ds_config
+
+
+def is_pipeline_engine(engine) -> bool:
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    return isinstance(engine, PipelineEngine)
+
+
+def check_engine_grid(engine, groups: ParallelGroups) -> None:
+    """Raise EngineSetupError unless DeepSpeed's view of the rank grid is ours, rank list by rank list.
+
+    ``engine.grid`` is the pipeline engine's PipelineParallelGrid; the plain engine uses our mpu.
+    """
+    grid = getattr(engine, "grid", None)
+    if grid is None:
+        found = {"dp size": engine.dp_world_size}
+        expected = {"dp size": groups.dp_size}
+    else:
+        found = {"stage": grid.get_stage_id(), "data-parallel rank": grid.get_data_parallel_id(),
+                 "tensor rank": grid.get_slice_parallel_rank(), "data-parallel group": sorted(grid.dp_group),
+                 "pipeline group": sorted(grid.pp_group), "tensor group": sorted(grid.slice_group)}
+        expected = {"stage": groups.pp_rank, "data-parallel rank": groups.dp_rank, "tensor rank": groups.tp_rank,
+                    "data-parallel group": sorted(groups.dp_ranks), "pipeline group": sorted(groups.pp_ranks),
+                    "tensor group": sorted(groups.tp_ranks)}
+    wrong = [f"{key}: DeepSpeed {found[key]}, ours {expected[key]}" for key in found if found[key] != expected[key]]
+    if wrong:
+        raise EngineSetupError(f"rank {groups.global_rank}: DeepSpeed's rank grid differs from the model-parallel "
+                               f"groups ({'; '.join(wrong)})")
+
+
+def check_engine_precision(engine, config: TrainConfig) -> None:
+    """The engine must run the precision the flags and the ds_config agreed on (the seed's assertion)."""
+    if engine.fp16_enabled() != config.precision.fp16 or engine.bfloat16_enabled() != config.precision.bf16:
+        raise EngineSetupError(f"DeepSpeed runs fp16={engine.fp16_enabled()} bf16={engine.bfloat16_enabled()} but "
+                               f"the configuration says fp16={config.precision.fp16} bf16={config.precision.bf16}")
+
+
+def gradient_norm_share(parameters, tp_rank: int) -> float:
+    """This rank's part of sum(g^2) over the model's distinct gradients: TP-split parameters on every TP
+    rank, replicated ones on TP rank 0, the pipeline's second tied copy (``ds_pipe_replicated``) never."""
+    squares = [p.grad.detach().float().pow(2).sum() for p in parameters
+               if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)
+               and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0)]
+    return float(torch.stack(squares).sum()) if squares else 0.0
+
+
+def clip_fp32_gradients_globally(engine, groups: ParallelGroups) -> None:
+    """Replace the engine's fp32 clipping (no ZeRO, no mixed precision) by an exact global-norm clip.
+
+    DeepSpeed's own (``runtime.utils.clip_grad_norm_``) counts replicated parameters only on the
+    first rank of the TP x PP group, so with pipeline parallelism the other stages' norm weights and
+    biases drop out of the norm and the tied embedding counts twice, and it discards the norm. Here
+    ||g|| = sqrt(sum over the TP x PP group of ``gradient_norm_share``), every gradient is scaled by
+    min(1, clip / (||g|| + 1e-6)) as DeepSpeed does, and ||g|| is kept for
+    ``engine.get_global_grad_norm()`` like the ZeRO and mixed-precision optimizers keep theirs.
+    """
+    model_parallel_group = groups.process_groups["model_parallel"]
+
+    def clip_fp32_gradients():
+        parameters = [p for p in engine.module.parameters() if p.grad is not None]
+        share = gradient_norm_share(parameters, groups.tp_rank)
+        norm = math.sqrt(sum_across_group([share], model_parallel_group)[0])
+        coefficient = min(1.0, engine.gradient_clipping() / (norm + 1e-6))
+        for param in parameters:
+            param.grad.mul_(coefficient)
+        engine._global_grad_norm = norm
+
+    engine.clip_fp32_gradients = clip_fp32_gradients
+
+
+def initialize_engine(config: TrainConfig, groups: ParallelGroups, model: torch.nn.Module,
+                      torch_optimizer: torch.optim.Optimizer, lr_scheduler: AnnealingLR):
+    """deepspeed.initialize on our model, optimizer, schedule and groups; checked against our grid."""
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+
+    pipeline = isinstance(model, PipelineModule)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch_optimizer, lr_scheduler=lr_scheduler,
+                                           mpu=None if pipeline else DeepSpeedMPU(groups),
+                                           config=deepspeed_config(config))
+    check_engine_grid(engine, groups)
+    check_engine_precision(engine, config)
+    clip_fp32_gradients_globally(engine, groups)
+    if pipeline and config.data.reset_attention_mask:
+        engine.set_has_attention_mask(True)
+    return engine
+
+
+def counts_once(name: str, groups: ParallelGroups) -> bool:
+    """False for a parameter this rank holds as a second copy: the tied embedding of the pipeline's
+    last stage (DeepSpeed's ``tied_modules``), which the first stage owns."""
+    return groups.is_first_stage or not name.startswith("tied_modules.")
+
+
+def parameter_counts(model: torch.nn.Module, distinct_for: ParallelGroups | None = None) -> tuple[int, int]:
+    """(parameters, parameters without embeddings) held by this rank.
+
+    With ``distinct_for``, only this rank's share of the whole model's distinct parameters: a
+    TP-replicated parameter counts on TP rank 0 only and the pipeline's second tied copy not at all,
+    so the sum over all ranks of one model replica is the model's size.
+    """
+    total, embeddings = 0, 0
+    for name, param in model.named_parameters():
+        if distinct_for is not None:
+            split = bool(getattr(param, "tensor_model_parallel", False))
+            if not (split or distinct_for.tp_rank == 0) or not counts_once(name, distinct_for):
+                continue
+        total += param.numel()
+        if re.search(r"(word|position)_embeddings", name):
+            embeddings += param.numel()
+    return total, total - embeddings

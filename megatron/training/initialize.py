@@ -1,0 +1,159 @@
+"""Start-up of a training process: accelerator, process group, model-parallel groups, seeds, log levels.
+
+    select_accelerator()                       # before anything imports deepspeed
+    args = parse_args(); config = build_config(args, vocab_size)
+    groups = initialize_megatron(config)       # torch.distributed + TP/DP/PP groups + seeds
+
+DeepSpeed chooses its accelerator when it is first imported. Without CUDA we set
+``DS_ACCELERATOR=cpu`` first (DESIGN.md), so DeepSpeed runs on its CPU accelerator with gloo
+(the arguments module already replaced a requested nccl by gloo, with a notice).
+
+Rank, world size and rendezvous come from the launcher's environment as the arguments module read
+it (deepspeed, torchrun, torch.distributed.launch, SLURM srun, plain variables, or none at all for
+a single process); they are written back to the environment torch's env:// rendezvous reads, so a
+lone ``python pretrain_gpt.py ...`` becomes rank 0 of 1 on a local address.
+"""
+import importlib.util
+import logging
+import os
+import random
+
+import numpy as np
+import torch
+
+from megatron.core.models.gpt import GPTModelConfig
+from megatron.core.parallel_state import ParallelGroups, initialize_model_parallel
+from megatron.core.tensor_parallel import model_parallel_seed, share_rng_tracker_with_deepspeed
+from megatron.training.config import LoggingConfig, ParallelConfig
+from megatron.training.dist_utils import print_line, print_rank_0
+
+ACCELERATOR_ENV = "DS_ACCELERATOR"
+LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+              "error": logging.ERROR, "critical": logging.CRITICAL}
+# Loggers whose level --log-level / --log-level-replica set: ours, DeepSpeed's, transformers'.
+LOGGER_NAMES = ("megatron", "DeepSpeed", "transformers")
+
+
+def select_accelerator(cuda_available: bool | None = None) -> str:
+    """Set DS_ACCELERATOR=cpu when there is no CUDA device (unless the user chose one); return it.
+
+    Must run before deepspeed is imported, which fixes the accelerator for the process.
+    """
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    if not cuda_available and not os.environ.get(ACCELERATOR_ENV):
+        os.environ[ACCELERATOR_ENV] = "cpu"
+    return os.environ.get(ACCELERATOR_ENV, "cuda")
+
+
+def _rendezvous_environment(parallel: ParallelConfig) -> dict:
+    return {"RANK": str(parallel.rank), "WORLD_SIZE": str(parallel.world_size),
+            "LOCAL_RANK": str(parallel.local_rank), "MASTER_ADDR": parallel.master_addr,
+            "MASTER_PORT": str(parallel.master_port)}
+
+
+def initialize_distributed(parallel: ParallelConfig) -> ParallelGroups:
+    """torch.cuda.set_device(local rank) on GPU, deepspeed.init_distributed, then our TP/DP/PP groups."""
+    import deepspeed
+
+    os.environ.update(_rendezvous_environment(parallel))
+    if torch.cuda.is_available():
+        device_count = torch.cuda.device_count()
+        torch.cuda.set_device(parallel.local_rank % device_count)
+    if parallel.rank == 0:  # torch.distributed does not know the rank yet
+        print_line(f"> initializing torch distributed with backend {parallel.distributed_backend}, "
+                   f"world size {parallel.world_size} (launcher: {parallel.launcher}) ...")
+    deepspeed.init_distributed(dist_backend=parallel.distributed_backend, auto_mpi_discovery=False,
+                               verbose=False, rank=parallel.rank, world_size=parallel.world_size)
+    print_rank_0(f"> initializing tensor model parallel with size {parallel.tensor_model_parallel_size}")
+    print_rank_0(f"> initializing pipeline model parallel with size {parallel.pipeline_model_parallel_size}")
+    return initialize_model_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size)
+
+
+def set_random_seeds(seed: int, groups: ParallelGroups) -> None:
+    """python, numpy and torch seeded with seed + 100 * pp_rank; the TP tracker's stream as well
+    (megatron.core.tensor_parallel.model_parallel_seed). DeepSpeed's activation checkpointing is
+    pointed at our tracker, so any recomputation it runs replays the model-parallel dropout masks."""
+    stage_seed = seed + 100 * groups.pp_rank
+    print_rank_0(f"> setting random seeds to {seed} ...")
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    model_parallel_seed(seed, groups.tp_rank, groups.pp_rank)
+    share_rng_tracker_with_deepspeed()
+
+
+def apply_log_levels(logging_config: LoggingConfig, global_rank: int) -> None:
+    """--log-level on rank 0, --log-level-replica elsewhere, for our, DeepSpeed's and transformers' loggers."""
+    name = logging_config.log_level if global_rank == 0 else logging_config.log_level_replica
+    if name is None:
+        return
+    if name not in LOG_LEVELS:
+        raise ValueError(f"--log-level{'' if global_rank == 0 else '-replica'} {name!r}: use one of "
+                         f"{sorted(LOG_LEVELS)}")
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    for logger_name in LOGGER_NAMES:
+        logging.getLogger(logger_name).setLevel(LOG_LEVELS[name])
+
+
+class FusedKernelConstraintError(RuntimeError):
+    """--abort-on-unmet-fused-kernel-constraints: a fused kernel would fall back to its reference."""
+
+
+def fused_kernel_violations(model: GPTModelConfig, tensor_model_parallel_size: int,
+                            micro_batch_size: int) -> list[str]:
+    """Why a fused kernel the model uses would fall back to its reference at the configured shapes.
+
+    The kernels' own rules (megatron.core.fused_kernels.dispatch) are checked on shape-only (meta)
+    tensors of one TP rank's activations: layer norm on [s, b, h], bias-dropout-add on [s, b, h]
+    (--no-bias-dropout-fusion skips it), bias-GeLU on [s, b, ffn / tp] (not with a GLU or
+    --no-bias-gelu-fusion), the scale-mask-softmax on [b, heads / tp, s, s] when attention
+    materializes the scores; plus whether fused kernels are enabled and triton is installed.
+    """
+    from megatron.core.fused_kernels import dispatch
+
+    s, b, h = model.seq_length, micro_batch_size, model.hidden_size
+
+    def meta(*shape):
+        return torch.empty(shape, dtype=model.params_dtype, device="meta")
+
+    problems = []
+    if not dispatch.fused_kernels_enabled():
+        problems.append(f"fused kernels are disabled ({dispatch.ENV_VAR})")
+    if importlib.util.find_spec("triton") is None:
+        problems.append("triton is not installed")
+    checks = [("layer norm", dispatch.layer_norm_constraint_violation(meta(s, b, h), meta(h), meta(h)))]
+    if model.bias_dropout_fusion:
+        checks.append(("bias-dropout-add", dispatch.bias_dropout_add_constraint_violation(
+            meta(s, b, h), meta(h), meta(s, b, h), model.hidden_dropout)))
+    if model.bias_gelu_fusion and model.glu_activation is None:
+        ffn = model.ffn_hidden_size // tensor_model_parallel_size
+        checks.append(("bias-GeLU", dispatch.bias_gelu_constraint_violation(meta(ffn), meta(s, b, ffn))))
+    if model.attention_impl == "materialized" and model.masked_softmax_fusion:
+        heads = model.num_attention_heads // tensor_model_parallel_size
+        checks.append(("scale-mask-softmax", dispatch.softmax_constraint_violation(meta(b, heads, s, s), None)))
+    return problems + [f"{name}: {why}" for name, why in checks if why]
+
+
+def check_fused_kernel_constraints(model: GPTModelConfig, tensor_model_parallel_size: int,
+                                   micro_batch_size: int, cuda_available: bool | None = None) -> None:
+    """--abort-on-unmet-fused-kernel-constraints: raise FusedKernelConstraintError on GPU when a kernel
+    would fall back. On CPU every op runs its reference by design, which is not an unmet constraint."""
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    if not cuda_available:
+        print_rank_0("> --abort-on-unmet-fused-kernel-constraints: no CUDA device, the CPU runs the reference "
+                     "ops (fused kernels are GPU-only); nothing to check")
+        return
+    problems = fused_kernel_violations(model, tensor_model_parallel_size, micro_batch_size)
+    if problems:
+        raise FusedKernelConstraintError("--abort-on-unmet-fused-kernel-constraints: these fused kernels would fall "
+                                         "back to their reference: " + "; ".join(problems))
+
+
+def initialize_megatron(parallel: ParallelConfig, logging_config: LoggingConfig, seed: int) -> ParallelGroups:
+    """Process group, model-parallel groups, log levels and seeds; returns this rank's groups."""
+    groups = initialize_distributed(parallel)
+    apply_log_levels(logging_config, parallel.rank)
+    set_random_seeds(seed, groups)
+    return groups

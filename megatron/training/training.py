@@ -1,0 +1,436 @@
+"""The training loop: pretrain() sets everything up, Trainer.train() runs the iterations, then validation and test.
+
+    pretrain(config, tokenizer)
+      initialize_megatron             process group, TP/DP/PP groups, seeds          (initialize.py)
+      Trainer.build                   model, optimizer, LR schedule, DeepSpeed engine (engine.py)
+                                      --load                                          (checkpointing.py)
+                                      datasets and this rank's iterators              (data_loading.py)
+      Trainer.train                   until --train-iters / --train-samples / --train-tokens, or an exit
+      the end of training             validation, checkpoint, test
+
+One iteration (Trainer.train):
+  1. the batch calculator sets the global batch for the consumed samples (--rampup-batch-size);
+     the engine follows (engine.set_train_batch_size: the pipeline's micro batches, or the plain
+     engine's accumulation steps);
+  2. the kill switch is checked (any rank seeing the file stops all ranks);
+  3. train_step: the pipeline engine's train_batch, or forward/backward/step per micro batch on the
+     plain engine; DeepSpeed reduces gradients, clips, steps the optimizer and the LR schedule (not
+     on an fp16 overflow, which counts as a skipped iteration);
+  4. counters advance by the global batch (samples) and global batch x seq length (tokens);
+  5. TensorBoard scalars, the log line every --log-interval, evaluation every --eval-interval,
+     a checkpoint every --save-interval;
+  6. --exit-duration-in-mins (the maximum over ranks of the elapsed time) and --exit-interval stop
+     the run after a checkpoint (with --save), as the kill switch does.
+
+Reporting follows seed-system.md §5 (metrics.py, tb_logger.py): the log line and TensorBoard on the
+last rank, milestones on rank 0.
+"""
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from megatron.training import dist_utils
+from megatron.training.checkpointing import TrainingProgress, load_checkpoint, save_checkpoint
+from megatron.training.config import TrainConfig
+from megatron.training.data_loading import (DataLoadingError, LoaderSettings, batch_function, build_datasets, build_iterators,
+                                            pipeline_batch, train_valid_test_num_samples)
+from megatron.training.engine import (build_lr_scheduler, build_model, build_optimizer, counts_once,
+                                      current_device, initialize_engine, parameter_counts, uses_pipeline_engine)
+from megatron.training.initialize import check_fused_kernel_constraints, initialize_megatron
+from megatron.training.metrics import (BUILDING_DATASETS_LINE, TEST_END_PREFIX, VALIDATION_END_PREFIX,
+                                       LossAccumulator, TrainingLogFields, compute_throughput, datetime_line,
+                                       exit_after_minutes_label, exit_at_iteration_label, gigaflos_no_embeddings,
+                                       initialization_time_line, kill_switch_line, measure_matmul_peak_tflops,
+                                       memory_report_line, parameter_count_lines, rank_parameter_line,
+                                       train_iterations_line, training_log_line, validation_log_lines,
+                                       validation_prefix)
+from megatron.training.microbatches import build_num_microbatches_calculator, train_iters_for_samples
+from megatron.training.tb_logger import IterationScalars, Progress, TensorBoardLogger, TensorBoardSettings
+from megatron.training.timers import Timers
+
+LOSS_KEY = "lm loss"
+BILLION = 1e9
+
+
+class UnsupportedConfigurationError(ValueError):
+    """A flag this trainer accepts but cannot honour in this configuration."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One iteration: the loss (mean over micro batches and data-parallel ranks), whether the optimizer
+    step was skipped (fp16 overflow), and DeepSpeed's global gradient norm (None when not computed)."""
+
+    loss: float
+    skipped: bool
+    grad_norm: float | None
+
+
+def total_train_iters(config: TrainConfig) -> int:
+    """--train-iters, or the iterations --train-samples takes (rampup included, the last partial batch dropped)."""
+    schedule = config.schedule
+    if schedule.train_iters is not None:
+        return schedule.train_iters
+    return train_iters_for_samples(schedule.train_samples, schedule.global_batch_size, schedule.micro_batch_size,
+                                   config.parallel.data_parallel_size, schedule.rampup_batch_size)
+
+
+def check_supported(config: TrainConfig) -> None:
+    """Refuse what the DeepSpeed path cannot report rather than print a made-up value."""
+    if config.logging.log_num_zeros_in_grad:
+        raise UnsupportedConfigurationError(
+            "--log-num-zeros-in-grad is not supported: DeepSpeed's engine reduces and zeroes the gradients "
+            "inside its optimizer step, so they cannot be counted (the seed logged 0 on this path); drop the flag")
+
+
+def exit_label(iteration: int, elapsed_minutes: float | None, schedule) -> str | None:
+    """The seed's exit message when --exit-duration-in-mins has passed (``elapsed_minutes``, the maximum
+    over ranks) or ``iteration`` is a multiple of --exit-interval; None to go on."""
+    if schedule.exit_duration_in_mins is not None and elapsed_minutes > schedule.exit_duration_in_mins:
+        return exit_after_minutes_label(elapsed_minutes)
+    if schedule.exit_interval is not None and iteration % schedule.exit_interval == 0:
+        return exit_at_iteration_label(iteration)
+    return None
+
+
+def _loss_scale(engine) -> float | None:
+    optimizer = engine.optimizer
+    scaler = getattr(optimizer, "loss_scale_config", None)
+    scale = scaler.cur_scale if scaler is not None else getattr(optimizer, "cur_scale", None)
+    return None if scale is None else float(scale)
+
+
+def _grad_norm(engine) -> float | None:
+    norm = engine.get_global_grad_norm()
+    return None if norm is None else float(norm)
+
+
+class Trainer:
+    """The engine, the data and the counters of one run; see the module docstring."""
+
+    def __init__(self, config: TrainConfig, groups, tokenizer, arguments: dict | None, start_time: float):
+        self.config, self.groups, self.arguments = config, groups, arguments
+        self.start_time = start_time
+        self.schedule = config.schedule
+        self.progress = TrainingProgress()
+        self.timers = Timers()
+        self.train_iters = total_train_iters(config)
+        self.dp_group = groups.process_groups["dp"]
+        self.calculator = build_num_microbatches_calculator(
+            self.schedule.global_batch_size, self.schedule.micro_batch_size, groups.dp_size,
+            self.schedule.rampup_batch_size)
+        self.pipeline = uses_pipeline_engine(groups.pp_size, config.parallel.zero_stage)
+        self.device = current_device()
+        self.make_batch = batch_function(tokenizer.eod, config.data, self.device)
+        self.last_saved_iteration = None
+        self.memory_reported = False
+        self.accumulator = LossAccumulator()
+
+    # ------------------------------------------------------------------ set-up
+
+    def build_engine(self):
+        model = build_model(self.config, self.groups)
+        self._print_parameter_counts(model)
+        optimizer = build_optimizer(model, self.config.optimizer)
+        self.lr_scheduler = build_lr_scheduler(optimizer, self.config.optimizer, self.schedule,
+                                               self.calculator.get_current_global_batch_size,
+                                               lambda: self.progress.consumed_train_tokens)
+        self.engine = initialize_engine(self.config, self.groups, model, optimizer, self.lr_scheduler)
+        if self.pipeline:
+            self.engine.set_batch_fn(lambda data: pipeline_batch(self.make_batch(data)))
+        loaded = load_checkpoint(self.engine, self.config)
+        if loaded is not None:
+            self.progress = loaded
+        self.calculator.update(self.progress.consumed_train_samples, consistency_check=False)
+
+    def _print_parameter_counts(self, model):
+        held, held_without_embeddings = parameter_counts(model)
+        share = parameter_counts(model, distinct_for=self.groups)
+        total, without_embeddings = (value / self.groups.dp_size for value in dist_utils.sum_across_group(share))
+        self.parameters_without_embeddings_billions = without_embeddings / BILLION
+        for line in parameter_count_lines(total / BILLION, without_embeddings / BILLION):
+            dist_utils.print_rank_0(line)
+        if self.groups.dp_rank == 0:
+            dist_utils.print_line(rank_parameter_line(self.groups.tp_rank, self.groups.pp_rank, held / BILLION,
+                                                      held_without_embeddings / BILLION))
+
+    def build_data(self):
+        schedule, data = self.schedule, self.config.data
+        dist_utils.print_rank_0(BUILDING_DATASETS_LINE)
+        num_samples = train_valid_test_num_samples(self.train_iters, schedule.global_batch_size,
+                                                   schedule.train_samples, schedule.eval_interval, schedule.eval_iters)
+        if schedule.eval_iters == 0:
+            num_samples = (num_samples[0], 0, 0)
+        datasets = build_datasets(data, num_samples)
+        if datasets.train is None and not schedule.eval_only:
+            raise DataLoadingError("no training samples: the train split holds no documents (see --split or "
+                                   "--train-weighted-split-paths)")
+        self.named_sets = not data.dataset.data_path
+        reads_data = not self.pipeline or self.groups.is_first_stage or self.groups.is_last_stage
+        settings = dict(micro_batch_size=schedule.micro_batch_size, data_parallel_rank=self.groups.dp_rank,
+                        data_parallel_size=self.groups.dp_size, seed=self.config.model.seed,
+                        dataloader_type=data.dataloader_type)
+        self.iterators = build_iterators(datasets, reads_data, LoaderSettings(num_workers=data.num_workers, **settings),
+                                         LoaderSettings(num_workers=data.valid_num_workers, **settings),
+                                         self.progress.consumed_train_samples, self.progress.consumed_valid_samples)
+
+    def build_reporting(self):
+        logging = self.config.logging
+        settings = None
+        if logging.tensorboard_dir:
+            settings = TensorBoardSettings(
+                log_dir=logging.tensorboard_dir, queue_size=logging.tensorboard_queue_size,
+                log_interval=logging.tensorboard_log_interval, log_timers=logging.log_timers_to_tensorboard,
+                log_batch_size=logging.log_batch_size_to_tensorboard,
+                log_learning_rate=logging.log_learning_rate_to_tensorboard,
+                log_loss_scale=logging.log_loss_scale_to_tensorboard,
+                log_validation_ppl=logging.log_validation_ppl_to_tensorboard)
+        self.tensorboard = TensorBoardLogger(settings, enabled=dist_utils.is_last_rank())
+        self.tensorboard.write_run_start(self.arguments or {}, self.progress.iteration, dist_utils.world_size())
+        self.emissions = None
+        if logging.codecarbon_dir:
+            from megatron.training.emissions import EmissionsTracker
+            self.emissions = EmissionsTracker(logging.codecarbon_dir, dist_utils.rank())
+            self.emissions.start()
+        self.peak_tflops = measure_matmul_peak_tflops(self.device) if self.device.type == "cuda" else None
+
+    # ------------------------------------------------------------------ one iteration
+
+    def train_step(self) -> StepResult:
+        skipped_before = self.engine.skipped_steps
+        if self.pipeline:
+            loss = float(self.engine.train_batch(data_iter=self.iterators.train))
+        else:
+            loss = self._plain_engine_step()
+        return StepResult(loss, self.engine.skipped_steps > skipped_before, _grad_norm(self.engine))
+
+    def _plain_engine_step(self) -> float:
+        """Forward, backward and step per micro batch; the optimizer steps at the last one."""
+        num_micro_batches = self.calculator.get()
+        losses = []
+        for index in range(num_micro_batches):
+            batch = self.make_batch(next(self.iterators.train))
+            self.engine.set_gradient_accumulation_boundary(index == num_micro_batches - 1)
+            loss = self.engine(batch.tokens, batch.position_ids, batch.attention_mask, batch.labels, batch.loss_mask)
+            self.engine.backward(loss)
+            self.engine.step()
+            losses.append(loss.detach())
+        local_mean = float(torch.stack(losses).mean())
+        return dist_utils.average_across_group([local_mean], self.dp_group)[0]
+
+    def _eval_step(self, iterator) -> float:
+        """The loss of one global batch, without gradients (mean over micro batches and DP ranks)."""
+        if self.pipeline:
+            return float(self.engine.eval_batch(data_iter=iterator))
+        self.engine.eval()
+        losses = []
+        with torch.no_grad():
+            for _ in range(self.calculator.get()):
+                batch = self.make_batch(next(iterator))
+                losses.append(self.engine(batch.tokens, batch.position_ids, batch.attention_mask, batch.labels,
+                                          batch.loss_mask))
+        self.engine.train()
+        return dist_utils.average_across_group([float(torch.stack(losses).mean())], self.dp_group)[0]
+
+    def _advance(self):
+        batch = self.calculator.get_current_global_batch_size()
+        progress = self.progress
+        progress.iteration += 1
+        progress.consumed_train_samples += batch
+        progress.consumed_train_tokens += batch * self.config.model.seq_length
+        progress.gigaflos_no_embeddings += gigaflos_no_embeddings(batch, self.config.model.seq_length,
+                                                                  self.parameters_without_embeddings_billions)
+
+    # ------------------------------------------------------------------ the loop
+
+    def training_done(self) -> bool:
+        tokens = self.schedule.train_tokens
+        return self.progress.iteration >= self.train_iters or (
+            tokens is not None and self.progress.consumed_train_tokens >= tokens)
+
+    def train(self) -> str | None:
+        """Iterate until done; returns the exit label when --exit-*/--kill-switch-path stopped the run."""
+        self.timers("interval-time").start()
+        while not self.training_done():
+            self.calculator.update(self.progress.consumed_train_samples, consistency_check=True)
+            self.engine.set_train_batch_size(self.calculator.get_current_global_batch_size())
+            if self._kill_switch_seen():
+                self._save_before_exit()
+                return kill_switch_line(self.schedule.kill_switch_path)
+            self.timers("train-step").start()
+            result = self.train_step()
+            self.timers("train-step").stop()
+            self._advance()
+            self._report(result)
+            iteration = self.progress.iteration
+            if self.do_valid and iteration % self.schedule.eval_interval == 0:
+                self._paused(self.evaluate_and_print, self.iterators.valid, validation_prefix(iteration), True)
+            if self.config.checkpoint.save and iteration % self.config.checkpoint.save_interval == 0:
+                self._paused(self.save)
+            label = self._exit_requested()
+            if label is not None:
+                self._save_before_exit()
+                return datetime_line(label)
+        self.timers("interval-time").stop()
+        return None
+
+    def _paused(self, function, *args):
+        """Run ``function`` with the interval timer stopped, so evaluation and saving do not count
+        as iteration time."""
+        self.timers("interval-time").stop()
+        function(*args)
+        self.timers("interval-time").start()
+
+    def _kill_switch_seen(self) -> bool:
+        path = self.schedule.kill_switch_path
+        return path is not None and dist_utils.any_rank_true(os.path.exists(path))
+
+    def _exit_requested(self) -> str | None:
+        elapsed = None
+        if self.schedule.exit_duration_in_mins is not None:
+            elapsed = dist_utils.max_across_ranks((time.time() - self.start_time) / 60.0)
+        return exit_label(self.progress.iteration, elapsed, self.schedule)
+
+    def _save_before_exit(self):
+        if self.config.checkpoint.save and self.last_saved_iteration != self.progress.iteration:
+            self.save()
+        dist_utils.barrier()
+
+    def save(self):
+        self.timers("save-checkpoint").start()
+        save_checkpoint(self.engine, self.progress, self.config, self.arguments)
+        self.timers("save-checkpoint").stop()
+        self.last_saved_iteration = self.progress.iteration
+        if self.emissions is not None:
+            self.emissions.flush()
+
+    # ------------------------------------------------------------------ reporting
+
+    @property
+    def do_valid(self) -> bool:
+        return self.schedule.eval_iters > 0 and bool(self.iterators.valid)
+
+    def _report(self, result: StepResult):
+        self.accumulator.add({LOSS_KEY: result.loss}, result.skipped)
+        params_norm = None
+        if self.config.logging.log_params_norm:
+            params_norm = dist_utils.params_l2_norm(self.engine.module.named_parameters(), self.groups.tp_rank,
+                                                    self.groups.dp_size, lambda name: counts_once(name, self.groups))
+        loss_scale = _loss_scale(self.engine) if self.config.precision.fp16 else None
+        scalars = IterationScalars(learning_rate=self.lr_scheduler.get_lr(),
+                                   global_batch_size=self.calculator.get_current_global_batch_size(),
+                                   losses={LOSS_KEY: result.loss}, loss_scale=loss_scale, grad_norm=result.grad_norm,
+                                   params_norm=params_norm)
+        self.tensorboard.write_iteration(self._tensorboard_progress(), scalars)
+        if self.progress.iteration % self.schedule.log_interval == 0:
+            self._log_interval(scalars)
+
+    def _tensorboard_progress(self) -> Progress:
+        p = self.progress
+        return Progress(p.iteration, p.consumed_train_samples, p.consumed_train_tokens, p.gigaflos_no_embeddings)
+
+    def _log_interval(self, scalars: IterationScalars):
+        iterations = max(1, self.accumulator.total_iterations)
+        iteration_time = self.timers("interval-time").elapsed() / iterations
+        throughput = compute_throughput(self.config.model, global_batch_size=scalars.global_batch_size,
+                                        seq_length=self.config.model.seq_length, iteration_time=iteration_time,
+                                        world_size=dist_utils.world_size(), data_parallel_size=self.groups.dp_size,
+                                        peak_tflops=self.peak_tflops)
+        p = self.progress
+        fields = TrainingLogFields(
+            iteration=p.iteration, train_iters=self.train_iters, consumed_samples=p.consumed_train_samples,
+            consumed_tokens=p.consumed_train_tokens, elapsed_time_per_iteration=iteration_time,
+            learning_rate=scalars.learning_rate, global_batch_size=scalars.global_batch_size,
+            skipped_iterations=self.accumulator.skipped_iterations, nan_iterations=self.accumulator.nan_iterations,
+            samples_per_second=throughput.samples_per_second, tflops=throughput.tflops,
+            losses=self.accumulator.averages(), loss_scale=scalars.loss_scale, grad_norm=scalars.grad_norm,
+            params_norm=scalars.params_norm, model_tflops=throughput.model_tflops, mfu=throughput.mfu)
+        dist_utils.print_rank_last(training_log_line(fields))
+        self.tensorboard.write_throughput(self._tensorboard_progress(), throughput)
+        self.timers.write(self.timers.existing(("train-step", "save-checkpoint", "evaluate")), self.tensorboard,
+                          p.iteration, normalizer=iterations, reset=True)
+        self.accumulator.reset()
+        if not self.memory_reported:
+            self.memory_reported = True
+            if self.groups.dp_rank == 0:
+                dist_utils.print_line(memory_report_line(dist_utils.rank(), p.iteration, self.device))
+
+    def evaluate(self, iterator) -> float:
+        """Mean loss over --eval-iters global batches at the full sequence length."""
+        losses = [self._eval_step(iterator) for _ in range(self.schedule.eval_iters)]
+        return sum(losses) / len(losses)
+
+    def evaluate_and_print(self, named_iterators, prefix: str, validation: bool):
+        """Every set of ``named_iterators``: the seed's three lines and the TensorBoard scalars."""
+        self.timers("evaluate").start()
+        for name, iterator in named_iterators:
+            losses = {LOSS_KEY: self.evaluate(iterator)}
+            group_name = name if self.named_sets else None
+            for line in validation_log_lines(prefix, losses, group_name):
+                dist_utils.print_rank_last(line)
+            self.tensorboard.write_validation(self._tensorboard_progress(), losses, group_name)
+        if validation:
+            self.progress.consumed_valid_samples += (self.schedule.eval_iters *
+                                                     self.calculator.get_current_global_batch_size())
+        self.timers("evaluate").stop()
+
+    def finish(self):
+        self.tensorboard.close()
+        if self.emissions is not None:
+            self.emissions.stop()
+
+
+def _run(trainer: Trainer) -> None:
+    """Train, then evaluate on validation, save and test as the seed does at the end of training."""
+    config = trainer.config
+    if not config.schedule.eval_only:
+        dist_utils.print_rank_0("training ...")
+        exit_line = trainer.train()
+        dist_utils.print_rank_0(datetime_line("after training is done"))
+        if exit_line is not None:
+            dist_utils.print_rank_0(exit_line)
+            return
+    if trainer.do_valid:
+        prefix = VALIDATION_END_PREFIX if not config.schedule.eval_only else validation_prefix(trainer.progress.iteration)
+        trainer.evaluate_and_print(trainer.iterators.valid, prefix, True)
+    if config.checkpoint.save and trainer.progress.iteration > 0 and \
+            trainer.last_saved_iteration != trainer.progress.iteration and not config.schedule.eval_only:
+        trainer.save()
+    if config.schedule.eval_iters > 0 and trainer.iterators.test:
+        trainer.evaluate_and_print(trainer.iterators.test, TEST_END_PREFIX, False)
+
+
+def pretrain(config: TrainConfig, tokenizer, arguments: dict | None = None) -> TrainingProgress:
+    """Run the whole job (module docstring); returns where training stands at the end.
+
+    ``tokenizer`` provides ``eod``; ``arguments`` (the parsed flags as a dict) go to TensorBoard's
+    text panel and into the checkpoints' ``args`` entry.
+    """
+    start_time = time.time()
+    check_supported(config)
+    groups = initialize_megatron(config.parallel, config.logging, config.model.seed)
+    if config.abort_on_unmet_fused_kernel_constraints:
+        check_fused_kernel_constraints(config.model, groups.tp_size, config.schedule.micro_batch_size)
+    start_time = -dist_utils.max_across_ranks(-start_time)
+    dist_utils.print_rank_0(initialization_time_line(time.time() - start_time))
+    dist_utils.print_rank_0(datetime_line("after megatron is initialized"))
+    trainer = Trainer(config, groups, tokenizer, arguments, start_time)
+    path = config.schedule.kill_switch_path
+    if path is not None and dist_utils.any_rank_true(os.path.exists(path)):
+        dist_utils.print_rank_0(kill_switch_line(path))
+        dist_utils.shutdown()
+        return trainer.progress
+    dist_utils.print_rank_0(train_iterations_line(trainer.train_iters))
+    trainer.build_engine()
+    dist_utils.print_rank_0(datetime_line("after model, optimizer, and learning rate scheduler are built"))
+    trainer.build_data()
+    dist_utils.print_rank_0(datetime_line("after dataloaders are built"))
+    trainer.build_reporting()
+    try:
+        _run(trainer)
+    finally:
+        trainer.finish()
+    dist_utils.shutdown()
+    return trainer.progress

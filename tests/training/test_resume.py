@@ -1,0 +1,88 @@
+"""Resume: a run restarted from its iteration-4 checkpoint continues exactly where it stood.
+
+The uninterrupted run trains 8 iterations and saves at 4 and 8; its global_step4 is copied into a
+fresh directory whose ``latest`` names it, and a second run resumes from there. Counters, learning
+rate, data position and, with dropout on, the RNG streams must continue: iterations 5-8 print the
+same consumed samples/tokens and learning rates, and the same losses (bit-exact here; the test
+allows fp32 noise), and the validation set continues where it stood.
+"""
+import shutil
+
+import pytest
+import torch
+
+from tests.training.pretrain_helpers import (preprocessed_corpus, run_pretrain, tiny_run_args,  # noqa: F401
+                                             training_lines, validation_lines)
+
+FLAGS = ["--global-batch-size", "4", "--train-iters", "8", "--lr-warmup-iters", "2", "--hidden-dropout", "0.1",
+         "--attention-dropout", "0.1", "--eval-interval", "4", "--eval-iters", "1", "--save-interval", "4"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(preprocessed_corpus, tmp_path_factory):  # noqa: F811
+    directory = tmp_path_factory.mktemp("uninterrupted")
+    output = run_pretrain(tiny_run_args(preprocessed_corpus, *FLAGS, "--save", str(directory / "ckpt"))).stdout
+    return output, directory / "ckpt"
+
+
+def _checkpoint_at_4(source, destination):
+    (destination / "global_step4").parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(source / "global_step4", destination / "global_step4")
+    (destination / "latest").write_text("global_step4")
+    return destination
+
+
+def test_resumed_run_continues_counters_lr_data_and_losses(preprocessed_corpus, uninterrupted, tmp_path):  # noqa: F811
+    output, ckpt = uninterrupted
+    resume_dir = _checkpoint_at_4(ckpt, tmp_path / "resume")
+    resumed = run_pretrain(tiny_run_args(preprocessed_corpus, *FLAGS, "--load", str(resume_dir),
+                                         "--save", str(resume_dir))).stdout
+    assert f"successfully loaded checkpoint from {resume_dir} at iteration 4" in resumed
+    reference = {line["iteration"]: line for line in training_lines(output)}
+    continued = training_lines(resumed)
+    assert [line["iteration"] for line in continued] == [5, 6, 7, 8]
+    for line in continued:
+        expected = reference[line["iteration"]]
+        for key in ("consumed samples", "consumed tokens", "learning rate", "global batch size"):
+            assert line[key] == expected[key], (line["iteration"], key)
+        assert line["lm loss"] == pytest.approx(expected["lm loss"], rel=1e-6)
+        assert line["grad norm"] == pytest.approx(expected["grad norm"], abs=1e-3)
+    # the validation set continues: the evaluations after the restart see the same batches
+    assert validation_lines(resumed) == validation_lines(output)[1:]
+    final = torch.load(resume_dir / "global_step8" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert final["consumed_train_samples"] == 32 and final["consumed_valid_samples"] == 2 * 4  # evaluations at 4 and 8
+
+
+def test_finetune_restarts_counters_and_schedule(preprocessed_corpus, uninterrupted, tmp_path):  # noqa: F811
+    output, ckpt = uninterrupted
+    resume_dir = _checkpoint_at_4(ckpt, tmp_path / "finetune")
+    flags = ["--global-batch-size", "4", "--train-iters", "2", "--lr-warmup-iters", "1", "--eval-iters", "0"]
+    resumed = run_pretrain(tiny_run_args(preprocessed_corpus, *flags, "--load", str(resume_dir), "--finetune",
+                                         "--save", str(resume_dir), "--save-interval", "2")).stdout
+    lines = training_lines(resumed)
+    assert [(line["iteration"], line["consumed samples"]) for line in lines] == [(1, 4), (2, 8)]
+    assert lines[0]["learning rate"] == pytest.approx(1e-3)  # a fresh schedule: warmup of 4 samples done
+    # the weights were loaded: the first loss is the trained model's, lower than the untrained start
+    assert lines[0]["lm loss"] < training_lines(output)[0]["lm loss"] - 0.02
+    assert (resume_dir / "latest").read_text().strip() == "global_step2"
+
+
+def test_no_load_optim_keeps_the_schedule_and_counters(preprocessed_corpus, uninterrupted, tmp_path):  # noqa: F811
+    output, ckpt = uninterrupted
+    resume_dir = _checkpoint_at_4(ckpt, tmp_path / "no_optim")
+    resumed = run_pretrain(tiny_run_args(preprocessed_corpus, *FLAGS, "--load", str(resume_dir), "--no-load-optim",
+                                         "--train-iters", "8", "--save", str(resume_dir))).stdout
+    reference = {line["iteration"]: line for line in training_lines(output)}
+    lines = training_lines(resumed)
+    assert [line["iteration"] for line in lines] == [5, 6, 7, 8]
+    assert [line["learning rate"] for line in lines] == [reference[i]["learning rate"] for i in (5, 6, 7, 8)]
+    # iteration 5's loss is computed before its step, on the loaded weights; then fresh Adam moments diverge
+    assert lines[0]["lm loss"] == pytest.approx(reference[5]["lm loss"], rel=1e-6)
+    assert lines[1]["lm loss"] != pytest.approx(reference[6]["lm loss"], rel=1e-6)
+
+
+def test_missing_load_directory_starts_from_scratch(preprocessed_corpus, tmp_path):  # noqa: F811
+    flags = ["--global-batch-size", "4", "--train-iters", "1", "--eval-iters", "0"]
+    output = run_pretrain(tiny_run_args(preprocessed_corpus, *flags, "--load", str(tmp_path / "absent"))).stdout
+    assert f"no checkpoint found in --load {tmp_path / 'absent'}" in output
+    assert [line["iteration"] for line in training_lines(output)] == [1]
