@@ -260,6 +260,16 @@ class _Resolution:
                                 f"in {self.where}: DeepSpeed cannot run this mix; use stage 1 (its "
                                 f"BF16_Optimizer) or grad_accum_dtype \"bf16\"")
 
+    def fp16_stage(self):
+        """fp16 at stage 0 runs at stage 1: DeepSpeed 0.19's engine.backward does not scale the loss
+        for its non-ZeRO fp16 optimizers while their step() divides the gradients by the loss scale
+        (deepspeedai/DeepSpeed#8393), so the model would barely move. Stage 1, the seed's fp16
+        setting, does the same math with the optimizer state split over the data-parallel ranks."""
+        if self.args.fp16 and self.config["zero_optimization"]["stage"] == 0:
+            self.config["zero_optimization"]["stage"] = self.args.zero_stage = 1
+            self.notices.append("fp16 at zero_optimization.stage 0 runs at stage 1: DeepSpeed 0.19 does not "
+                                "scale the loss for its stage-0 fp16 optimizer (deepspeedai/DeepSpeed#8393)")
+
     def optimizer_support(self):
         """DeepSpeed refuses optimizers outside its ZeRO list (SGD) at stage >= 1 unless told otherwise."""
         if self.args.optimizer == "sgd" and self.config["zero_optimization"]["stage"] >= 1:
@@ -281,5 +291,6 @@ def resolve_ds_config(args, explicit, data_parallel_size, pipeline_parallel_size
     resolution.clipping()
     resolution.zero_stage()
     resolution.grad_accumulation()
+    resolution.fp16_stage()
     resolution.optimizer_support()
     return resolution.config, resolution.notices

@@ -145,7 +145,7 @@ def add_checkpointing_args(parser):
     group.add_argument("--no-save-rng", action="store_true", default=None, help="do not save the RNG states")
     group.add_argument("--load", default=None, help="checkpoint directory to resume from")
     group.add_argument("--no-load-optim", action="store_true", default=None,
-                       help="do not load the optimizer and LR-scheduler states")
+                       help="do not load the optimizer state (the LR schedule and the counters still load)")
     group.add_argument("--no-load-rng", action="store_true", default=None, help="do not load the RNG states")
     group.add_argument("--finetune", action="store_true",
                        help="load the weights and start at iteration 0 (with the DeepSpeed engine the "

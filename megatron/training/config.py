@@ -174,7 +174,7 @@ class CheckpointConfig:
         save: directory to save to, or None.
         load: directory to resume from, or None.
         save_interval: iterations between saves (required with save).
-        no_load_optim: do not load optimizer and LR-scheduler states.
+        no_load_optim: do not load the optimizer state (the LR schedule and counters still load).
         no_load_rng: do not load the RNG states.
         no_save_rng: do not save the RNG states.
         finetune: load the weights and restart at iteration 0.

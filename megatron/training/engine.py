@@ -31,7 +31,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.transformer_layer import LayerNorm
 from megatron.core.parallel_state import DeepSpeedMPU, ParallelGroups
 from megatron.training.config import OptimizerConfig, ScheduleConfig, TrainConfig
-from megatron.training.dist_utils import print_rank_0, sum_across_group
+from megatron.training.dist_utils import sum_across_group
 from megatron.training.lr_schedule import AnnealingLR
 
 
@@ -104,26 +104,10 @@ def build_lr_scheduler(torch_optimizer: torch.optim.Optimizer, optimizer: Optimi
                        token_provider=token_provider)
 
 
-FP16_STAGE_0_NOTICE = ("fp16 at zero_optimization.stage 0: DeepSpeed 0.19's engine.backward does not scale the "
-                       "loss for its non-ZeRO fp16 optimizers while their step() divides the gradients by the loss "
-                       "scale (deepspeedai/DeepSpeed#8393), so the model would barely move; running ZeRO stage 1, "
-                       "the seed's fp16 setting, whose optimizer scales the loss (same math; the optimizer state is "
-                       "split over the data-parallel ranks)")
-
-
 def deepspeed_config(config: TrainConfig) -> dict:
-    """The ds_config handed to deepspeed.initialize: the user's, completed by the arguments module.
-
-    ZeRO accepts SGD only as an "untested" optimizer, which the config must allow explicitly. fp16
-    at ZeRO stage 0 runs at stage 1 (FP16_STAGE_0_NOTICE).
-    """
-    ds_config = config.deepspeed.config_for_initialize()
-    if config.optimizer.optimizer == "sgd":
-        ds_config.setdefault("zero_allow_untested_optimizer", True)
-    if config.precision.fp16 and ds_config["zero_optimization"]["stage"] == 0:
-        print_rank_0("notice: " + FP16_STAGE_0_NOTICE)
-        ds_config["zero_optimization"]["stage"] = 1
-    return ds_config
+    """The ds_config handed to deepspeed.initialize: the user's, completed by the arguments module
+    (argument_ds_config.py: batch sizes, precision, clipping, ZeRO stage, SGD allowance)."""
+    return config.deepspeed.config_for_initialize()
 
 
 def is_pipeline_engine(engine) -> bool:

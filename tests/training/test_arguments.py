@@ -446,6 +446,18 @@ def test_bf16_fp32_accumulation_at_stage_0_is_refused_when_explicit(ds_file):
     assert "grad_accum_dtype" in message and "stage 0" in message
 
 
+@pytest.mark.parametrize("config, stage, notices", [
+    ({"fp16": {"enabled": True}, "zero_optimization": {"stage": 0}}, 1, 1),
+    ({"fp16": {"enabled": True}, "zero_optimization": {"stage": 1}}, 1, 0),
+    ({"fp16": {"enabled": True}, "zero_optimization": {"stage": 2}}, 2, 0),
+])
+def test_fp16_at_stage_0_runs_at_stage_1(ds_file, capsys, config, stage, notices):
+    args = parse(with_ds(ds_file(config), "--fp16"), cuda=True)
+    assert args.zero_stage == stage and args.deepspeed_config_dict["zero_optimization"]["stage"] == stage
+    lines = [n for n in printed_notices(capsys) if "fp16 at zero_optimization.stage 0" in n]
+    assert len(lines) == notices and all("DeepSpeed#8393" in n for n in lines)
+
+
 def test_sgd_with_zero_is_allowed_explicitly():
     assert parse(["--optimizer", "sgd", "--zero-stage", "1"]).deepspeed_config_dict["zero_allow_untested_optimizer"]
     assert "zero_allow_untested_optimizer" not in parse(["--optimizer", "sgd"]).deepspeed_config_dict

@@ -86,7 +86,8 @@ def test_effective_values_come_from_the_ds_config(tmp_path):
     assert (precision.loss_scale, precision.initial_loss_scale, precision.loss_scale_window) == (None, 4096.0, 500)
     assert (precision.hysteresis, precision.min_loss_scale) == (2, 1)
     assert config.deepspeed.config_path == str(path)
-    assert config.parallel.distributed_backend == "nccl" and config.parallel.zero_stage == 0
+    # No stage in the config means stage 0, which fp16 runs as stage 1 (argument_ds_config.fp16_stage).
+    assert config.parallel.distributed_backend == "nccl" and config.parallel.zero_stage == 1
 
 
 def test_parallel_config_from_slurm():
