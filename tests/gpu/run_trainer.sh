@@ -1,0 +1,116 @@
+#!/bin/bash
+# The trainer on one GPU, through the deepspeed launcher (issue 4's GPU acceptance runs):
+#   1. the seed's single-node example, unmodified (fp16 on a GPU)
+#   2. 350M and 1.3B GPTs at seq 2048, bf16 and fp16, with model TFLOP/s and MFU in the log line
+#   3. a forced fp16 overflow: initial loss scale 2^24, hysteresis 1, so the first iterations
+#      overflow; the log's skipped count must equal the number of halvings of the loss scale
+#   4. layouts on 2 GPUs (RUNS="layout_single layout_dp2 layout_tp2 layout_pp2 layout_compare"): fp32,
+#      dropout 0, CPU initialization, the same padded vocabulary and global batch; DP=2 (ZeRO-1),
+#      TP=2 and PP=2 must give the single GPU's losses
+# Run from the repository root on the GPU machine with .whl carried; logs go to $OUT.
+#   RUNS="350m_bf16 overflow" bash tests/gpu/run_trainer.sh    (a subset)
+set -o pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/gpu_trainer}
+WORK=${WORK:-/tmp/gpu_trainer_work}
+RUNS=${RUNS:-"example 350m_bf16 350m_fp16 1p3b_bf16 1p3b_fp16 overflow"}
+ITERS=${ITERS:-20}
+mkdir -p "$OUT" "$WORK"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+fi
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+status=0
+
+prepare_data() {
+    [ -f "$WORK/data/python-docs_text_document.idx" ] && return
+    $py tools/train_tokenizer.py --input examples/data/python-docs.jsonl.gz --vocab-size 32000 \
+        --output-dir "$WORK/tokenizer" || return 1
+    $py tools/preprocess_data.py --input examples/data/python-docs.jsonl.gz --tokenizer-type GPT2BPETokenizer \
+        --vocab-file "$WORK/tokenizer/vocab.json" --merge-file "$WORK/tokenizer/merges.txt" \
+        --append-eod --workers 8 --output-prefix "$WORK/data/python-docs"
+}
+
+ds_config() {  # precision initial_scale_power hysteresis -> path of a ds_config
+    local path=$WORK/ds_config_$1_$2_$3.json
+    if [ "$1" = fp32 ]; then
+        precision='"fp16": {"enabled": false}'
+    elif [ "$1" = fp16 ]; then
+        precision="\"fp16\": {\"enabled\": true, \"loss_scale\": 0, \"loss_scale_window\": 500, \"hysteresis\": $3, \"min_loss_scale\": 1, \"initial_scale_power\": $2}"
+    else
+        precision='"bf16": {"enabled": true}, "data_types": {"grad_accum_dtype": "fp32"}'
+    fi
+    echo "{\"train_micro_batch_size_per_gpu\": \"auto\", \"train_batch_size\": \"auto\", \"gradient_clipping\": 1.0,
+  \"zero_optimization\": {\"stage\": 1}, $precision, \"steps_per_print\": 100000}" > "$path"
+    echo "$path"
+}
+
+gpt_run() {  # name layers hidden heads precision mbs gbs [extra flags...]
+    local name=$1 layers=$2 hidden=$3 heads=$4 precision=$5 mbs=$6 gbs=$7
+    shift 7
+    local config
+    config=$(ds_config "$precision" "${SCALE_POWER:-12}" "${HYSTERESIS:-2}")
+    echo "== $name" | tee "$OUT/$name.log"
+    local precision_flag=--$precision
+    [ "$precision" = fp32 ] && precision_flag=
+    deepspeed --num_gpus "${NGPUS:-1}" --master_port 29511 pretrain_gpt.py \
+        --num-layers "$layers" --hidden-size "$hidden" --num-attention-heads "$heads" \
+        --seq-length "${SEQ:-2048}" --max-position-embeddings 2048 --pad-vocab-size-to 50304 \
+        --micro-batch-size "$mbs" --global-batch-size "$gbs" --train-iters "$ITERS" \
+        --lr 1e-4 --min-lr 1e-5 --lr-warmup-iters 2 --lr-decay-style cosine --clip-grad 1.0 \
+        --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.02 \
+        --hidden-dropout 0 --attention-dropout 0 $precision_flag --seed 1234 \
+        --vocab-file "$WORK/tokenizer/vocab.json" --merge-file "$WORK/tokenizer/merges.txt" \
+        --data-path "$WORK/data/python-docs_text_document" --split 98,1,1 --data-cache-path "$WORK/cache" \
+        --log-interval "${LOG_INTERVAL:-5}" --eval-interval 1000 --eval-iters 0 \
+        --deepspeed --deepspeed_config "$config" --zero-stage 1 --distributed-backend nccl "$@" \
+        2>&1 | tee -a "$OUT/$name.log" || status=1
+}
+
+layout_run() {  # name ngpus [parallel flags...]: a 100M-class GPT at seq 1024, fp32, 8 iterations
+    local name=$1 ngpus=$2
+    shift 2
+    NGPUS=$ngpus SEQ=1024 ITERS=8 LOG_INTERVAL=1 gpt_run "$name" 8 1024 16 fp32 4 16 --use-cpu-initialization "$@"
+}
+
+compare_layouts() {  # losses and grad norms per iteration, side by side; fails past 1e-4 relative
+    $py - "$OUT" <<'PY'
+import re, sys
+runs = ["layout_single", "layout_dp2", "layout_tp2", "layout_pp2"]
+field = lambda line, name: float(re.search(name + r": +([-+.0-9Ee]+)", line).group(1))
+table = {}
+for run in runs:
+    lines = [l for l in open(f"{sys.argv[1]}/{run}.log") if re.search(r" iteration +\d+/", l)]
+    table[run] = [(field(l, "lm loss"), field(l, "grad norm")) for l in lines]
+worst = 0.0
+for i, reference in enumerate(table["layout_single"]):
+    row = [table[run][i] for run in runs]
+    worst = max(worst, *(abs(loss - reference[0]) / reference[0] for loss, _ in row))
+    print(f"iteration {i + 1}: " + "  ".join(f"{run[7:]} {loss:.6f}/{norm:.4f}" for run, (loss, norm) in zip(runs, row)))
+print(f"largest relative loss difference to the single GPU: {worst:.2e}")
+sys.exit(worst > 1e-4)
+PY
+}
+
+prepare_data || exit 1
+for run in $RUNS; do
+    case $run in
+        example) (N_GPUS=1 RUN_DIR=$WORK OUTPUT_DIR=$WORK/example bash examples/pretrain_gpt_deepspeed_single_node.sh) \
+                     2>&1 | tee "$OUT/example.log" || status=1 ;;
+        350m_bf16) gpt_run 350m_bf16 24 1024 16 bf16 8 64 ;;
+        350m_fp16) gpt_run 350m_fp16 24 1024 16 fp16 8 64 ;;
+        1p3b_bf16) gpt_run 1p3b_bf16 24 2048 16 bf16 8 32 ;;
+        1p3b_fp16) gpt_run 1p3b_fp16 24 2048 16 fp16 8 32 ;;
+        overflow) SCALE_POWER=24 HYSTERESIS=1 LOG_INTERVAL=1 ITERS=12 gpt_run overflow 4 1024 16 fp16 4 8 ;;
+        layout_single) layout_run layout_single 1 ;;
+        layout_dp2) layout_run layout_dp2 2 ;;
+        layout_tp2) layout_run layout_tp2 2 --tensor-model-parallel-size 2 ;;
+        layout_pp2) layout_run layout_pp2 2 --pipeline-model-parallel-size 2 ;;
+        layout_compare) compare_layouts | tee "$OUT/layouts.txt" || status=1 ;;
+        *) echo "unknown run $run" >&2; status=1 ;;
+    esac
+done
+grep -h -E "^== | iteration +[0-9]+/" "$OUT"/*.log | tail -n 80 > "$OUT/summary.txt"
+exit $status

@@ -1,0 +1,269 @@
+"""Helpers of the end-to-end tests: real ``pretrain_gpt.py`` runs under real launchers, read back from
+their stdout and TensorBoard files.
+
+    data = shared_corpus(tmp_path_factory)          # tokenizer + .bin/.idx, built once per session
+    flags = tiny_gpt_flags(data) + ["--train-iters", "5", ...]
+    result = run_pretrain(flags, nproc=2)           # torchrun, CPU, gloo
+    result.assert_ok()
+    lines = result.log_lines()                      # the seed's per-iteration line, parsed
+    scalars = read_scalars(tensorboard_dir)         # {tag: [(step, value), ...]}
+
+Every subprocess runs without any launcher variable inherited from the calling shell, on CPU
+(``CUDA_VISIBLE_DEVICES`` empty, ``DS_ACCELERATOR=cpu``, one thread per process) unless a GPU test
+asks otherwise, and is killed (with its process group) when it outruns its timeout.
+"""
+import glob
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from tests.conftest import REPO_ROOT, SAMPLE_CORPUS
+from tests.dist_utils import free_port
+
+PRETRAIN_SCRIPT = os.path.join(REPO_ROOT, "pretrain_gpt.py")
+EXAMPLES_DIR = os.path.join(REPO_ROOT, "examples")
+# The tokenizer's vocabulary; 1000 is not a multiple of 128, so padding always happens.
+TOKENIZER_VOCAB_SIZE = 1000
+DEFAULT_TIMEOUT = 240
+# Variables a launcher or a SLURM allocation sets; a test decides them, never the calling shell.
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                      "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID", "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE")
+
+
+# ---------------------------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True)
+class E2EData:
+    """The sample corpus tokenized for training.
+
+    vocab_file, merge_file: a GPT-2-format BPE of TOKENIZER_VOCAB_SIZE tokens trained on the corpus;
+    data_prefix: the ``--data-path`` of the preprocessed documents; cache_dir: ``--data-cache-path``
+    shared by the runs of the session (index caches are keyed by their parameters).
+    """
+
+    vocab_file: str
+    merge_file: str
+    data_prefix: str
+    cache_dir: str
+
+
+def prepare_corpus(directory: str) -> E2EData:
+    """Train the tokenizer on the sample corpus and preprocess the corpus with it, into ``directory``."""
+    from tools.train_tokenizer import train_tokenizer
+
+    tokenizer_dir = os.path.join(directory, "tokenizer")
+    summary = train_tokenizer([SAMPLE_CORPUS], tokenizer_dir, vocab_size=TOKENIZER_VOCAB_SIZE)
+    prefix = os.path.join(directory, "docs")
+    command = [sys.executable, os.path.join(REPO_ROOT, "tools", "preprocess_data.py"), "--input", SAMPLE_CORPUS,
+               "--json-keys", "text", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+               summary["vocab_file"], "--merge-file", summary["merge_file"], "--append-eod", "--workers", "2",
+               "--output-prefix", prefix]
+    run_command(command, timeout=120).assert_ok()
+    cache_dir = os.path.join(directory, "index_cache")
+    os.makedirs(cache_dir, exist_ok=True)
+    return E2EData(summary["vocab_file"], summary["merge_file"], prefix + "_text_document", cache_dir)
+
+
+_SHARED_CORPUS = {}
+
+
+def shared_corpus(tmp_path_factory) -> E2EData:
+    """prepare_corpus once per pytest session, whichever test module asks first."""
+    if "corpus" not in _SHARED_CORPUS:
+        _SHARED_CORPUS["corpus"] = prepare_corpus(str(tmp_path_factory.mktemp("e2e_corpus")))
+    return _SHARED_CORPUS["corpus"]
+
+
+@pytest.fixture(scope="session")
+def e2e_data(tmp_path_factory) -> E2EData:
+    """The tokenized sample corpus (see E2EData); import this fixture into a test module to use it."""
+    return shared_corpus(tmp_path_factory)
+
+
+def tiny_gpt_flags(data: E2EData, *, seq_length: int = 64, split: str = "98,1,1") -> list[str]:
+    """Model and data flags of the tiny GPT: 2 layers, hidden 64, 4 heads, sequence ``seq_length``.
+
+    Batch sizes, training length, learning rate and logging are left to the caller.
+    """
+    return ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", str(seq_length), "--max-position-embeddings", str(seq_length),
+            "--data-path", data.data_prefix, "--split", split, "--data-cache-path", data.cache_dir,
+            "--vocab-file", data.vocab_file, "--merge-file", data.merge_file,
+            "--num-workers", "0", "--valid-num-workers", "0"]
+
+
+# ---------------------------------------------------------------------------------------- running
+
+
+def subprocess_env(overrides: dict | None = None, cpu_only: bool = True) -> dict:
+    """os.environ for a child: launcher and SLURM variables removed, CUDA hidden and one thread per
+    process when ``cpu_only``, then ``overrides``."""
+    env = {key: value for key, value in os.environ.items()
+           if key not in LAUNCHER_VARIABLES and not key.startswith("SLURM_")}
+    env.update(PYTHONUNBUFFERED="1", LOGLEVEL="WARNING",
+               PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, env.get("PYTHONPATH")])))
+    if cpu_only:
+        env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    env.update(overrides or {})
+    return env
+
+
+@dataclass
+class RunResult:
+    """A finished subprocess: its command, exit status and combined stdout + stderr."""
+
+    command: list[str]
+    returncode: int
+    output: str
+    timed_out: bool = False
+
+    def assert_ok(self):
+        if self.returncode != 0 or self.timed_out:
+            status = "timed out" if self.timed_out else f"exited with {self.returncode}"
+            raise AssertionError(f"{' '.join(self.command)}\n{status}; last output:\n{self.output[-6000:]}")
+
+    def log_lines(self) -> list["LogLine"]:
+        return parse_log_lines(self.output)
+
+    def validation_losses(self) -> list[tuple[str, float, float]]:
+        return parse_validation_lines(self.output)
+
+
+@dataclass
+class ProcessSpec:
+    """One process to start: command, extra environment, working directory, CPU only or not."""
+
+    command: list[str]
+    env: dict = field(default_factory=dict)
+    cwd: str = REPO_ROOT
+    cpu_only: bool = True
+
+
+def run_together(specs: list[ProcessSpec], timeout: float = DEFAULT_TIMEOUT) -> list[RunResult]:
+    """Start every process at once (each in its own session), wait for all; kill the rest on timeout."""
+    started = []
+    for spec in specs:
+        output = tempfile.TemporaryFile(mode="w+")
+        process = subprocess.Popen(spec.command, cwd=spec.cwd, env=subprocess_env(spec.env, spec.cpu_only),
+                                   stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+        started.append((spec, process, output))
+    deadline = time.monotonic() + timeout
+    results = []
+    for spec, process, output in started:
+        timed_out = False
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        output.seek(0)
+        results.append(RunResult(spec.command, process.returncode, output.read(), timed_out))
+        output.close()
+    return results
+
+
+def run_command(command: list[str], *, env: dict | None = None, timeout: float = DEFAULT_TIMEOUT,
+                cwd: str = REPO_ROOT, cpu_only: bool = True) -> RunResult:
+    """Run one command to completion (see run_together)."""
+    return run_together([ProcessSpec(command, env or {}, cwd, cpu_only)], timeout)[0]
+
+
+def script_directories() -> list[str]:
+    """Where console scripts live: beside this Python, and the bin/ of a ``pip install --target`` DeepSpeed."""
+    directories = [os.path.dirname(sys.executable)]
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is not None and spec.origin:
+        # <target>/deepspeed/__init__.py -> <target>/bin
+        directories.append(os.path.join(os.path.dirname(os.path.dirname(spec.origin)), "bin"))
+    return directories
+
+
+def executable(name: str) -> str:
+    """Path of a console script (torchrun, deepspeed) of this Python; skip the test when it is missing."""
+    candidates = [os.path.join(directory, name) for directory in script_directories()]
+    path = next((c for c in candidates if os.path.exists(c)), None) or shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} is not installed")
+    return path
+
+
+def torchrun_command(nproc: int) -> list[str]:
+    """``torchrun --nproc_per_node N --master_addr 127.0.0.1 --master_port P`` on a free port P."""
+    return [executable("torchrun"), "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+            "--master_port", str(free_port())]
+
+
+def run_pretrain(flags: list[str], *, nproc: int = 1, env: dict | None = None,
+                 timeout: float = DEFAULT_TIMEOUT) -> RunResult:
+    """pretrain_gpt.py with ``flags``: a plain python process for nproc 1, else under torchrun."""
+    prefix = [sys.executable] if nproc == 1 else torchrun_command(nproc)
+    return run_command(prefix + [PRETRAIN_SCRIPT, *flags], env=env, timeout=timeout)
+
+
+# ---------------------------------------------------------------------------------------- reading logs
+
+LOG_LINE_START = re.compile(r" iteration\s+(?P<iteration>\d+)/\s*(?P<train_iters>\d+) \|")
+LOG_FIELD = re.compile(r" (?P<name>[A-Za-z][A-Za-z /()%]*?):\s+(?P<value>[^|]+?) \|")
+VALIDATION_LINE = re.compile(r"(?P<prefix>[\w-]+ loss at .+?) \| lm loss value: (?P<loss>\S+) \| "
+                             r"lm loss PPL: (?P<ppl>\S+) \|\s*$")
+
+
+@dataclass(frozen=True)
+class LogLine:
+    """One per-iteration log line: the iteration counter and every `` name: value |`` field, as text."""
+
+    iteration: int
+    train_iters: int
+    fields: dict
+    text: str
+
+    def number(self, name: str) -> float:
+        if name not in self.fields:
+            raise AssertionError(f"log line has no {name!r} field: {self.text}")
+        return float(self.fields[name].rstrip("%"))
+
+
+def parse_log_lines(output: str) -> list[LogLine]:
+    """Every log line of ``output`` (launcher prefixes such as ``[default0]:`` are skipped over)."""
+    lines = []
+    for text in output.splitlines():
+        start = LOG_LINE_START.search(text)
+        if start is None or "consumed samples:" not in text:
+            continue
+        body = text[start.end():]
+        fields = {match["name"]: match["value"] for match in LOG_FIELD.finditer(body)}
+        lines.append(LogLine(int(start["iteration"]), int(start["train_iters"]), fields, text[start.start():]))
+    return lines
+
+
+def parse_validation_lines(output: str) -> list[tuple[str, float, float]]:
+    """(prefix, loss, ppl) of every ``... loss at ... | lm loss value: X | lm loss PPL: Y |`` line."""
+    found = []
+    for text in output.splitlines():
+        match = VALIDATION_LINE.search(text)
+        if match:
+            found.append((match["prefix"], float(match["loss"]), float(match["ppl"])))
+    return found
+
+
+def read_scalars(log_dir: str) -> dict:
+    """{tag: [(step, value), ...]} of every scalar in the TensorBoard event files under ``log_dir``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    if not glob.glob(os.path.join(log_dir, "events.out.tfevents.*")):
+        raise AssertionError(f"no TensorBoard event file in {log_dir}")
+    accumulator = EventAccumulator(log_dir, size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return {tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
+            for tag in accumulator.Tags()["scalars"]}

@@ -1,0 +1,118 @@
+"""Every parallel layout trains the same model: single process, DP=2 with ZeRO-1 and ZeRO-2, TP=2, PP=2
+and TP=2 x PP=2 give the same losses and gradient norms, iteration by iteration, and all of them equal
+a plain single-process PyTorch AdamW loop (reference_loop.py) on the same model and batches.
+
+Set-up shared by the layouts: CPU, gloo, fp32, dropout 0, --use-cpu-initialization (every layout
+draws the same full weights, then keeps its slice), the vocabulary padded to 1152 (tokenizer 1000)
+whatever the TP degree, micro batch 1, global batch 4 (4, 2, 4, 4 and 4 micro batches per data-
+parallel rank), 6 iterations with a warmup step at lr 0 then a cosine decay, weight decay 1.0 and
+clipping at 1.0, which every step triggers (the gradient norms are about 1.2-1.8): so gradient
+reduction over DP, TP and the pipeline's tied embedding, clipping and the optimizer step are all in
+the losses from iteration 2 on. The weight decay is large so that the no-decay rule shows: decaying
+biases and LayerNorm weights too, or not clipping, moves the losses by ~5e-5 relative, 5x the
+tolerance (with --weight-decay 0.1 a wrong rule would move them by only 5e-6).
+
+Values are read at full precision from TensorBoard (the log line rounds the gradient norm to 3
+decimals). Tolerances: losses agree to 1e-5 relative: the layouts only reorder fp32 sums (partial
+matmuls over TP, the DP average, ZeRO's flat partitions), which moves a loss of ~7 by a few ulps
+(seen: <= 1e-7) and Adam's update over 5 steps keeps that far below 1e-5. Gradient norms agree to
+1e-4 relative: each is a square root of a sum of ~3e5 squares taken per shard, per stage or per ZeRO
+partition in a different order, and DeepSpeed sums per-tensor norms where torch takes the norm of
+the norms; the worst case of that rounding is about sqrt(N)·eps ≈ 3e-5 (seen: ~1e-6).
+"""
+import pytest
+
+from megatron.core.models.gpt import GPTModelConfig
+from tests.training.e2e_utils import e2e_data, read_scalars, run_pretrain, tiny_gpt_flags  # noqa: F401
+from tests.training.reference_loop import ReferenceSchedule, run_reference_loop, training_dataset
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+GLOBAL_BATCH, TRAIN_ITERS, SEQ_LENGTH, SEED = 4, 6, 64, 1234
+LR, MIN_LR, WARMUP_ITERS, DECAY_ITERS, WEIGHT_DECAY = 1e-3, 1e-4, 1, 8, 1.0
+LOSS_RTOL, GRAD_NORM_RTOL = 1e-5, 1e-4
+# name -> (processes, layout flags)
+LAYOUTS = {
+    "single": (1, []),
+    "dp2-zero1": (2, ["--zero-stage", "1"]),
+    "dp2-zero2": (2, ["--zero-stage", "2"]),
+    "tp2": (2, ["--tensor-model-parallel-size", "2"]),
+    "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+    "tp2-pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+}
+
+
+def common_flags(data):
+    return tiny_gpt_flags(data, seq_length=SEQ_LENGTH, split="100,0,0") + [
+        "--micro-batch-size", "1", "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(TRAIN_ITERS),
+        "--lr", str(LR), "--min-lr", str(MIN_LR), "--lr-warmup-iters", str(WARMUP_ITERS),
+        "--lr-decay-iters", str(DECAY_ITERS), "--lr-decay-style", "cosine", "--weight-decay", str(WEIGHT_DECAY),
+        "--clip-grad", "1.0", "--adam-beta2", "0.95", "--attention-dropout", "0", "--hidden-dropout", "0",
+        "--use-cpu-initialization", "--pad-vocab-size-to", "1152", "--seed", str(SEED),
+        "--log-interval", "1", "--eval-iters", "0"]
+
+
+def series(scalars, tag):
+    steps = [step for step, _ in scalars[tag]]
+    assert steps == list(range(1, TRAIN_ITERS + 1)), f"{tag}: steps {steps}"
+    return [value for _, value in scalars[tag]]
+
+
+@pytest.fixture(scope="module")
+def layout_runs(e2e_data, tmp_path_factory):  # noqa: F811
+    """name -> (losses, grad norms, learning rates, log lines) of one pretrain_gpt.py run per layout."""
+    runs = {}
+    for name, (processes, flags) in LAYOUTS.items():
+        tensorboard_dir = str(tmp_path_factory.mktemp(f"tb_{name}"))
+        result = run_pretrain(common_flags(e2e_data) + flags + ["--tensorboard-dir", tensorboard_dir],
+                              nproc=processes)
+        result.assert_ok()
+        scalars = read_scalars(tensorboard_dir)
+        runs[name] = (series(scalars, "lm-loss-training/lm loss"), series(scalars, "grad-norm/grad-norm"),
+                      series(scalars, "learning-rate/learning-rate"), result.log_lines())
+    return runs
+
+
+def test_each_layout_logs_every_iteration_with_the_same_counters(layout_runs):
+    for name, (_, _, _, lines) in layout_runs.items():
+        assert [line.iteration for line in lines] == list(range(1, TRAIN_ITERS + 1)), name
+        assert [int(line.number("consumed samples")) for line in lines] == \
+            [GLOBAL_BATCH * i for i in range(1, TRAIN_ITERS + 1)], name
+        assert [int(line.number("consumed tokens")) for line in lines] == \
+            [GLOBAL_BATCH * SEQ_LENGTH * i for i in range(1, TRAIN_ITERS + 1)], name
+        assert {int(line.number("global batch size")) for line in lines} == {GLOBAL_BATCH}, name
+
+
+@pytest.mark.parametrize("name", [name for name in LAYOUTS if name != "single"])
+def test_layout_matches_the_single_process_run(layout_runs, name):
+    losses, grad_norms, rates, lines = layout_runs[name]
+    single_losses, single_grad_norms, single_rates, _ = layout_runs["single"]
+    assert losses == pytest.approx(single_losses, rel=LOSS_RTOL)
+    assert grad_norms == pytest.approx(single_grad_norms, rel=GRAD_NORM_RTOL)
+    assert rates == pytest.approx(single_rates, rel=1e-6)
+    # The printed line carries the same numbers (interval of 1: the average is the iteration's loss).
+    assert [line.number("lm loss") for line in lines] == pytest.approx(single_losses, rel=LOSS_RTOL)
+
+
+def test_the_run_changes_the_loss(layout_runs):
+    """Guard against a vacuous comparison: the model does learn, so equal losses mean equal training."""
+    losses = layout_runs["single"][0]
+    assert len(set(round(loss, 4) for loss in losses)) == TRAIN_ITERS
+    assert max(layout_runs["single"][1]) > 1.0  # clipping at 1.0 is active
+
+
+def test_single_process_matches_a_plain_pytorch_adamw_loop(layout_runs, e2e_data):  # noqa: F811
+    model = GPTModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, padded_vocab_size=1152,
+                           seq_length=SEQ_LENGTH, max_position_embeddings=SEQ_LENGTH, hidden_dropout=0.0,
+                           attention_dropout=0.0, use_cpu_initialization=True, seed=SEED)
+    schedule = ReferenceSchedule(batch_sizes=(GLOBAL_BATCH,) * TRAIN_ITERS, lr=LR, min_lr=MIN_LR,
+                                 warmup_samples=WARMUP_ITERS * GLOBAL_BATCH, decay_samples=DECAY_ITERS * GLOBAL_BATCH,
+                                 decay_style="cosine", weight_decay=WEIGHT_DECAY, adam_beta1=0.9, adam_beta2=0.95,
+                                 adam_eps=1e-8, clip_grad=1.0)
+    dataset = training_dataset(e2e_data.data_prefix, SEQ_LENGTH, SEED, TRAIN_ITERS * GLOBAL_BATCH, e2e_data.cache_dir)
+    reference = run_reference_loop(model, dataset, schedule)
+    losses, grad_norms, rates, _ = layout_runs["single"]
+    assert reference[0].learning_rate == 0.0  # the warmup's first step
+    assert losses == pytest.approx([step.loss for step in reference], rel=LOSS_RTOL)
+    assert grad_norms == pytest.approx([step.grad_norm for step in reference], rel=GRAD_NORM_RTOL)
+    assert rates == pytest.approx([step.next_learning_rate for step in reference], rel=1e-6)
