@@ -1,6 +1,8 @@
 #!/bin/bash
 # Every GPU check and benchmark in one go, on the GPU machine, from the repository root:
 #   bash tests/gpu/run_all.sh            (logs under $OUT, default /tmp/gpu_checks)
+# GPU tests, fused-kernel table, 1.3B forward+backward, then the trainer runs of run_trainer.sh
+# (with 2 or more GPUs also the DP/TP/PP layout comparison). Takes about 10 minutes on one H100.
 # Carry .whl (made by ../shared/device/prepare-wheels.sh) so DeepSpeed is importable there.
 set -o pipefail
 cd "$(dirname "$0")/../.."
@@ -16,4 +18,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee 
 python3 -m pytest -q -rfs -m gpu --continue-on-collection-errors tests 2>&1 | tee "$OUT/gpu_tests.log" || status=1
 python3 tools/benchmarks/bench_fused_kernels.py 2>&1 | tee "$OUT/fused_kernels_bench.log" || status=1
 python3 tools/benchmarks/bench_gpt_model.py 2>&1 | tee "$OUT/gpt_1p3b_bench.log" || status=1
+runs="example overflow 350m_bf16 350m_fp16 1p3b_bf16 1p3b_fp16"
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    runs="$runs layout_single layout_dp2 layout_tp2 layout_pp2 layout_compare"
+fi
+RUNS=$runs OUT=$OUT/trainer bash tests/gpu/run_trainer.sh > "$OUT/trainer.log" 2>&1 || status=1
+cat "$OUT/trainer/summary.txt" "$OUT/trainer/layouts.txt" 2>/dev/null
 exit $status
