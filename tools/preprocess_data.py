@@ -16,6 +16,7 @@ Example:
         --append-eod --output-prefix runs/data/python-docs --workers 2
 """
 import argparse
+import contextlib
 import os
 import sys
 
@@ -151,6 +152,23 @@ def account_for_chunk(chunk, report, progress, strict):
     progress.update(chunk.lines, chunk.nbytes, chunk.documents, chunk.tokens)
 
 
+@contextlib.contextmanager
+def output_builders(prefixes, dtype):
+    """One dataset builder per output prefix; all are finalized when the block completes, and all
+    are aborted (their temporary files removed) if it raises, so no output looks complete."""
+    builders = []
+    try:
+        for prefix in prefixes:
+            builders.append(IndexedDatasetBuilder(data_file_path(prefix), dtype))
+        yield builders
+        for builder, prefix in zip(builders, prefixes):
+            builder.finalize(index_file_path(prefix))
+    except BaseException:
+        for builder in builders:
+            builder.abort()
+        raise
+
+
 def print_summary(progress, report, prefixes):
     for line in progress.summary_lines(prefixes) + report.summary_lines():
         print(line, file=sys.stderr)
@@ -162,21 +180,12 @@ def preprocess(args):
     keys = encoder.config.json_keys
     report = BadLineReport()
     progress = ProgressReporter(args.log_interval)
-    builders = []
-    try:
-        for prefix in prefixes:
-            builders.append(IndexedDatasetBuilder(data_file_path(prefix), encoder.dtype))
+    with output_builders(prefixes, encoder.dtype) as builders:
         for encoded in encoded_chunks(encoder, paths, args):
             account_for_chunk(encoded, report, progress, args.strict)
             for key, builder in zip(keys, builders):
                 documents = encoded.documents_by_key[key]
                 builder.add_documents(documents.tokens, documents.sizes, documents.doc_item_counts)
-        for builder, prefix in zip(builders, prefixes):
-            builder.finalize(index_file_path(prefix))
-    except BaseException:
-        for builder in builders:
-            builder.abort()
-        raise
     print_summary(progress, report, prefixes)
     return progress, report
 

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from preprocess_data import (  # noqa: E402
     CHUNKS_IN_FLIGHT_PER_WORKER,
     account_for_chunk,
+    output_builders,
     prepare,
     print_summary,
     run_tool,
@@ -92,24 +93,16 @@ def preprocess_many_cores(args):
     output_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     parts_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(args.output_prefix)}.parts.", suffix=".tmp",
                                  dir=output_dir)
-    builders = []
     try:
-        for prefix in prefixes:
-            builders.append(IndexedDatasetBuilder(data_file_path(prefix), encoder.dtype))
-        set_process_encoder(encoder)
-        tasks = ((chunk, parts_dir) for chunk in read_line_chunks(paths, args.chunk_size))
-        with pool_context().Pool(args.workers, initializer=init_process_encoder,
-                                 initargs=(encoder.config,)) as pool:
-            in_flight = args.workers * CHUNKS_IN_FLIGHT_PER_WORKER
-            for summary in map_in_order(pool, encode_to_parts, tasks, in_flight):
-                account_for_chunk(summary, report, progress, args.strict)
-                append_parts(builders, keys, parts_dir, summary.index)
-        for builder, prefix in zip(builders, prefixes):
-            builder.finalize(index_file_path(prefix))
-    except BaseException:
-        for builder in builders:
-            builder.abort()
-        raise
+        with output_builders(prefixes, encoder.dtype) as builders:
+            set_process_encoder(encoder)
+            tasks = ((chunk, parts_dir) for chunk in read_line_chunks(paths, args.chunk_size))
+            with pool_context().Pool(args.workers, initializer=init_process_encoder,
+                                     initargs=(encoder.config,)) as pool:
+                in_flight = args.workers * CHUNKS_IN_FLIGHT_PER_WORKER
+                for summary in map_in_order(pool, encode_to_parts, tasks, in_flight):
+                    account_for_chunk(summary, report, progress, args.strict)
+                    append_parts(builders, keys, parts_dir, summary.index)
     finally:
         shutil.rmtree(parts_dir, ignore_errors=True)
     print_summary(progress, report, prefixes)
