@@ -1,0 +1,162 @@
+"""3D parallelism over 8 gloo processes: TP=2 x PP=2 x DP=2 (ZeRO-1), TP=4 x PP=2 and TP=2 x PP=4 train
+the same model as one process, iteration by iteration; a checkpoint saved under TP=2 x PP=2 x DP=2
+resumes under that layout where it stood.
+
+Set-up shared by the runs (as test_layout_equivalence.py, scaled so every layout divides the model):
+CPU, gloo, fp32, dropout 0, --use-cpu-initialization, the vocabulary padded to 1152 (tokenizer 1000)
+whatever the TP degree, 4 layers (PP=4: one per stage; PP=2: two), 4 heads (TP=4: one per rank),
+hidden 64, sequence 32, micro batch 1, global batch 8 (4 micro batches per data-parallel rank at
+DP=2, 8 at DP=1), 5 iterations with a warmup step at lr 0 then a cosine decay, weight decay 1.0 and
+clipping at 1.0, which iterations 1-4 trigger (gradient norms ~2.1 down to ~1.25): gradient
+reduction over TP, DP and the pipeline's tied embedding, clipping and the optimizer step are all in
+the losses from iteration 2 on.
+
+Values are read at full precision from TensorBoard; the tolerances are test_layout_equivalence.py's
+(its docstring says why): losses 1e-5 relative, gradient norms 1e-4 relative.
+
+The TP=2 x PP=2 x DP=2 run saves at iteration 3 (and at its end). Its global_step3 is copied into a
+fresh directory whose ``latest`` names it, and a fifth launch resumes from there: it must report
+iteration 3 loaded, then log iterations 4-5 with the uninterrupted run's consumed samples/tokens and
+learning rates, and the same losses and gradient norms.
+
+Five launches (one single process, four of 8 processes, ~25 s each): about 2 minutes on 2 cores.
+"""
+import glob
+import os
+import shutil
+
+import pytest
+import torch
+
+from tests.training.e2e_utils import e2e_data, read_scalars, run_pretrain, tiny_gpt_flags  # noqa: F401
+from tests.training.test_layout_equivalence import GRAD_NORM_RTOL, LOSS_RTOL
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+NUM_LAYERS, SEQ_LENGTH, GLOBAL_BATCH, TRAIN_ITERS, SAVE_ITERATION, SEED = 4, 32, 8, 5, 3, 1234
+LR, MIN_LR, WARMUP_ITERS, DECAY_ITERS, WEIGHT_DECAY = 1e-3, 1e-4, 1, 8, 1.0
+PROCESSES = 8
+LAUNCH_TIMEOUT = 600
+SAVING_LAYOUT = "tp2-pp2-dp2"
+# name -> layout flags, each over PROCESSES processes
+LAYOUTS = {
+    "tp2-pp2-dp2": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+    "tp4-pp2": ["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2"],
+    "tp2-pp4": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4"],
+}
+LOSS_TAG, GRAD_NORM_TAG, LR_TAG = "lm-loss-training/lm loss", "grad-norm/grad-norm", "learning-rate/learning-rate"
+
+
+def with_value(flags: list[str], name: str, value: str) -> list[str]:
+    """``flags`` with the value following ``name`` replaced by ``value``."""
+    position = flags.index(name) + 1
+    return flags[:position] + [value] + flags[position + 1:]
+
+
+def common_flags(data) -> list[str]:
+    model = with_value(tiny_gpt_flags(data, seq_length=SEQ_LENGTH, split="100,0,0"), "--num-layers", str(NUM_LAYERS))
+    return model + [
+        "--micro-batch-size", "1", "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(TRAIN_ITERS),
+        "--lr", str(LR), "--min-lr", str(MIN_LR), "--lr-warmup-iters", str(WARMUP_ITERS),
+        "--lr-decay-iters", str(DECAY_ITERS), "--lr-decay-style", "cosine", "--weight-decay", str(WEIGHT_DECAY),
+        "--clip-grad", "1.0", "--adam-beta2", "0.95", "--attention-dropout", "0", "--hidden-dropout", "0",
+        "--use-cpu-initialization", "--pad-vocab-size-to", "1152", "--seed", str(SEED),
+        "--log-interval", "1", "--eval-iters", "0"]
+
+
+def series(scalars: dict, tag: str, steps: list[int]) -> list[float]:
+    logged = [step for step, _ in scalars[tag]]
+    assert logged == steps, f"{tag}: steps {logged}, expected {steps}"
+    return [value for _, value in scalars[tag]]
+
+
+def train(flags: list[str], nproc: int, tensorboard_dir: str, steps: list[int]) -> dict:
+    """One pretrain_gpt.py launch -> {"loss", "grad_norm", "lr": per-step values, "lines": log lines, "output"}."""
+    result = run_pretrain(flags + ["--tensorboard-dir", tensorboard_dir], nproc=nproc, timeout=LAUNCH_TIMEOUT)
+    result.assert_ok()
+    scalars = read_scalars(tensorboard_dir)
+    return {"loss": series(scalars, LOSS_TAG, steps), "grad_norm": series(scalars, GRAD_NORM_TAG, steps),
+            "lr": series(scalars, LR_TAG, steps), "lines": result.log_lines(), "output": result.output}
+
+
+@pytest.fixture(scope="module")
+def runs(e2e_data, tmp_path_factory):  # noqa: F811
+    """name -> train() of the single-process run and of each 8-process layout; "checkpoints": the
+    saving layout's --save directory."""
+    steps = list(range(1, TRAIN_ITERS + 1))
+    found = {"single": train(common_flags(e2e_data), 1, str(tmp_path_factory.mktemp("tb_single")), steps)}
+    checkpoints = tmp_path_factory.mktemp("checkpoints")
+    for name, flags in LAYOUTS.items():
+        saving = ["--save", str(checkpoints), "--save-interval", str(SAVE_ITERATION)] if name == SAVING_LAYOUT else []
+        found[name] = train(common_flags(e2e_data) + flags + ["--zero-stage", "1"] + saving, PROCESSES,
+                            str(tmp_path_factory.mktemp(f"tb_{name}")), steps)
+    found["checkpoints"] = checkpoints
+    return found
+
+
+@pytest.fixture(scope="module")
+def resumed(runs, e2e_data, tmp_path_factory):  # noqa: F811
+    """The saving layout resumed from its iteration-3 checkpoint, alone in a fresh --load directory."""
+    resume_dir = tmp_path_factory.mktemp("resume")
+    tag = f"global_step{SAVE_ITERATION}"
+    shutil.copytree(runs["checkpoints"] / tag, resume_dir / tag)
+    (resume_dir / "latest").write_text(tag)
+    flags = common_flags(e2e_data) + LAYOUTS[SAVING_LAYOUT] + ["--zero-stage", "1", "--load", str(resume_dir)]
+    run = train(flags, PROCESSES, str(tmp_path_factory.mktemp("tb_resumed")),
+                list(range(SAVE_ITERATION + 1, TRAIN_ITERS + 1)))
+    run["load_dir"] = resume_dir
+    return run
+
+
+def test_each_layout_logs_every_iteration_with_the_same_counters(runs):
+    for name in ["single", *LAYOUTS]:
+        lines = runs[name]["lines"]
+        assert [line.iteration for line in lines] == list(range(1, TRAIN_ITERS + 1)), name
+        assert [int(line.number("consumed samples")) for line in lines] == \
+            [GLOBAL_BATCH * i for i in range(1, TRAIN_ITERS + 1)], name
+        assert [int(line.number("consumed tokens")) for line in lines] == \
+            [GLOBAL_BATCH * SEQ_LENGTH * i for i in range(1, TRAIN_ITERS + 1)], name
+        assert {int(line.number("global batch size")) for line in lines} == {GLOBAL_BATCH}, name
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_the_single_process_run(runs, name):
+    run, single = runs[name], runs["single"]
+    assert run["loss"] == pytest.approx(single["loss"], rel=LOSS_RTOL)
+    assert run["grad_norm"] == pytest.approx(single["grad_norm"], rel=GRAD_NORM_RTOL)
+    assert run["lr"] == pytest.approx(single["lr"], rel=1e-6)
+    assert [line.number("lm loss") for line in run["lines"]] == pytest.approx(single["loss"], rel=LOSS_RTOL)
+
+
+def test_the_run_changes_the_loss(runs):
+    """Guard against a vacuous comparison: the model learns, and clipping at 1.0 acts."""
+    assert len(set(round(loss, 4) for loss in runs["single"]["loss"])) == TRAIN_ITERS
+    assert max(runs["single"]["grad_norm"]) > 1.0
+
+
+def test_checkpoint_holds_the_saved_position(runs):
+    checkpoint = runs["checkpoints"] / f"global_step{SAVE_ITERATION}"
+    model_state_files = sorted(glob.glob(str(checkpoint / "mp_rank_*_model_states.pt")))
+    assert len(model_state_files) == 2 * 2  # one per (TP, PP) rank of the model-parallel grid
+    state = torch.load(model_state_files[0], weights_only=False)
+    assert state["iteration"] == SAVE_ITERATION
+    assert state["consumed_train_samples"] == GLOBAL_BATCH * SAVE_ITERATION
+    assert state["consumed_train_tokens"] == GLOBAL_BATCH * SEQ_LENGTH * SAVE_ITERATION
+    assert state["args"]["data_parallel_size"] == 2
+    assert os.path.isfile(checkpoint / "layer_01-model_00-model_states.pt")  # the pipeline engine's layer files
+
+
+def test_resumed_run_continues_counters_lr_and_losses(runs, resumed):
+    assert f"successfully loaded checkpoint from {resumed['load_dir']} at iteration {SAVE_ITERATION}" \
+        in resumed["output"]
+    reference = {line.iteration: line for line in runs[SAVING_LAYOUT]["lines"]}
+    continued = resumed["lines"]
+    assert [line.iteration for line in continued] == list(range(SAVE_ITERATION + 1, TRAIN_ITERS + 1))
+    for line in continued:
+        expected = reference[line.iteration]
+        for key in ("consumed samples", "consumed tokens", "learning rate", "global batch size"):
+            assert line.fields[key] == expected.fields[key], (line.iteration, key)
+    uninterrupted = {key: runs[SAVING_LAYOUT][key][SAVE_ITERATION:] for key in ("loss", "grad_norm", "lr")}
+    assert resumed["lr"] == uninterrupted["lr"]
+    assert resumed["loss"] == pytest.approx(uninterrupted["loss"], rel=LOSS_RTOL)
+    assert resumed["grad_norm"] == pytest.approx(uninterrupted["grad_norm"], rel=GRAD_NORM_RTOL)
