@@ -90,12 +90,13 @@ def e2e_data(tmp_path_factory) -> E2EData:
     return shared_corpus(tmp_path_factory)
 
 
-def tiny_gpt_flags(data: E2EData, *, seq_length: int = 64, split: str = "98,1,1") -> list[str]:
-    """Model and data flags of the tiny GPT: 2 layers, hidden 64, 4 heads, sequence ``seq_length``.
+def tiny_gpt_flags(data: E2EData, *, seq_length: int = 64, split: str = "98,1,1",
+                   num_layers: int = 2) -> list[str]:
+    """Model and data flags of the tiny GPT: ``num_layers`` layers, hidden 64, 4 heads, sequence ``seq_length``.
 
     Batch sizes, training length, learning rate and logging are left to the caller.
     """
-    return ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    return ["--num-layers", str(num_layers), "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", str(seq_length), "--max-position-embeddings", str(seq_length),
             "--data-path", data.data_prefix, "--split", split, "--data-cache-path", data.cache_dir,
             "--vocab-file", data.vocab_file, "--merge-file", data.merge_file,

@@ -28,13 +28,13 @@ import shutil
 import pytest
 import torch
 
-from tests.training.e2e_utils import e2e_data, read_scalars, run_pretrain, tiny_gpt_flags  # noqa: F401
-from tests.training.test_layout_equivalence import GRAD_NORM_RTOL, LOSS_RTOL
+from tests.training.e2e_utils import e2e_data, read_scalars, run_pretrain  # noqa: F401
+from tests.training.test_layout_equivalence import GRAD_NORM_RTOL, LOSS_RTOL, common_flags, series
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-NUM_LAYERS, SEQ_LENGTH, GLOBAL_BATCH, TRAIN_ITERS, SAVE_ITERATION, SEED = 4, 32, 8, 5, 3, 1234
-LR, MIN_LR, WARMUP_ITERS, DECAY_ITERS, WEIGHT_DECAY = 1e-3, 1e-4, 1, 8, 1.0
+# The optimizer and schedule flags are test_layout_equivalence's (common_flags); only the sizes differ.
+NUM_LAYERS, SEQ_LENGTH, GLOBAL_BATCH, TRAIN_ITERS, SAVE_ITERATION = 4, 32, 8, 5, 3
 PROCESSES = 8
 LAUNCH_TIMEOUT = 600
 SAVING_LAYOUT = "tp2-pp2-dp2"
@@ -45,29 +45,6 @@ LAYOUTS = {
     "tp2-pp4": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4"],
 }
 LOSS_TAG, GRAD_NORM_TAG, LR_TAG = "lm-loss-training/lm loss", "grad-norm/grad-norm", "learning-rate/learning-rate"
-
-
-def with_value(flags: list[str], name: str, value: str) -> list[str]:
-    """``flags`` with the value following ``name`` replaced by ``value``."""
-    position = flags.index(name) + 1
-    return flags[:position] + [value] + flags[position + 1:]
-
-
-def common_flags(data) -> list[str]:
-    model = with_value(tiny_gpt_flags(data, seq_length=SEQ_LENGTH, split="100,0,0"), "--num-layers", str(NUM_LAYERS))
-    return model + [
-        "--micro-batch-size", "1", "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(TRAIN_ITERS),
-        "--lr", str(LR), "--min-lr", str(MIN_LR), "--lr-warmup-iters", str(WARMUP_ITERS),
-        "--lr-decay-iters", str(DECAY_ITERS), "--lr-decay-style", "cosine", "--weight-decay", str(WEIGHT_DECAY),
-        "--clip-grad", "1.0", "--adam-beta2", "0.95", "--attention-dropout", "0", "--hidden-dropout", "0",
-        "--use-cpu-initialization", "--pad-vocab-size-to", "1152", "--seed", str(SEED),
-        "--log-interval", "1", "--eval-iters", "0"]
-
-
-def series(scalars: dict, tag: str, steps: list[int]) -> list[float]:
-    logged = [step for step, _ in scalars[tag]]
-    assert logged == steps, f"{tag}: steps {logged}, expected {steps}"
-    return [value for _, value in scalars[tag]]
 
 
 def train(flags: list[str], nproc: int, tensorboard_dir: str, steps: list[int]) -> dict:
@@ -84,11 +61,11 @@ def runs(e2e_data, tmp_path_factory):  # noqa: F811
     """name -> train() of the single-process run and of each 8-process layout; "checkpoints": the
     saving layout's --save directory."""
     steps = list(range(1, TRAIN_ITERS + 1))
-    found = {"single": train(common_flags(e2e_data), 1, str(tmp_path_factory.mktemp("tb_single")), steps)}
+    found = {"single": train(common_flags(e2e_data, seq_length=SEQ_LENGTH, num_layers=NUM_LAYERS, global_batch=GLOBAL_BATCH, train_iters=TRAIN_ITERS), 1, str(tmp_path_factory.mktemp("tb_single")), steps)}
     checkpoints = tmp_path_factory.mktemp("checkpoints")
     for name, flags in LAYOUTS.items():
         saving = ["--save", str(checkpoints), "--save-interval", str(SAVE_ITERATION)] if name == SAVING_LAYOUT else []
-        found[name] = train(common_flags(e2e_data) + flags + ["--zero-stage", "1"] + saving, PROCESSES,
+        found[name] = train(common_flags(e2e_data, seq_length=SEQ_LENGTH, num_layers=NUM_LAYERS, global_batch=GLOBAL_BATCH, train_iters=TRAIN_ITERS) + flags + ["--zero-stage", "1"] + saving, PROCESSES,
                             str(tmp_path_factory.mktemp(f"tb_{name}")), steps)
     found["checkpoints"] = checkpoints
     return found
@@ -101,7 +78,7 @@ def resumed(runs, e2e_data, tmp_path_factory):  # noqa: F811
     tag = f"global_step{SAVE_ITERATION}"
     shutil.copytree(runs["checkpoints"] / tag, resume_dir / tag)
     (resume_dir / "latest").write_text(tag)
-    flags = common_flags(e2e_data) + LAYOUTS[SAVING_LAYOUT] + ["--zero-stage", "1", "--load", str(resume_dir)]
+    flags = common_flags(e2e_data, seq_length=SEQ_LENGTH, num_layers=NUM_LAYERS, global_batch=GLOBAL_BATCH, train_iters=TRAIN_ITERS) + LAYOUTS[SAVING_LAYOUT] + ["--zero-stage", "1", "--load", str(resume_dir)]
     run = train(flags, PROCESSES, str(tmp_path_factory.mktemp("tb_resumed")),
                 list(range(SAVE_ITERATION + 1, TRAIN_ITERS + 1)))
     run["load_dir"] = resume_dir

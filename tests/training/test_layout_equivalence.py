@@ -42,9 +42,10 @@ LAYOUTS = {
 }
 
 
-def common_flags(data):
-    return tiny_gpt_flags(data, seq_length=SEQ_LENGTH, split="100,0,0") + [
-        "--micro-batch-size", "1", "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(TRAIN_ITERS),
+def common_flags(data, *, seq_length=SEQ_LENGTH, num_layers=2, global_batch=GLOBAL_BATCH, train_iters=TRAIN_ITERS):
+    """The equivalence runs' flags: fp32, dropout 0, CPU initialization, a fixed padded vocabulary."""
+    return tiny_gpt_flags(data, seq_length=seq_length, split="100,0,0", num_layers=num_layers) + [
+        "--micro-batch-size", "1", "--global-batch-size", str(global_batch), "--train-iters", str(train_iters),
         "--lr", str(LR), "--min-lr", str(MIN_LR), "--lr-warmup-iters", str(WARMUP_ITERS),
         "--lr-decay-iters", str(DECAY_ITERS), "--lr-decay-style", "cosine", "--weight-decay", str(WEIGHT_DECAY),
         "--clip-grad", "1.0", "--adam-beta2", "0.95", "--attention-dropout", "0", "--hidden-dropout", "0",
@@ -52,9 +53,10 @@ def common_flags(data):
         "--log-interval", "1", "--eval-iters", "0"]
 
 
-def series(scalars, tag):
-    steps = [step for step, _ in scalars[tag]]
-    assert steps == list(range(1, TRAIN_ITERS + 1)), f"{tag}: steps {steps}"
+def series(scalars, tag, steps=tuple(range(1, TRAIN_ITERS + 1))):
+    """The values of ``tag``, checking they were logged at exactly ``steps``."""
+    logged = [step for step, _ in scalars[tag]]
+    assert logged == list(steps), f"{tag}: steps {logged}, expected {list(steps)}"
     return [value for _, value in scalars[tag]]
 
 
