@@ -1,5 +1,5 @@
 #!/bin/bash
-# The trainer on one GPU, through the deepspeed launcher (issue 4's GPU acceptance runs):
+# The trainer on GPUs through the deepspeed launcher (the GPU acceptance runs of issues 4 and 5):
 #   1. the seed's single-node example, unmodified (fp16 on a GPU)
 #   2. 350M and 1.3B GPTs at seq 2048, bf16 and fp16, with model TFLOP/s and MFU in the log line
 #   3. a forced fp16 overflow: initial loss scale 2^24, hysteresis 1, so the first iterations
@@ -7,8 +7,14 @@
 #   4. layouts on 2 GPUs (RUNS="layout_single layout_dp2 layout_tp2 layout_pp2 layout_compare"): fp32,
 #      dropout 0, CPU initialization, the same padded vocabulary and global batch; DP=2 (ZeRO-1),
 #      TP=2 and PP=2 must give the single GPU's losses
-#   5. the 6.7B GPT on 4 GPUs (RUNS="6p7b_tp2pp2 6p7b_tp2dp2 6p7b_compare"): 32 layers, hidden 4096,
-#      32 heads, seq 2048, bf16, CPU initialization; the two layouts' losses must agree in bf16
+#   5. issue 5's 6.7B GPT (32 layers, hidden 4096, 32 heads, seq 2048, bf16, CPU initialization,
+#      global batch 16, 60 iterations): on 4 GPUs RUNS="6p7b_tp2pp2 6p7b_tp2dp2 6p7b_compare", the
+#      losses and grad norms of iterations 1-5 must agree in bf16; RUNS="6p7b_tp2pp2_save
+#      6p7b_tp2pp2_resume 6p7b_resume_compare" saves at iteration 30 (SAVE_AT), stops, resumes and must
+#      continue 6p7b_tp2pp2 (counters and LR equal); on 8 GPUs RUNS="6p7b_tp2pp2dp2 6p7b_tp4pp2
+#      6p7b_tp2pp4 6p7b_compare_8"
+#   6. the best single-GPU figure at the same width (RUNS="w4096_mbs2 w4096_mbs4"): 16 layers, hidden
+#      4096, bf16, the scaling-efficiency reference for 5
 # Run from the repository root on the GPU machine with .whl carried; logs go to $OUT.
 #   RUNS="350m_bf16 overflow" bash tests/gpu/run_trainer.sh    (a subset)
 set -o pipefail
@@ -77,23 +83,22 @@ layout_run() {  # name ngpus [parallel flags...]: a 100M-class GPT at seq 1024, 
     NGPUS=$ngpus SEQ=1024 ITERS=8 LOG_INTERVAL=1 gpt_run "$name" 8 1024 16 fp32 4 16 --use-cpu-initialization "$@"
 }
 
-compare_layouts() {  # tolerance run... : losses and grad norms per iteration against the first run
-    $py - "$OUT" "$@" <<'PY'
-import re, sys
-out, tolerance, runs = sys.argv[1], float(sys.argv[2]), sys.argv[3:]
-field = lambda line, name: float(re.search(name + r": +([-+.0-9Ee]+)", line).group(1))
-table = {}
-for run in runs:
-    lines = [l for l in open(f"{out}/{run}.log") if re.search(r" iteration +\d+/", l)]
-    table[run] = [(field(l, "lm loss"), field(l, "grad norm")) for l in lines]
-worst = 0.0
-for i, reference in enumerate(table[runs[0]]):
-    row = [table[run][i] for run in runs]
-    worst = max(worst, *(abs(loss - reference[0]) / reference[0] for loss, _ in row))
-    print(f"iteration {i + 1}: " + "  ".join(f"{run} {loss:.6f}/{norm:.4f}" for run, (loss, norm) in zip(runs, row)))
-print(f"largest relative loss difference to {runs[0]}: {worst:.2e} (tolerance {tolerance:.0e})")
-sys.exit(worst > tolerance)
-PY
+logs_of() {  # run... -> their log paths
+    local run
+    for run in "$@"; do echo "$OUT/$run.log"; done
+}
+
+compare_layouts() {  # tolerance iterations run... : losses and grad norms of iterations 1..N against the first run
+    local tolerance=$1 iterations=$2
+    shift 2
+    $py tests/gpu/compare_logs.py layouts --tolerance "$tolerance" --first "$iterations" $(logs_of "$@")
+}
+
+big_run() {  # name ngpus [flags...]: the 6.7B GPT of issue 5 (bf16, CPU initialization, global batch 16)
+    local name=$1 ngpus=$2
+    shift 2
+    NGPUS=$ngpus ITERS=${ITERS_6P7B:-60} LOG_INTERVAL=1 gpt_run "$name" 32 4096 32 bf16 2 16 \
+        --use-cpu-initialization --lr-warmup-iters 10 "$@"
 }
 
 prepare_data || exit 1
@@ -110,13 +115,37 @@ for run in $RUNS; do
         layout_dp2) layout_run layout_dp2 2 ;;
         layout_tp2) layout_run layout_tp2 2 --tensor-model-parallel-size 2 ;;
         layout_pp2) layout_run layout_pp2 2 --pipeline-model-parallel-size 2 ;;
-        layout_compare) compare_layouts 1e-4 layout_single layout_dp2 layout_tp2 layout_pp2 \
+        layout_compare) compare_layouts 1e-4 8 layout_single layout_dp2 layout_tp2 layout_pp2 \
                             | tee "$OUT/layouts.txt" || status=1 ;;
-        6p7b_tp2pp2) NGPUS=4 ITERS=${ITERS_6P7B:-10} LOG_INTERVAL=1 gpt_run 6p7b_tp2pp2 32 4096 32 bf16 2 16 \
-                         --use-cpu-initialization --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 ;;
-        6p7b_tp2dp2) NGPUS=4 ITERS=${ITERS_6P7B:-10} LOG_INTERVAL=1 gpt_run 6p7b_tp2dp2 32 4096 32 bf16 2 16 \
-                         --use-cpu-initialization --tensor-model-parallel-size 2 ;;
-        6p7b_compare) compare_layouts 2e-2 6p7b_tp2pp2 6p7b_tp2dp2 | tee "$OUT/layouts_6p7b.txt" || status=1 ;;
+        6p7b_tp2pp2) big_run 6p7b_tp2pp2 4 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 ;;
+        6p7b_tp2dp2) big_run 6p7b_tp2dp2 4 --tensor-model-parallel-size 2 ;;
+        6p7b_compare) compare_layouts 2e-2 5 6p7b_tp2pp2 6p7b_tp2dp2 | tee "$OUT/layouts_6p7b.txt" || status=1 ;;
+        6p7b_tp2pp2_save) rm -rf "$WORK/checkpoint_6p7b"
+                          big_run 6p7b_tp2pp2_save 4 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
+                              --save "$WORK/checkpoint_6p7b" --save-interval "${SAVE_AT:-30}" --exit-interval "${SAVE_AT:-30}" ;;
+        6p7b_tp2pp2_resume) big_run 6p7b_tp2pp2_resume 4 --tensor-model-parallel-size 2 \
+                                --pipeline-model-parallel-size 2 --load "$WORK/checkpoint_6p7b"
+                            du -sh "$WORK/checkpoint_6p7b" | tee -a "$OUT/6p7b_tp2pp2_resume.log" ;;
+        6p7b_resume_compare) $py tests/gpu/compare_logs.py resume --tolerance 5e-2 \
+                                 $(logs_of 6p7b_tp2pp2 6p7b_tp2pp2_save 6p7b_tp2pp2_resume) \
+                                 | tee "$OUT/resume_6p7b.txt" || status=1 ;;
+        6p7b_tp2pp2_saving) rm -rf "$WORK/checkpoint_6p7b"
+                            big_run 6p7b_tp2pp2_saving 4 --tensor-model-parallel-size 2 \
+                                --pipeline-model-parallel-size 2 --save "$WORK/checkpoint_6p7b" --save-interval "${SAVE_AT:-30}" ;;
+        6p7b_tp2pp2_rollback) echo "global_step${SAVE_AT:-30}" > "$WORK/checkpoint_6p7b/latest"
+                              echo "${SAVE_AT:-30}" > "$WORK/checkpoint_6p7b/latest_checkpointed_iteration.txt"
+                              big_run 6p7b_tp2pp2_rollback 4 --tensor-model-parallel-size 2 \
+                                  --pipeline-model-parallel-size 2 --load "$WORK/checkpoint_6p7b" ;;
+        6p7b_rollback_compare) $py tests/gpu/compare_logs.py resume --tolerance 5e-2 \
+                                   $(logs_of 6p7b_tp2pp2_saving 6p7b_tp2pp2_saving 6p7b_tp2pp2_rollback) \
+                                   | tee "$OUT/rollback_6p7b.txt" || status=1 ;;
+        6p7b_tp2pp2dp2) big_run 6p7b_tp2pp2dp2 8 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 ;;
+        6p7b_tp4pp2) big_run 6p7b_tp4pp2 8 --tensor-model-parallel-size 4 --pipeline-model-parallel-size 2 ;;
+        6p7b_tp2pp4) big_run 6p7b_tp2pp4 8 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 4 ;;
+        6p7b_compare_8) compare_layouts 2e-2 5 6p7b_tp2pp2dp2 6p7b_tp4pp2 6p7b_tp2pp4 \
+                            | tee "$OUT/layouts_6p7b_8gpu.txt" || status=1 ;;
+        w4096_mbs2) ITERS=20 gpt_run w4096_mbs2 16 4096 32 bf16 2 16 ;;
+        w4096_mbs4) ITERS=20 gpt_run w4096_mbs4 16 4096 32 bf16 4 16 ;;
         *) echo "unknown run $run" >&2; status=1 ;;
     esac
 done
