@@ -12,8 +12,12 @@ client state adds:
     unless --no-save-rng the RNG states: random_rng_state, np_rng_state, torch_rng_state,
     cuda_rng_state, rng_tracker_states.
 
-DeepSpeed writes ``latest`` ("global_stepN"); rank 0 then writes Megatron's
-``latest_checkpointed_iteration.txt`` ("N") too, which the seed only did in its conversion tools.
+Commit: only once every rank has written its files does rank 0 point ``latest`` ("global_stepN")
+at the new tag, and then Megatron's ``latest_checkpointed_iteration.txt`` ("N", which the seed only
+wrote in its conversion tools); each is replaced atomically. DeepSpeed itself lets rank 0 write
+``latest`` as soon as its own files are done, so a job killed while another rank was still writing
+pointed the next run at a partial checkpoint. Killed at any moment of a save, a run now resumes from
+the previous complete checkpoint.
 
 Loading (--load) takes ``latest``; a missing or empty directory means a start from scratch, with a
 warning. What is restored:
@@ -42,6 +46,7 @@ from megatron.training.metrics import loaded_checkpoint_line, saved_checkpoint_l
 
 CHECKPOINT_VERSION = 3.0
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+LATEST_FILENAME = "latest"  # DeepSpeed's name; engine.load_checkpoint reads it
 # Model fields whose change between save and load is an error (not a shape mismatch DeepSpeed reports).
 CHECKED_MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
                         "padded_vocab_size", "position_embedding_type", "max_position_embeddings",
@@ -119,23 +124,30 @@ def client_state(progress: TrainingProgress, config: TrainConfig, arguments: dic
     return state
 
 
-def _write_tracker_file(directory: str, iteration: int) -> None:
-    path = os.path.join(directory, TRACKER_FILENAME)
+def _replace_file(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` so that a reader sees the old content or the new, never a part."""
     temporary = f"{path}.tmp{os.getpid()}"
     with open(temporary, "w") as f:
-        f.write(f"{iteration}\n")
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(temporary, path)
 
 
+def _commit(directory: str, iteration: int) -> None:
+    _replace_file(os.path.join(directory, LATEST_FILENAME), checkpoint_tag(iteration))
+    _replace_file(os.path.join(directory, TRACKER_FILENAME), f"{iteration}\n")
+
+
 def save_checkpoint(engine, progress: TrainingProgress, config: TrainConfig, arguments: dict | None = None) -> None:
-    """Collective: every rank writes its part through the engine; rank 0 then updates the tracker file."""
+    """Collective: every rank writes its part through the engine; rank 0 then commits (module docstring)."""
     directory = config.checkpoint.save
     print_rank_0(saving_checkpoint_line(progress.iteration, directory))
     engine.save_checkpoint(directory, tag=checkpoint_tag(progress.iteration),
-                           client_state=client_state(progress, config, arguments))
+                           client_state=client_state(progress, config, arguments), save_latest=False)
     barrier()
     if is_rank_0():
-        _write_tracker_file(directory, progress.iteration)
+        _commit(directory, progress.iteration)
     barrier()
     print_rank_0(saved_checkpoint_line(progress.iteration, directory))
 
@@ -156,7 +168,7 @@ def _check_compatible(state: dict, config: TrainConfig, directory: str) -> None:
 def _check_engine_layout(engine, directory: str) -> None:
     """A pipeline engine's checkpoint keeps the module in layer_XX files, the plain engine's in
     mp_rank_XX; neither engine reads the other's. Name the cause rather than fail inside DeepSpeed."""
-    latest = os.path.join(directory, "latest")
+    latest = os.path.join(directory, LATEST_FILENAME)
     if not os.path.isfile(latest):
         return
     with open(latest) as f:

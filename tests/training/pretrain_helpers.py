@@ -49,19 +49,20 @@ def tiny_run_args(corpus: Corpus, *extra: str) -> list[str]:
 
 
 def run_pretrain(args: list[str], nproc: int = 1, timeout: float = 300, check: bool = True,
-                 env: dict | None = None) -> subprocess.CompletedProcess:
-    """pretrain_gpt.py with ``args`` on ``nproc`` CPU processes; stdout and stderr merged into ``.stdout``."""
+                 env: dict | None = None, script: str = PRETRAIN) -> subprocess.CompletedProcess:
+    """``script`` (pretrain_gpt.py) with ``args`` on ``nproc`` CPU processes; stdout and stderr merged
+    into ``.stdout``."""
     environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     if nproc == 1:
         environment["MASTER_PORT"] = str(free_port())
-        command = [sys.executable, PRETRAIN, *args]
+        command = [sys.executable, script, *args]
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                   "--master_port", str(free_port()), PRETRAIN, *args]
+                   "--master_port", str(free_port()), script, *args]
     result = subprocess.run(command, cwd=REPO_ROOT, env=environment, timeout=timeout, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     if check and result.returncode != 0:
-        raise AssertionError(f"pretrain_gpt.py exited with {result.returncode}:\n{result.stdout[-6000:]}")
+        raise AssertionError(f"{os.path.basename(script)} exited with {result.returncode}:\n{result.stdout[-6000:]}")
     return result
 
 
