@@ -54,12 +54,38 @@ def _wait_for_written_temporary_file(directory, timeout=60):
     raise AssertionError(f"no temporary output with data appeared in {directory}")
 
 
-def kill_midway(tool_path, argv, corpus_lines, output_dir):
-    """Feed half the corpus through a FIFO, SIGKILL the tool once it reports progress."""
+def child_pids(pid: int) -> list[int]:
+    """Live processes whose parent is ``pid`` (from /proc)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                children.append(int(entry))
+    return children
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def kill_midway(tool_path, argv, corpus_lines, output_dir, whole_group=True):
+    """Feed half the corpus through a FIFO, SIGKILL the tool once it reports progress: its process
+    group, or with ``whole_group=False`` the main process alone. Returns (exit status, the pids of
+    its children just before the kill)."""
     fifo = os.path.join(output_dir, "input.jsonl")
     os.mkfifo(fifo)
     process = subprocess.Popen([sys.executable, tool_path, "--input", fifo] + argv,
                                stderr=subprocess.PIPE, start_new_session=True)
+    children = []
     try:
         with open(fifo, "wb") as writer:
             writer.writelines(corpus_lines[: len(corpus_lines) // 2])
@@ -71,7 +97,11 @@ def kill_midway(tool_path, argv, corpus_lines, output_dir):
                     break
             assert any(s.startswith("Processed") for s in seen), "".join(seen)
             _wait_for_written_temporary_file(output_dir)
-            os.killpg(process.pid, signal.SIGKILL)
+            children = child_pids(process.pid)
+            if whole_group:
+                os.killpg(process.pid, signal.SIGKILL)
+            else:
+                os.kill(process.pid, signal.SIGKILL)
             process.wait()
     except BrokenPipeError:
         pass
@@ -81,7 +111,7 @@ def kill_midway(tool_path, argv, corpus_lines, output_dir):
             process.wait()
         process.stderr.close()
     os.remove(fifo)
-    return process.returncode
+    return process.returncode, children
 
 
 def test_round_trip_recovers_every_document(tmp_path, sample_corpus, gpt2_tokenizer_files, capsys):  # noqa: F811
@@ -319,7 +349,7 @@ def test_killed_run_leaves_no_complete_output(tmp_path, sample_corpus, gpt2_toke
     prefix = str(tmp_path / "killed")
     argv = ["--output-prefix", prefix, "--chunk-size", "8", "--log-interval", "8"] \
         + tokenizer_flags(gpt2_tokenizer_files)
-    assert kill_midway(TOOL, argv, lines, str(tmp_path)) == -signal.SIGKILL
+    assert kill_midway(TOOL, argv, lines, str(tmp_path))[0] == -signal.SIGKILL
     leftovers = os.listdir(tmp_path)
     assert leftovers and all(name.endswith(".tmp") for name in leftovers), leftovers
     assert not MMapIndexedDataset.exists(prefix + "_text_document")

@@ -3,15 +3,19 @@ import gzip
 import json
 import os
 import signal
+import sys
+import time
 
 import pytest
 
 from megatron.core.data.indexed_dataset import IndexedDatasetError, MMapIndexedDataset, make_dataset
 from tests.conftest import REPO_ROOT
+from tests.tools.test_preprocess_data import TOOL as SERIAL_TOOL
 from tests.tools.test_preprocess_data import (
     corpus_texts,
     fuzzed_input,
     kill_midway,
+    pid_alive,
     read_bytes,
     run_in_process,
     tokenizer_flags,
@@ -79,9 +83,30 @@ def test_killed_many_cores_run_leaves_no_complete_output(tmp_path, sample_corpus
     prefix = str(tmp_path / "killed")
     argv = ["--output-prefix", prefix, "--workers", "2", "--chunk-size", "4", "--log-interval", "4"] \
         + tokenizer_flags(gpt2_tokenizer_files)
-    assert kill_midway(TOOL, argv, lines, str(tmp_path)) == -signal.SIGKILL
+    assert kill_midway(TOOL, argv, lines, str(tmp_path))[0] == -signal.SIGKILL
     leftovers = os.listdir(tmp_path)
     assert leftovers and all(name.endswith(".tmp") for name in leftovers), leftovers
     assert not MMapIndexedDataset.exists(prefix + "_text_document")
     with pytest.raises(IndexedDatasetError, match="index file not found"):
         make_dataset(prefix + "_text_document", impl="infer")
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux-only")
+@pytest.mark.parametrize("tool", [TOOL, SERIAL_TOOL], ids=["many_cores", "preprocess_data"])
+def test_workers_end_when_the_main_process_is_killed(tool, tmp_path, sample_corpus, gpt2_tokenizer_files):  # noqa: F811
+    """Killing only the main process (not its group) leaves no pool worker behind: the workers'
+    task pipe reaches end-of-file once no writer is left."""
+    with gzip.open(sample_corpus, "rb") as corpus:
+        lines = corpus.readlines()
+    argv = ["--output-prefix", str(tmp_path / "orphans"), "--workers", "2", "--chunk-size", "4",
+            "--log-interval", "4"] + tokenizer_flags(gpt2_tokenizer_files)
+    status, workers = kill_midway(tool, argv, lines, str(tmp_path), whole_group=False)
+    assert status == -signal.SIGKILL and len(workers) >= 2, workers
+    deadline = time.monotonic() + 20
+    while any(pid_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    survivors = [pid for pid in workers if pid_alive(pid)]
+    for pid in survivors:
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors
