@@ -50,15 +50,16 @@ def current_device() -> torch.device:
 
 def build_model(config: TrainConfig, groups: ParallelGroups) -> torch.nn.Module:
     """GPTModelPipe on DeepSpeed's topology of our grid, or GPTModel (see the module docstring)."""
+    device = current_device() if torch.cuda.is_available() else None
     if not uses_pipeline_engine(groups.pp_size, config.parallel.zero_stage):
-        device = current_device() if torch.cuda.is_available() else None
         return GPTModel(config.model, groups, device=device)
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     from megatron.core.models.gpt.pipeline import GPTModelPipe
 
     topology = PipeModelDataParallelTopology(num_pp=groups.pp_size, num_mp=groups.tp_size, num_dp=groups.dp_size)
-    return GPTModelPipe(config.model, groups, topology, partition_method=config.parallel.pp_partition_method)
+    return GPTModelPipe(config.model, groups, topology, partition_method=config.parallel.pp_partition_method,
+                        device=device)
 
 
 def _is_norm(module: torch.nn.Module) -> bool:

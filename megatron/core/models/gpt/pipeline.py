@@ -138,15 +138,16 @@ class TransformerChunkCheckpoint:
         return (hidden_states, *passthrough)
 
 
-def gpt_layer_specs(config: GPTModelConfig, groups: ParallelGroups) -> list:
-    """The layer list of the module docstring, for ``PipelineModule(layers=...)``."""
-    embedding = dict(tied_weight_attr="word_embeddings.weight")
+def gpt_layer_specs(config: GPTModelConfig, groups: ParallelGroups, device=None) -> list:
+    """The layer list of the module docstring, for ``PipelineModule(layers=...)``; each layer's
+    parameters are created (and initialised) on ``device``, by default the CPU."""
+    embedding = dict(tied_weight_attr="word_embeddings.weight", device=device)
     specs = [check_pipeline_inputs, TiedLayerSpec("embed", EmbeddingPipe, config, groups, **embedding),
              to_sequence_first]
-    specs += [LayerSpec(ParallelTransformerLayerPipe, config, number, groups)
+    specs += [LayerSpec(ParallelTransformerLayerPipe, config, number, groups, device=device)
               for number in range(1, config.num_layers + 1)]
     specs += [to_batch_first,
-              LayerSpec(LayerNorm, config.hidden_size, config.layernorm_epsilon, config.params_dtype),
+              LayerSpec(LayerNorm, config.hidden_size, config.layernorm_epsilon, config.params_dtype, device),
               TiedLayerSpec("embed", EmbeddingPipe, config, groups, forward_fn=tied_logits, **embedding),
               logits_to_fp32]
     return specs
@@ -200,16 +201,17 @@ class GPTModelPipe(PipelineModule):
     """The GPT model as a DeepSpeed PipelineModule; see the module docstring for the layer list.
 
     ``topology`` is DeepSpeed's PipeModelDataParallelTopology(num_pp, num_mp, num_dp) matching
-    ``groups``. With --checkpoint-activations, chunks of --checkpoint-num-layers consecutive layers
+    ``groups``. ``device`` is where the stage's layers are built: the GPU on a GPU machine, as
+    drawing billions of initial values on the CPU takes minutes. With --checkpoint-activations, chunks of --checkpoint-num-layers consecutive layers
     of a stage are recomputed in backward (DeepSpeed checkpoints only chunks made of transformer
     layers). The class name matters: DeepSpeed recognises "GPTModelPipe" for that rule.
     """
 
     def __init__(self, config: GPTModelConfig, groups: ParallelGroups, topology,
-                 partition_method: str = "type:transformer"):
+                 partition_method: str = "type:transformer", device=None):
         config.validate_for_tensor_parallel(groups.tp_size)
         check_partition_method(partition_method)
-        specs = gpt_layer_specs(config, groups)
+        specs = gpt_layer_specs(config, groups, device)
         interval = config.checkpoint_num_layers if config.checkpoint_activations else 0
         super().__init__(layers=specs, topology=topology, loss_fn=LanguageModelLoss(groups.tp),
                          partition_method=partition_method, activation_checkpoint_interval=interval,

@@ -29,6 +29,17 @@ def test_layer_list_follows_the_seed_numbering():
     assert [spec.module_args[1] for spec in specs[3:6]] == [1, 2, 3]  # global 1-based layer numbers
 
 
+@pytest.mark.parametrize("use_cpu_initialization", [False, True])
+def test_layers_are_built_on_the_requested_device(use_cpu_initialization):
+    """The trainer asks for the GPU; "meta" stands in for it here: no parameter may land elsewhere."""
+    model_parallel_seed(1, 0, 0)
+    config = tiny_config(num_layers=2, use_cpu_initialization=use_cpu_initialization)
+    specs = gpt_layer_specs(config, single_rank_groups(), device=torch.device("meta"))
+    built = [spec.build() for spec in specs if isinstance(spec, LayerSpec)]
+    devices = {param.device.type for layer in built for param in layer.parameters()}
+    assert len(built) == 5 and devices == {"meta"}
+
+
 def _deepspeed_partition(specs, num_stages, method):
     """DeepSpeed's own PipelineModule._partition_layers, run on a stand-in without process groups."""
     stand_in = GPTModelPipe.__new__(GPTModelPipe)
