@@ -11,8 +11,10 @@
 #      global batch 16, 60 iterations): on 4 GPUs RUNS="6p7b_tp2pp2 6p7b_tp2dp2 6p7b_compare", the
 #      losses and grad norms of iterations 1-5 must agree in bf16; RUNS="6p7b_tp2pp2_save
 #      6p7b_tp2pp2_resume 6p7b_resume_compare" saves at iteration 30 (SAVE_AT), stops, resumes and must
-#      continue 6p7b_tp2pp2 (counters and LR equal); on 8 GPUs RUNS="6p7b_tp2pp2dp2 6p7b_tp4pp2
-#      6p7b_tp2pp4 6p7b_compare_8"
+#      continue 6p7b_tp2pp2 (counters and LR equal); RUNS="6p7b_tp2pp2_saving 6p7b_tp2pp2_rollback
+#      6p7b_rollback_compare" saves at 30 and 60, points latest back at 30 and resumes (CKPT_NGPUS=8
+#      runs these at TP=2 x PP=2 x DP=2); on 8 GPUs RUNS="6p7b_tp2pp2dp2 6p7b_tp4pp2 6p7b_tp2pp4
+#      6p7b_compare_8"
 #   6. the best single-GPU figure at the same width (RUNS="w4096_mbs2 w4096_mbs4"): 16 layers, hidden
 #      4096, bf16, the scaling-efficiency reference for 5
 # Run from the repository root on the GPU machine with .whl carried; logs go to $OUT.
@@ -121,20 +123,20 @@ for run in $RUNS; do
         6p7b_tp2dp2) big_run 6p7b_tp2dp2 4 --tensor-model-parallel-size 2 ;;
         6p7b_compare) compare_layouts 2e-2 5 6p7b_tp2pp2 6p7b_tp2dp2 | tee "$OUT/layouts_6p7b.txt" || status=1 ;;
         6p7b_tp2pp2_save) rm -rf "$WORK/checkpoint_6p7b"
-                          big_run 6p7b_tp2pp2_save 4 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
-                              --save "$WORK/checkpoint_6p7b" --save-interval "${SAVE_AT:-30}" --exit-interval "${SAVE_AT:-30}" ;;
-        6p7b_tp2pp2_resume) big_run 6p7b_tp2pp2_resume 4 --tensor-model-parallel-size 2 \
+                          big_run 6p7b_tp2pp2_save "${CKPT_NGPUS:-4}" --tensor-model-parallel-size 2 \
+                              --pipeline-model-parallel-size 2 --save "$WORK/checkpoint_6p7b" --save-interval "${SAVE_AT:-30}" --exit-interval "${SAVE_AT:-30}" ;;
+        6p7b_tp2pp2_resume) big_run 6p7b_tp2pp2_resume "${CKPT_NGPUS:-4}" --tensor-model-parallel-size 2 \
                                 --pipeline-model-parallel-size 2 --load "$WORK/checkpoint_6p7b"
                             du -sh "$WORK/checkpoint_6p7b" | tee -a "$OUT/6p7b_tp2pp2_resume.log" ;;
         6p7b_resume_compare) $py tests/gpu/compare_logs.py resume --tolerance 5e-2 \
                                  $(logs_of 6p7b_tp2pp2 6p7b_tp2pp2_save 6p7b_tp2pp2_resume) \
                                  | tee "$OUT/resume_6p7b.txt" || status=1 ;;
         6p7b_tp2pp2_saving) rm -rf "$WORK/checkpoint_6p7b"
-                            big_run 6p7b_tp2pp2_saving 4 --tensor-model-parallel-size 2 \
+                            big_run 6p7b_tp2pp2_saving "${CKPT_NGPUS:-4}" --tensor-model-parallel-size 2 \
                                 --pipeline-model-parallel-size 2 --save "$WORK/checkpoint_6p7b" --save-interval "${SAVE_AT:-30}" ;;
         6p7b_tp2pp2_rollback) echo "global_step${SAVE_AT:-30}" > "$WORK/checkpoint_6p7b/latest"
                               echo "${SAVE_AT:-30}" > "$WORK/checkpoint_6p7b/latest_checkpointed_iteration.txt"
-                              big_run 6p7b_tp2pp2_rollback 4 --tensor-model-parallel-size 2 \
+                              big_run 6p7b_tp2pp2_rollback "${CKPT_NGPUS:-4}" --tensor-model-parallel-size 2 \
                                   --pipeline-model-parallel-size 2 --load "$WORK/checkpoint_6p7b" ;;
         6p7b_rollback_compare) $py tests/gpu/compare_logs.py resume --tolerance 5e-2 \
                                    $(logs_of 6p7b_tp2pp2_saving 6p7b_tp2pp2_saving 6p7b_tp2pp2_rollback) \
