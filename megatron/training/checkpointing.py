@@ -20,7 +20,10 @@ pointed the next run at a partial checkpoint. Killed at any moment of a save, a 
 the previous complete checkpoint.
 
 Loading (--load) takes ``latest``; a missing or empty directory means a start from scratch, with a
-warning. What is restored:
+warning. Before DeepSpeed reads anything, the checkpoint must match the run: the same engine kind,
+the same TP and PP sizes, the same DP size when ZeRO partitioned the optimizer states (unless
+--no-load-optim), and every layer file of this stage present; a file that cannot be read is named.
+Each refusal is a CheckpointError. What is restored:
 
     default            weights, optimizer, LR schedule, counters (iteration, samples, tokens,
                        validation samples: the data position), RNG states
@@ -30,8 +33,11 @@ warning. What is restored:
     --finetune         weights, and the optimizer unless --no-load-optim (as the seed with
                        DeepSpeed); the LR schedule, counters and RNG start afresh at iteration 0
 """
+import contextlib
 import dataclasses
+import glob
 import os
+import pickle
 import random
 from dataclasses import dataclass
 
@@ -165,16 +171,21 @@ def _check_compatible(state: dict, config: TrainConfig, directory: str) -> None:
                               + "; ".join(differing))
 
 
-def _check_engine_layout(engine, directory: str) -> None:
-    """A pipeline engine's checkpoint keeps the module in layer_XX files, the plain engine's in
-    mp_rank_XX; neither engine reads the other's. Name the cause rather than fail inside DeepSpeed."""
+def _tag_directory(directory: str) -> str | None:
+    """The directory ``latest`` names; None without a ``latest`` file (nothing to load)."""
     latest = os.path.join(directory, LATEST_FILENAME)
     if not os.path.isfile(latest):
-        return
+        return None
     with open(latest) as f:
         tag_directory = os.path.join(directory, f.read().strip())
     if not os.path.isdir(tag_directory):
         raise CheckpointError(f"{latest} names {tag_directory}, which does not exist")
+    return tag_directory
+
+
+def _check_engine_layout(engine, tag_directory: str) -> None:
+    """A pipeline engine's checkpoint keeps the module in layer_XX files, the plain engine's in
+    mp_rank_XX; neither engine reads the other's. Name the cause rather than fail inside DeepSpeed."""
     saved_by_pipeline = any(name.startswith("layer_") for name in os.listdir(tag_directory))
     loading_with_pipeline = is_pipeline_engine(engine)
     if saved_by_pipeline != loading_with_pipeline:
@@ -182,6 +193,99 @@ def _check_engine_layout(engine, directory: str) -> None:
         raise CheckpointError(f"{tag_directory} was written by {engines[saved_by_pipeline]} but this run uses "
                               f"{engines[loading_with_pipeline]}, whose checkpoint layout differs: resume with the "
                               f"ZeRO stage the checkpoint was written with")
+
+
+def _check_parallel_layout(tag_directory: str, config: TrainConfig) -> None:
+    """TP and PP must be those of the save: DeepSpeed would split or merge the weights by name and
+    fail later, or train on a wrong slice. The data-parallel size may change unless ZeRO partitioned
+    the optimizer states by it (DeepSpeed cannot repartition them; --no-load-optim skips them)."""
+    names = sorted(glob.glob(os.path.join(tag_directory, "mp_rank_*_model_states.pt")))
+    if not names:
+        raise CheckpointError(f"{tag_directory} holds no mp_rank_*_model_states.pt: the checkpoint is incomplete; "
+                              f"point {os.path.dirname(tag_directory)}/latest at an earlier global_stepN")
+    saved = _read_saved_arguments(names[0], tag_directory)
+    parallel = config.parallel
+    saved_layout = (saved.get("tensor_model_parallel_size"), saved.get("pipeline_model_parallel_size"))
+    layout = (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size)
+    if None not in saved_layout and saved_layout != layout:
+        raise CheckpointError(
+            f"{tag_directory} was saved with --tensor-model-parallel-size {saved_layout[0]} and "
+            f"--pipeline-model-parallel-size {saved_layout[1]}; this run has {layout[0]} and {layout[1]}. Resuming "
+            f"under another tensor or pipeline layout is not supported: resume with the saved sizes")
+    saved_dp = saved.get("data_parallel_size")
+    partitioned = glob.glob(os.path.join(tag_directory, "*zero_pp_rank_*_optim_states.pt"))
+    if partitioned and saved_dp not in (None, parallel.data_parallel_size) and not config.checkpoint.no_load_optim:
+        raise CheckpointError(
+            f"{tag_directory} was saved with data-parallel size {saved_dp} and ZeRO-partitioned optimizer states; "
+            f"this run has data-parallel size {parallel.data_parallel_size}, and DeepSpeed cannot repartition "
+            f"them: resume on {saved_dp * layout[0] * layout[1]} processes, or add --no-load-optim to keep the "
+            f"weights, schedule and counters and rebuild the optimizer states")
+
+
+def _check_layer_files(module, tag_directory: str, tp_size: int) -> None:
+    """Every layer of this pipeline stage needs one layer_XX-model_TT file per TP rank; with one
+    missing, DeepSpeed fails on a bare assertion or re-splits the others."""
+    for index, layer in enumerate(module.forward_funcs):
+        if not hasattr(layer, "load_state_dict"):
+            continue
+        found = module.ckpt_layer_path_list(tag_directory, index)
+        own = module.ckpt_layer_path(tag_directory, index)
+        if len(found) != tp_size or own not in found:
+            raise CheckpointError(f"{tag_directory} is incomplete: {os.path.basename(own)} or another TP rank's file "
+                                  f"of that layer is missing ({len(found)} of {tp_size} found); point "
+                                  f"{os.path.dirname(tag_directory)}/latest at an earlier global_stepN")
+
+
+READ_ERRORS = (OSError, RuntimeError, EOFError, pickle.UnpicklingError)
+
+
+def _unreadable(path: str, error: Exception, tag_directory: str) -> CheckpointError:
+    return CheckpointError(f"cannot read {path} ({type(error).__name__}: {error}); point "
+                           f"{os.path.dirname(tag_directory)}/latest at an earlier global_stepN or restore the file")
+
+
+def _read_saved_arguments(path: str, tag_directory: str) -> dict:
+    """The ``args`` entry of a model-states file, memory-mapped where the file format allows."""
+    try:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        except RuntimeError:  # a file in the legacy (non-zip) format cannot be memory-mapped
+            state = torch.load(path, map_location="cpu", weights_only=False)
+    except READ_ERRORS as error:
+        raise _unreadable(path, error, tag_directory) from error
+    return state.get("args", {}) if isinstance(state, dict) else {}
+
+
+@contextlib.contextmanager
+def _named_read_errors(engine, tag_directory: str):
+    """Every file DeepSpeed's checkpoint engine reads inside the block: a missing, truncated or
+    unreadable one raises a CheckpointError that names it."""
+    reader = engine.checkpoint_engine
+    original_load = reader.load
+
+    def load(path, map_location=None):
+        try:
+            return original_load(path, map_location=map_location)
+        except READ_ERRORS as error:
+            raise _unreadable(path, error, tag_directory) from error
+
+    reader.load = load
+    try:
+        yield
+    finally:
+        reader.load = original_load
+
+
+def check_before_loading(engine, config: TrainConfig) -> str | None:
+    """The tag directory --load will read, after the checks above; None when there is none."""
+    tag_directory = _tag_directory(config.checkpoint.load)
+    if tag_directory is None:
+        return None
+    _check_engine_layout(engine, tag_directory)
+    _check_parallel_layout(tag_directory, config)
+    if is_pipeline_engine(engine):
+        _check_layer_files(engine.module, tag_directory, config.parallel.tensor_model_parallel_size)
+    return tag_directory
 
 
 def _restart_engine_counters(engine) -> None:
@@ -196,9 +300,10 @@ def load_checkpoint(engine, config: TrainConfig) -> TrainingProgress | None:
     settings: CheckpointConfig = config.checkpoint
     if settings.load is None:
         return None
-    _check_engine_layout(engine, settings.load)
-    path, state = engine.load_checkpoint(settings.load, load_optimizer_states=not settings.no_load_optim,
-                                         load_lr_scheduler_states=not settings.finetune)
+    tag_directory = check_before_loading(engine, config)
+    with _named_read_errors(engine, tag_directory or settings.load):
+        path, state = engine.load_checkpoint(settings.load, load_optimizer_states=not settings.no_load_optim,
+                                             load_lr_scheduler_states=not settings.finetune)
     if path is None:
         print_rank_0(f"WARNING: no checkpoint found in --load {settings.load} (no 'latest' file): "
                      f"training starts from scratch")

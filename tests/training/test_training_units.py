@@ -332,14 +332,16 @@ def test_log_levels_per_rank():
 
 
 def test_a_checkpoint_of_the_other_engine_is_refused(tmp_path):
-    from megatron.training.checkpointing import _check_engine_layout
+    from megatron.training.checkpointing import _check_engine_layout, _tag_directory
 
     (tmp_path / "global_step3").mkdir()
     (tmp_path / "global_step3" / "layer_01-model_00-model_states.pt").write_bytes(b"")
     (tmp_path / "latest").write_text("global_step3")
     plain_engine = SimpleNamespace()
     with pytest.raises(CheckpointError, match="written by the pipeline engine .* uses the plain engine"):
-        _check_engine_layout(plain_engine, str(tmp_path))
+        _check_engine_layout(plain_engine, _tag_directory(str(tmp_path)))
     (tmp_path / "latest").write_text("global_step9")
     with pytest.raises(CheckpointError, match="does not exist"):
-        _check_engine_layout(plain_engine, str(tmp_path))
+        _tag_directory(str(tmp_path))
+    (tmp_path / "latest").unlink()
+    assert _tag_directory(str(tmp_path)) is None
