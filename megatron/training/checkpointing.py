@@ -183,6 +183,10 @@ def _tag_directory(directory: str) -> str | None:
     return tag_directory
 
 
+def _earlier_tag_advice(tag_directory: str) -> str:
+    return f"point {os.path.join(os.path.dirname(tag_directory), LATEST_FILENAME)} at an earlier global_stepN"
+
+
 def _check_engine_layout(engine, tag_directory: str) -> None:
     """A pipeline engine's checkpoint keeps the module in layer_XX files, the plain engine's in
     mp_rank_XX; neither engine reads the other's. Name the cause rather than fail inside DeepSpeed."""
@@ -202,7 +206,7 @@ def _check_parallel_layout(tag_directory: str, config: TrainConfig) -> None:
     names = sorted(glob.glob(os.path.join(tag_directory, "mp_rank_*_model_states.pt")))
     if not names:
         raise CheckpointError(f"{tag_directory} holds no mp_rank_*_model_states.pt: the checkpoint is incomplete; "
-                              f"point {os.path.dirname(tag_directory)}/latest at an earlier global_stepN")
+                              + _earlier_tag_advice(tag_directory))
     saved = _read_saved_arguments(names[0], tag_directory)
     parallel = config.parallel
     saved_layout = (saved.get("tensor_model_parallel_size"), saved.get("pipeline_model_parallel_size"))
@@ -232,16 +236,16 @@ def _check_layer_files(module, tag_directory: str, tp_size: int) -> None:
         own = module.ckpt_layer_path(tag_directory, index)
         if len(found) != tp_size or own not in found:
             raise CheckpointError(f"{tag_directory} is incomplete: {os.path.basename(own)} or another TP rank's file "
-                                  f"of that layer is missing ({len(found)} of {tp_size} found); point "
-                                  f"{os.path.dirname(tag_directory)}/latest at an earlier global_stepN")
+                                  f"of that layer is missing ({len(found)} of {tp_size} found); "
+                                  + _earlier_tag_advice(tag_directory))
 
 
 READ_ERRORS = (OSError, RuntimeError, EOFError, pickle.UnpicklingError)
 
 
 def _unreadable(path: str, error: Exception, tag_directory: str) -> CheckpointError:
-    return CheckpointError(f"cannot read {path} ({type(error).__name__}: {error}); point "
-                           f"{os.path.dirname(tag_directory)}/latest at an earlier global_stepN or restore the file")
+    return CheckpointError(f"cannot read {path} ({type(error).__name__}: {error}); "
+                           f"{_earlier_tag_advice(tag_directory)} or restore the file")
 
 
 def _read_saved_arguments(path: str, tag_directory: str) -> dict:
