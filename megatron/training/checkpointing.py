@@ -20,8 +20,8 @@ pointed the next run at a partial checkpoint. Killed at any moment of a save, a 
 the previous complete checkpoint.
 
 Loading (--load) takes ``latest``; a missing or empty directory means a start from scratch, with a
-warning. Before DeepSpeed reads anything, the checkpoint must match the run: the same engine kind,
-the same TP and PP sizes, the same DP size when ZeRO partitioned the optimizer states (unless
+warning. Before DeepSpeed reads anything, the checkpoint must match the run: written by this trainer,
+the same model, the same engine kind, the same TP and PP sizes, the same DP size when ZeRO partitioned the optimizer states (unless
 --no-load-optim), and every layer file of this stage present; a file that cannot be read is named.
 Each refusal is a CheckpointError. What is restored:
 
@@ -199,15 +199,11 @@ def _check_engine_layout(engine, tag_directory: str) -> None:
                               f"ZeRO stage the checkpoint was written with")
 
 
-def _check_parallel_layout(tag_directory: str, config: TrainConfig) -> None:
-    """TP and PP must be those of the save: DeepSpeed would split or merge the weights by name and
-    fail later, or train on a wrong slice. The data-parallel size may change unless ZeRO partitioned
-    the optimizer states by it (DeepSpeed cannot repartition them; --no-load-optim skips them)."""
-    names = sorted(glob.glob(os.path.join(tag_directory, "mp_rank_*_model_states.pt")))
-    if not names:
-        raise CheckpointError(f"{tag_directory} holds no mp_rank_*_model_states.pt: the checkpoint is incomplete; "
-                              + _earlier_tag_advice(tag_directory))
-    saved = _read_saved_arguments(names[0], tag_directory)
+def _check_parallel_layout(saved: dict, config: TrainConfig, tag_directory: str) -> None:
+    """TP and PP must be those of the save (``saved``: the checkpoint's ``args``): DeepSpeed would
+    split or merge the weights by name and fail later, or train on a wrong slice. The data-parallel
+    size may change unless ZeRO partitioned the optimizer states by it (DeepSpeed cannot repartition
+    them; --no-load-optim skips them)."""
     parallel = config.parallel
     saved_layout = (saved.get("tensor_model_parallel_size"), saved.get("pipeline_model_parallel_size"))
     layout = (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size)
@@ -248,16 +244,21 @@ def _unreadable(path: str, error: Exception, tag_directory: str) -> CheckpointEr
                            f"{_earlier_tag_advice(tag_directory)} or restore the file")
 
 
-def _read_saved_arguments(path: str, tag_directory: str) -> dict:
-    """The ``args`` entry of a model-states file, memory-mapped where the file format allows."""
+def _read_saved_state(tag_directory: str) -> dict:
+    """The trainer state of an mp_rank_XX_model_states.pt file (the same on every rank), memory-mapped
+    where the file format allows, so the weights a plain-engine file holds are not read."""
+    names = sorted(glob.glob(os.path.join(tag_directory, "mp_rank_*_model_states.pt")))
+    if not names:
+        raise CheckpointError(f"{tag_directory} holds no mp_rank_*_model_states.pt: the checkpoint is incomplete; "
+                              + _earlier_tag_advice(tag_directory))
     try:
         try:
-            state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+            state = torch.load(names[0], map_location="cpu", weights_only=False, mmap=True)
         except RuntimeError:  # a file in the legacy (non-zip) format cannot be memory-mapped
-            state = torch.load(path, map_location="cpu", weights_only=False)
+            state = torch.load(names[0], map_location="cpu", weights_only=False)
     except READ_ERRORS as error:
-        raise _unreadable(path, error, tag_directory) from error
-    return state.get("args", {}) if isinstance(state, dict) else {}
+        raise _unreadable(names[0], error, tag_directory) from error
+    return state if isinstance(state, dict) else {}
 
 
 @contextlib.contextmanager
@@ -286,7 +287,9 @@ def check_before_loading(engine, config: TrainConfig) -> str | None:
     if tag_directory is None:
         return None
     _check_engine_layout(engine, tag_directory)
-    _check_parallel_layout(tag_directory, config)
+    saved = _read_saved_state(tag_directory)
+    _check_compatible(saved, config, config.checkpoint.load)
+    _check_parallel_layout(saved.get("args", {}), config, tag_directory)
     if is_pipeline_engine(engine):
         _check_layer_files(engine.module, tag_directory, config.parallel.tensor_model_parallel_size)
     return tag_directory
@@ -305,14 +308,13 @@ def load_checkpoint(engine, config: TrainConfig) -> TrainingProgress | None:
     if settings.load is None:
         return None
     tag_directory = check_before_loading(engine, config)
-    with _named_read_errors(engine, tag_directory or settings.load):
-        path, state = engine.load_checkpoint(settings.load, load_optimizer_states=not settings.no_load_optim,
-                                             load_lr_scheduler_states=not settings.finetune)
-    if path is None:
+    if tag_directory is None:
         print_rank_0(f"WARNING: no checkpoint found in --load {settings.load} (no 'latest' file): "
                      f"training starts from scratch")
         return None
-    _check_compatible(state, config, settings.load)
+    with _named_read_errors(engine, tag_directory):
+        _, state = engine.load_checkpoint(settings.load, load_optimizer_states=not settings.no_load_optim,
+                                          load_lr_scheduler_states=not settings.finetune)
     if settings.finetune:
         _restart_engine_counters(engine)
         progress = TrainingProgress()

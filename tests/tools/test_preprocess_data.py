@@ -54,27 +54,25 @@ def _wait_for_written_temporary_file(directory, timeout=60):
     raise AssertionError(f"no temporary output with data appeared in {directory}")
 
 
-def child_pids(pid: int) -> list[int]:
-    """Live processes whose parent is ``pid`` (from /proc)."""
-    children = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                children.append(int(entry))
-    return children
+def _state_and_parent(pid: int) -> tuple[str, int] | None:
+    """(state letter, parent pid) from /proc/PID/stat; None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[1])
 
 
 def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    found = _state_and_parent(pid)
+    return found is not None and found[0] != "Z"
+
+
+def child_pids(pid: int) -> list[int]:
+    """Live processes whose parent is ``pid``."""
+    found = {int(entry): _state_and_parent(int(entry)) for entry in os.listdir("/proc") if entry.isdigit()}
+    return [child for child, stat in found.items() if stat is not None and stat[0] != "Z" and stat[1] == pid]
 
 
 def kill_midway(tool_path, argv, corpus_lines, output_dir, whole_group=True):

@@ -29,7 +29,8 @@ import pytest
 import torch
 
 from tests.training.e2e_utils import e2e_data, read_scalars, run_pretrain  # noqa: F401
-from tests.training.test_layout_equivalence import GRAD_NORM_RTOL, LOSS_RTOL, common_flags, series
+from tests.training.test_layout_equivalence import (GRAD_NORM_RTOL, LOSS_RTOL, assert_counters_of_every_iteration,
+                                                     common_flags, series)
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -56,16 +57,22 @@ def train(flags: list[str], nproc: int, tensorboard_dir: str, steps: list[int]) 
             "lr": series(scalars, LR_TAG, steps), "lines": result.log_lines(), "output": result.output}
 
 
+def shared_flags(e2e_data) -> list[str]:  # noqa: F811
+    """The model, data and schedule flags every run here shares."""
+    return common_flags(e2e_data, seq_length=SEQ_LENGTH, num_layers=NUM_LAYERS, global_batch=GLOBAL_BATCH,
+                        train_iters=TRAIN_ITERS)
+
+
 @pytest.fixture(scope="module")
 def runs(e2e_data, tmp_path_factory):  # noqa: F811
     """name -> train() of the single-process run and of each 8-process layout; "checkpoints": the
     saving layout's --save directory."""
     steps = list(range(1, TRAIN_ITERS + 1))
-    found = {"single": train(common_flags(e2e_data, seq_length=SEQ_LENGTH, num_layers=NUM_LAYERS, global_batch=GLOBAL_BATCH, train_iters=TRAIN_ITERS), 1, str(tmp_path_factory.mktemp("tb_single")), steps)}
+    found = {"single": train(shared_flags(e2e_data), 1, str(tmp_path_factory.mktemp("tb_single")), steps)}
     checkpoints = tmp_path_factory.mktemp("checkpoints")
     for name, flags in LAYOUTS.items():
         saving = ["--save", str(checkpoints), "--save-interval", str(SAVE_ITERATION)] if name == SAVING_LAYOUT else []
-        found[name] = train(common_flags(e2e_data, seq_length=SEQ_LENGTH, num_layers=NUM_LAYERS, global_batch=GLOBAL_BATCH, train_iters=TRAIN_ITERS) + flags + ["--zero-stage", "1"] + saving, PROCESSES,
+        found[name] = train(shared_flags(e2e_data) + flags + ["--zero-stage", "1"] + saving, PROCESSES,
                             str(tmp_path_factory.mktemp(f"tb_{name}")), steps)
     found["checkpoints"] = checkpoints
     return found
@@ -78,7 +85,7 @@ def resumed(runs, e2e_data, tmp_path_factory):  # noqa: F811
     tag = f"global_step{SAVE_ITERATION}"
     shutil.copytree(runs["checkpoints"] / tag, resume_dir / tag)
     (resume_dir / "latest").write_text(tag)
-    flags = common_flags(e2e_data, seq_length=SEQ_LENGTH, num_layers=NUM_LAYERS, global_batch=GLOBAL_BATCH, train_iters=TRAIN_ITERS) + LAYOUTS[SAVING_LAYOUT] + ["--zero-stage", "1", "--load", str(resume_dir)]
+    flags = shared_flags(e2e_data) + LAYOUTS[SAVING_LAYOUT] + ["--zero-stage", "1", "--load", str(resume_dir)]
     run = train(flags, PROCESSES, str(tmp_path_factory.mktemp("tb_resumed")),
                 list(range(SAVE_ITERATION + 1, TRAIN_ITERS + 1)))
     run["load_dir"] = resume_dir
@@ -87,13 +94,7 @@ def resumed(runs, e2e_data, tmp_path_factory):  # noqa: F811
 
 def test_each_layout_logs_every_iteration_with_the_same_counters(runs):
     for name in ["single", *LAYOUTS]:
-        lines = runs[name]["lines"]
-        assert [line.iteration for line in lines] == list(range(1, TRAIN_ITERS + 1)), name
-        assert [int(line.number("consumed samples")) for line in lines] == \
-            [GLOBAL_BATCH * i for i in range(1, TRAIN_ITERS + 1)], name
-        assert [int(line.number("consumed tokens")) for line in lines] == \
-            [GLOBAL_BATCH * SEQ_LENGTH * i for i in range(1, TRAIN_ITERS + 1)], name
-        assert {int(line.number("global batch size")) for line in lines} == {GLOBAL_BATCH}, name
+        assert_counters_of_every_iteration(runs[name]["lines"], name, TRAIN_ITERS, GLOBAL_BATCH, SEQ_LENGTH)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

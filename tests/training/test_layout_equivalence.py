@@ -75,14 +75,20 @@ def layout_runs(e2e_data, tmp_path_factory):  # noqa: F811
     return runs
 
 
+def assert_counters_of_every_iteration(lines, name: str, train_iters: int = TRAIN_ITERS,
+                                       global_batch: int = GLOBAL_BATCH, seq_length: int = SEQ_LENGTH) -> None:
+    """Iterations 1..train_iters each logged, with the samples, tokens and batch size of the schedule."""
+    assert [line.iteration for line in lines] == list(range(1, train_iters + 1)), name
+    assert [int(line.number("consumed samples")) for line in lines] == \
+        [global_batch * i for i in range(1, train_iters + 1)], name
+    assert [int(line.number("consumed tokens")) for line in lines] == \
+        [global_batch * seq_length * i for i in range(1, train_iters + 1)], name
+    assert {int(line.number("global batch size")) for line in lines} == {global_batch}, name
+
+
 def test_each_layout_logs_every_iteration_with_the_same_counters(layout_runs):
     for name, (_, _, _, lines) in layout_runs.items():
-        assert [line.iteration for line in lines] == list(range(1, TRAIN_ITERS + 1)), name
-        assert [int(line.number("consumed samples")) for line in lines] == \
-            [GLOBAL_BATCH * i for i in range(1, TRAIN_ITERS + 1)], name
-        assert [int(line.number("consumed tokens")) for line in lines] == \
-            [GLOBAL_BATCH * SEQ_LENGTH * i for i in range(1, TRAIN_ITERS + 1)], name
-        assert {int(line.number("global batch size")) for line in lines} == {GLOBAL_BATCH}, name
+        assert_counters_of_every_iteration(lines, name)
 
 
 @pytest.mark.parametrize("name", [name for name in LAYOUTS if name != "single"])

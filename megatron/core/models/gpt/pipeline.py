@@ -202,9 +202,10 @@ class GPTModelPipe(PipelineModule):
 
     ``topology`` is DeepSpeed's PipeModelDataParallelTopology(num_pp, num_mp, num_dp) matching
     ``groups``. ``device`` is where the stage's layers are built: the GPU on a GPU machine, as
-    drawing billions of initial values on the CPU takes minutes. With --checkpoint-activations, chunks of --checkpoint-num-layers consecutive layers
-    of a stage are recomputed in backward (DeepSpeed checkpoints only chunks made of transformer
-    layers). The class name matters: DeepSpeed recognises "GPTModelPipe" for that rule.
+    drawing billions of initial values on the CPU takes minutes. With --checkpoint-activations,
+    chunks of --checkpoint-num-layers consecutive layers of a stage are recomputed in backward
+    (DeepSpeed checkpoints only chunks made of transformer layers). The class name matters:
+    DeepSpeed recognises "GPTModelPipe" for that rule.
     """
 
     def __init__(self, config: GPTModelConfig, groups: ParallelGroups, topology,
