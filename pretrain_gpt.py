@@ -4,13 +4,12 @@
     deepspeed --num_gpus 8 pretrain_gpt.py ... --deepspeed --deepspeed_config ds_config.json
     torchrun --nproc_per_node 8 pretrain_gpt.py ...            (also torch.distributed.launch, srun)
 
-Steps: choose DeepSpeed's accelerator (CPU without CUDA) before it is imported, parse and validate
-the flags (megatron/training/arguments.py), build the tokenizer and the typed configuration, then
-megatron.training.pretrain runs the job.
+Steps: choose DeepSpeed's accelerator (CPU without CUDA) before it is imported; parse and validate
+the flags (megatron/training/arguments.py); build the tokenizer and the typed configuration; open
+every dataset once; then megatron.training.pretrain runs the job. Everything before pretrain runs
+without a process group, so a bad flag, tokenizer or data path stops every rank at once, and only
+rank 0 reports it.
 """
-import os
-import sys
-
 from megatron.training.initialize import select_accelerator
 
 select_accelerator()
@@ -18,11 +17,11 @@ select_accelerator()
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
 from megatron.core.tokenizer import TokenizerError, build_tokenizer  # noqa: E402
-from megatron.training.arguments import (ArgumentError, format_args, parse_args_or_exit,  # noqa: E402
-                                         write_args_listing)
+from megatron.training.arguments import (ArgumentError, parse_args_or_exit, report_arguments,  # noqa: E402
+                                         report_error_and_exit)
 from megatron.training.checkpointing import CheckpointError  # noqa: E402
 from megatron.training.config import build_config  # noqa: E402
-from megatron.training.data_loading import DataLoadingError  # noqa: E402
+from megatron.training.data_loading import DataLoadingError, check_dataset_files  # noqa: E402
 from megatron.training.initialize import FusedKernelConstraintError  # noqa: E402
 from megatron.training.lr_schedule import LRScheduleError  # noqa: E402
 from megatron.training.training import UnsupportedConfigurationError, pretrain  # noqa: E402
@@ -32,32 +31,27 @@ RUN_ERRORS = (CheckpointError, DataLoadingError, FusedKernelConstraintError, LRS
               UnsupportedConfigurationError)
 
 
-def _exit_with_error(error: Exception, status: int) -> None:
-    print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr, flush=True)
-    sys.exit(status)
-
-
 @record
 def main(argv=None):
-    """Parse, configure, pretrain; bad flags exit with status 2, bad checkpoints/data with status 1.
+    """Parse, configure, check the data, pretrain; bad flags, tokenizer or data paths exit with
+    status 2, bad checkpoints or data contents with status 1.
 
     ``@record`` writes a rank's uncaught exception where torchrun reports it.
     """
-    args = parse_args_or_exit(argv)
+    parsed = parse_args_or_exit(argv)
+    flags = parsed.flags
     try:
-        tokenizer = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
-                                    tokenizer_name_or_path=args.tokenizer_name_or_path)
-        config = build_config(args, tokenizer.vocab_size)
+        tokenizer = build_tokenizer(flags.tokenizer_type, vocab_file=flags.vocab_file, merge_file=flags.merge_file,
+                                    tokenizer_name_or_path=flags.tokenizer_name_or_path)
+        config = build_config(parsed, tokenizer.vocab_size)
+        check_dataset_files(config.data.dataset)
     except (ArgumentError, TokenizerError) as error:
-        _exit_with_error(error, 2)
-    if args.rank == 0:
-        print(format_args(args), flush=True)
-        if args.log_path:
-            write_args_listing(args, args.log_path)
+        report_error_and_exit(error, 2)
+    report_arguments(parsed)
     try:
-        pretrain(config, tokenizer, arguments=vars(args))
+        pretrain(config, tokenizer)
     except RUN_ERRORS as error:
-        _exit_with_error(error, 1)
+        report_error_and_exit(error, 1, every_rank=True)
 
 
 if __name__ == "__main__":

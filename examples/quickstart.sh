@@ -9,7 +9,8 @@
 #      Without a GPU: 2 CPU processes in fp32 over gloo (about 3 minutes on 2 cores).
 #      With GPUs: one process per GPU (at most 2) in bf16 (fp16 where bf16 is missing) over NCCL.
 # and print where everything is. Outputs go to $RUN_DIR (default runs/quickstart); running it again
-# resumes from the checkpoints there (delete $RUN_DIR/checkpoints to start over).
+# resumes from the checkpoints there (delete $RUN_DIR/checkpoints to start over), with a new log file
+# (logs/pretrain_<date-time>.log): earlier logs are kept.
 # Set SKIP_INSTALL=1 to use the current environment as it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +21,7 @@ train_iters=${TRAIN_ITERS:-120}
 corpus=examples/data/python-docs.jsonl.gz
 mkdir -p "$run_dir/data" "$run_dir/logs"
 start=$(date +%s)
+log_file="$run_dir/logs/pretrain_$(date +%Y%m%d-%H%M%S).log"
 
 echo "== 1. tokenizer: byte-level BPE, 8192 tokens, trained on $corpus"
 $py tools/train_tokenizer.py --input "$corpus" --vocab-size 8192 --output-dir "$run_dir/tokenizer"
@@ -64,13 +66,13 @@ $py -m torch.distributed.run --nproc_per_node "$nproc" --master_addr 127.0.0.1 \
     --save "$run_dir/checkpoints" --load "$run_dir/checkpoints" --save-interval 40 \
     --tensorboard-dir "$run_dir/tensorboard" --log-timers-to-tensorboard \
     --log-batch-size-to-tensorboard --log-validation-ppl-to-tensorboard \
-    --log-path "$run_dir/logs" \
-    --distributed-backend nccl 2>&1 | tee "$run_dir/logs/pretrain.log"
+    --log-path "$run_dir/logs" 2>&1 | tee "$log_file"
 
 echo "== done in $(( $(date +%s) - start )) s; everything is under $run_dir:"
 echo "   tokenizer     $run_dir/tokenizer/{vocab.json,merges.txt}"
 echo "   dataset       $run_dir/data/python-docs_text_document.{bin,idx} (+ index caches)"
 echo "   checkpoints   $run_dir/checkpoints (latest: $(cat "$run_dir/checkpoints/latest"))"
 echo "   tensorboard   $run_dir/tensorboard   ->  tensorboard --logdir $run_dir/tensorboard"
-echo "   training log  $run_dir/logs/pretrain.log (arguments: $run_dir/logs/args_*.txt)"
-grep "validation loss at the end of training for val data" "$run_dir/logs/pretrain.log" | sed 's/^/   /'
+echo "   training log  $log_file (arguments and layers: $run_dir/logs/{args,model}_*.txt)"
+echo "   plots         python tools/plot_logs.py $run_dir/tensorboard --output-dir $run_dir/plots  (needs matplotlib)"
+grep "training summary" "$log_file" | sed 's/^/   /'

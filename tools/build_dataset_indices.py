@@ -54,9 +54,12 @@ def parse_args(argv=None):
         parser.error("give exactly one of --train-iters and --train-samples")
     if args.split is not None and not args.data_path:
         parser.error("--split applies to --data-path only")
-    if args.train_iters is None:
-        args.train_iters = args.train_samples // args.global_batch_size
     return args
+
+
+def train_iterations(args) -> int:
+    """--train-iters, or the whole global batches --train-samples makes (without a batch rampup)."""
+    return args.train_iters if args.train_iters is not None else args.train_samples // args.global_batch_size
 
 
 def describe(kind, name, dataset, seq_length):
@@ -69,12 +72,12 @@ def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = parse_args(argv)
     try:
-        config = dataset_config_from_args(args)
+        config = dataset_config_from_args(args, args.seq_length)
     except ValueError as exc:
         sys.exit(f"error: {exc}")
     if config is None:
         sys.exit("error: no data: give --data-path or --train-weighted-split-paths[-path]")
-    num_samples = train_valid_test_num_samples(args.train_iters, args.global_batch_size, args.train_samples,
+    num_samples = train_valid_test_num_samples(train_iterations(args), args.global_batch_size, args.train_samples,
                                                args.eval_interval, args.eval_iters)
     start = time.perf_counter()
     datasets = build_train_valid_test_datasets(config, num_samples)

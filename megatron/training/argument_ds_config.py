@@ -1,9 +1,9 @@
 """The DeepSpeed config: loaded, checked against the flags the user gave, and completed from them.
 
 DeepSpeed is always the engine. Without --deepspeed_config (with or without --deepspeed), the
-config is built from the flags, with a notice; pretrain_gpt.py then runs as the seed's scripts
-with --deepspeed do. A --deepspeed_config without --deepspeed is used as well (the seed would have
-ignored it), with a notice.
+config is built from the flags, with a notice; pretrain_gpt.py then runs as Megatron-DeepSpeed's
+scripts with --deepspeed do. A --deepspeed_config without --deepspeed is used as well
+(Megatron-DeepSpeed would have ignored it), with a notice.
 
 Rules, applied key by key (a key set to "auto" counts as absent):
 
@@ -18,8 +18,8 @@ Rules, applied key by key (a key set to "auto" counts as absent):
 
 With bf16, gradients accumulate in fp32: ``data_types.grad_accum_dtype = "fp32"`` unless the config
 sets it, with a notice. DeepSpeed 0.19 runs bf16 + fp32 accumulation as its BF16_Optimizer, which it
-only allows at ZeRO stage 1 (stage 0 raises "unsupported mix"); the seed's "bf16 needs stage 0"
-was that same optimizer, so stage 0 becomes 1 in that case (said in the notice). Refused: ZeRO
+only allows at ZeRO stage 1 (stage 0 raises "unsupported mix"); Megatron-DeepSpeed's "bf16 needs
+stage 0" was that same optimizer, so stage 0 becomes 1 in that case (said in the notice). Refused: ZeRO
 stage 3, stage >= 2 with pipeline parallelism, fp16 without CUDA, enabled ``curriculum_learning``,
 ``checkpoint.load_universal`` (long-run work), and ``optimizer``/``scheduler`` blocks (the optimizer
 and the LR schedule come from the flags). With --optimizer sgd at ZeRO stage >= 1,
@@ -76,6 +76,7 @@ class _Resolution:
 
     def __init__(self, args, explicit, data_parallel_size, pipeline_parallel_size, cuda_available):
         self.args, self.explicit, self.notices = args, explicit, []
+        self.enabled = {"fp16": bool(args.fp16), "bf16": bool(args.bf16)}  # precision after the config's say
         self.dp, self.pp, self.cuda_available = data_parallel_size, pipeline_parallel_size, cuda_available
         self.path = args.deepspeed_config or args.deepscale_config
         self.from_flags = self.path is None
@@ -131,21 +132,22 @@ class _Resolution:
                 raise ArgumentError(f"--global-batch-size {args.global_batch_size} does not match "
                                     f"train_batch_size {config_global} in {self.where}: make them equal "
                                     f"(or drop the key)")
+            global_batch = args.global_batch_size
         elif config_global is not _MISSING:
-            args.global_batch_size = config_global
+            global_batch = config_global
         elif accumulation is not _MISSING:
-            args.global_batch_size = micro * accumulation * self.dp
+            global_batch = micro * accumulation * self.dp
         else:
-            args.global_batch_size = micro * self.dp
-        if accumulation is not _MISSING and micro * accumulation * self.dp != args.global_batch_size:
+            global_batch = micro * self.dp
+        if accumulation is not _MISSING and micro * accumulation * self.dp != global_batch:
             raise ArgumentError(
                 f"gradient_accumulation_steps {accumulation} in {self.where} gives a global batch of "
                 f"{micro * accumulation * self.dp} (micro batch {micro} x data parallel {self.dp}), not "
-                f"{args.global_batch_size}: drop gradient_accumulation_steps (it is derived) or fix it")
+                f"{global_batch}: drop gradient_accumulation_steps (it is derived) or fix it")
         if accumulation is _MISSING:
             config.pop("gradient_accumulation_steps", None)  # "auto": DeepSpeed derives it
         config["train_micro_batch_size_per_gpu"] = micro
-        config["train_batch_size"] = args.global_batch_size
+        config["train_batch_size"] = global_batch
 
     def precision(self):
         for name in ("fp16", "bf16"):
@@ -153,23 +155,23 @@ class _Resolution:
             enabled = _given(block, "enabled")
             if enabled is not _MISSING and not isinstance(enabled, bool):
                 raise ArgumentError(f"{name}.enabled in {self.where} must be true or false, got {enabled!r}")
-            if getattr(self.args, name) and enabled is False:
+            if self.enabled[name] and enabled is False:
                 raise ArgumentError(f"--{name} is given but {name}.enabled is false in {self.where}: "
                                     f"set it to true, or drop --{name}")
-            if not getattr(self.args, name) and enabled is True:
-                setattr(self.args, name, True)
+            if not self.enabled[name] and enabled is True:
+                self.enabled[name] = True
                 self.notices.append(f"{name}.enabled in {self.where}: training in {name} (as if --{name})")
-            block["enabled"] = getattr(self.args, name)
-        if self.args.fp16 and self.args.bf16:
+            block["enabled"] = self.enabled[name]
+        if self.enabled["fp16"] and self.enabled["bf16"]:
             raise ArgumentError(f"--fp16 and --bf16 (fp16.enabled, bf16.enabled in {self.where}) are "
                                 f"exclusive: choose one")
-        if self.args.fp16 and not self.cuda_available:
+        if self.enabled["fp16"] and not self.cuda_available:
             raise ArgumentError("--fp16 needs a CUDA GPU: DeepSpeed cannot run fp16 on CPU (\"Type fp16 is "
                                 "not supported on your device\"); use --bf16 with a bf16 ds_config, or fp32")
 
     def loss_scaling(self):
         given = [flag for dest, flag, _ in LOSS_SCALE_FLAGS if dest in self.explicit]
-        if not self.args.fp16:
+        if not self.enabled["fp16"]:
             if given:
                 self.notices.append(f"{', '.join(given)}: no effect without --fp16 (loss scaling is for fp16)")
             return
@@ -183,7 +185,6 @@ class _Resolution:
             elif dest in self.explicit and config_value != flag_value:
                 self.notices.append(f"fp16.{key} = {config_value} in {self.where} wins over {flag} "
                                     f"{getattr(self.args, dest)}")
-            setattr(self.args, dest, self._fp16_key_to_flag(dest, block[key]))
 
     def _flag_to_fp16_key(self, dest, flag):
         value = getattr(self.args, dest)
@@ -197,14 +198,6 @@ class _Resolution:
             return int(power)
         return int(value) if float(value).is_integer() else value
 
-    @staticmethod
-    def _fp16_key_to_flag(dest, value):
-        if dest == "loss_scale":
-            return None if value == 0 else float(value)
-        if dest == "initial_loss_scale":
-            return 2.0 ** value
-        return value
-
     def clipping(self):
         value = _given(self.config, "gradient_clipping")
         if value is _MISSING:
@@ -215,7 +208,6 @@ class _Resolution:
         if "clip_grad" in self.explicit and value != self.args.clip_grad:
             self.notices.append(f"gradient_clipping = {value} in {self.where} wins over --clip-grad "
                                 f"{self.args.clip_grad}")
-        self.args.clip_grad = float(value)
 
     def zero_stage(self):
         block = _block(self.config, "zero_optimization", self.where)
@@ -235,13 +227,12 @@ class _Resolution:
             raise ArgumentError(f"{named} is {stage} with --pipeline-model-parallel-size {self.pp}: DeepSpeed's "
                                 f"pipeline engine cannot run ZeRO stage 2 or more; use stage 0 or 1, or PP 1")
         block["stage"] = stage
-        self.args.zero_stage = stage
 
     def grad_accumulation(self):
         types = _block(self.config, "data_types", self.where)
         accum = _given(types, "grad_accum_dtype")
         stage = self.config["zero_optimization"]["stage"]
-        if not self.args.bf16:
+        if not self.enabled["bf16"]:
             if accum is _MISSING:
                 types.pop("grad_accum_dtype", None)
             if not types:
@@ -251,9 +242,9 @@ class _Resolution:
             types["grad_accum_dtype"] = "fp32"
             message = "bf16: gradients accumulate in fp32 (data_types.grad_accum_dtype = \"fp32\""
             if stage == 0:
-                self.config["zero_optimization"]["stage"] = self.args.zero_stage = 1
+                self.config["zero_optimization"]["stage"] = 1
                 message += ("; DeepSpeed runs it as BF16_Optimizer, which needs zero_optimization.stage 1: "
-                            "stage 0 -> 1, as the seed's bf16 + stage 0 ran the same optimizer")
+                            "stage 0 -> 1, as Megatron-DeepSpeed's bf16 + stage 0 ran the same optimizer")
             self.notices.append(message + "); set data_types.grad_accum_dtype in the ds_config to change it")
         elif str(accum).lower() in FP32_NAMES and stage == 0:
             raise ArgumentError(f"data_types.grad_accum_dtype {accum!r} with bf16 at zero_optimization.stage 0 "
@@ -263,10 +254,10 @@ class _Resolution:
     def fp16_stage(self):
         """fp16 at stage 0 runs at stage 1: DeepSpeed 0.19's engine.backward does not scale the loss
         for its non-ZeRO fp16 optimizers while their step() divides the gradients by the loss scale
-        (deepspeedai/DeepSpeed#8393), so the model would barely move. Stage 1, the seed's fp16
+        (deepspeedai/DeepSpeed#8393), so the model would barely move. Stage 1, Megatron-DeepSpeed's fp16
         setting, does the same math with the optimizer state split over the data-parallel ranks."""
-        if self.args.fp16 and self.config["zero_optimization"]["stage"] == 0:
-            self.config["zero_optimization"]["stage"] = self.args.zero_stage = 1
+        if self.enabled["fp16"] and self.config["zero_optimization"]["stage"] == 0:
+            self.config["zero_optimization"]["stage"] = 1
             self.notices.append("fp16 at zero_optimization.stage 0 runs at stage 1: DeepSpeed 0.19 does not "
                                 "scale the loss for its stage-0 fp16 optimizer (deepspeedai/DeepSpeed#8393)")
 
@@ -279,8 +270,9 @@ class _Resolution:
 def resolve_ds_config(args, explicit, data_parallel_size, pipeline_parallel_size, cuda_available):
     """Load (or build) the ds_config, check it against the flags, complete it; return (config, notices).
 
-    Sets the effective values on ``args``: global_batch_size, fp16, bf16, clip_grad, zero_stage and
-    the loss-scale flags. ``explicit`` is the set of dests given on the command line.
+    ``args`` is only read. The effective global batch, precision, clipping, ZeRO stage and loss
+    scaling are the final config's keys (validation.DerivedValues reads them from there).
+    ``explicit`` is the set of dests given on the command line.
     """
     resolution = _Resolution(args, explicit, data_parallel_size, pipeline_parallel_size, cuda_available)
     resolution.source_notices()

@@ -1,13 +1,17 @@
 """The accepted flags, in the groups and order of Megatron-DeepSpeed's ``--help``.
 
-Names and defaults are the seed's (seed-system.md §2) with these deliberate differences:
-``--zero-stage`` defaults to None (the seed's 1.0 only toggled zero.Init; the effective stage is
-the ds_config's), ``--tokenizer-type`` defaults to GPT2BPETokenizer (pretrain_gpt.py's default in
-the seed), ``--use-cpu-initialization`` is a plain store_true, integer flags accept "6_000_000"
-and "10e6", and the seed's ``type=bool`` flags read true/false. New flags: ``--lr-warmup-tokens``,
+Names and defaults are Megatron-DeepSpeed's, with these deliberate differences (docs/compatibility.md):
+``--zero-stage`` defaults to None (Megatron-DeepSpeed's 1.0 only toggled zero.Init; the effective
+stage is the ds_config's), ``--tokenizer-type`` defaults to GPT2BPETokenizer (pretrain_gpt.py's
+default there), ``--use-cpu-initialization`` is a plain store_true, integer flags accept "6_000_000"
+and "10e6", and the ``type=bool`` flags read true/false. New flags: ``--lr-warmup-tokens``,
 ``--data-cache-path`` and the ``inverse-square-root`` decay style; ``--train-tokens`` and
-``--codecarbon-dir`` work (no-ops in the seed). ``--local_rank`` is also spelled ``--local-rank``.
+``--codecarbon-dir`` work (no-ops in Megatron-DeepSpeed). ``--local_rank`` is also spelled
+``--local-rank``. The two misplaced flags of Megatron-DeepSpeed's ``--help`` are in their groups here:
+``--kill-switch-path`` under "training", ``--log-level``/``--log-level-replica`` under "logging".
 """
+import argparse
+
 from megatron.core.models.gpt.config import GLU_ACTIVATIONS, POSITION_EMBEDDING_TYPES
 from megatron.core.tokenizer import REJECTED_TOKENIZER_TYPES, SUPPORTED_TOKENIZER_TYPES
 from megatron.training.argument_types import parse_bool, parse_float, parse_int
@@ -17,13 +21,26 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 DATA_IMPLS = ("lazy", "cached", "mmap", "infer")
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """``--help`` with "(default: X)" after each flag whose default says something: not for None,
+    not for on/off switches (their help says what the switch does), not where the help names it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if (default is None or default is argparse.SUPPRESS or isinstance(default, bool)
+                or "%(default)" in text or not action.option_strings):
+            return text
+        return text + " (default: %(default)s)"
+
+
 def _bool_value_flag(group, flag, help_text):
     group.add_argument(flag, type=parse_bool, nargs="?", const=True, default=None, metavar="BOOL",
                        help=help_text + " (true/false; the bare flag means true)")
 
 
 def add_network_size_args(parser):
-    """Add the seed's "network size" flags to ``parser``."""
+    """Add Megatron-DeepSpeed's "network size" flags to ``parser``."""
     group = parser.add_argument_group("network size")
     group.add_argument("--num-layers", type=parse_int, default=None, help="number of transformer layers L")
     group.add_argument("--hidden-size", type=parse_int, default=None, help="hidden size h")
@@ -47,15 +64,10 @@ def add_network_size_args(parser):
                        help="absolute (learned), rotary or alibi")
     group.add_argument("--glu-activation", choices=GLU_ACTIVATIONS, default=None,
                        help="gated MLP activation; needs --no-bias-gelu-fusion")
-    group.add_argument("--kill-switch-path", default=None,
-                       help="when this file exists: exit at start, or save a checkpoint and exit")
-    group.add_argument("--log-level", choices=LOG_LEVELS, default=None, help="log level of rank 0")
-    group.add_argument("--log-level-replica", choices=LOG_LEVELS, default=None,
-                       help="log level of the other ranks")
 
 
 def add_regularization_args(parser):
-    """Add the seed's "regularization" flags to ``parser``."""
+    """Add Megatron-DeepSpeed's "regularization" flags to ``parser``."""
     group = parser.add_argument_group("regularization")
     group.add_argument("--attention-dropout", type=parse_float, default=0.1, help="attention-probability dropout")
     group.add_argument("--hidden-dropout", type=parse_float, default=0.1,
@@ -71,7 +83,7 @@ def add_regularization_args(parser):
 
 
 def add_training_args(parser):
-    """Add the seed's "training" flags to ``parser``."""
+    """Add Megatron-DeepSpeed's "training" flags to ``parser``."""
     group = parser.add_argument_group("training")
     group.add_argument("--micro-batch-size", type=parse_int, default=None, help="samples per GPU per micro step")
     group.add_argument("--global-batch-size", type=parse_int, default=None,
@@ -92,6 +104,8 @@ def add_training_args(parser):
                        help="save and exit when the iteration is a multiple of this")
     group.add_argument("--exit-duration-in-mins", type=parse_int, default=None,
                        help="save and exit after this many minutes")
+    group.add_argument("--kill-switch-path", default=None,
+                       help="when this file exists: exit at start, or save a checkpoint and exit")
     group.add_argument("--tensorboard-dir", default=None, help="TensorBoard output directory")
     group.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false",
                        help="do not fuse scale, mask and softmax")
@@ -112,14 +126,14 @@ def add_training_args(parser):
 
 
 def add_initialization_args(parser):
-    """Add the seed's "initialization" flags to ``parser``."""
+    """Add Megatron-DeepSpeed's "initialization" flags to ``parser``."""
     group = parser.add_argument_group("initialization")
     group.add_argument("--seed", type=parse_int, default=1234, help="random seed (stage seed is seed + 100 pp_rank)")
     group.add_argument("--init-method-std", type=parse_float, default=0.02, help="std of the normal initialization")
 
 
 def add_learning_rate_args(parser):
-    """Add the seed's "learning rate" flags to ``parser``."""
+    """Add Megatron-DeepSpeed's "learning rate" flags to ``parser``."""
     group = parser.add_argument_group("learning rate")
     group.add_argument("--lr", type=parse_float, default=None, help="peak learning rate")
     group.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="linear", help="decay shape")
@@ -138,7 +152,7 @@ def add_learning_rate_args(parser):
 
 
 def add_checkpointing_args(parser):
-    """Add the seed's "checkpointing" flags to ``parser``."""
+    """Add Megatron-DeepSpeed's "checkpointing" flags to ``parser``."""
     group = parser.add_argument_group("checkpointing")
     group.add_argument("--save", default=None, help="checkpoint directory to save to")
     group.add_argument("--save-interval", type=parse_int, default=None, help="iterations between saves")
@@ -153,7 +167,7 @@ def add_checkpointing_args(parser):
 
 
 def add_mixed_precision_args(parser):
-    """Add the seed's "mixed precision" flags to ``parser``."""
+    """Add Megatron-DeepSpeed's "mixed precision" flags to ``parser``."""
     group = parser.add_argument_group("mixed precision")
     group.add_argument("--fp16", action="store_true", help="fp16 parameters (CUDA only); see ds_config fp16")
     group.add_argument("--bf16", action="store_true", help="bf16 parameters; see ds_config bf16")
@@ -174,7 +188,7 @@ def add_mixed_precision_args(parser):
 
 
 def add_distributed_args(parser):
-    """Add the seed's "distributed" flags to ``parser``."""
+    """Add Megatron-DeepSpeed's "distributed" flags to ``parser``."""
     group = parser.add_argument_group("distributed")
     group.add_argument("--tensor-model-parallel-size", type=parse_int, default=1, help="TP degree")
     group.add_argument("--pipeline-model-parallel-size", type=parse_int, default=1, help="PP degree")
@@ -188,7 +202,7 @@ def add_distributed_args(parser):
 
 
 def add_validation_args(parser):
-    """Add the seed's "validation" flags to ``parser``."""
+    """Add Megatron-DeepSpeed's "validation" flags to ``parser``."""
     group = parser.add_argument_group("validation")
     group.add_argument("--eval-iters", type=parse_int, default=100,
                        help="iterations per evaluation (0 disables validation and test)")
@@ -196,7 +210,7 @@ def add_validation_args(parser):
 
 
 def add_data_args(parser):
-    """Add the seed's "data and dataloader" flags to ``parser``."""
+    """Add Megatron-DeepSpeed's "data and dataloader" flags to ``parser``."""
     group = parser.add_argument_group("data and dataloader")
     group.add_argument("--data-path", nargs="*", default=None, help="PREFIX or W1 PREFIX1 W2 PREFIX2 ...")
     group.add_argument("--split", default=None, help='train/valid/test proportions (default "969, 30, 1")')
@@ -225,7 +239,7 @@ def add_data_args(parser):
 
 
 def add_logging_args(parser):
-    """Add the seed's "logging" flags to ``parser``."""
+    """Add Megatron-DeepSpeed's "logging" flags to ``parser``."""
     group = parser.add_argument_group("logging")
     group.add_argument("--log-params-norm", action="store_true", help="log the L2 norm of all parameters")
     group.add_argument("--log-num-zeros-in-grad", action="store_true", help="log the count of zero gradients")
@@ -235,25 +249,28 @@ def add_logging_args(parser):
     group.add_argument("--log-timers-to-tensorboard", action="store_true", help="write time/* scalars")
     group.add_argument("--log-batch-size-to-tensorboard", action="store_true", help="write batch-size/*")
     group.add_argument("--no-log-learnig-rate-to-tensorboard", dest="log_learning_rate_to_tensorboard",
-                       action="store_false", help="do not write learning-rate/* (sic: the seed's spelling)")
+                       action="store_false", help="do not write learning-rate/* (sic: Megatron-DeepSpeed's spelling)")
     group.add_argument("--no-log-loss-scale-to-tensorboard", dest="log_loss_scale_to_tensorboard",
                        action="store_false", help="do not write loss-scale/*")
     group.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
                        help="also write validation perplexity")
+    group.add_argument("--log-level", choices=LOG_LEVELS, default=None, help="log level of rank 0")
+    group.add_argument("--log-level-replica", choices=LOG_LEVELS, default=None,
+                       help="log level of the other ranks")
 
 
 def add_zero_args(parser):
-    """Add the seed's "ZeRO" flags to ``parser``."""
+    """Add Megatron-DeepSpeed's "ZeRO" flags to ``parser``."""
     group = parser.add_argument_group("ZeRO")
     group.add_argument("--zero-stage", type=parse_int, default=None,
                        help="ZeRO stage 0, 1 or 2; must match the ds_config's zero_optimization.stage")
 
 
 def add_activation_checkpointing_args(parser):
-    """Add the seed's "activation checkpointing" flags to ``parser``."""
+    """Add Megatron-DeepSpeed's "activation checkpointing" flags to ``parser``."""
     group = parser.add_argument_group("activation checkpointing")
     group.add_argument("--deepspeed-activation-checkpointing", action="store_true",
-                       help="accepted for the seed's scripts: our checkpointing already replays the "
+                       help="accepted for Megatron-DeepSpeed's scripts: our checkpointing already replays the "
                             "model-parallel RNG as DeepSpeed's did")
     group.add_argument("--partition-activations", action="store_true",
                        help="keep 1/TP of each checkpointed activation per rank")

@@ -1,4 +1,6 @@
-"""Checkpoints through the DeepSpeed engine, in the seed's layout (seed-system.md §4.3.1), plus the trainer's state.
+"""Checkpoints through the DeepSpeed engine, in Megatron-DeepSpeed's layout, plus the trainer's state.
+
+The files, their keys and the commit protocol are described in docs/checkpoint-format.md.
 
 ``engine.save_checkpoint(save, tag="global_step{N}", client_state=...)`` writes the module (one
 ``layer_XX-model_TT-model_states.pt`` per pipeline layer, or the whole module for the plain
@@ -7,14 +9,15 @@ engine), the optimizer partitions and ``mp_rank_MM_model_states.pt`` with the en
 client state adds:
 
     iteration, consumed_train_samples, consumed_train_tokens, consumed_valid_samples,
-    gigaflos_no_embeddings, tokens (= consumed_train_tokens, the seed's key), checkpoint_version 3.0,
-    checkpoint_info {padded_vocab_size, original_vocab_size}, args (model, layout and flags), and
+    gigaflos_no_embeddings, tokens (= consumed_train_tokens, Megatron-DeepSpeed's key), checkpoint_version
+    3.0, checkpoint_info {padded_vocab_size, original_vocab_size}, args (the model, the layout and the
+    whole typed configuration, as plain values), and
     unless --no-save-rng the RNG states: random_rng_state, np_rng_state, torch_rng_state,
     cuda_rng_state, rng_tracker_states.
 
 Commit: only once every rank has written its files does rank 0 point ``latest`` ("global_stepN")
-at the new tag, and then Megatron's ``latest_checkpointed_iteration.txt`` ("N", which the seed only
-wrote in its conversion tools); each is replaced atomically. DeepSpeed itself lets rank 0 write
+at the new tag, and then Megatron's ``latest_checkpointed_iteration.txt`` ("N", which
+Megatron-DeepSpeed only wrote in its conversion tools); each is replaced atomically. DeepSpeed itself lets rank 0 write
 ``latest`` as soon as its own files are done, so a job killed while another rank was still writing
 pointed the next run at a partial checkpoint. Killed at any moment of a save, a run now resumes from
 the previous complete checkpoint.
@@ -30,7 +33,7 @@ Each refusal is a CheckpointError. What is restored:
     --no-load-optim    no optimizer state (ZeRO rebuilds its fp32 copy from the weights); the LR
                        schedule and the counters are restored, so the run continues on schedule
     --no-load-rng      RNG states left as seeded
-    --finetune         weights, and the optimizer unless --no-load-optim (as the seed with
+    --finetune         weights, and the optimizer unless --no-load-optim (as Megatron-DeepSpeed with
                        DeepSpeed); the LR schedule, counters and RNG start afresh at iteration 0
 """
 import contextlib
@@ -45,7 +48,7 @@ import numpy as np
 import torch
 
 from megatron.core.tensor_parallel import get_rng_tracker
-from megatron.training.config import CheckpointConfig, TrainConfig
+from megatron.training.config import CheckpointConfig, TrainConfig, plain_value
 from megatron.training.dist_utils import barrier, is_rank_0, print_rank_0
 from megatron.training.engine import is_pipeline_engine
 from megatron.training.metrics import loaded_checkpoint_line, saved_checkpoint_line, saving_checkpoint_line
@@ -78,26 +81,18 @@ def checkpoint_tag(iteration: int) -> str:
     return f"global_step{iteration}"
 
 
-def _plain(value):
-    """A value safe to unpickle anywhere: numbers, strings, lists of them; anything else as its str."""
-    if isinstance(value, (bool, int, float, str, type(None))):
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_plain(item) for item in value]
-    return str(value)
-
-
-def configuration_summary(config: TrainConfig, arguments: dict | None) -> dict:
-    """The ``args`` entry: the model config, the parallel layout and the command-line values."""
-    return {"model": {f.name: _plain(getattr(config.model, f.name)) for f in dataclasses.fields(config.model)},
+def configuration_summary(config: TrainConfig) -> dict:
+    """The ``args`` entry: the model config and the parallel layout at the top (what loading checks),
+    and the whole configuration under ``config``, all as plain values."""
+    return {"model": plain_value(config.model),
             "tensor_model_parallel_size": config.parallel.tensor_model_parallel_size,
             "pipeline_model_parallel_size": config.parallel.pipeline_model_parallel_size,
             "data_parallel_size": config.parallel.data_parallel_size,
-            "arguments": {name: _plain(value) for name, value in (arguments or {}).items()}}
+            "config": plain_value(config)}
 
 
 def rng_states() -> dict:
-    """The seed's five RNG entries of the client state."""
+    """Megatron-DeepSpeed's five RNG entries of the client state."""
     return {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
             "torch_rng_state": torch.get_rng_state(),
             "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
@@ -118,13 +113,13 @@ def restore_rng_states(state: dict) -> None:
     get_rng_tracker().set_states(state["rng_tracker_states"])
 
 
-def client_state(progress: TrainingProgress, config: TrainConfig, arguments: dict | None) -> dict:
+def client_state(progress: TrainingProgress, config: TrainConfig) -> dict:
     """What the trainer adds to DeepSpeed's mp_rank file (module docstring)."""
     state = dataclasses.asdict(progress)
     state.update(tokens=progress.consumed_train_tokens, checkpoint_version=CHECKPOINT_VERSION,
                  checkpoint_info={"padded_vocab_size": config.model.padded_vocab_size,
                                   "original_vocab_size": config.data.orig_vocab_size},
-                 args=configuration_summary(config, arguments))
+                 args=configuration_summary(config))
     if not config.checkpoint.no_save_rng:
         state.update(rng_states())
     return state
@@ -145,12 +140,12 @@ def _commit(directory: str, iteration: int) -> None:
     _replace_file(os.path.join(directory, TRACKER_FILENAME), f"{iteration}\n")
 
 
-def save_checkpoint(engine, progress: TrainingProgress, config: TrainConfig, arguments: dict | None = None) -> None:
+def save_checkpoint(engine, progress: TrainingProgress, config: TrainConfig) -> None:
     """Collective: every rank writes its part through the engine; rank 0 then commits (module docstring)."""
     directory = config.checkpoint.save
     print_rank_0(saving_checkpoint_line(progress.iteration, directory))
     engine.save_checkpoint(directory, tag=checkpoint_tag(progress.iteration),
-                           client_state=client_state(progress, config, arguments), save_latest=False)
+                           client_state=client_state(progress, config), save_latest=False)
     barrier()
     if is_rank_0():
         _commit(directory, progress.iteration)
@@ -163,9 +158,9 @@ def _check_compatible(state: dict, config: TrainConfig, directory: str) -> None:
         raise CheckpointError(f"{directory}: the checkpoint has no trainer state (checkpoint_version, iteration); "
                               f"it was not written by this trainer")
     saved = state.get("args", {}).get("model", {})
-    differing = [f"--{name.replace('_', '-')}: checkpoint {saved[name]!r}, configured "
-                 f"{_plain(getattr(config.model, name))!r}"
-                 for name in CHECKED_MODEL_FIELDS if name in saved and saved[name] != _plain(getattr(config.model, name))]
+    configured = plain_value(config.model)
+    differing = [f"--{name.replace('_', '-')}: checkpoint {saved[name]!r}, configured {configured[name]!r}"
+                 for name in CHECKED_MODEL_FIELDS if name in saved and saved[name] != configured[name]]
     if differing:
         raise CheckpointError(f"{directory}: the checkpoint's model differs from the configured one: "
                               + "; ".join(differing))

@@ -1,14 +1,17 @@
-"""TrainConfig: the parsed and validated flags as frozen dataclasses, derived once (DESIGN.md principle 2).
+"""TrainConfig: the parsed and validated flags as frozen dataclasses, derived once.
 
-    args = parse_args()                                 # megatron/training/arguments.py
-    tokenizer = build_tokenizer(args.tokenizer_type, ...)
-    config = build_config(args, tokenizer.vocab_size)   # everything below receives typed config
+    parsed = parse_args()                                 # megatron/training/arguments.py
+    tokenizer = build_tokenizer(parsed.flags.tokenizer_type, ...)
+    config = build_config(parsed, tokenizer.vocab_size)   # everything below receives typed config
 
-``build_config`` pads the vocabulary (megatron.core.tokenizer.vocab_size_with_padding: to
---pad-vocab-size-to, else to a multiple of --make-vocab-size-divisible-by x TP) and checks it
-splits over TP. Values that the ds_config decides (batch sizes, precision, ZeRO stage, gradient
-clipping, loss scaling) are read from the final ds_config, so config and engine cannot disagree.
-Learning-rate lengths are resolved to samples (the seed's AnnealingLR "steps").
+``build_config`` builds each part once: the model config (the vocabulary padded by
+megatron.core.tokenizer.vocab_size_with_padding: to --pad-vocab-size-to, else to a multiple of
+--make-vocab-size-divisible-by x TP; GPTModelConfig's own rules, and the one check that heads,
+ffn and vocabulary split over TP) and the dataset config (the weighted split path files are read
+here). Their errors become ArgumentErrors naming the flags, still before any process group.
+Values that the ds_config decides (batch sizes, precision, ZeRO stage, gradient clipping, loss
+scaling) are read from the final ds_config, so config and engine cannot disagree. Learning-rate
+lengths are resolved to samples (Megatron-DeepSpeed's AnnealingLR "steps").
 """
 import copy
 import dataclasses
@@ -22,6 +25,8 @@ from megatron.core.data.gpt_dataset import GPTDatasetConfig
 from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.tokenizer import vocab_size_with_padding
 from megatron.training.argument_types import ArgumentError
+from megatron.training.arguments import ParsedArguments
+from megatron.training.validation import DerivedValues, lr_lengths_in_samples
 
 DEFAULT_PP_PARTITION_METHOD = "type:transformer"
 DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "fp16": "fp16", "float16": "fp16",
@@ -100,7 +105,7 @@ class OptimizerConfig:
     """Optimizer hyper-parameters.
 
     Attributes:
-        optimizer: "adam" (Adam with decoupled weight decay, the seed's meaning) or "sgd".
+        optimizer: "adam" (Adam with decoupled weight decay, as Megatron-DeepSpeed means it) or "sgd".
         lr: peak learning rate (--lr).
         min_lr: learning-rate floor (--min-lr).
         weight_decay: decoupled weight decay, not applied to biases and norm weights (--weight-decay).
@@ -133,7 +138,7 @@ class ScheduleConfig:
         train_tokens: also stop once this many tokens are consumed (--train-tokens), or None.
         lr_decay_style: "constant", "linear", "cosine" or "inverse-square-root".
         lr_warmup_steps: warmup length in samples (iterations x global batch, samples, or a fraction
-            of the decay length; a float in the last case, as in the seed).
+            of the decay length; a float in the last case, as in Megatron-DeepSpeed).
         lr_decay_steps: decay length in samples.
         lr_warmup_tokens: warmup length in tokens (--lr-warmup-tokens), or None.
         lr_decay_tokens: decay length in tokens, replacing the sample decay (--lr-decay-tokens), or None.
@@ -296,20 +301,27 @@ class TrainConfig:
     notices: tuple[str, ...]
 
 
-def model_config_from_args(args, padded_vocab_size: int) -> GPTModelConfig:
-    """GPTModelConfig from the parsed flags: fields matched by name, then the renamed ones."""
-    renamed = {"padded_vocab_size": padded_vocab_size,
-               "distribute_checkpointed_activations": bool(args.distribute_checkpointed_activations
-                                                           or args.partition_activations),
-               "use_cpu_initialization": bool(args.use_cpu_initialization)}
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(GPTModelConfig)
-              if f.name not in renamed and hasattr(args, f.name)}
-    return GPTModelConfig(**values, **renamed)
+def model_config_from_args(flags, derived: DerivedValues, padded_vocab_size: int) -> GPTModelConfig:
+    """GPTModelConfig from the flags: fields matched by name, then the derived and renamed ones;
+    checked for the TP degree. Model rules raise ArgumentError naming the flags."""
+    renamed = {"padded_vocab_size": padded_vocab_size, "seq_length": derived.seq_length,
+               "params_dtype": derived.params_dtype,
+               "distribute_checkpointed_activations": bool(flags.distribute_checkpointed_activations
+                                                           or flags.partition_activations),
+               "use_cpu_initialization": bool(flags.use_cpu_initialization)}
+    values = {f.name: getattr(flags, f.name) for f in dataclasses.fields(GPTModelConfig)
+              if f.name not in renamed and hasattr(flags, f.name)}
+    try:
+        model = GPTModelConfig(**values, **renamed)
+        model.validate_for_tensor_parallel(flags.tensor_model_parallel_size)
+    except ValueError as exc:
+        raise ArgumentError(str(exc)) from None
+    return model
 
 
-def _weighted_groups(args, split):
-    inline = getattr(args, f"{split}_weighted_split_paths")
-    path = getattr(args, f"{split}_weighted_split_paths_path")
+def _weighted_groups(flags, split):
+    inline = getattr(flags, f"{split}_weighted_split_paths")
+    path = getattr(flags, f"{split}_weighted_split_paths_path")
     if inline:
         return parse_weighted_split_paths(inline, f"--{split}-weighted-split-paths")
     if path:
@@ -317,52 +329,44 @@ def _weighted_groups(args, split):
     return ()
 
 
-def dataset_config_from_args(args) -> GPTDatasetConfig | None:
-    """GPTDatasetConfig from the data flags (files of the -path flags are read), None without data."""
-    groups = {split: _weighted_groups(args, split) for split in ("train", "valid", "test")}
-    if not args.data_path and not any(groups.values()):
-        return None
-    return GPTDatasetConfig(
-        seq_length=args.seq_length, seed=args.seed,
-        data_path=parse_data_path(args.data_path) if args.data_path else (),
-        split=parse_split(args.split or DEFAULT_SPLIT),
-        train_groups=groups["train"], valid_groups=groups["valid"], test_groups=groups["test"],
-        data_impl=args.data_impl, mmap_warmup=args.mmap_warmup, data_cache_path=args.data_cache_path)
+def dataset_config_from_args(flags, seq_length: int) -> GPTDatasetConfig | None:
+    """GPTDatasetConfig from the data flags (files of the -path flags are read), None without data.
+    Malformed paths, weights or ranges raise ArgumentError naming the flag."""
+    try:
+        groups = {split: _weighted_groups(flags, split) for split in ("train", "valid", "test")}
+        if not flags.data_path and not any(groups.values()):
+            return None
+        return GPTDatasetConfig(
+            seq_length=seq_length, seed=flags.seed,
+            data_path=parse_data_path(flags.data_path) if flags.data_path else (),
+            split=parse_split(flags.split or DEFAULT_SPLIT),
+            train_groups=groups["train"], valid_groups=groups["valid"], test_groups=groups["test"],
+            data_impl=flags.data_impl, mmap_warmup=flags.mmap_warmup, data_cache_path=flags.data_cache_path)
+    except ValueError as exc:
+        raise ArgumentError(str(exc)) from None
 
 
-def lr_lengths_in_samples(args):
-    """(warmup, decay) in samples, the seed's AnnealingLR steps (after parse_args: global batch known)."""
-    if args.train_iters is not None:
-        decay = (args.lr_decay_iters or args.train_iters) * args.global_batch_size
-        warmup = args.lr_warmup_iters * args.global_batch_size
-    else:
-        decay = args.lr_decay_samples or args.train_samples
-        warmup = args.lr_warmup_samples
-    if args.lr_warmup_fraction is not None:
-        warmup = args.lr_warmup_fraction * decay
-    return warmup, decay
-
-
-def _schedule_config(args):
-    warmup, decay = lr_lengths_in_samples(args)
+def _schedule_config(flags, derived: DerivedValues) -> ScheduleConfig:
+    warmup, decay = lr_lengths_in_samples(flags, derived.global_batch_size)
     return ScheduleConfig(
-        micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
-        rampup_batch_size=tuple(args.rampup_batch_size) if args.rampup_batch_size else None,
-        train_iters=args.train_iters, train_samples=args.train_samples, train_tokens=args.train_tokens,
-        lr_decay_style=args.lr_decay_style, lr_warmup_steps=warmup, lr_decay_steps=decay,
-        lr_warmup_tokens=args.lr_warmup_tokens, lr_decay_tokens=args.lr_decay_tokens,
-        eval_interval=args.eval_interval, eval_iters=args.eval_iters, eval_only=bool(args.eval_only),
-        log_interval=args.log_interval, exit_interval=args.exit_interval,
-        exit_duration_in_mins=args.exit_duration_in_mins, kill_switch_path=args.kill_switch_path)
+        micro_batch_size=flags.micro_batch_size, global_batch_size=derived.global_batch_size,
+        rampup_batch_size=tuple(flags.rampup_batch_size) if flags.rampup_batch_size else None,
+        train_iters=flags.train_iters, train_samples=flags.train_samples, train_tokens=flags.train_tokens,
+        lr_decay_style=flags.lr_decay_style, lr_warmup_steps=warmup, lr_decay_steps=decay,
+        lr_warmup_tokens=flags.lr_warmup_tokens, lr_decay_tokens=flags.lr_decay_tokens,
+        eval_interval=flags.eval_interval, eval_iters=flags.eval_iters, eval_only=bool(flags.eval_only),
+        log_interval=flags.log_interval, exit_interval=flags.exit_interval,
+        exit_duration_in_mins=flags.exit_duration_in_mins, kill_switch_path=flags.kill_switch_path)
 
 
-def _precision_config(args, ds_config):
+def _precision_config(derived: DerivedValues) -> PrecisionConfig:
+    ds_config = derived.ds_config
     fp16 = ds_config["fp16"]
     accum = ds_config.get("data_types", {}).get("grad_accum_dtype")
-    model_dtype = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
-    scaled = args.fp16
+    model_dtype = "fp16" if derived.fp16 else "bf16" if derived.bf16 else "fp32"
+    scaled = derived.fp16
     return PrecisionConfig(
-        fp16=args.fp16, bf16=args.bf16, params_dtype=args.params_dtype,
+        fp16=derived.fp16, bf16=derived.bf16, params_dtype=derived.params_dtype,
         loss_scale=(float(fp16["loss_scale"]) or None) if scaled else None,
         initial_loss_scale=2.0 ** fp16["initial_scale_power"] if scaled else None,
         min_loss_scale=fp16["min_loss_scale"] if scaled else None,
@@ -371,58 +375,83 @@ def _precision_config(args, ds_config):
         grad_accum_dtype=DTYPE_NAMES.get(str(accum).lower(), model_dtype) if accum else model_dtype)
 
 
-def _parallel_config(args):
+def _parallel_config(flags, derived: DerivedValues) -> ParallelConfig:
+    launch = derived.launch
     return ParallelConfig(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        data_parallel_size=args.data_parallel_size, world_size=args.world_size, rank=args.rank,
-        local_rank=args.local_rank, master_addr=args.master_addr, master_port=args.master_port,
-        launcher=args.launcher, distributed_backend=args.distributed_backend,
-        zero_stage=args.deepspeed_config_dict["zero_optimization"]["stage"],
-        pp_partition_method=args.pp_partition_method or DEFAULT_PP_PARTITION_METHOD)
+        tensor_model_parallel_size=flags.tensor_model_parallel_size,
+        pipeline_model_parallel_size=flags.pipeline_model_parallel_size,
+        data_parallel_size=derived.data_parallel_size, world_size=launch.world_size, rank=launch.rank,
+        local_rank=launch.local_rank, master_addr=launch.master_addr, master_port=launch.master_port,
+        launcher=launch.source, distributed_backend=derived.distributed_backend, zero_stage=derived.zero_stage,
+        pp_partition_method=flags.pp_partition_method or DEFAULT_PP_PARTITION_METHOD)
 
 
-def _data_config(args, tokenizer_vocab_size):
+def _data_config(flags, derived: DerivedValues, tokenizer_vocab_size: int) -> DataConfig:
     return DataConfig(
-        dataset=dataset_config_from_args(args), tokenizer_type=args.tokenizer_type,
-        vocab_file=args.vocab_file, merge_file=args.merge_file,
-        tokenizer_name_or_path=args.tokenizer_name_or_path, orig_vocab_size=tokenizer_vocab_size,
-        dataloader_type=args.dataloader_type or "single", num_workers=args.num_workers,
-        valid_num_workers=args.valid_num_workers, eod_mask_loss=args.eod_mask_loss,
-        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask)
+        dataset=dataset_config_from_args(flags, derived.seq_length), tokenizer_type=flags.tokenizer_type,
+        vocab_file=flags.vocab_file, merge_file=flags.merge_file,
+        tokenizer_name_or_path=flags.tokenizer_name_or_path, orig_vocab_size=tokenizer_vocab_size,
+        dataloader_type=flags.dataloader_type or "single", num_workers=flags.num_workers,
+        valid_num_workers=flags.valid_num_workers, eod_mask_loss=flags.eod_mask_loss,
+        reset_position_ids=flags.reset_position_ids, reset_attention_mask=flags.reset_attention_mask)
 
 
-def _fields_from_args(cls, args, **overrides):
+def _fields_from_args(cls, flags, **overrides):
     names = [f.name for f in dataclasses.fields(cls) if f.name not in overrides]
-    return cls(**{name: getattr(args, name) for name in names}, **overrides)
+    return cls(**{name: getattr(flags, name) for name in names}, **overrides)
 
 
-def padded_vocab_size(args, tokenizer_vocab_size: int) -> int:
-    """The embedding's row count for this vocabulary under the flags (seed's padding rules)."""
+def padded_vocab_size(flags, tokenizer_vocab_size: int) -> int:
+    """The embedding's row count for this vocabulary under the flags (Megatron-DeepSpeed's padding rules)."""
     try:
-        return vocab_size_with_padding(tokenizer_vocab_size, args.make_vocab_size_divisible_by,
-                                       args.tensor_model_parallel_size, args.pad_vocab_size_to)
+        return vocab_size_with_padding(tokenizer_vocab_size, flags.make_vocab_size_divisible_by,
+                                       flags.tensor_model_parallel_size, flags.pad_vocab_size_to)
     except ValueError as exc:
         raise ArgumentError(str(exc)) from None
 
 
-def build_config(args, tokenizer_vocab_size: int) -> TrainConfig:
-    """The TrainConfig of flags parsed by arguments.parse_args and a tokenizer of this vocabulary size."""
-    model = model_config_from_args(args, padded_vocab_size(args, tokenizer_vocab_size))
-    try:
-        model.validate_for_tensor_parallel(args.tensor_model_parallel_size)
-    except ValueError as exc:
-        raise ArgumentError(str(exc)) from None
-    ds_config = args.deepspeed_config_dict
+def build_config(parsed: ParsedArguments, tokenizer_vocab_size: int) -> TrainConfig:
+    """The TrainConfig of a parsed command line and a tokenizer of this vocabulary size."""
+    flags, derived = parsed.flags, parsed.derived
     return TrainConfig(
-        model=model, parallel=_parallel_config(args), data=_data_config(args, tokenizer_vocab_size),
-        optimizer=_fields_from_args(OptimizerConfig, args, clip_grad=float(ds_config["gradient_clipping"])),
-        schedule=_schedule_config(args),
-        checkpoint=_fields_from_args(CheckpointConfig, args, no_load_optim=bool(args.no_load_optim),
-                                     no_load_rng=bool(args.no_load_rng), no_save_rng=bool(args.no_save_rng)),
-        logging=_fields_from_args(LoggingConfig, args),
-        precision=_precision_config(args, ds_config),
-        deepspeed=DeepSpeedSettings(config_path=args.deepspeed_config or args.deepscale_config,
-                                    config=copy.deepcopy(ds_config)),
-        abort_on_unmet_fused_kernel_constraints=args.abort_on_unmet_fused_kernel_constraints,
-        notices=tuple(args.notices))
+        model=model_config_from_args(flags, derived, padded_vocab_size(flags, tokenizer_vocab_size)),
+        parallel=_parallel_config(flags, derived), data=_data_config(flags, derived, tokenizer_vocab_size),
+        optimizer=_fields_from_args(OptimizerConfig, flags, clip_grad=derived.clip_grad),
+        schedule=_schedule_config(flags, derived),
+        checkpoint=_fields_from_args(CheckpointConfig, flags, no_load_optim=bool(flags.no_load_optim),
+                                     no_load_rng=bool(flags.no_load_rng), no_save_rng=bool(flags.no_save_rng)),
+        logging=_fields_from_args(LoggingConfig, flags),
+        precision=_precision_config(derived),
+        deepspeed=DeepSpeedSettings(config_path=flags.deepspeed_config or flags.deepscale_config,
+                                    config=copy.deepcopy(derived.ds_config)),
+        abort_on_unmet_fused_kernel_constraints=flags.abort_on_unmet_fused_kernel_constraints,
+        notices=derived.notices)
+
+
+def plain_value(value):
+    """A value safe to unpickle anywhere and to print: numbers, strings, lists and dicts of them; the
+    rest (a torch dtype, ...) as its str."""
+    if isinstance(value, (bool, int, float, str, type(None))):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [plain_value(item) for item in value]
+    if isinstance(value, dict):
+        return {str(key): plain_value(item) for key, item in value.items()}
+    if dataclasses.is_dataclass(value):
+        return {f.name: plain_value(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    return str(value)
+
+
+def flat_config(config: TrainConfig) -> dict[str, object]:
+    """Every leaf of the config as ``"section.field": plain value`` (TensorBoard's text panel)."""
+    flat = {}
+
+    def visit(prefix, value):
+        if isinstance(value, dict) and value:
+            for key, item in value.items():
+                visit(f"{prefix}.{key}" if prefix else key, item)
+        else:
+            flat[prefix] = value
+
+    visit("", plain_value(config))
+    return flat

@@ -26,8 +26,11 @@ import torch
 from torch.utils.data import DataLoader
 
 from megatron.core.data.builders import TrainValidTestDatasets, build_train_valid_test_datasets
+from megatron.core.data.gpt_dataset import GPTDatasetConfig
+from megatron.core.data.indexed_dataset import IndexedDatasetError, check_dataset_prefix
 from megatron.core.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
 from megatron.core.models.gpt import get_ltor_masks_and_position_ids
+from megatron.training.argument_types import ArgumentError
 from megatron.training.config import DataConfig
 
 DATALOADER_TYPES = ("single", "cyclic")
@@ -159,6 +162,21 @@ class DataIterators:
     train: Iterator[dict] | None = None
     valid: list[tuple[str, Iterator[dict] | None]] = field(default_factory=list)
     test: list[tuple[str, Iterator[dict] | None]] = field(default_factory=list)
+
+
+def check_dataset_files(dataset: GPTDatasetConfig) -> None:
+    """Open every dataset the run reads, once each, before any process group or model exists: a
+    missing or damaged one raises ArgumentError naming the flag and the file, with a hint at the
+    likely prefix (megatron.core.data.indexed_dataset.check_dataset_prefix)."""
+    checked = set()
+    for flag, prefix in dataset.prefixes():
+        if prefix in checked:
+            continue
+        checked.add(prefix)
+        try:
+            check_dataset_prefix(prefix, dataset.data_impl)
+        except IndexedDatasetError as exc:
+            raise ArgumentError(f"{flag}: {exc}") from None
 
 
 def build_datasets(data_config: DataConfig, num_samples: tuple[int, int, int]) -> TrainValidTestDatasets:

@@ -1,12 +1,14 @@
 """Start-up of a training process: accelerator, process group, model-parallel groups, seeds, log levels.
 
     select_accelerator()                       # before anything imports deepspeed
-    args = parse_args(); config = build_config(args, vocab_size)
+    parsed = parse_args(); config = build_config(parsed, vocab_size)
     groups = initialize_megatron(config)       # torch.distributed + TP/DP/PP groups + seeds
 
 DeepSpeed chooses its accelerator when it is first imported. Without CUDA we set
-``DS_ACCELERATOR=cpu`` first (DESIGN.md), so DeepSpeed runs on its CPU accelerator with gloo
-(the arguments module already replaced a requested nccl by gloo, with a notice).
+``DS_ACCELERATOR=cpu`` first, so DeepSpeed runs on its CPU accelerator with gloo (the arguments
+module already replaced nccl by gloo). On its first start there, DeepSpeed compiles a small
+shared-memory op (about a minute on two cores, cached in torch's extensions directory); the
+trainer says so before the wait.
 
 Rank, world size and rendezvous come from the launcher's environment as the arguments module read
 it (deepspeed, torchrun, torch.distributed.launch, SLURM srun, plain variables, or none at all for
@@ -52,6 +54,36 @@ def _rendezvous_environment(parallel: ParallelConfig) -> dict:
             "MASTER_PORT": str(parallel.master_port)}
 
 
+def _announce_cpu_op_build(rank: int) -> None:
+    """Before DeepSpeed's CPU accelerator compiles its shared-memory op (first start only), say why
+    the next minute is quiet."""
+    from deepspeed.accelerator import get_accelerator
+    from torch.utils.cpp_extension import _get_build_directory
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or rank != 0:
+        return
+    directory = _get_build_directory(builder.NAME, verbose=False)
+    if not os.path.exists(os.path.join(directory, f"{builder.NAME}.so")):
+        print_line(f"> DeepSpeed builds its shared-memory op for the CPU once (about a minute on two cores; "
+                   f"cached in {directory}) ...")
+
+
+def use_current_collective_names() -> None:
+    """DeepSpeed 0.19 calls torch.distributed.all_gather_into_tensor and reduce_scatter_tensor, which
+    torch 2.13 deprecates (a FutureWarning on every rank) for all_gather_single and
+    reduce_scatter_single, the same collectives under their new names: point DeepSpeed's torch
+    backend at those where this torch has them."""
+    import deepspeed.comm.comm as deepspeed_comm
+
+    backend = deepspeed_comm.cdb
+    for attribute, current_name in (("all_gather_function", "all_gather_single"),
+                                    ("reduce_scatter_function", "reduce_scatter_single")):
+        current = getattr(torch.distributed, current_name, None)
+        if current is not None and getattr(backend, attribute, None) is not None:
+            setattr(backend, attribute, current)
+
+
 def initialize_distributed(parallel: ParallelConfig) -> ParallelGroups:
     """torch.cuda.set_device(local rank) on GPU, deepspeed.init_distributed, then our TP/DP/PP groups."""
     import deepspeed
@@ -60,11 +92,14 @@ def initialize_distributed(parallel: ParallelConfig) -> ParallelGroups:
     if torch.cuda.is_available():
         device_count = torch.cuda.device_count()
         torch.cuda.set_device(parallel.local_rank % device_count)
+    else:
+        _announce_cpu_op_build(parallel.rank)
     if parallel.rank == 0:  # torch.distributed does not know the rank yet
         print_line(f"> initializing torch distributed with backend {parallel.distributed_backend}, "
                    f"world size {parallel.world_size} (launcher: {parallel.launcher}) ...")
     deepspeed.init_distributed(dist_backend=parallel.distributed_backend, auto_mpi_discovery=False,
                                verbose=False, rank=parallel.rank, world_size=parallel.world_size)
+    use_current_collective_names()
     print_rank_0(f"> initializing tensor model parallel with size {parallel.tensor_model_parallel_size}")
     print_rank_0(f"> initializing pipeline model parallel with size {parallel.pipeline_model_parallel_size}")
     return initialize_model_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size)

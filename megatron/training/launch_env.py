@@ -173,9 +173,21 @@ def read_launch_env(env: Mapping[str, str], argv_local_rank: int | None = None) 
     return LaunchEnv(0, 1, local, addr, port, "single")
 
 
-def effective_backend(requested: str, cuda_available: bool) -> tuple[str, str | None]:
-    """(backend, notice): nccl needs CUDA, so without it gloo runs instead, with a one-line notice."""
+def rank_in_environment(env: Mapping[str, str]) -> int:
+    """This process's global rank as far as the environment tells before any checking: RANK, else
+    SLURM_PROCID, else 0. For deciding who prints an error that every rank meets alike."""
+    for name in ("RANK", "SLURM_PROCID"):
+        text = env.get(name, "")
+        if text.strip().isdigit():
+            return int(text)
+    return 0
+
+
+def effective_backend(requested: str, cuda_available: bool, explicit: bool = True) -> tuple[str, str | None]:
+    """(backend, notice): nccl needs CUDA, so without it gloo runs instead. The one-line notice is
+    for a user who asked for nccl (``explicit``); the default nccl switches to gloo silently."""
     if requested == "nccl" and not cuda_available:
-        return "gloo", ("--distributed-backend nccl: no CUDA device here, using gloo (and DeepSpeed's "
-                        "CPU accelerator)")
+        notice = ("--distributed-backend nccl: no CUDA device here, using gloo (and DeepSpeed's CPU "
+                  "accelerator)") if explicit else None
+        return "gloo", notice
     return requested, None

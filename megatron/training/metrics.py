@@ -1,19 +1,21 @@
-"""What the training loop reports: the seed's log line, validation and memory lines, milestone lines,
-throughput (the seed's TFLOPs, model TFLOP/s and MFU) and a measured matmul peak.
+"""What the training loop reports: Megatron-DeepSpeed's log line, validation and memory lines, milestone
+lines, throughput (its TFLOPs estimate, model TFLOP/s and MFU), a measured matmul peak and the final
+summary.
 
-Formats follow seed-system.md §5.1 character for character; the functions return strings and the
-trainer prints them on the rank the seed uses (the log line on the last rank, milestones on rank 0).
+Formats follow Megatron-DeepSpeed's character for character (docs/logging.md lists them); the
+functions return strings and the trainer prints them on the rank Megatron-DeepSpeed uses (the log
+line on the last rank, milestones on rank 0).
 
 FLOP counts (B = global batch, s = sequence length, L = layers, h = hidden, V = padded vocabulary,
 f = ffn hidden size, p = heads x kv channels, g = 2 with a GLU else 1):
 
-- Model FLOPs per iteration (DESIGN.md "Measuring performance"): the matmuls of one forward pass per
+- Model FLOPs per iteration: the matmuls of one forward pass per
   token and layer are QKV 6hp, scores 2sp, attention x values 2sp, output projection 2ph,
   MLP 2hf·g + 2fh; the logits add 2hV per token. Training costs three forward passes (backward = 2),
   recomputation earns nothing:
       F = 3·B·s·[L·(8hp + 4sp + 2hf(g + 1)) + 2hV]
   which for p = h, f = 4h, no GLU is 72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h)).
-- The seed's TFLOPs field, kept for continuity (it uses V/(16·L·h), 32 instead of 24 with GLU, and
+- Megatron-DeepSpeed's TFLOPs field, kept for continuity (it uses V/(16·L·h), 32 instead of 24 with GLU, and
   4 instead of 3 passes with --checkpoint-activations):
       coef·ckpt·B·s·L·h²·(1 + s/(6h) + V/(16·L·h)) / (t·world_size·1e12)
 - model TFLOP/s = F / (t · world_size · 1e12) per GPU; MFU = model TFLOP/s / measured peak TFLOP/s.
@@ -38,10 +40,10 @@ MEGABYTE = 1024.0 * 1024.0
 # ---------------------------------------------------------------------------------------- FLOPs
 
 
-def seed_tflops(*, global_batch_size: int, seq_length: int, num_layers: int, hidden_size: int,
+def megatron_deepspeed_tflops(*, global_batch_size: int, seq_length: int, num_layers: int, hidden_size: int,
                 padded_vocab_size: int, glu: bool, checkpoint_activations: bool, iteration_time: float,
                 world_size: int) -> float:
-    """The seed's per-GPU TFLOPs estimate (module docstring), for an iteration of ``iteration_time`` s."""
+    """Megatron-DeepSpeed's per-GPU TFLOPs estimate (module docstring), for an iteration of ``iteration_time`` s."""
     coefficient = 32 if glu else 24
     passes = 4 if checkpoint_activations else 3
     b, s, n, h, v = global_batch_size, seq_length, num_layers, hidden_size, padded_vocab_size
@@ -64,6 +66,15 @@ def model_flops_per_iteration(*, global_batch_size: int, seq_length: int, num_la
     per_token_per_layer = 8 * h * p + 4 * s * p + 2 * h * f * (gate + 1)
     per_token = num_layers * per_token_per_layer + 2 * h * padded_vocab_size
     return 3.0 * global_batch_size * s * per_token
+
+
+def model_flops(config: GPTModelConfig, global_batch_size: int, seq_length: int) -> float:
+    """model_flops_per_iteration of this model for one iteration of ``global_batch_size`` sequences."""
+    return model_flops_per_iteration(global_batch_size=global_batch_size, seq_length=seq_length,
+                                     num_layers=config.num_layers, hidden_size=config.hidden_size,
+                                     padded_vocab_size=config.padded_vocab_size,
+                                     ffn_hidden_size=config.ffn_hidden_size, projection_size=config.projection_size,
+                                     glu=config.glu_activation is not None)
 
 
 def model_tflops_and_mfu(flops_per_iteration: float, iteration_time: float, world_size: int,
@@ -96,16 +107,12 @@ def compute_throughput(config: GPTModelConfig, *, global_batch_size: int, seq_le
     """
     samples_per_second = global_batch_size / iteration_time
     glu = config.glu_activation is not None
-    tflops = seed_tflops(global_batch_size=global_batch_size, seq_length=seq_length,
+    tflops = megatron_deepspeed_tflops(global_batch_size=global_batch_size, seq_length=seq_length,
                          num_layers=config.num_layers, hidden_size=config.hidden_size,
                          padded_vocab_size=config.padded_vocab_size, glu=glu,
                          checkpoint_activations=config.checkpoint_activations,
                          iteration_time=iteration_time, world_size=world_size)
-    flops = model_flops_per_iteration(global_batch_size=global_batch_size, seq_length=seq_length,
-                                      num_layers=config.num_layers, hidden_size=config.hidden_size,
-                                      padded_vocab_size=config.padded_vocab_size,
-                                      ffn_hidden_size=config.ffn_hidden_size,
-                                      projection_size=config.projection_size, glu=glu)
+    flops = model_flops(config, global_batch_size, seq_length)
     model_tflops, mfu = model_tflops_and_mfu(flops, iteration_time, world_size, peak_tflops)
     return Throughput(iteration_time=iteration_time, samples_per_second=samples_per_second,
                       samples_per_second_per_replica=samples_per_second / data_parallel_size,
@@ -115,7 +122,7 @@ def compute_throughput(config: GPTModelConfig, *, global_batch_size: int, seq_le
 
 
 def gigaflos_no_embeddings(new_samples: int, seq_length: int, parameters_without_embeddings_billions: float) -> float:
-    """The seed's increment of its "gigaflos (without embeddings)" x-axis: 6 · samples · s · params(B)."""
+    """Megatron-DeepSpeed's increment of its "gigaflos (without embeddings)" x-axis: 6 · samples · s · params(B)."""
     return 6.0 * new_samples * seq_length * parameters_without_embeddings_billions
 
 
@@ -154,7 +161,7 @@ def measure_matmul_peak_tflops(device, size: int = 8192, warmup: int = 10, repea
 
 
 class LossAccumulator:
-    """The losses and iteration counts between two log lines (the seed's ``total_loss_dict``).
+    """The losses and iteration counts between two log lines (Megatron-DeepSpeed's ``total_loss_dict``).
 
     An applied ("advanced") iteration adds its losses to the sums; a skipped one (fp16 overflow)
     adds nothing and counts as a nan iteration when any of its losses is inf or nan.
@@ -192,7 +199,7 @@ class LossAccumulator:
 class TrainingLogFields:
     """The values of one log line. Optional fields are printed only when not None.
 
-    ``losses``: interval averages (a loss is printed only when > 0, as in the seed). ``loss_scale``:
+    ``losses``: interval averages (a loss is printed only when > 0, as in Megatron-DeepSpeed). ``loss_scale``:
     pass it only with --fp16. ``params_norm``: only with --log-params-norm. ``curriculum_seqlen``:
     only with curriculum learning. ``mfu``: only when a matmul peak was measured.
     """
@@ -216,14 +223,30 @@ class TrainingLogFields:
     curriculum_seqlen: int | None = None
     model_tflops: float | None = None
     mfu: float | None = None
+    eta_seconds: float | None = None
+
+
+def format_duration(seconds: float) -> str:
+    """``H:MM:SS`` (hours unbounded), rounded to the second: 3725.4 -> "1:02:05"."""
+    total = max(0, int(round(seconds)))
+    return f"{total // 3600}:{total % 3600 // 60:02d}:{total % 60:02d}"
+
+
+def remaining_seconds(iteration: int, train_iters: int, consumed_tokens: int, train_tokens: int | None,
+                      tokens_per_iteration: int, seconds_per_iteration: float) -> float:
+    """Time left at ``seconds_per_iteration``: until --train-iters, or the --train-tokens stop if sooner."""
+    iterations_left = max(0, train_iters - iteration)
+    if train_tokens is not None and tokens_per_iteration > 0:
+        iterations_left = min(iterations_left, max(0, -(-(train_tokens - consumed_tokens) // tokens_per_iteration)))
+    return iterations_left * seconds_per_iteration
 
 
 def training_log_line(fields: TrainingLogFields) -> str:
-    """The seed's per-iteration line (seed-system.md §5.1), then our two fields.
+    """Megatron-DeepSpeed's per-iteration line (docs/logging.md), then our three fields.
 
-    After `` TFLOPs: x.xx |`` come `` model TFLOP/s: x.xx |`` (per GPU, DESIGN.md's model FLOPs) and
-    `` MFU: xx.xx% |`` (model TFLOP/s over the measured matmul peak, as a percentage with two
-    decimals), each when given.
+    After `` TFLOPs: x.xx |`` come `` model TFLOP/s: x.xx |`` (per GPU, the model FLOPs of the module
+    docstring), `` MFU: xx.xx% |`` (model TFLOP/s over the measured matmul peak, as a percentage with
+    two decimals) and `` ETA: H:MM:SS |`` (the time left at this interval's speed), each when given.
     """
     f = fields
     line = f" iteration {f.iteration:8d}/{f.train_iters:8d} |"
@@ -253,6 +276,8 @@ def training_log_line(fields: TrainingLogFields) -> str:
         line += f" model TFLOP/s: {f.model_tflops:.2f} |"
     if f.mfu is not None:
         line += f" MFU: {f.mfu:.2%} |"
+    if f.eta_seconds is not None:
+        line += f" ETA: {format_duration(f.eta_seconds)} |"
     return line
 
 
@@ -260,7 +285,7 @@ def training_log_line(fields: TrainingLogFields) -> str:
 
 
 def perplexity(loss: float) -> float:
-    """exp(min(20, loss)), as the seed reports it."""
+    """exp(min(20, loss)), as Megatron-DeepSpeed reports it."""
     return math.exp(min(20.0, loss))
 
 
@@ -281,6 +306,57 @@ def validation_log_lines(prefix: str, losses: Mapping[str, float], group_name: s
         line += f"{key} PPL: {perplexity(value):.6E} | "
     dashes = "-" * (len(line) + 1)
     return [dashes, line, dashes]
+
+
+# ---------------------------------------------------------------------------------------- summary
+
+
+@dataclass
+class RunTotals:
+    """What this process trained since it started (or resumed): the final summary's throughput.
+
+    ``seconds`` counts iteration time only (evaluation and checkpoints excluded), as the log line does.
+    """
+
+    iterations: int = 0
+    samples: int = 0
+    tokens: int = 0
+    model_flops: float = 0.0
+    seconds: float = 0.0
+
+    def add_iteration(self, samples: int, tokens: int, model_flops: float) -> None:
+        self.iterations += 1
+        self.samples += samples
+        self.tokens += tokens
+        self.model_flops += model_flops
+
+
+SUMMARY_PREFIX = " training summary |"
+
+
+def run_summary_lines(totals: RunTotals, iteration: int, consumed_samples: int, consumed_tokens: int,
+                      losses: Mapping[str, float], world_size: int, peak_tflops: float | None) -> list[str]:
+    """The end-of-run summary: where training stands, the last losses, and this run's throughput.
+
+    ``losses``: label -> loss, e.g. {"train lm loss": ..., "validation lm loss": ..., "test lm loss": ...};
+    validation and test losses also get their perplexity. Throughput is this run's totals over its
+    iteration time: samples and tokens per second, model TFLOP/s per GPU and MFU.
+    """
+    where = (f"{SUMMARY_PREFIX} iterations: {iteration} ({totals.iterations} in this run) |"
+             f" consumed samples: {consumed_samples} | consumed tokens: {consumed_tokens} |")
+    loss_line = SUMMARY_PREFIX
+    for label, value in losses.items():
+        loss_line += f" {label}: {value:.6E} |"
+        if not label.startswith("train"):
+            loss_line += f" {label} PPL: {perplexity(value):.6E} |"
+    speed = f"{SUMMARY_PREFIX} iteration time in this run: {format_duration(totals.seconds)} |"
+    if totals.seconds > 0 and totals.iterations:
+        tflops, mfu = model_tflops_and_mfu(totals.model_flops, totals.seconds, world_size, peak_tflops)
+        speed += (f" samples per second: {totals.samples / totals.seconds:.3f} |"
+                  f" tokens per second: {totals.tokens / totals.seconds:.1f} | model TFLOP/s per GPU: {tflops:.4g} |")
+        if mfu is not None:
+            speed += f" MFU: {mfu:.2%} |"
+    return [where] + ([loss_line] if losses else []) + [speed]
 
 
 # ---------------------------------------------------------------------------------------- memory
@@ -325,7 +401,7 @@ def initialization_time_line(seconds: float) -> str:
 
 
 def datetime_line(label: str, now: datetime | None = None) -> str:
-    """``[label] datetime: YYYY-MM-DD HH:MM:SS `` (with the seed's trailing space)."""
+    """``[label] datetime: YYYY-MM-DD HH:MM:SS `` (with Megatron-DeepSpeed's trailing space)."""
     now = datetime.now() if now is None else now
     return f"[{label}] datetime: {now.strftime('%Y-%m-%d %H:%M:%S')} "
 

@@ -1,16 +1,19 @@
-"""TensorBoard scalars with the seed's tag names and x-axes (seed-system.md §5.2), so existing
-dashboards keep working.
+"""TensorBoard scalars with Megatron-DeepSpeed's tag names and x-axes, so existing dashboards keep
+working (docs/logging.md lists every tag).
 
 x-axes: "vs samples" tags use the consumed training samples as the step, "vs tokens" the consumed
-tokens, "vs gigaflos (without embeddings)" the seed's accumulated 6·samples·s·params(B); every
-other tag uses the iteration. Only the rank the trainer enables (the last rank, as in the seed)
-creates a writer; elsewhere every method returns at once. Each (re)start opens a new events file.
+tokens, "vs gigaflos (without embeddings)" Megatron-DeepSpeed's accumulated 6·samples·s·params(B);
+every other tag uses the iteration. Only the rank the trainer enables (the last rank, as in
+Megatron-DeepSpeed) creates a writer; elsewhere every method returns at once. Each (re)start opens
+a new events file.
 
-Two tags are ours, written with the seed's timing tags: ``iteration-time/model TFLOP/s per gpu``
-and, when a matmul peak was measured, ``iteration-time/MFU``.
+Ours, beside Megatron-DeepSpeed's tags: ``iteration-time/model TFLOP/s per gpu`` and, when a matmul
+peak was measured, ``iteration-time/MFU``; the test set's loss under ``lm-loss-test/`` (Megatron-
+DeepSpeed wrote it into the validation tags at the last step); ``iteration-time/world_size`` holds
+one value per start (Megatron-DeepSpeed wrote the size and then a 0 one step later).
 """
 from dataclasses import dataclass
-from typing import Mapping
+from collections.abc import Mapping
 
 from megatron.training.metrics import Throughput, perplexity
 
@@ -71,7 +74,7 @@ class IterationScalars:
 
 
 class TensorBoardLogger:
-    """Writes the seed's scalars through a SummaryWriter when ``enabled`` (the trainer passes is_last_rank)."""
+    """Writes the scalars through a SummaryWriter when ``enabled`` (the trainer passes is_last_rank)."""
 
     def __init__(self, settings: TensorBoardSettings | None, enabled: bool):
         self.settings = settings
@@ -92,14 +95,13 @@ class TensorBoardLogger:
         for axis in axes:
             self.writer.add_scalar(f"{tag} vs {axis}", value, steps[axis])
 
-    def write_run_start(self, arguments: Mapping[str, object], iteration: int, world_size: int):
-        """Every argument as text at ``iteration``, and the world_size blip (world_size, then 0 one step later)."""
+    def write_run_start(self, configuration: Mapping[str, object], iteration: int, world_size: int):
+        """Every configuration value as text at ``iteration``, and the world size at ``iteration``."""
         if not self.active:
             return
-        for name, value in arguments.items():
+        for name, value in configuration.items():
             self.writer.add_text(name, str(value), global_step=iteration)
         self.writer.add_scalar("iteration-time/world_size", world_size, iteration)
-        self.writer.add_scalar("iteration-time/world_size", 0, iteration + 1)
 
     def should_write_iteration(self, iteration: int) -> bool:
         return self.active and iteration % self.settings.log_interval == 0
@@ -155,16 +157,18 @@ class TensorBoardLogger:
         if throughput.mfu is not None:
             self.writer.add_scalar("iteration-time/MFU", throughput.mfu, it)
 
-    def write_validation(self, progress: Progress, losses: Mapping[str, float], group_name: str | None = None):
-        """``lm-loss-validation[/{group}]/{key} validation`` (+ vs samples, tokens, gigaflos), and its ppl."""
+    def write_validation(self, progress: Progress, losses: Mapping[str, float], group_name: str | None = None,
+                         split: str = "validation"):
+        """``lm-loss-{split}[/{group}]/{key} {split}`` (+ vs samples, tokens, gigaflos), and its ppl;
+        ``split`` is "validation" or "test"."""
         if not self.active:
             return
-        prefix = f"lm-loss-validation/{group_name}" if group_name else "lm-loss-validation"
+        prefix = f"lm-loss-{split}/{group_name}" if group_name else f"lm-loss-{split}"
         axes = ("samples", "tokens", "gigaflos (without embeddings)")
         for key, value in losses.items():
-            self._add_with_axes(f"{prefix}/{key} validation", value, progress, axes)
+            self._add_with_axes(f"{prefix}/{key} {split}", value, progress, axes)
             if self.settings.log_validation_ppl:
-                self._add_with_axes(f"{prefix}/{key} validation ppl", perplexity(value), progress, axes)
+                self._add_with_axes(f"{prefix}/{key} {split} ppl", perplexity(value), progress, axes)
 
     def flush(self):
         if self.active:

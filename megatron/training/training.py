@@ -2,11 +2,13 @@
 
     pretrain(config, tokenizer)
       initialize_megatron             process group, TP/DP/PP groups, seeds          (initialize.py)
-      Trainer.build                   model, optimizer, LR schedule, DeepSpeed engine (engine.py)
+      the kill switch                 present at start: exit before building anything
+      Trainer(...)                    model, optimizer, LR schedule, DeepSpeed engine (engine.py)
                                       --load                                          (checkpointing.py)
                                       datasets and this rank's iterators              (data_loading.py)
+                                      TensorBoard, codecarbon, the matmul peak
       Trainer.train                   until --train-iters / --train-samples / --train-tokens, or an exit
-      the end of training             validation, checkpoint, test
+      the end of training             validation, checkpoint, test, the summary
 
 One iteration (Trainer.train):
   1. the batch calculator sets the global batch for the consumed samples (--rampup-batch-size);
@@ -22,9 +24,13 @@ One iteration (Trainer.train):
   6. --exit-duration-in-mins (the maximum over ranks of the elapsed time) and --exit-interval stop
      the run after a checkpoint (with --save), as the kill switch does.
 
-Reporting follows seed-system.md §5 (metrics.py, tb_logger.py): the log line and TensorBoard on the
-last rank, milestones on rank 0.
+Reporting follows Megatron-DeepSpeed (metrics.py, tb_logger.py, docs/logging.md): the log line
+(with an ETA at the end) and TensorBoard on the last rank, milestones on rank 0; at the end, a
+summary of the losses and of this run's throughput. With --log-path the model's layer list goes to
+a file there, the console gets one line.
 """
+import contextlib
+import io
 import os
 import time
 from dataclasses import dataclass
@@ -33,19 +39,21 @@ import torch
 
 from megatron.training import dist_utils
 from megatron.training.checkpointing import TrainingProgress, load_checkpoint, save_checkpoint
-from megatron.training.config import TrainConfig
+from megatron.training.config import TrainConfig, flat_config
 from megatron.training.data_loading import (DataLoadingError, LoaderSettings, batch_function, build_datasets, build_iterators,
                                             pipeline_batch, train_valid_test_num_samples)
 from megatron.training.engine import (build_lr_scheduler, build_model, build_optimizer, counts_once,
                                       current_device, initialize_engine, parameter_counts, uses_pipeline_engine)
 from megatron.training.initialize import check_fused_kernel_constraints, initialize_megatron
+from megatron.training.log_files import write_log_file
 from megatron.training.metrics import (BUILDING_DATASETS_LINE, TEST_END_PREFIX, VALIDATION_END_PREFIX,
-                                       LossAccumulator, TrainingLogFields, compute_throughput, datetime_line,
-                                       exit_after_minutes_label, exit_at_iteration_label, gigaflos_no_embeddings,
-                                       initialization_time_line, kill_switch_line, measure_matmul_peak_tflops,
-                                       memory_report_line, parameter_count_lines, rank_parameter_line,
-                                       train_iterations_line, training_log_line, validation_log_lines,
-                                       validation_prefix)
+                                       LossAccumulator, RunTotals, TrainingLogFields, compute_throughput,
+                                       datetime_line, exit_after_minutes_label, exit_at_iteration_label,
+                                       gigaflos_no_embeddings, initialization_time_line, kill_switch_line,
+                                       measure_matmul_peak_tflops, memory_report_line, model_flops,
+                                       parameter_count_lines, rank_parameter_line, remaining_seconds,
+                                       run_summary_lines, train_iterations_line, training_log_line,
+                                       validation_log_lines, validation_prefix)
 from megatron.training.microbatches import build_num_microbatches_calculator, train_iters_for_samples
 from megatron.training.tb_logger import IterationScalars, Progress, TensorBoardLogger, TensorBoardSettings
 from megatron.training.timers import Timers
@@ -82,17 +90,24 @@ def check_supported(config: TrainConfig) -> None:
     if config.logging.log_num_zeros_in_grad:
         raise UnsupportedConfigurationError(
             "--log-num-zeros-in-grad is not supported: DeepSpeed's engine reduces and zeroes the gradients "
-            "inside its optimizer step, so they cannot be counted (the seed logged 0 on this path); drop the flag")
+            "inside its optimizer step, so they cannot be counted (Megatron-DeepSpeed logged 0 on this path); "
+            "drop the flag")
 
 
 def exit_label(iteration: int, elapsed_minutes: float | None, schedule) -> str | None:
-    """The seed's exit message when --exit-duration-in-mins has passed (``elapsed_minutes``, the maximum
+    """Megatron-DeepSpeed's exit message when --exit-duration-in-mins has passed (``elapsed_minutes``, the maximum
     over ranks) or ``iteration`` is a multiple of --exit-interval; None to go on."""
     if schedule.exit_duration_in_mins is not None and elapsed_minutes > schedule.exit_duration_in_mins:
         return exit_after_minutes_label(elapsed_minutes)
     if schedule.exit_interval is not None and iteration % schedule.exit_interval == 0:
         return exit_at_iteration_label(iteration)
     return None
+
+
+def kill_switch_seen(path: str | None) -> bool:
+    """Collective: True on every rank when any rank sees the --kill-switch-path file (whichever file
+    system sees it first)."""
+    return path is not None and dist_utils.any_rank_true(os.path.exists(path))
 
 
 def _loss_scale(engine) -> float | None:
@@ -108,13 +123,12 @@ def _grad_norm(engine) -> float | None:
 
 
 class Trainer:
-    """The engine, the data and the counters of one run; see the module docstring."""
+    """The engine, the data, the reporting and the counters of one run, all built by the constructor
+    (module docstring); ``train`` runs the loop."""
 
-    def __init__(self, config: TrainConfig, groups, tokenizer, arguments: dict | None, start_time: float):
-        self.config, self.groups, self.arguments = config, groups, arguments
+    def __init__(self, config: TrainConfig, groups, tokenizer, start_time: float):
+        self.config, self.groups, self.schedule = config, groups, config.schedule
         self.start_time = start_time
-        self.schedule = config.schedule
-        self.progress = TrainingProgress()
         self.timers = Timers()
         self.train_iters = total_train_iters(config)
         self.dp_group = groups.process_groups["dp"]
@@ -127,36 +141,65 @@ class Trainer:
         self.last_saved_iteration = None
         self.memory_reported = False
         self.accumulator = LossAccumulator()
+        self.totals = RunTotals()
+        self.summary_losses: dict[str, float] = {}
+        self.progress = TrainingProgress()
+        dist_utils.print_rank_0(train_iterations_line(self.train_iters))
+        model = self._build_model()
+        self.parameters_without_embeddings_billions = self._report_parameter_counts(model)
+        self.lr_scheduler, self.engine = self._build_engine(model)
+        loaded = load_checkpoint(self.engine, config)
+        if loaded is not None:
+            # The loaded iteration is on disk already: saving it again would rewrite the files ``latest`` names.
+            self.progress = loaded
+            self.last_saved_iteration = None if config.checkpoint.finetune else loaded.iteration
+        self.calculator.update(self.progress.consumed_train_samples)
+        dist_utils.print_rank_0(datetime_line("after model, optimizer, and learning rate scheduler are built"))
+        self.named_sets = not config.data.dataset.data_path
+        self.iterators = self._build_data()
+        dist_utils.print_rank_0(datetime_line("after dataloaders are built"))
+        self.tensorboard, self.emissions = self._build_reporting()
+        self.peak_tflops = measure_matmul_peak_tflops(self.device) if self.device.type == "cuda" else None
 
     # ------------------------------------------------------------------ set-up
 
-    def build_engine(self):
-        model = build_model(self.config, self.groups)
-        self._print_parameter_counts(model)
-        optimizer = build_optimizer(model, self.config.optimizer)
-        self.lr_scheduler = build_lr_scheduler(optimizer, self.config.optimizer, self.schedule,
-                                               self.calculator.get_current_global_batch_size,
-                                               lambda: self.progress.consumed_train_tokens)
-        self.engine = initialize_engine(self.config, self.groups, model, optimizer, self.lr_scheduler)
-        if self.pipeline:
-            self.engine.set_batch_fn(lambda data: pipeline_batch(self.make_batch(data)))
-        loaded = load_checkpoint(self.engine, self.config)
-        if loaded is not None:
-            self.progress = loaded
-        self.calculator.update(self.progress.consumed_train_samples, consistency_check=False)
+    def _build_model(self):
+        """The model; with --log-path, the layer list DeepSpeed prints while partitioning the pipeline
+        goes to a file there, with the module tree, and the console gets one line."""
+        log_path = self.config.logging.log_path
+        if not log_path or not dist_utils.is_rank_0():
+            return build_model(self.config, self.groups)
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            model = build_model(self.config, self.groups)
+        path = write_log_file(log_path, "model", printed.getvalue() + "\n" + repr(model) + "\n")
+        dist_utils.print_line(f"> model: {type(model).__name__} in {self.groups.pp_size} pipeline stage(s); "
+                              f"layer list and partition in {path}")
+        return model
 
-    def _print_parameter_counts(self, model):
+    def _report_parameter_counts(self, model) -> float:
+        """Print the parameter counts (whole model, and per TP/PP rank); return billions without embeddings."""
         held, held_without_embeddings = parameter_counts(model)
         share = parameter_counts(model, distinct_for=self.groups)
         total, without_embeddings = (value / self.groups.dp_size for value in dist_utils.sum_across_group(share))
-        self.parameters_without_embeddings_billions = without_embeddings / BILLION
         for line in parameter_count_lines(total / BILLION, without_embeddings / BILLION):
             dist_utils.print_rank_0(line)
         if self.groups.dp_rank == 0:
             dist_utils.print_line(rank_parameter_line(self.groups.tp_rank, self.groups.pp_rank, held / BILLION,
                                                       held_without_embeddings / BILLION))
+        return without_embeddings / BILLION
 
-    def build_data(self):
+    def _build_engine(self, model):
+        optimizer = build_optimizer(model, self.config.optimizer)
+        lr_scheduler = build_lr_scheduler(optimizer, self.config.optimizer, self.schedule,
+                                          self.calculator.get_current_global_batch_size,
+                                          lambda: self.progress.consumed_train_tokens)
+        engine = initialize_engine(self.config, self.groups, model, optimizer, lr_scheduler)
+        if self.pipeline:
+            engine.set_batch_fn(lambda data: pipeline_batch(self.make_batch(data)))
+        return lr_scheduler, engine
+
+    def _build_data(self):
         schedule, data = self.schedule, self.config.data
         dist_utils.print_rank_0(BUILDING_DATASETS_LINE)
         num_samples = train_valid_test_num_samples(self.train_iters, schedule.global_batch_size,
@@ -167,16 +210,16 @@ class Trainer:
         if datasets.train is None and not schedule.eval_only:
             raise DataLoadingError("no training samples: the train split holds no documents (see --split or "
                                    "--train-weighted-split-paths)")
-        self.named_sets = not data.dataset.data_path
         reads_data = not self.pipeline or self.groups.is_first_stage or self.groups.is_last_stage
         settings = dict(micro_batch_size=schedule.micro_batch_size, data_parallel_rank=self.groups.dp_rank,
                         data_parallel_size=self.groups.dp_size, seed=self.config.model.seed,
                         dataloader_type=data.dataloader_type)
-        self.iterators = build_iterators(datasets, reads_data, LoaderSettings(num_workers=data.num_workers, **settings),
-                                         LoaderSettings(num_workers=data.valid_num_workers, **settings),
-                                         self.progress.consumed_train_samples, self.progress.consumed_valid_samples)
+        return build_iterators(datasets, reads_data, LoaderSettings(num_workers=data.num_workers, **settings),
+                               LoaderSettings(num_workers=data.valid_num_workers, **settings),
+                               self.progress.consumed_train_samples, self.progress.consumed_valid_samples)
 
-    def build_reporting(self):
+    def _build_reporting(self):
+        """(TensorBoard logger, codecarbon tracker or None)."""
         logging = self.config.logging
         settings = None
         if logging.tensorboard_dir:
@@ -187,14 +230,14 @@ class Trainer:
                 log_learning_rate=logging.log_learning_rate_to_tensorboard,
                 log_loss_scale=logging.log_loss_scale_to_tensorboard,
                 log_validation_ppl=logging.log_validation_ppl_to_tensorboard)
-        self.tensorboard = TensorBoardLogger(settings, enabled=dist_utils.is_last_rank())
-        self.tensorboard.write_run_start(self.arguments or {}, self.progress.iteration, dist_utils.world_size())
-        self.emissions = None
+        tensorboard = TensorBoardLogger(settings, enabled=dist_utils.is_last_rank())
+        tensorboard.write_run_start(flat_config(self.config), self.progress.iteration, dist_utils.world_size())
+        emissions = None
         if logging.codecarbon_dir:
             from megatron.training.emissions import EmissionsTracker
-            self.emissions = EmissionsTracker(logging.codecarbon_dir, dist_utils.rank())
-            self.emissions.start()
-        self.peak_tflops = measure_matmul_peak_tflops(self.device) if self.device.type == "cuda" else None
+            emissions = EmissionsTracker(logging.codecarbon_dir, dist_utils.rank())
+            emissions.start()
+        return tensorboard, emissions
 
     # ------------------------------------------------------------------ one iteration
 
@@ -236,12 +279,14 @@ class Trainer:
 
     def _advance(self):
         batch = self.calculator.get_current_global_batch_size()
+        seq_length = self.config.model.seq_length
         progress = self.progress
         progress.iteration += 1
         progress.consumed_train_samples += batch
-        progress.consumed_train_tokens += batch * self.config.model.seq_length
-        progress.gigaflos_no_embeddings += gigaflos_no_embeddings(batch, self.config.model.seq_length,
+        progress.consumed_train_tokens += batch * seq_length
+        progress.gigaflos_no_embeddings += gigaflos_no_embeddings(batch, seq_length,
                                                                   self.parameters_without_embeddings_billions)
+        self.totals.add_iteration(batch, batch * seq_length, model_flops(self.config.model, batch, seq_length))
 
     # ------------------------------------------------------------------ the loop
 
@@ -251,12 +296,21 @@ class Trainer:
             tokens is not None and self.progress.consumed_train_tokens >= tokens)
 
     def train(self) -> str | None:
-        """Iterate until done; returns the exit label when --exit-*/--kill-switch-path stopped the run."""
+        """Iterate until done; returns the exit line when --exit-*/--kill-switch-path stopped the run."""
         self.timers("interval-time").start()
+        try:
+            return self._iterate()
+        finally:
+            timer = self.timers("interval-time")
+            self.totals.seconds += timer.elapsed()
+            if timer.running:
+                timer.stop()
+
+    def _iterate(self) -> str | None:
         while not self.training_done():
-            self.calculator.update(self.progress.consumed_train_samples, consistency_check=True)
+            self.calculator.update(self.progress.consumed_train_samples)
             self.engine.set_train_batch_size(self.calculator.get_current_global_batch_size())
-            if self._kill_switch_seen():
+            if kill_switch_seen(self.schedule.kill_switch_path):
                 self._save_before_exit()
                 return kill_switch_line(self.schedule.kill_switch_path)
             self.timers("train-step").start()
@@ -266,14 +320,13 @@ class Trainer:
             self._report(result)
             iteration = self.progress.iteration
             if self.do_valid and iteration % self.schedule.eval_interval == 0:
-                self._paused(self.evaluate_and_print, self.iterators.valid, validation_prefix(iteration), True)
+                self._paused(self.evaluate_and_print, self.iterators.valid, validation_prefix(iteration), "validation")
             if self.config.checkpoint.save and iteration % self.config.checkpoint.save_interval == 0:
                 self._paused(self.save)
             label = self._exit_requested()
             if label is not None:
                 self._save_before_exit()
                 return datetime_line(label)
-        self.timers("interval-time").stop()
         return None
 
     def _paused(self, function, *args):
@@ -283,10 +336,6 @@ class Trainer:
         function(*args)
         self.timers("interval-time").start()
 
-    def _kill_switch_seen(self) -> bool:
-        path = self.schedule.kill_switch_path
-        return path is not None and dist_utils.any_rank_true(os.path.exists(path))
-
     def _exit_requested(self) -> str | None:
         elapsed = None
         if self.schedule.exit_duration_in_mins is not None:
@@ -295,12 +344,12 @@ class Trainer:
 
     def _save_before_exit(self):
         if self.config.checkpoint.save and self.last_saved_iteration != self.progress.iteration:
-            self.save()
+            self._paused(self.save)
         dist_utils.barrier()
 
     def save(self):
         self.timers("save-checkpoint").start()
-        save_checkpoint(self.engine, self.progress, self.config, self.arguments)
+        save_checkpoint(self.engine, self.progress, self.config)
         self.timers("save-checkpoint").stop()
         self.last_saved_iteration = self.progress.iteration
         if self.emissions is not None:
@@ -333,20 +382,27 @@ class Trainer:
 
     def _log_interval(self, scalars: IterationScalars):
         iterations = max(1, self.accumulator.total_iterations)
-        iteration_time = self.timers("interval-time").elapsed() / iterations
+        interval_seconds = self.timers("interval-time").elapsed()
+        self.totals.seconds += interval_seconds
+        iteration_time = interval_seconds / iterations
+        seq_length = self.config.model.seq_length
         throughput = compute_throughput(self.config.model, global_batch_size=scalars.global_batch_size,
-                                        seq_length=self.config.model.seq_length, iteration_time=iteration_time,
+                                        seq_length=seq_length, iteration_time=iteration_time,
                                         world_size=dist_utils.world_size(), data_parallel_size=self.groups.dp_size,
                                         peak_tflops=self.peak_tflops)
         p = self.progress
+        eta = remaining_seconds(p.iteration, self.train_iters, p.consumed_train_tokens, self.schedule.train_tokens,
+                                scalars.global_batch_size * seq_length, iteration_time)
+        losses = self.accumulator.averages()
+        self.summary_losses.update({f"train {key}": value for key, value in losses.items()})
         fields = TrainingLogFields(
             iteration=p.iteration, train_iters=self.train_iters, consumed_samples=p.consumed_train_samples,
             consumed_tokens=p.consumed_train_tokens, elapsed_time_per_iteration=iteration_time,
             learning_rate=scalars.learning_rate, global_batch_size=scalars.global_batch_size,
             skipped_iterations=self.accumulator.skipped_iterations, nan_iterations=self.accumulator.nan_iterations,
-            samples_per_second=throughput.samples_per_second, tflops=throughput.tflops,
-            losses=self.accumulator.averages(), loss_scale=scalars.loss_scale, grad_norm=scalars.grad_norm,
-            params_norm=scalars.params_norm, model_tflops=throughput.model_tflops, mfu=throughput.mfu)
+            samples_per_second=throughput.samples_per_second, tflops=throughput.tflops, losses=losses,
+            loss_scale=scalars.loss_scale, grad_norm=scalars.grad_norm, params_norm=scalars.params_norm,
+            model_tflops=throughput.model_tflops, mfu=throughput.mfu, eta_seconds=eta)
         dist_utils.print_rank_last(training_log_line(fields))
         self.tensorboard.write_throughput(self._tensorboard_progress(), throughput)
         self.timers.write(self.timers.existing(("train-step", "save-checkpoint", "evaluate")), self.tensorboard,
@@ -362,19 +418,28 @@ class Trainer:
         losses = [self._eval_step(iterator) for _ in range(self.schedule.eval_iters)]
         return sum(losses) / len(losses)
 
-    def evaluate_and_print(self, named_iterators, prefix: str, validation: bool):
-        """Every set of ``named_iterators``: the seed's three lines and the TensorBoard scalars."""
+    def evaluate_and_print(self, named_iterators, prefix: str, split: str):
+        """Every set of ``named_iterators`` (``split``: "validation" or "test"): Megatron-DeepSpeed's
+        three lines and the TensorBoard scalars; the losses are kept for the summary."""
         self.timers("evaluate").start()
         for name, iterator in named_iterators:
             losses = {LOSS_KEY: self.evaluate(iterator)}
             group_name = name if self.named_sets else None
             for line in validation_log_lines(prefix, losses, group_name):
                 dist_utils.print_rank_last(line)
-            self.tensorboard.write_validation(self._tensorboard_progress(), losses, group_name)
-        if validation:
+            self.tensorboard.write_validation(self._tensorboard_progress(), losses, group_name, split)
+            label = f"{split} {group_name}" if group_name else split
+            self.summary_losses.update({f"{label} {key}": value for key, value in losses.items()})
+        if split == "validation":
             self.progress.consumed_valid_samples += (self.schedule.eval_iters *
                                                      self.calculator.get_current_global_batch_size())
         self.timers("evaluate").stop()
+
+    def print_summary(self):
+        p = self.progress
+        for line in run_summary_lines(self.totals, p.iteration, p.consumed_train_samples, p.consumed_train_tokens,
+                                      self.summary_losses, dist_utils.world_size(), self.peak_tflops):
+            dist_utils.print_rank_last(line)
 
     def finish(self):
         self.tensorboard.close()
@@ -383,7 +448,8 @@ class Trainer:
 
 
 def _run(trainer: Trainer) -> None:
-    """Train, then evaluate on validation, save and test as the seed does at the end of training."""
+    """Train, then evaluate on validation, save and test as Megatron-DeepSpeed does at the end of
+    training; then the summary."""
     config = trainer.config
     if not config.schedule.eval_only:
         dist_utils.print_rank_0("training ...")
@@ -391,22 +457,23 @@ def _run(trainer: Trainer) -> None:
         dist_utils.print_rank_0(datetime_line("after training is done"))
         if exit_line is not None:
             dist_utils.print_rank_0(exit_line)
+            trainer.print_summary()
             return
     if trainer.do_valid:
         prefix = VALIDATION_END_PREFIX if not config.schedule.eval_only else validation_prefix(trainer.progress.iteration)
-        trainer.evaluate_and_print(trainer.iterators.valid, prefix, True)
+        trainer.evaluate_and_print(trainer.iterators.valid, prefix, "validation")
     if config.checkpoint.save and trainer.progress.iteration > 0 and \
             trainer.last_saved_iteration != trainer.progress.iteration and not config.schedule.eval_only:
         trainer.save()
     if config.schedule.eval_iters > 0 and trainer.iterators.test:
-        trainer.evaluate_and_print(trainer.iterators.test, TEST_END_PREFIX, False)
+        trainer.evaluate_and_print(trainer.iterators.test, TEST_END_PREFIX, "test")
+    trainer.print_summary()
 
 
-def pretrain(config: TrainConfig, tokenizer, arguments: dict | None = None) -> TrainingProgress:
+def pretrain(config: TrainConfig, tokenizer) -> TrainingProgress:
     """Run the whole job (module docstring); returns where training stands at the end.
 
-    ``tokenizer`` provides ``eod``; ``arguments`` (the parsed flags as a dict) go to TensorBoard's
-    text panel and into the checkpoints' ``args`` entry.
+    ``tokenizer`` provides ``eod``.
     """
     start_time = time.time()
     check_supported(config)
@@ -416,18 +483,11 @@ def pretrain(config: TrainConfig, tokenizer, arguments: dict | None = None) -> T
     start_time = -dist_utils.max_across_ranks(-start_time)
     dist_utils.print_rank_0(initialization_time_line(time.time() - start_time))
     dist_utils.print_rank_0(datetime_line("after megatron is initialized"))
-    trainer = Trainer(config, groups, tokenizer, arguments, start_time)
-    path = config.schedule.kill_switch_path
-    if path is not None and dist_utils.any_rank_true(os.path.exists(path)):
-        dist_utils.print_rank_0(kill_switch_line(path))
+    if kill_switch_seen(config.schedule.kill_switch_path):
+        dist_utils.print_rank_0(kill_switch_line(config.schedule.kill_switch_path))
         dist_utils.shutdown()
-        return trainer.progress
-    dist_utils.print_rank_0(train_iterations_line(trainer.train_iters))
-    trainer.build_engine()
-    dist_utils.print_rank_0(datetime_line("after model, optimizer, and learning rate scheduler are built"))
-    trainer.build_data()
-    dist_utils.print_rank_0(datetime_line("after dataloaders are built"))
-    trainer.build_reporting()
+        return TrainingProgress()
+    trainer = Trainer(config, groups, tokenizer, start_time)
     try:
         _run(trainer)
     finally:

@@ -1,14 +1,16 @@
 """Cross-flag validation and derivation, before any process group or CUDA initialisation.
 
 ``validate_args`` checks the parsed flags against each other, against the launcher's world size
-and against the ds_config, and fills the derived values (world size, ranks, data-parallel size,
-global batch size, ffn and kv sizes, params dtype, the final ds_config). Every error is an
-ArgumentError naming the flags and the fix. Model and dataset rules live with their configs in
-megatron/core (GPTModelConfig, GPTDatasetConfig, data_paths): they are applied here by building
-those configs once, the model with a stand-in vocabulary (the real one needs the tokenizer).
+and against the ds_config, and returns what they imply as a frozen ``DerivedValues`` (the launch
+layout, the data-parallel size, the backend, the sequence length and the final ds_config, which
+decides the global batch, precision, clipping and ZeRO stage). The parsed Namespace is only read.
+Every error is an ArgumentError naming the flags and the fix. The model and dataset rules live
+with their configs in megatron/core (GPTModelConfig, GPTDatasetConfig, data_paths) and run when
+config.build_config builds those configs, once, with the tokenizer's vocabulary.
 """
+import argparse
 import importlib.util
-import math
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -17,8 +19,8 @@ from megatron.core.parallel_state import validate_parallel_sizes
 from megatron.core.tokenizer import REJECTED_TOKENIZER_TYPES
 from megatron.training.argument_ds_config import resolve_ds_config
 from megatron.training.argument_types import ArgumentError
-from megatron.training.config import dataset_config_from_args, lr_lengths_in_samples, model_config_from_args
-from megatron.training.launch_env import effective_backend
+from megatron.training.launch_env import LaunchEnv, effective_backend
+from megatron.training.microbatches import BatchSizeError, check_batch_sizes
 from megatron.training.lr_schedule import AnnealingLR
 
 POSITIVE_INTS = ("num_layers", "hidden_size", "num_attention_heads", "micro_batch_size", "seq_length",
@@ -32,7 +34,55 @@ NON_NEGATIVE_NUMBERS = ("eval_iters", "num_workers", "valid_num_workers", "lr_wa
                         "lr_warmup_samples", "lr_warmup_tokens", "seed", "zero_stage", "lr", "min_lr",
                         "weight_decay", "clip_grad", "sgd_momentum")
 POSITIVE_FLOATS = ("adam_eps", "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window")
-REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "micro_batch_size", "seq_length")
+REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "micro_batch_size")
+
+
+@dataclass(frozen=True)
+class DerivedValues:
+    """What the flags imply once checked against each other, the launcher and the ds_config.
+
+    Attributes:
+        launch: this process's place in the job: rank, world size, local rank, rendezvous, launcher.
+        data_parallel_size: DP = world size / (TP x PP).
+        distributed_backend: the backend used: --distributed-backend, or gloo without CUDA.
+        seq_length: --seq-length, or its alias --encoder-seq-length.
+        ds_config: the final ds_config (argument_ds_config.py); the properties below read it, so the
+            trainer and the DeepSpeed engine cannot disagree.
+        notices: one-line notices printed once on rank 0 (flags the ds_config overrides, ...).
+    """
+
+    launch: LaunchEnv
+    data_parallel_size: int
+    distributed_backend: str
+    seq_length: int
+    ds_config: dict
+    notices: tuple[str, ...]
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per optimizer step after the rampup: the ds_config's train_batch_size."""
+        return self.ds_config["train_batch_size"]
+
+    @property
+    def fp16(self) -> bool:
+        return self.ds_config["fp16"]["enabled"]
+
+    @property
+    def bf16(self) -> bool:
+        return self.ds_config["bf16"]["enabled"]
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return torch.float16 if self.fp16 else torch.bfloat16 if self.bf16 else torch.float32
+
+    @property
+    def clip_grad(self) -> float:
+        """Global L2 gradient clipping DeepSpeed applies: the ds_config's gradient_clipping."""
+        return float(self.ds_config["gradient_clipping"])
+
+    @property
+    def zero_stage(self) -> int:
+        return self.ds_config["zero_optimization"]["stage"]
 
 
 def flag(dest: str) -> str:
@@ -40,15 +90,17 @@ def flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
-def _check_sequence_length(args):
+def sequence_length(args) -> int | None:
+    """--seq-length, or --encoder-seq-length (the same setting under Megatron's encoder name)."""
     if args.seq_length is not None and args.encoder_seq_length is not None:
         raise ArgumentError("--seq-length and --encoder-seq-length are the same setting: give one")
-    args.seq_length = args.seq_length if args.seq_length is not None else args.encoder_seq_length
-    args.encoder_seq_length = args.seq_length
+    return args.seq_length if args.seq_length is not None else args.encoder_seq_length
 
 
-def _check_required(args):
+def _check_required(args, seq_length):
     missing = [flag(dest) for dest in REQUIRED if getattr(args, dest) is None]
+    if seq_length is None:
+        missing.append("--seq-length")
     if missing:
         raise ArgumentError(f"missing required flag(s): {', '.join(missing)}")
     if args.train_iters is not None and args.train_samples is not None:
@@ -85,7 +137,7 @@ def _check_ranges(args):
 
 
 def _check_units(args):
-    """Seed §2: iteration-based and sample-based training each forbid the other unit's flags."""
+    """Iteration-based and sample-based training each forbid the other unit's flags."""
     if args.train_iters is not None:
         foreign = [("lr_decay_samples", args.lr_decay_samples is not None),
                    ("lr_warmup_samples", args.lr_warmup_samples != 0),
@@ -133,66 +185,43 @@ def _check_learning_rate_and_saving(args):
         raise ArgumentError("--save needs --save-interval (iterations between checkpoints)")
 
 
-def _check_batch(args, explicit):
-    dp, micro, total = args.data_parallel_size, args.micro_batch_size, args.global_batch_size
-    step = micro * dp
-    named = f"--global-batch-size {total}" if "global_batch_size" in explicit else \
-        f"the global batch size {total} (ds_config train_batch_size)"
-    if total % step:
-        raise ArgumentError(
-            f"{named} is not divisible by --micro-batch-size {micro} x data-parallel size {dp} (world size "
-            f"{args.world_size} / (TP {args.tensor_model_parallel_size} x PP "
-            f"{args.pipeline_model_parallel_size})) = {step}: use a multiple of {step}")
-    if args.rampup_batch_size is not None:
-        _check_rampup(args.rampup_batch_size, total, step, micro, dp)
+def _check_batch(args, explicit, derived: DerivedValues):
+    """microbatches.check_batch_sizes, the one home of the batch-size rules, with where d comes from."""
+    try:
+        check_batch_sizes(derived.global_batch_size, args.micro_batch_size, derived.data_parallel_size,
+                          args.rampup_batch_size)
+    except BatchSizeError as exc:
+        source = "" if "global_batch_size" in explicit else \
+            f"; the global batch size {derived.global_batch_size} is the ds_config's train_batch_size"
+        raise ArgumentError(f"{exc} (data-parallel size {derived.data_parallel_size} = world size "
+                            f"{derived.launch.world_size} / (TP {args.tensor_model_parallel_size} x PP "
+                            f"{args.pipeline_model_parallel_size}){source})") from None
 
 
-def _check_rampup(rampup, total, step, micro, dp):
-    start, increment, ramp_samples = rampup
-    if start < 1 or increment < 1 or ramp_samples < 0:
-        raise ArgumentError(f"--rampup-batch-size {start} {increment} {ramp_samples}: START and INCREMENT must "
-                            f"be positive and RAMP_SAMPLES >= 0")
-    if start > total or (total - start) % increment:
-        raise ArgumentError(f"--rampup-batch-size {start} {increment} {ramp_samples}: the ramp must reach "
-                            f"--global-batch-size {total} from START in whole INCREMENTs (START <= {total}, "
-                            f"{total} - START a multiple of INCREMENT)")
-    sizes = range(start, total + 1, increment)
-    bad = [size for size in sizes if size % step]
-    if bad:
-        shown = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
-        raise ArgumentError(f"--rampup-batch-size {start} {increment} {ramp_samples}: every global batch of "
-                            f"the ramp must be divisible by --micro-batch-size {micro} x data-parallel size "
-                            f"{dp} = {step}; these are not: {shown}. Use START and INCREMENT multiples of {step}")
+def lr_lengths_in_samples(args, global_batch_size: int) -> tuple[int | float, int]:
+    """(warmup, decay) in samples, Megatron-DeepSpeed's AnnealingLR steps: iteration flags times the
+    global batch, sample flags as given; --lr-warmup-fraction is a fraction of the decay (a float)."""
+    if args.train_iters is not None:
+        decay = (args.lr_decay_iters or args.train_iters) * global_batch_size
+        warmup = args.lr_warmup_iters * global_batch_size
+    else:
+        decay = args.lr_decay_samples or args.train_samples
+        warmup = args.lr_warmup_samples
+    if args.lr_warmup_fraction is not None:
+        warmup = args.lr_warmup_fraction * decay
+    return warmup, decay
 
 
-def _check_lr_schedule(args):
+def _check_lr_schedule(args, global_batch_size: int):
     """The schedule's own rules (lr_schedule.AnnealingLR), applied to a stand-in optimizer."""
     if args.lr is None:
         return
-    warmup, decay = lr_lengths_in_samples(args)
+    warmup, decay = lr_lengths_in_samples(args, global_batch_size)
     try:
         AnnealingLR(SimpleNamespace(param_groups=[{}]), args.lr, args.min_lr, warmup, decay, args.lr_decay_style,
                     warmup_tokens=args.lr_warmup_tokens, decay_tokens=args.lr_decay_tokens)
     except ValueError as exc:
         raise ArgumentError(str(exc)) from None
-
-
-def _check_model(args):
-    if (args.partition_activations or args.distribute_checkpointed_activations) and not args.checkpoint_activations:
-        raise ArgumentError("--partition-activations / --distribute-checkpointed-activations need "
-                            "--checkpoint-activations")
-    tp, pad_to, multiple = args.tensor_model_parallel_size, args.pad_vocab_size_to, args.make_vocab_size_divisible_by
-    if pad_to is not None and (pad_to % multiple or pad_to % tp):
-        raise ArgumentError(f"--pad-vocab-size-to {pad_to} must be divisible by --make-vocab-size-divisible-by "
-                            f"{multiple} and by --tensor-model-parallel-size {tp}: use a multiple of "
-                            f"{math.lcm(multiple, tp)}")
-    stand_in_vocab = args.pad_vocab_size_to or args.make_vocab_size_divisible_by * tp
-    try:
-        model = model_config_from_args(args, stand_in_vocab)
-        model.validate_for_tensor_parallel(tp)
-    except ValueError as exc:
-        raise ArgumentError(str(exc)) from None
-    args.ffn_hidden_size, args.kv_channels = model.ffn_hidden_size, model.kv_channels
 
 
 def _check_data(args):
@@ -212,10 +241,6 @@ def _check_data(args):
     if not args.data_path and not weighted:
         raise ArgumentError("no training data: give --data-path PREFIX (or W1 PREFIX1 W2 PREFIX2 ...) or "
                             "--train-weighted-split-paths / --train-weighted-split-paths-path")
-    try:
-        dataset_config_from_args(args)
-    except ValueError as exc:
-        raise ArgumentError(str(exc)) from None
 
 
 def _check_tokenizer_and_tools(args):
@@ -237,36 +262,36 @@ def _check_tokenizer_and_tools(args):
             raise ArgumentError(str(exc)) from None
 
 
-def _derive_layout(args, launch, cuda_available):
-    args.world_size, args.rank, args.local_rank = launch.world_size, launch.rank, launch.local_rank
-    args.master_addr, args.master_port, args.launcher = launch.master_addr, launch.master_port, launch.source
+def _parallel_layout(args, explicit, launch: LaunchEnv, cuda_available: bool) -> tuple[int, str, list[str]]:
+    """(data-parallel size, backend, notices) of this launch."""
     try:
-        args.data_parallel_size = validate_parallel_sizes(
+        data_parallel_size = validate_parallel_sizes(
             launch.world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     except ValueError as exc:
         raise ArgumentError(str(exc)) from None
-    args.distributed_backend, notice = effective_backend(args.distributed_backend, cuda_available)
-    return [notice] if notice else []
+    backend, notice = effective_backend(args.distributed_backend, cuda_available,
+                                        explicit="distributed_backend" in explicit)
+    return data_parallel_size, backend, [notice] if notice else []
 
 
-def validate_args(args, explicit: set, launch, cuda_available: bool) -> list[str]:
-    """Check the parsed flags, fill the derived values on ``args``; return the notices to print.
+def validate_args(args: argparse.Namespace, explicit: set[str], launch: LaunchEnv,
+                  cuda_available: bool) -> DerivedValues:
+    """Check the parsed flags (only read) and return what they imply; see the module docstring.
 
     ``explicit``: dests given on the command line; ``launch``: launch_env.LaunchEnv of this process.
     """
-    _check_sequence_length(args)
-    _check_required(args)
+    seq_length = sequence_length(args)
+    _check_required(args, seq_length)
     _check_ranges(args)
     _check_units(args)
     _check_learning_rate_and_saving(args)
-    notices = _derive_layout(args, launch, cuda_available)
-    args.deepspeed_config_dict, ds_notices = resolve_ds_config(
-        args, explicit, args.data_parallel_size, args.pipeline_model_parallel_size, cuda_available)
-    notices += ds_notices
-    args.params_dtype = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
-    _check_batch(args, explicit)
-    _check_lr_schedule(args)
-    _check_model(args)
+    data_parallel_size, backend, notices = _parallel_layout(args, explicit, launch, cuda_available)
+    ds_config, ds_notices = resolve_ds_config(args, explicit, data_parallel_size,
+                                              args.pipeline_model_parallel_size, cuda_available)
+    derived = DerivedValues(launch=launch, data_parallel_size=data_parallel_size, distributed_backend=backend,
+                            seq_length=seq_length, ds_config=ds_config, notices=tuple(notices + ds_notices))
+    _check_batch(args, explicit, derived)
+    _check_lr_schedule(args, derived.global_batch_size)
     _check_data(args)
     _check_tokenizer_and_tools(args)
-    return notices
+    return derived

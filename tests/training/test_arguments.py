@@ -45,8 +45,8 @@ def error(extra=(), drop=(), env=None, cuda=False):
 
 @pytest.mark.parametrize("text, value", [("6_000_000", 6_000_000), ("10e6", 10_000_000), ("2e3", 2000),
                                          ("1024", 1024), ("1_0e3", 10_000)])
-def test_integer_notations_of_the_seed_scripts(text, value):
-    assert parse(["--train-samples", text]).train_samples == value
+def test_integer_notations_of_the_bigscience_scripts(text, value):
+    assert parse(["--train-samples", text]).flags.train_samples == value
 
 
 @pytest.mark.parametrize("text", ["1.5", "1e-3", "ten", "inf"])
@@ -56,21 +56,21 @@ def test_integer_flag_refuses_non_integers_naming_the_flag(text):
 
 
 def test_float_and_rampup_notations():
-    args = parse(["--lr", "6e-5", "--min-lr", "6e-6", "--rampup-batch-size", "2", "2", "9_765_625",
-                  "--global-batch-size", "8"])
-    assert (args.lr, args.min_lr, args.rampup_batch_size) == (6e-5, 6e-6, [2, 2, 9_765_625])
+    flags = parse(["--lr", "6e-5", "--min-lr", "6e-6", "--rampup-batch-size", "2", "2", "9_765_625",
+                   "--global-batch-size", "8"]).flags
+    assert (flags.lr, flags.min_lr, flags.rampup_batch_size) == (6e-5, 6e-6, [2, 2, 9_765_625])
 
 
 @pytest.mark.parametrize("words, value", [(["true"], True), (["True"], True), (["1"], True), ([], True),
                                           (["false"], False), (["0"], False), (["no"], False)])
 def test_eval_only_reads_booleans(words, value):
-    assert parse(["--eval-only", *words]).eval_only is value
+    assert parse(["--eval-only", *words]).flags.eval_only is value
 
 
 def test_type_bool_flags_refuse_other_words():
     assert "--onnx-safe" in error(["--onnx-safe", "maybe"])
-    assert parse(["--onnx-safe", "false"]).onnx_safe is False
-    assert parse(["--lazy-mpu-init", "false"]).lazy_mpu_init is False
+    assert parse(["--onnx-safe", "false"]).flags.onnx_safe is False
+    assert parse(["--lazy-mpu-init", "false"]).flags.lazy_mpu_init is False
     assert "--lazy-mpu-init" in error(["--lazy-mpu-init", "true"])
 
 
@@ -94,19 +94,19 @@ def test_long_run_features_are_not_available_yet(extra):
     assert "not available yet" in error(extra)
 
 
-@pytest.mark.parametrize("flag, seed_message", [
+@pytest.mark.parametrize("flag, message", [
     ("--batch-size", "--batch-size argument is no longer valid, use --micro-batch-size instead"),
     ("--warmup", "--warmup argument is no longer valid, use --lr-warmup-fraction instead"),
     ("--model-parallel-size", "--model-parallel-size is no longer valid, use --tensor-model-parallel-size instead"),
 ])
-def test_deprecated_flags_keep_the_seed_messages(flag, seed_message):
-    assert seed_message in error([flag, "4"])
+def test_deprecated_flags_keep_megatron_deepspeed_messages(flag, message):
+    assert message in error([flag, "4"])
 
 
 def test_refused_flags_are_hidden_from_help_and_namespace():
     parser = build_parser()
     assert "--cpu-optimizer" not in parser.format_help()
-    assert not any(name.startswith("rejected_") for name in vars(parse()))
+    assert not any(name.startswith("rejected_") for name in vars(parse().flags))
 
 
 # ---- validation: each rule names its flags -------------------------------------------------------
@@ -144,16 +144,10 @@ VALIDATION_CASES = {
                               ["--rampup-batch-size", "--global-batch-size 16"]),
     "world vs tp x pp": (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], (), world(6),
                          ["world size 6", "--tensor-model-parallel-size", "--pipeline-model-parallel-size"]),
-    "seq > max positions": (["--seq-length", "64"], (), None, ["--max-position-embeddings", "--seq-length"]),
-    "alibi seq > max positions": (["--position-embedding-type", "alibi", "--seq-length", "64"], (), None,
-                                  ["--max-position-embeddings", "--seq-length", "alibi"]),
-    "rotary with max positions": (["--position-embedding-type", "rotary"], (), None,
-                                  ["--max-position-embeddings", "rotary"]),
     "fp16 with bf16": (["--fp16", "--bf16"], (), None, ["--fp16", "--bf16"]),
     "zero 2 with pp": (["--pipeline-model-parallel-size", "2", "--zero-stage", "2"], (), world(2),
                        ["--zero-stage", "--pipeline-model-parallel-size"]),
     "zero 3": (["--zero-stage", "3"], (), None, ["--zero-stage", "stage 3"]),
-    "glu with fusion": (["--glu-activation", "swiglu"], (), None, ["--glu-activation", "--no-bias-gelu-fusion"]),
     "data path and weighted": (["--train-weighted-split-paths", "T: 1 0:1 /d/a"], (), None,
                                ["--data-path", "--train-weighted-split-paths"]),
     "split with weighted": (["--train-weighted-split-paths", "T: 1 0:1 /d/a", "--split", "98,2,0"], ["--data-path"],
@@ -161,19 +155,6 @@ VALIDATION_CASES = {
     "valid weighted without train": (["--valid-weighted-split-paths", "V: 1 0:1 /d/a"], ["--data-path"], None,
                                      ["--valid-weighted-split-paths", "--train-weighted-split-paths"]),
     "no data": ([], ["--data-path"], None, ["--data-path", "--train-weighted-split-paths"]),
-    "bad data path pairs": (["--data-path", "0.5", "/d/a", "0.5"], (), None, ["--data-path"]),
-    "heads not divisible by tp": (["--tensor-model-parallel-size", "3", "--num-attention-heads", "4"], (), world(3),
-                                  ["--num-attention-heads", "--tensor-model-parallel-size"]),
-    "ffn not divisible by tp": (["--tensor-model-parallel-size", "4", "--ffn-hidden-size", "130"], (), world(4),
-                                ["--ffn-hidden-size", "--tensor-model-parallel-size"]),
-    "padded vocab not divisible by tp": (["--tensor-model-parallel-size", "3", "--num-attention-heads", "3",
-                                          "--hidden-size", "48", "--pad-vocab-size-to", "256"], (), world(3),
-                                         ["--pad-vocab-size-to", "--tensor-model-parallel-size"]),
-    "pad vocab not multiple": (["--pad-vocab-size-to", "300"], (), None,
-                               ["--pad-vocab-size-to", "--make-vocab-size-divisible-by"]),
-    "hidden not divisible by heads": (["--num-attention-heads", "3"], (), None, ["--hidden-size", "--kv-channels"]),
-    "partition without checkpointing": (["--partition-activations"], (), None,
-                                        ["--partition-activations", "--checkpoint-activations"]),
     "bert tokenizer": (["--tokenizer-type", "BertWordPieceCase"], (), None, ["--tokenizer-type", "BERT"]),
     "gpt2 tokenizer without files": ([], ["--merge-file"], None, ["--vocab-file", "--merge-file"]),
     "hf tokenizer without path": (["--tokenizer-type", "PretrainedFromHF"], (), None, ["--tokenizer-name-or-path"]),
@@ -194,53 +175,56 @@ def test_validation_error_names_the_flags(case):
 
 
 def test_valid_rampup_and_defaults():
-    args = parse(["--global-batch-size", "16", "--rampup-batch-size", "4", "4", "100"], env=world(2))
-    assert (args.world_size, args.data_parallel_size, args.global_batch_size) == (2, 2, 16)
+    derived = parse(["--global-batch-size", "16", "--rampup-batch-size", "4", "4", "100"], env=world(2)).derived
+    assert (derived.launch.world_size, derived.data_parallel_size, derived.global_batch_size) == (2, 2, 16)
     defaults = parse()
-    assert (defaults.global_batch_size, defaults.ffn_hidden_size, defaults.kv_channels) == (2, 256, 16)
-    assert defaults.tokenizer_type == "GPT2BPETokenizer" and defaults.zero_stage == 0
+    assert (defaults.derived.global_batch_size, defaults.derived.seq_length) == (2, 32)
+    assert defaults.flags.tokenizer_type == "GPT2BPETokenizer" and defaults.derived.zero_stage == 0
 
 
 def test_fp16_is_refused_on_cpu_and_accepted_with_cuda():
     message = error(["--fp16"])
     assert "--fp16" in message and "CPU" in message and "--bf16" in message
-    assert parse(["--fp16"], cuda=True).fp16
+    assert parse(["--fp16"], cuda=True).derived.fp16
 
 
-def test_backend_rule_on_cpu_prints_one_notice(capsys):
-    args = parse(["--distributed-backend", "nccl"])
+def test_backend_rule_on_cpu_prints_one_notice_when_nccl_was_asked_for(capsys):
+    derived = parse(["--distributed-backend", "nccl"]).derived
     lines = [line for line in capsys.readouterr().out.splitlines() if "--distributed-backend" in line]
-    assert args.distributed_backend == "gloo" and len(lines) == 1
-    assert parse(cuda=True).distributed_backend == "nccl"
-    assert parse(["--distributed-backend", "gloo"], cuda=True).distributed_backend == "gloo"
+    assert derived.distributed_backend == "gloo" and len(lines) == 1
+    default = parse().derived
+    assert default.distributed_backend == "gloo" and not any("--distributed-backend" in n for n in default.notices)
+    assert parse(cuda=True).derived.distributed_backend == "nccl"
+    assert parse(["--distributed-backend", "gloo"], cuda=True).derived.distributed_backend == "gloo"
 
 
 def test_notices_print_on_rank_0_only(capsys):
     parse(env=world(2, rank=1))
     assert capsys.readouterr().out == ""
-    args = parse(env=world(2, rank=0))
-    assert capsys.readouterr().out.count("notice: ") == len(args.notices) >= 1
+    parsed = parse(env=world(2, rank=0))
+    assert capsys.readouterr().out.count("notice: ") == len(parsed.derived.notices) >= 1
 
 
 # ---- launchers through parse_args ----------------------------------------------------------------
 
 @pytest.mark.parametrize("spelling", ["--local_rank", "--local-rank"])
 def test_torch_distributed_launch_local_rank_spellings(spelling):
-    args = parse([f"{spelling}=1"], env={**world(2, rank=1)})
-    assert (args.rank, args.local_rank, args.world_size, args.launcher) == (1, 1, 2, "torch.distributed.launch")
+    launch = parse([f"{spelling}=1"], env={**world(2, rank=1)}).derived.launch
+    assert (launch.rank, launch.local_rank, launch.world_size, launch.source) == (1, 1, 2, "torch.distributed.launch")
 
 
 def test_slurm_ranks_and_parallel_sizes():
     env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "gpu[3-6]"}
-    args = parse(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], env=env)
-    assert (args.rank, args.world_size, args.local_rank, args.data_parallel_size) == (5, 8, 1, 2)
-    assert (args.master_addr, args.launcher, args.global_batch_size) == ("gpu3", "slurm", 4)
+    derived = parse(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], env=env).derived
+    launch = derived.launch
+    assert (launch.rank, launch.world_size, launch.local_rank, derived.data_parallel_size) == (5, 8, 1, 2)
+    assert (launch.master_addr, launch.source, derived.global_batch_size) == ("gpu3", "slurm", 4)
 
 
 def test_explicit_flags_are_the_dests_given():
-    args = parse(["--clip-grad", "1.0", "--no-bias-gelu-fusion", "--deepspeed"])
-    assert {"clip_grad", "bias_gelu_fusion", "deepspeed", "num_layers"} <= args.explicit_flags
-    assert not {"weight_decay", "fp16", "global_batch_size"} & args.explicit_flags
+    explicit = parse(["--clip-grad", "1.0", "--no-bias-gelu-fusion", "--deepspeed"]).explicit
+    assert {"clip_grad", "bias_gelu_fusion", "deepspeed", "num_layers"} <= explicit
+    assert not {"weight_decay", "fp16", "global_batch_size"} & explicit
 
 
 # ---- entry-point helpers -------------------------------------------------------------------------
@@ -254,11 +238,13 @@ def test_parse_args_or_exit_prints_the_error(capsys, monkeypatch):
 
 
 def test_args_listing_is_sorted_and_written(tmp_path):
-    args = parse()
-    text = format_args(args)
+    parsed = parse(["--encoder-seq-length", "32"], ["--seq-length"], env=world(2))
+    text = format_args(parsed)
     names = [line.split()[0] for line in text.splitlines()[1:-1]]
     assert names == sorted(names) and "micro_batch_size" in names
-    path = write_args_listing(args, str(tmp_path / "logs"))
+    values = {line.split()[0]: line.split()[-1] for line in text.splitlines()[1:-1]}
+    assert (values["seq_length"], values["world_size"], values["data_parallel_size"]) == ("32", "2", "2")
+    path = write_args_listing(parsed, str(tmp_path / "logs"))
     assert os.path.basename(path).startswith("args_") and open(path).read() == text
     assert os.listdir(tmp_path / "logs") == [os.path.basename(path)]
 
@@ -328,14 +314,14 @@ def test_global_batch_compared_only_when_given(ds_file):
     path = ds_file({"train_batch_size": 16})
     message = error(with_ds(path, "--global-batch-size", "8"))
     assert "--global-batch-size 8" in message and "train_batch_size 16" in message
-    args = parse(with_ds(path), env=world(2))
-    assert args.global_batch_size == 16 and args.deepspeed_config_dict["train_batch_size"] == 16
-    assert "global_batch_size" not in args.explicit_flags
+    parsed = parse(with_ds(path), env=world(2))
+    assert parsed.derived.global_batch_size == 16 and parsed.derived.ds_config["train_batch_size"] == 16
+    assert "global_batch_size" not in parsed.explicit and parsed.flags.global_batch_size is None
 
 
 def test_gradient_accumulation_steps_gives_or_checks_the_global_batch(ds_file):
     path = ds_file({"gradient_accumulation_steps": 3})
-    assert parse(with_ds(path), env=world(2)).global_batch_size == 12
+    assert parse(with_ds(path), env=world(2)).derived.global_batch_size == 12
     message = error(with_ds(path, "--global-batch-size", "8"), env=world(2))
     assert "gradient_accumulation_steps 3" in message and "8" in message
 
@@ -343,20 +329,21 @@ def test_gradient_accumulation_steps_gives_or_checks_the_global_batch(ds_file):
 def test_auto_values_are_filled_from_the_flags(ds_file):
     path = ds_file({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto",
                     "gradient_accumulation_steps": "auto", "data_types": {"grad_accum_dtype": "auto"}})
-    config = parse(with_ds(path, "--global-batch-size", "8", "--clip-grad", "0.7")).deepspeed_config_dict
+    config = parse(with_ds(path, "--global-batch-size", "8", "--clip-grad", "0.7")).derived.ds_config
     assert (config["train_batch_size"], config["train_micro_batch_size_per_gpu"], config["gradient_clipping"]) == (8, 2, 0.7)
     assert "gradient_accumulation_steps" not in config and "data_types" not in config
-    bf16 = parse(with_ds(path, "--bf16")).deepspeed_config_dict
+    bf16 = parse(with_ds(path, "--bf16")).derived.ds_config
     assert bf16["data_types"] == {"grad_accum_dtype": "fp32"}
 
 
 def test_precision_flags_against_the_config(ds_file, capsys):
     assert "fp16.enabled is false" in error(with_ds(ds_file({"fp16": {"enabled": False}}), "--fp16"), cuda=True)
     assert "--fp16" in error(with_ds(ds_file({"bf16": {"enabled": True}}), "--fp16"), cuda=True)
-    assert parse(with_ds(ds_file({"bf16": {"enabled": True}}), "--bf16")).bf16
+    assert parse(with_ds(ds_file({"bf16": {"enabled": True}}), "--bf16")).derived.bf16
     capsys.readouterr()
     adopted = parse(with_ds(ds_file({"bf16": {"enabled": True}})))
-    assert adopted.bf16 and str(adopted.params_dtype) == "torch.bfloat16"
+    assert adopted.derived.bf16 and str(adopted.derived.params_dtype) == "torch.bfloat16"
+    assert adopted.flags.bf16 is False
     assert sum("bf16.enabled" in n for n in printed_notices(capsys)) == 1
     message = error(with_ds(ds_file({"fp16": {"enabled": True}})))
     assert "--fp16" in message and "CPU" in message
@@ -365,9 +352,9 @@ def test_precision_flags_against_the_config(ds_file, capsys):
 def test_zero_stage_against_the_config(ds_file):
     message = error(with_ds(ds_file({"zero_optimization": {"stage": 0}}), "--zero-stage", "1"))
     assert "--zero-stage 1" in message and "zero_optimization.stage 0" in message
-    assert parse(with_ds(ds_file({"zero_optimization": {"stage": 2}}))).zero_stage == 2
-    assert parse(with_ds(ds_file({}), "--zero-stage", "1")).deepspeed_config_dict["zero_optimization"] == {"stage": 1}
-    assert parse(with_ds(ds_file({}))).zero_stage == 0
+    assert parse(with_ds(ds_file({"zero_optimization": {"stage": 2}}))).derived.zero_stage == 2
+    assert parse(with_ds(ds_file({}), "--zero-stage", "1")).derived.ds_config["zero_optimization"] == {"stage": 1}
+    assert parse(with_ds(ds_file({}))).derived.zero_stage == 0
     assert "zero_optimization.stage" in error(with_ds(ds_file({"zero_optimization": {"stage": 3}})))
     message = error(with_ds(ds_file({"zero_optimization": {"stage": 2}}), "--pipeline-model-parallel-size", "2"),
                     env=world(2))
@@ -381,13 +368,13 @@ def test_zero_stage_against_the_config(ds_file):
     (["--clip-grad", "0.5"], {}, 0, 0.5),
 ])
 def test_gradient_clipping_of_the_config_wins_with_one_notice(ds_file, capsys, flags, config, notices, effective):
-    args = parse(with_ds(ds_file(config), *flags))
+    derived = parse(with_ds(ds_file(config), *flags)).derived
     lines = [n for n in printed_notices(capsys) if "gradient_clipping" in n]
     assert len(lines) == notices and all("--clip-grad" in n for n in lines)
-    assert args.clip_grad == effective == args.deepspeed_config_dict["gradient_clipping"]
+    assert derived.clip_grad == effective == derived.ds_config["gradient_clipping"]
 
 
-SEED_FP16_BLOCK = {"enabled": True, "loss_scale": 0, "loss_scale_window": 500, "hysteresis": 2,
+BIGSCIENCE_FP16_BLOCK = {"enabled": True, "loss_scale": 0, "loss_scale_window": 500, "hysteresis": 2,
                    "min_loss_scale": 1, "initial_scale_power": 12}
 
 
@@ -398,21 +385,20 @@ SEED_FP16_BLOCK = {"enabled": True, "loss_scale": 0, "loss_scale_window": 500, "
     (["--initial-loss-scale", "4096", "--loss-scale-window", "500", "--hysteresis", "2", "--min-loss-scale", "1"], []),
 ])
 def test_loss_scale_flags_one_notice_per_overridden_key(ds_file, capsys, flags, overridden):
-    args = parse(with_ds(ds_file({"fp16": SEED_FP16_BLOCK}), "--fp16", *flags), cuda=True)
+    derived = parse(with_ds(ds_file({"fp16": BIGSCIENCE_FP16_BLOCK}), "--fp16", *flags), cuda=True).derived
     notices = printed_notices(capsys)
     for key in ("loss_scale", "initial_scale_power", "min_loss_scale", "loss_scale_window", "hysteresis"):
         count = sum(n.startswith(f"fp16.{key} =") for n in notices)
         assert count == (1 if key in overridden else 0), (key, notices)
-    assert args.deepspeed_config_dict["fp16"] == SEED_FP16_BLOCK
-    assert (args.loss_scale, args.initial_loss_scale, args.loss_scale_window) == (None, 4096.0, 500)
+    assert derived.ds_config["fp16"] == BIGSCIENCE_FP16_BLOCK
 
 
 def test_fp16_keys_filled_from_given_flags_else_deepspeed_defaults(ds_file):
     block = parse(with_ds(ds_file({"fp16": {"enabled": True}}), "--loss-scale-window", "500"),
-                  cuda=True).deepspeed_config_dict["fp16"]
+                  cuda=True).derived.ds_config["fp16"]
     assert block == {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 500,
                      "hysteresis": 2, "min_loss_scale": 1}
-    built = parse(["--fp16", "--loss-scale", "128"], cuda=True).deepspeed_config_dict["fp16"]
+    built = parse(["--fp16", "--loss-scale", "128"], cuda=True).derived.ds_config["fp16"]
     assert built == {"enabled": True, "loss_scale": 128, "initial_scale_power": 32, "loss_scale_window": 1000,
                      "hysteresis": 2, "min_loss_scale": 1}
     assert "power of 2" in error(["--fp16", "--initial-loss-scale", "1000"], cuda=True)
@@ -431,10 +417,10 @@ def test_loss_scale_flags_without_fp16_give_one_notice(capsys):
     ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}}, 0, "bf16", None),
 ])
 def test_bf16_accumulates_in_fp32_unless_the_config_says(ds_file, capsys, config, stage, accum, notice):
-    args = parse(with_ds(ds_file(config), "--bf16"))
-    final = args.deepspeed_config_dict
+    derived = parse(with_ds(ds_file(config), "--bf16")).derived
+    final = derived.ds_config
     assert (final["zero_optimization"]["stage"], final["data_types"]["grad_accum_dtype"]) == (stage, accum)
-    assert args.zero_stage == stage
+    assert derived.zero_stage == stage
     lines = [n for n in printed_notices(capsys) if "grad_accum_dtype" in n]
     assert len(lines) == (1 if notice else 0) and all(notice in n for n in lines)
 
@@ -452,20 +438,20 @@ def test_bf16_fp32_accumulation_at_stage_0_is_refused_when_explicit(ds_file):
     ({"fp16": {"enabled": True}, "zero_optimization": {"stage": 2}}, 2, 0),
 ])
 def test_fp16_at_stage_0_runs_at_stage_1(ds_file, capsys, config, stage, notices):
-    args = parse(with_ds(ds_file(config), "--fp16"), cuda=True)
-    assert args.zero_stage == stage and args.deepspeed_config_dict["zero_optimization"]["stage"] == stage
+    derived = parse(with_ds(ds_file(config), "--fp16"), cuda=True).derived
+    assert derived.zero_stage == stage and derived.ds_config["zero_optimization"]["stage"] == stage
     lines = [n for n in printed_notices(capsys) if "fp16 at zero_optimization.stage 0" in n]
     assert len(lines) == notices and all("DeepSpeed#8393" in n for n in lines)
 
 
 def test_sgd_with_zero_is_allowed_explicitly():
-    assert parse(["--optimizer", "sgd", "--zero-stage", "1"]).deepspeed_config_dict["zero_allow_untested_optimizer"]
-    assert "zero_allow_untested_optimizer" not in parse(["--optimizer", "sgd"]).deepspeed_config_dict
-    assert "zero_allow_untested_optimizer" not in parse(["--zero-stage", "1"]).deepspeed_config_dict
+    assert parse(["--optimizer", "sgd", "--zero-stage", "1"]).derived.ds_config["zero_allow_untested_optimizer"]
+    assert "zero_allow_untested_optimizer" not in parse(["--optimizer", "sgd"]).derived.ds_config
+    assert "zero_allow_untested_optimizer" not in parse(["--zero-stage", "1"]).derived.ds_config
 
 
 def test_fp32_training_has_no_data_types():
-    assert "data_types" not in parse().deepspeed_config_dict
+    assert "data_types" not in parse().derived.ds_config
 
 
 @pytest.mark.parametrize("config, words", [
@@ -481,7 +467,7 @@ def test_unsupported_config_blocks_are_refused(ds_file, config, words):
 
 
 def test_disabled_curriculum_is_accepted(ds_file):
-    assert parse(with_ds(ds_file({"curriculum_learning": {"enabled": False}}))).deepspeed
+    assert parse(with_ds(ds_file({"curriculum_learning": {"enabled": False}}))).flags.deepspeed
 
 
 def test_config_source_notices(ds_file, capsys):
@@ -492,8 +478,8 @@ def test_config_source_notices(ds_file, capsys):
     assert sum("built from the flags" in n for n in printed_notices(capsys)) == 1
     parse(with_ds(path))
     assert not [n for n in printed_notices(capsys) if "ds_config" in n or "deepspeed" in n]
-    args = parse(["--deepscale", "--deepscale_config", ds_file({"train_batch_size": 4})])
-    assert args.global_batch_size == 4 and any("deprecated" in n for n in printed_notices(capsys))
+    parsed = parse(["--deepscale", "--deepscale_config", ds_file({"train_batch_size": 4})])
+    assert parsed.derived.global_batch_size == 4 and any("deprecated" in n for n in printed_notices(capsys))
 
 
 class FakeMPU:
@@ -518,9 +504,9 @@ class FakeMPU:
 def test_deepspeed_reads_the_completed_config(ds_file, monkeypatch):
     from deepspeed.runtime import config as ds_runtime_config
     monkeypatch.setattr(ds_runtime_config.dist, "get_rank", lambda: 0)  # no process group: rank 0 of FakeMPU's DP
-    args = parse(with_ds(ds_file({"bf16": {"enabled": True}}), "--global-batch-size", "16", "--clip-grad", "0.5"),
-                 env=world(2))
-    ds = ds_runtime_config.DeepSpeedConfig(args.deepspeed_config_dict, mpu=FakeMPU(args.data_parallel_size))
+    derived = parse(with_ds(ds_file({"bf16": {"enabled": True}}), "--global-batch-size", "16", "--clip-grad", "0.5"),
+                    env=world(2)).derived
+    ds = ds_runtime_config.DeepSpeedConfig(derived.ds_config, mpu=FakeMPU(derived.data_parallel_size))
     assert (ds.train_batch_size, ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps) == (16, 2, 4)
     assert (ds.zero_optimization_stage, ds.grad_accum_dtype, ds.gradient_clipping) == (1, "fp32", 0.5)
     assert ds.bfloat16_config.enabled and not ds.float16_config.enabled
@@ -566,12 +552,13 @@ def tr11_argv(tmp_path, ds_path):
 
 
 def test_tr11_style_arguments_parse(tmp_path, ds_file, capsys):
-    args = parse_args(tr11_argv(tmp_path, ds_file(TR11_DS_CONFIG)), env=world(8), cuda_available=False)
-    assert (args.world_size, args.data_parallel_size, args.global_batch_size) == (8, 2, 64)
-    assert args.rampup_batch_size == [16, 16, 2000] and args.train_samples == 220_000_000
-    assert (args.position_embedding_type, args.pad_vocab_size_to, args.embed_layernorm) == ("alibi", 250880, True)
-    assert args.bf16 and args.zero_stage == 1 and args.distributed_backend == "gloo"
-    assert args.valid_num_workers == 0 and args.exit_duration_in_mins == 5990
+    parsed = parse_args(tr11_argv(tmp_path, ds_file(TR11_DS_CONFIG)), env=world(8), cuda_available=False)
+    flags, derived = parsed.flags, parsed.derived
+    assert (derived.launch.world_size, derived.data_parallel_size, derived.global_batch_size) == (8, 2, 64)
+    assert flags.rampup_batch_size == [16, 16, 2000] and flags.train_samples == 220_000_000
+    assert (flags.position_embedding_type, flags.pad_vocab_size_to, flags.embed_layernorm) == ("alibi", 250880, True)
+    assert derived.bf16 and derived.zero_stage == 1 and derived.distributed_backend == "gloo"
+    assert flags.valid_num_workers == 0 and flags.exit_duration_in_mins == 5990
     notices = printed_notices(capsys)
     assert any("stage 0 -> 1" in n for n in notices) and any("using gloo" in n for n in notices)
     assert not any("gradient_clipping" in n for n in notices)
@@ -582,3 +569,31 @@ def test_tr11_style_arguments_with_refused_flags(tmp_path, ds_file, refused):
     argv_tr11 = tr11_argv(tmp_path, ds_file(TR11_DS_CONFIG)) + refused
     with pytest.raises(ArgumentError, match="not available yet"):
         parse_args(argv_tr11, env=world(8), cuda_available=False)
+
+
+# ---- --help --------------------------------------------------------------------------------------
+
+def help_sections():
+    """{group title: its part of --help}, split at the group headings."""
+    sections, title = {}, None
+    for line in build_parser().format_help().splitlines():
+        if line and not line.startswith(" ") and line.endswith(":"):
+            title = line[:-1]
+            sections[title] = ""
+        elif title is not None:
+            sections[title] += line + "\n"
+    return sections
+
+
+def test_help_puts_flags_in_their_groups():
+    sections = help_sections()
+    assert "--kill-switch-path" in sections["training"] and "--exit-interval" in sections["training"]
+    assert "--log-level " in sections["logging"] and "--log-level-replica" in sections["logging"]
+    assert "--kill-switch-path" not in sections["network size"] and "--log-level" not in sections["network size"]
+
+
+def test_help_shows_the_defaults_worth_showing():
+    text = " ".join(build_parser().format_help().split())
+    for shown in ("(default: 128)", "(default: 1234)", "(default: 0.01)", "(default: linear)", "(default: infer)"):
+        assert shown in text
+    assert "(default: None)" not in text and "(default: False)" not in text and "(default: True)" not in text

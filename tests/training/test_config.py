@@ -15,8 +15,63 @@ GPT2_VOCAB = 50257
 
 
 def config_of(extra=(), drop=(), env=None, cuda=False, vocab=GPT2_VOCAB):
-    args = parse_args(argv(extra, drop), env=env or {}, cuda_available=cuda)
-    return build_config(args, vocab)
+    parsed = parse_args(argv(extra, drop), env=env or {}, cuda_available=cuda)
+    return build_config(parsed, vocab)
+
+
+# Rules of the model and dataset configs: checked once, when build_config builds them (before any
+# process group), each error naming its flags. A 100-token vocabulary leaves --pad-vocab-size-to free.
+CONFIG_CASES = {
+    "seq > max positions": (["--seq-length", "64"], (), None, ["--max-position-embeddings", "--seq-length"]),
+    "alibi seq > max positions": (["--position-embedding-type", "alibi", "--seq-length", "64"], (), None,
+                                  ["--max-position-embeddings", "--seq-length", "alibi"]),
+    "rotary with max positions": (["--position-embedding-type", "rotary"], (), None,
+                                  ["--max-position-embeddings", "rotary"]),
+    "glu with fusion": (["--glu-activation", "swiglu"], (), None, ["--glu-activation", "--no-bias-gelu-fusion"]),
+    "bad data path pairs": (["--data-path", "0.5", "/d/a", "0.5"], (), None, ["--data-path"]),
+    "heads not divisible by tp": (["--tensor-model-parallel-size", "3", "--num-attention-heads", "4"], (), world(3),
+                                  ["--num-attention-heads", "--tensor-model-parallel-size"]),
+    "ffn not divisible by tp": (["--tensor-model-parallel-size", "4", "--ffn-hidden-size", "130"], (), world(4),
+                                ["--ffn-hidden-size", "--tensor-model-parallel-size"]),
+    "padded vocab not divisible by tp": (["--tensor-model-parallel-size", "3", "--num-attention-heads", "3",
+                                          "--hidden-size", "48", "--pad-vocab-size-to", "256"], (), world(3),
+                                         ["--pad-vocab-size-to", "--tensor-model-parallel-size"]),
+    "pad vocab not multiple": (["--pad-vocab-size-to", "300"], (), None,
+                               ["--pad-vocab-size-to", "--make-vocab-size-divisible-by"]),
+    "hidden not divisible by heads": (["--num-attention-heads", "3"], (), None, ["--hidden-size", "--kv-channels"]),
+    "partition without checkpointing": (["--partition-activations"], (), None,
+                                        ["--partition-activations", "--checkpoint-activations"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_CASES))
+def test_config_error_names_the_flags(case):
+    extra, drop, env, words = CONFIG_CASES[case]
+    with pytest.raises(ArgumentError) as info:
+        config_of(extra, drop, env, vocab=100)
+    for word in words:
+        assert word in str(info.value), f"{case}: {word!r} missing from {info.value}"
+
+
+def test_model_and_dataset_configs_are_built_once(monkeypatch):
+    from megatron.core.data.gpt_dataset import GPTDatasetConfig
+    from megatron.core.models.gpt.config import GPTModelConfig
+    built = []
+    for cls in (GPTModelConfig, GPTDatasetConfig):
+        def counting(self, original=cls.__post_init__, name=cls.__name__):
+            built.append(name)
+            original(self)
+        monkeypatch.setattr(cls, "__post_init__", counting)
+    config_of()
+    assert sorted(built) == ["GPTDatasetConfig", "GPTModelConfig"]
+
+
+def test_parsing_leaves_the_flags_as_argparse_read_them():
+    parsed = parse_args(argv(["--encoder-seq-length", "32"], ["--seq-length"]), env={}, cuda_available=False)
+    assert parsed.flags.seq_length is None and parsed.derived.seq_length == 32
+    with pytest.raises(AttributeError, match="read-only"):
+        parsed.flags.seq_length = 64
+    assert build_config(parsed, GPT2_VOCAB).model.seq_length == 32
 
 
 def test_model_config_gets_the_padded_vocabulary_and_flag_values():
@@ -42,8 +97,8 @@ def test_padding_depends_on_tp_unless_padded_to_a_size():
 def test_real_tokenizer_vocabulary(gpt2_tokenizer_files):
     vocab_file, merge_file = gpt2_tokenizer_files
     tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file)
-    args = parse_args(argv(["--vocab-file", vocab_file, "--merge-file", merge_file]), env={}, cuda_available=False)
-    config = build_config(args, tokenizer.vocab_size)
+    parsed = parse_args(argv(["--vocab-file", vocab_file, "--merge-file", merge_file]), env={}, cuda_available=False)
+    config = build_config(parsed, tokenizer.vocab_size)
     assert config.data.orig_vocab_size == tokenizer.vocab_size
     assert config.model.padded_vocab_size % 128 == 0
     assert 0 <= config.model.padded_vocab_size - tokenizer.vocab_size < 128
@@ -110,8 +165,8 @@ def test_data_config_option_1():
 def test_tr11_config(tmp_path):
     ds_path = tmp_path / "ds.json"
     ds_path.write_text(json.dumps(TR11_DS_CONFIG))
-    args = parse_args(tr11_argv(tmp_path, str(ds_path)), env=world(8, rank=3), cuda_available=False)
-    config = build_config(args, 250680)
+    parsed = parse_args(tr11_argv(tmp_path, str(ds_path)), env=world(8, rank=3), cuda_available=False)
+    config = build_config(parsed, 250680)
     assert config.model.padded_vocab_size == 250880 and config.data.orig_vocab_size == 250680
     assert config.model.position_embedding_type == "alibi" and config.model.params_dtype == torch.bfloat16
     assert config.model.checkpoint_activations and config.abort_on_unmet_fused_kernel_constraints

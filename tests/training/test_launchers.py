@@ -58,8 +58,7 @@ def test_ds_config_templates_are_accepted(e2e_data):  # noqa: F811
              "ds_config_zero2.json": ([], False, 2)}
     for name, (flags, cuda, stage) in cases.items():
         path = os.path.join(EXAMPLES_DIR, name)
-        args = parse_args(base + flags + ["--deepspeed_config", path], env={}, cuda_available=cuda)
-        config = args.deepspeed_config_dict
+        config = parse_args(base + flags + ["--deepspeed_config", path], env={}, cuda_available=cuda).derived.ds_config
         assert config["train_batch_size"] == 4 and config["train_micro_batch_size_per_gpu"] == 1, name
         assert config["zero_optimization"]["stage"] == stage, name
         assert config["fp16"]["enabled"] is ("--fp16" in flags) and config["bf16"]["enabled"] is ("--bf16" in flags)
@@ -231,21 +230,37 @@ def test_two_nodes_through_torchrun_static_rendezvous(e2e_data, tmp_path):  # no
 @pytest.mark.distributed
 def test_quickstart_main_job_end_to_end(tmp_path):
     """The README's main job, shortened to 4 iterations: tokenizer, preprocessing, 2-process pretraining
-    on CPU with the final evaluation, a checkpoint and TensorBoard, and the summary of where things are."""
+    on CPU with the final evaluation, a checkpoint and TensorBoard, and the summary of where things are.
+    Run again, it resumes at iteration 4 (nothing left to train, nothing saved again) and keeps the
+    first run's log beside its own."""
     run_dir = tmp_path / "quickstart"
     env = {"SKIP_INSTALL": "1", "RUN_DIR": str(run_dir), "TRAIN_ITERS": "4", "MASTER_PORT": str(free_port()),
            "PYTHON": sys.executable}
-    result = run_command(["bash", os.path.join(EXAMPLES_DIR, "quickstart.sh")], env=env, timeout=300)
+    result = run_command(["bash", os.path.join(EXAMPLES_DIR, "quickstart.sh")], env=env, timeout=600)
     result.assert_ok()
-    assert "on 2 CPU processes, fp32" in result.output
+    assert "on 2 CPU processes, fp32" in result.output and "notice: --distributed-backend" not in result.output
     assert_trained(result.output, "torchrun", 2, [])  # --log-interval 10: no line in 4 iterations
-    # The final validation and test, then the summary repeats the validation line.
     val = "validation loss at the end of training for val data"
     test = "validation loss at the end of training for test data"
-    assert [prefix for prefix, _, _ in result.validation_losses()] == [val, test, val]
+    assert [prefix for prefix, _, _ in result.validation_losses()] == [val, test]
+    summary = [line for line in result.output.splitlines() if "training summary |" in line]
+    assert len(summary) == 6 and "iterations: 4 (4 in this run)" in summary[0]  # printed, then repeated at the end
     for path in ("tokenizer/vocab.json", "tokenizer/merges.txt", "data/python-docs_text_document.bin",
-                 "data/python-docs_text_document.idx", "logs/pretrain.log"):
+                 "data/python-docs_text_document.idx"):
         assert (run_dir / path).exists(), path
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "global_step4"
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(run_dir / "tensorboard"))
     assert f"checkpoints   {run_dir}/checkpoints (latest: global_step4)" in result.output
+    first_log = [name for name in os.listdir(run_dir / "logs") if name.startswith("pretrain_")]
+    assert len(first_log) == 1 and "training summary" in (run_dir / "logs" / first_log[0]).read_text()
+
+    saved = os.path.getmtime(run_dir / "checkpoints" / "global_step4")
+    again = run_command(["bash", os.path.join(EXAMPLES_DIR, "quickstart.sh")],
+                        env={**env, "MASTER_PORT": str(free_port())}, timeout=600)
+    again.assert_ok()
+    assert "successfully loaded checkpoint" in again.output and "iterations: 4 (0 in this run)" in again.output
+    assert "saving checkpoint" not in again.output  # iteration 4 is on disk: latest's files are not rewritten
+    assert os.path.getmtime(run_dir / "checkpoints" / "global_step4") == saved
+    logs = sorted(name for name in os.listdir(run_dir / "logs") if name.startswith("pretrain_"))
+    assert len(logs) == 2 and first_log[0] in logs
+    assert "iterations: 4 (4 in this run)" in (run_dir / "logs" / first_log[0]).read_text()

@@ -34,7 +34,8 @@ LOG_LINE = re.compile(
     r" number of nan iterations: (?P<nan>[ \d]{3}) \|"
     r" samples per second: (?P<sps>\d+\.\d{3}) \|"
     r" TFLOPs: (?P<tflops>\d+\.\d{2}) \|"
-    r" model TFLOP/s: (?P<model_tflops>\d+\.\d{2}) \|$")
+    r" model TFLOP/s: (?P<model_tflops>\d+\.\d{2}) \|"
+    r" ETA: (?P<eta>\d+:\d\d:\d\d) \|$")
 VALIDATION_LINE = re.compile(r"^(?P<prefix>validation loss at .+?) \| lm loss value: (?P<loss>\d\.\d{6}E[-+]\d{2}) \| "
                              r"lm loss PPL: (?P<ppl>\d\.\d{6}E[-+]\d{2}) \| $")
 
@@ -115,7 +116,7 @@ def test_tensorboard_has_the_seed_tags(logged_run):
     missing = expected - set(scalars)
     assert not missing, f"missing TensorBoard tags: {sorted(missing)}"
     assert not [tag for tag in scalars if tag.startswith("loss-scale/")], "loss scale written without --fp16"
-    assert scalars["iteration-time/world_size"] == [(0, WORLD_SIZE), (1, 0)]
+    assert scalars["iteration-time/world_size"] == [(0, WORLD_SIZE)]
 
 
 def test_vs_samples_and_vs_tokens_series_step_on_consumed_samples_and_tokens(logged_run):
@@ -168,12 +169,13 @@ def test_validation_lines_and_scalars(logged_run):
         dashes = "-" * (len(output_lines[index]) + 1)
         assert output_lines[index - 1] == dashes and output_lines[index + 1] == dashes
         assert float(match["ppl"]) == pytest.approx(math.exp(float(match["loss"])), rel=2e-6)
-    # As in the seed, every evaluation (the test set's too) goes to the validation tag at its iteration.
+    # Every validation goes to the validation tag at its iteration, the test set to its own tag.
     logged = [(step, value) for step, value in scalars["lm-loss-validation/lm loss validation"]]
-    assert [step for step, _ in logged] == [2, 4, 4, 4]
-    assert [value for _, value in logged] == pytest.approx([float(m["loss"]) for _, m in found], rel=1e-6)
+    assert [step for step, _ in logged] == [2, 4, 4]
+    assert [value for _, value in logged] == pytest.approx([float(m["loss"]) for _, m in found[:3]], rel=1e-6)
     assert values(scalars, "lm-loss-validation/lm loss validation ppl") == \
         pytest.approx([math.exp(value) for _, value in logged], rel=1e-5)
+    assert scalars["lm-loss-test/lm loss test"] == [(4, pytest.approx(float(found[3][1]["loss"]), rel=1e-6))]
 
 
 def test_milestone_lines(logged_run):
@@ -194,3 +196,28 @@ def test_milestone_lines(logged_run):
 def test_one_events_file_per_run(logged_run):
     _, _, _, tensorboard_dir, _ = logged_run
     assert len(glob.glob(os.path.join(tensorboard_dir, "events.out.tfevents.*"))) == 1
+
+
+def test_eta_is_the_time_left_at_the_interval_speed(logged_run):
+    _, lines, _, _, _ = logged_run
+    for match in lines:
+        left = (TRAIN_ITERS - int(match["iteration"])) * float(match["time"])
+        hours, minutes, seconds = (int(part) for part in match["eta"].split(":"))
+        assert abs(hours * 3600 + minutes * 60 + seconds - left) <= 0.5 + 0.005 * (TRAIN_ITERS - int(match["iteration"]))
+    assert lines[-1]["eta"] == "0:00:00"
+
+
+def test_summary_gives_the_last_losses_and_the_throughput(logged_run):
+    result, lines, scalars, _, _ = logged_run
+    summary = [line for line in result.output.splitlines() if line.startswith(" training summary |")]
+    assert len(summary) == 3, summary
+    fields = dict(re.findall(r" ([a-zA-Z][a-zA-Z /]*?): ([^|]+?) \|", " ".join(summary)))
+    assert fields["iterations"] == f"{TRAIN_ITERS} ({TRAIN_ITERS} in this run)"
+    assert int(fields["consumed samples"]) == GBS * TRAIN_ITERS and int(fields["consumed tokens"]) == GBS * SEQ * TRAIN_ITERS
+    assert float(fields["train lm loss"]) == pytest.approx(float(lines[-1]["loss"]), rel=1e-6)
+    validation = [line for line in result.output.splitlines() if "end of training for val data" in line][0]
+    assert float(fields["validation lm loss"]) == pytest.approx(float(validation.split("value: ")[1].split()[0]), rel=1e-6)
+    assert float(fields["test lm loss"]) == pytest.approx(scalars["lm-loss-test/lm loss test"][0][1], rel=1e-5)
+    seconds = sum(TRAIN_ITERS // len(lines) * float(match["time"]) for match in lines)
+    assert float(fields["samples per second"]) == pytest.approx(GBS * TRAIN_ITERS / seconds, rel=0.05)
+    assert float(fields["model TFLOP/s per GPU"]) == pytest.approx(model_tflops(seconds / TRAIN_ITERS), rel=0.05)

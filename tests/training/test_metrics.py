@@ -71,14 +71,14 @@ def test_model_flops_equal_torch_flop_counter_on_our_gpt_model(glu, ffn):
     assert counter.get_total_flops() == expected
 
 
-def test_seed_tflops_formula():
+def test_megatron_deepspeed_tflops_formula():
     # 24 · 3 · B·s·L·h² · (1 + s/(6h) + V/(16·L·h)) / (t · world · 1e12), by hand for a round case:
     # B=8, s=1024, L=4, h=1024, V=65536: 1 + 1/6 + 1 = 13/6.
     expected = 24 * 3 * 8 * 1024 * 4 * 1024 ** 2 * (13 / 6) / (2.0 * 4 * 1e12)
     common = dict(global_batch_size=8, seq_length=1024, num_layers=4, hidden_size=1024, padded_vocab_size=65536,
                   iteration_time=2.0, world_size=4)
-    assert metrics.seed_tflops(glu=False, checkpoint_activations=False, **common) == pytest.approx(expected)
-    assert metrics.seed_tflops(glu=True, checkpoint_activations=True, **common) == pytest.approx(
+    assert metrics.megatron_deepspeed_tflops(glu=False, checkpoint_activations=False, **common) == pytest.approx(expected)
+    assert metrics.megatron_deepspeed_tflops(glu=True, checkpoint_activations=True, **common) == pytest.approx(
         expected * (32 / 24) * (4 / 3))
 
 
@@ -97,7 +97,7 @@ def test_compute_throughput_uses_the_model_config():
     assert result.samples_per_second_per_replica == 32.0
     assert result.tokens_per_second == 64.0 * 128
     assert result.tokens_per_second_per_replica == 32.0 * 128
-    assert result.tflops == pytest.approx(metrics.seed_tflops(
+    assert result.tflops == pytest.approx(metrics.megatron_deepspeed_tflops(
         global_batch_size=32, seq_length=128, num_layers=4, hidden_size=256, padded_vocab_size=1024, glu=False,
         checkpoint_activations=True, iteration_time=0.5, world_size=4))
     model_flops = design_model_flops(32, 128, 4, 256, 1024)  # recomputation earns no credit
@@ -152,7 +152,7 @@ def full_fields(**overrides):
         losses={"lm loss": 2.3456789}, loss_scale=4096.0, grad_norm=0.34567, num_zeros=0.0, params_norm=271.8281,
         curriculum_seqlen=1024, skipped_iterations=2, nan_iterations=1,
         samples_per_second=512 / iteration_time,
-        tflops=metrics.seed_tflops(glu=False, checkpoint_activations=True, iteration_time=iteration_time,
+        tflops=metrics.megatron_deepspeed_tflops(glu=False, checkpoint_activations=True, iteration_time=iteration_time,
                                    world_size=64, **SHAPE),
         model_tflops=123.456, mfu=0.43219)
     values.update(overrides)
@@ -176,7 +176,7 @@ def test_log_line_parses_back_field_by_field():
     assert float(match["sps"]) == pytest.approx(409.6)
     assert (match["model_tflops"], match["mfu"]) == ("123.46", "43.22")
     # TFLOPs recomputed from the logged time, with the seed's formula and --checkpoint-activations.
-    recomputed = metrics.seed_tflops(glu=False, checkpoint_activations=True, iteration_time=float(match["time"]),
+    recomputed = metrics.megatron_deepspeed_tflops(glu=False, checkpoint_activations=True, iteration_time=float(match["time"]),
                                      world_size=64, **SHAPE)
     assert match["tflops"] == f"{recomputed:.2f}"
 
@@ -263,3 +263,39 @@ def test_parameter_and_milestone_lines():
     assert metrics.kill_switch_line("/tmp/kill") == "Detected kill switch at /tmp/kill. Exiting"
     assert metrics.exit_after_minutes_label(1190.5) == "exiting program after 1190.5 minutes"
     assert metrics.exit_at_iteration_label(20) == "exiting program at iteration 20"
+
+
+@pytest.mark.parametrize("seconds, text", [(0, "0:00:00"), (59.4, "0:00:59"), (59.6, "0:01:00"),
+                                           (3725.4, "1:02:05"), (90061, "25:01:01"), (-3, "0:00:00")])
+def test_format_duration(seconds, text):
+    assert metrics.format_duration(seconds) == text
+
+
+def test_remaining_seconds_until_the_iteration_or_token_stop():
+    # 100 - 40 = 60 iterations at 2 s; a token stop 25 iterations away (1000 tokens each, rounded up) comes first.
+    assert metrics.remaining_seconds(40, 100, 40_000, None, 1000, 2.0) == 120.0
+    assert metrics.remaining_seconds(40, 100, 40_000, 64_500, 1000, 2.0) == 50.0
+    assert metrics.remaining_seconds(100, 100, 0, None, 1000, 2.0) == 0.0
+
+
+def test_log_line_ends_with_the_eta():
+    fields = TrainingLogFields(iteration=10, train_iters=20, consumed_samples=40, consumed_tokens=2560,
+                               elapsed_time_per_iteration=1.5, learning_rate=1e-3, global_batch_size=4,
+                               skipped_iterations=0, nan_iterations=0, samples_per_second=2.667, tflops=0.5,
+                               eta_seconds=15.0)
+    assert training_log_line(fields).endswith(" TFLOPs: 0.50 | ETA: 0:00:15 |")
+
+
+def test_run_summary_lines():
+    totals = metrics.RunTotals()
+    for _ in range(4):
+        totals.add_iteration(8, 8 * 128, 2e12)
+    totals.seconds = 2.0
+    lines = metrics.run_summary_lines(totals, 14, 112, 14_336, {"train lm loss": 2.5, "validation lm loss": 3.0},
+                                      world_size=2, peak_tflops=4.0)
+    assert lines[0] == " training summary | iterations: 14 (4 in this run) | consumed samples: 112 | consumed tokens: 14336 |"
+    assert lines[1] == (" training summary | train lm loss: 2.500000E+00 | validation lm loss: 3.000000E+00 |"
+                        f" validation lm loss PPL: {math.exp(3.0):.6E} |")
+    # 8e12 FLOPs in 2 s on 2 GPUs = 2 TFLOP/s per GPU, half of the 4 TFLOP/s peak.
+    assert lines[2] == (" training summary | iteration time in this run: 0:00:02 | samples per second: 16.000 |"
+                        " tokens per second: 2048.0 | model TFLOP/s per GPU: 2 | MFU: 50.00% |")

@@ -20,7 +20,7 @@ def test_rampup_follows_the_hand_computed_table():
     calculator = build_num_microbatches_calculator(16, 2, 2, rampup_batch_size=[4, 4, 96])
     consumed = 0
     for iteration, expected_consumed, expected_gbs, expected_micro_batches in RAMP_TABLE:
-        calculator.update(consumed, consistency_check=True)
+        calculator.update(consumed)
         assert (iteration, consumed, calculator.get_current_global_batch_size(), calculator.get()) == \
                (iteration, expected_consumed, expected_gbs, expected_micro_batches)
         consumed += calculator.get_current_global_batch_size()
@@ -28,9 +28,9 @@ def test_rampup_follows_the_hand_computed_table():
 
 def test_rampup_boundary_is_strictly_after_the_ramp_samples():
     calculator = build_num_microbatches_calculator(16, 2, 2, rampup_batch_size=[4, 4, 96])
-    calculator.update(96, consistency_check=True)  # c <= ramp: 4 + 4 * floor(96 / 32) = 16
+    calculator.update(96)  # c <= ramp: 4 + 4 * floor(96 / 32) = 16
     assert calculator.get_current_global_batch_size() == 16
-    calculator.update(95, consistency_check=True)
+    calculator.update(95)
     assert calculator.get_current_global_batch_size() == 12
 
 
@@ -49,7 +49,7 @@ def test_train_samples_ending_inside_the_ramp_count_whole_batches():
 
 def test_constant_batch():
     calculator = build_num_microbatches_calculator(32, 2, 4)
-    calculator.update(12345, consistency_check=True)
+    calculator.update(12345)
     assert (calculator.get(), calculator.get_current_global_batch_size()) == (4, 32)
 
 
@@ -63,16 +63,17 @@ def test_bigscience_tr11_ramp():
     # 192 16 9_765_625 with GBS 2048: 116 increments of 84,186.4 samples each.
     calculator = build_num_microbatches_calculator(2048, 2, 8, rampup_batch_size=[192, 16, 9_765_625])
     assert calculator.rampup_samples_per_increment == pytest.approx(9_765_625 / 116)
-    calculator.update(84_187, consistency_check=True)
+    calculator.update(84_187)
     assert calculator.get_current_global_batch_size() == 208
-    calculator.update(9_765_626, consistency_check=True)
+    calculator.update(9_765_626)
     assert calculator.get() == 128
 
 
 @pytest.mark.parametrize("global_batch, micro_batch, dp, rampup, flags", [
-    (18, 2, 2, None, ["--global-batch-size (18)", "--micro-batch-size (2)"]),
-    (16, 2, 2, [4, 5, 96], ["--global-batch-size (16)", "--rampup-batch-size increment (5)"]),
-    (16, 2, 2, [20, 4, 96], ["--rampup-batch-size <start> (20)", "--global-batch-size (16)"]),
+    (18, 2, 2, None, ["--global-batch-size 18", "--micro-batch-size 2", "data-parallel size 2 = 4"]),
+    (16, 2, 2, [4, 5, 96], ["--rampup-batch-size 4 5 96", "--global-batch-size 16", "whole <increment>s"]),
+    (16, 2, 2, [20, 4, 96], ["--rampup-batch-size 20 4 96", "<start> <= 16"]),
+    (16, 2, 2, [6, 2, 100], ["--rampup-batch-size 6 2 100", "data-parallel size 2 = 4", "these are not: 6, 10, 14"]),
     (16, 2, 2, [4, 4], ["--rampup-batch-size takes three values"]),
     (0, 2, 2, None, ["--global-batch-size must be a positive integer"]),
 ])
@@ -83,12 +84,7 @@ def test_static_errors_name_the_flags(global_batch, micro_batch, dp, rampup, fla
         assert flag in str(raised.value)
 
 
-def test_ramp_batch_not_divisible_by_micro_batch_times_dp():
-    # start 6 is not a multiple of b * d = 4: the loop's consistency check, and train_iters up front.
-    calculator = build_num_microbatches_calculator(16, 2, 2, rampup_batch_size=[6, 2, 100])
-    calculator.update(0, consistency_check=False)
-    assert calculator.get_current_global_batch_size() == 6
-    with pytest.raises(BatchSizeError, match=r"global batch size 6 .*--micro-batch-size \(2\)"):
-        calculator.update(0, consistency_check=True)
+def test_ramp_batch_not_divisible_is_refused_before_training_starts():
+    # start 6 is not a multiple of b * d = 4: no calculator and no iteration count for this ramp.
     with pytest.raises(BatchSizeError, match="--rampup-batch-size 6 2 100"):
         train_iters_for_samples(1000, 16, 2, 2, rampup_batch_size=[6, 2, 100])

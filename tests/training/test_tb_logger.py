@@ -46,6 +46,7 @@ def write_short_run(log_dir, **settings):
     logger.write_timers(4, {"forward-compute": 0.125})
     logger.write_validation(progress_at(4), {"lm loss": 3.0})
     logger.write_validation(progress_at(4), {"lm loss": 25.0}, group_name="ARXIV")
+    logger.write_validation(progress_at(4), {"lm loss": 4.0}, split="test")
     logger.close()
 
 
@@ -71,9 +72,10 @@ def test_tags_and_x_axes_in_iterations_samples_and_tokens(tmp_path):
         "iteration-time/model TFLOP/s per gpu", "iteration-time/MFU",
         "time/forward-compute-time",
     }
-    for prefix in ("lm-loss-validation", "lm-loss-validation/ARXIV"):
+    for prefix, split in (("lm-loss-validation", "validation"), ("lm-loss-validation/ARXIV", "validation"),
+                          ("lm-loss-test", "test")):
         for suffix in ("", " ppl"):
-            expected |= {f"{prefix}/lm loss validation{suffix}{axis}"
+            expected |= {f"{prefix}/lm loss {split}{suffix}{axis}"
                          for axis in ("", " vs samples", " vs tokens", " vs gigaflos (without embeddings)")}
     assert tags == expected
 
@@ -86,10 +88,11 @@ def test_tags_and_x_axes_in_iterations_samples_and_tokens(tmp_path):
     assert steps_and_values(events, "steps-vs-tokens/y=steps,x=tokens") == [(128 * i, i) for i in range(1, 5)]
     assert steps_and_values(events, "learning-rate/learning-rate vs tokens") == [(128 * i, 1e-4 * i) for i in range(1, 5)]
     assert steps_and_values(events, "batch-size/batch-size vs samples") == [(8 * i, 8) for i in range(1, 5)]
-    assert steps_and_values(events, "iteration-time/world_size") == [(0, 4), (1, 0)]
+    assert steps_and_values(events, "iteration-time/world_size") == [(0, 4)]
     assert steps_and_values(events, "iteration-time/iteration-time vs tokens") == [(512, 0.25)]
     assert steps_and_values(events, "time/forward-compute-time") == [(4, 0.125)]
     assert steps_and_values(events, "lm-loss-validation/lm loss validation vs samples") == [(32, 3.0)]
+    assert steps_and_values(events, "lm-loss-test/lm loss test") == [(4, 4.0)]
     assert steps_and_values(events, "lm-loss-validation/ARXIV/lm loss validation ppl vs tokens") == \
         [(512, math.exp(20))]
 
@@ -152,8 +155,7 @@ def test_each_restart_opens_a_new_events_file(tmp_path):
         logger.write_run_start({}, iteration=4 * restart, world_size=1)
         logger.close()
     assert len(glob.glob(str(tmp_path / "events.out.tfevents.*"))) == 2
-    assert steps_and_values(read_events(str(tmp_path)), "iteration-time/world_size") == \
-        [(0, 1), (1, 0), (4, 1), (5, 0)]
+    assert steps_and_values(read_events(str(tmp_path)), "iteration-time/world_size") == [(0, 1), (4, 1)]
 
 
 @pytest.mark.parametrize("field, flag", [("queue_size", "--tensorboard-queue-size"),

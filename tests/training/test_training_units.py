@@ -1,7 +1,9 @@
 """Unit tests of the trainer's pieces: reductions, optimizer groups, gradient clipping, data delivery,
 checkpoint state and stop conditions."""
+import dataclasses
 import importlib.util
 import math
+import pickle
 import os
 import random
 from types import SimpleNamespace
@@ -24,6 +26,7 @@ from megatron.training.engine import (EngineSetupError, build_optimizer, check_e
                                       parameter_counts, uses_pipeline_engine, weight_decay_groups)
 from megatron.training.training import UnsupportedConfigurationError, check_supported, exit_label
 from tests.dist_utils import run_distributed
+from tests.training.test_config import config_of
 
 EOD = 9
 
@@ -228,23 +231,25 @@ def test_cyclic_loader_reshuffles_each_epoch_and_keeps_the_default_rng():
 # ---------------------------------------------------------------------------------------- checkpoint state
 
 
-def _config_stub(**model_overrides):
-    model = tiny_model(**model_overrides).config
-    return SimpleNamespace(model=model, data=SimpleNamespace(orig_vocab_size=50),
-                           parallel=SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                                                    data_parallel_size=1),
-                           checkpoint=SimpleNamespace(no_save_rng=False))
+def _train_config(**model_overrides):
+    """A TrainConfig of real flags, with the tiny model and a 50-token tokenizer."""
+    config = config_of()
+    return dataclasses.replace(config, model=tiny_model(**model_overrides).config,
+                               data=dataclasses.replace(config.data, orig_vocab_size=50))
 
 
 def test_client_state_holds_counters_version_vocab_and_rng():
-    config = _config_stub()
+    config = _train_config()
     progress = TrainingProgress(iteration=7, consumed_train_samples=28, consumed_train_tokens=224,
                                 consumed_valid_samples=8)
-    state = client_state(progress, config, {"lr": 1e-3, "params_dtype": torch.float32})
+    state = client_state(progress, config)
     assert state["iteration"] == 7 and state["tokens"] == 224 and state["consumed_valid_samples"] == 8
     assert state["checkpoint_version"] == 3.0
     assert state["checkpoint_info"] == {"padded_vocab_size": 64, "original_vocab_size": 50}
-    assert state["args"]["arguments"] == {"lr": 1e-3, "params_dtype": "torch.float32"}
+    saved = state["args"]["config"]
+    assert saved["optimizer"]["lr"] == config.optimizer.lr and saved["model"]["params_dtype"] == "torch.float32"
+    assert saved["schedule"]["global_batch_size"] == config.schedule.global_batch_size
+    assert pickle.loads(pickle.dumps(saved)) == saved  # plain values only
     assert "rng_tracker_states" in state
     _check_compatible(state, config, "ckpt")
     with pytest.raises(CheckpointError, match="--hidden-size"):

@@ -94,6 +94,15 @@ class GPTDatasetConfig:
         if len(self.split) != 3 or any(f < 0 for f in self.split) or sum(self.split) <= 0:
             raise DatasetConfigError(f"split must be 3 non-negative proportions, got {self.split}")
 
+    def prefixes(self) -> list[tuple[str, str]]:
+        """(flag, prefix) of every dataset the config reads, in flag order."""
+        found = [("--data-path", entry.prefix) for entry in self.data_path]
+        for split, groups in (("train", self.train_groups), ("valid", self.valid_groups),
+                              ("test", self.test_groups)):
+            found += [(f"--{split}-weighted-split-paths", entry.prefix)
+                      for group in groups for entry in group.entries]
+        return found
+
 
 def _check_positive_int(field, value):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:

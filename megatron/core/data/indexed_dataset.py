@@ -454,3 +454,32 @@ def make_dataset(path_prefix, impl="mmap", skip_warmup=True):
     if impl != "mmap":
         raise IndexedDatasetError(f"{path_prefix}: unknown dataset impl '{impl}' (use mmap or infer)")
     return MMapIndexedDataset(path_prefix, skip_warmup=skip_warmup)
+
+
+def _missing_dataset_hint(prefix: str) -> str:
+    """Why ``prefix`` names no dataset, with the likely prefix: a path given with its .bin/.idx
+    extension, or without the ``_{key}_document`` suffix that preprocessing appends."""
+    stem, extension = os.path.splitext(prefix)
+    if extension in (".bin", ".idx") and os.path.isfile(index_file_path(stem)):
+        return f"give the prefix without the {extension} extension: {stem}"
+    directory = os.path.dirname(prefix) or "."
+    if not os.path.isdir(directory):
+        return f"the directory {directory} does not exist"
+    name = os.path.basename(stem if extension in (".bin", ".idx") else prefix)
+    candidates = sorted(entry[:-len(".idx")] for entry in os.listdir(directory)
+                        if entry.endswith(".idx") and entry.startswith(name))
+    if candidates:
+        shown = ", ".join(os.path.join(directory, entry) for entry in candidates[:4])
+        return (f"the prefix is the --output-prefix of preprocessing plus _<json key>_document, e.g. "
+                f"{prefix}_text_document; datasets starting with this name: {shown}")
+    return f"no {name}*.idx in {directory}"
+
+
+def check_dataset_prefix(prefix: str, impl: str = "infer") -> None:
+    """Open the dataset at ``prefix`` once, as training will (header, counts, document index and the
+    .bin size are checked), and close it; no dataset there raises IndexedDatasetError with a hint."""
+    if not (os.path.isfile(index_file_path(prefix)) and os.path.isfile(data_file_path(prefix))):
+        present = [path for path in (index_file_path(prefix), data_file_path(prefix)) if os.path.isfile(path)]
+        found = f" (only {present[0]} exists)" if present else ""
+        raise IndexedDatasetError(f"{prefix}: no dataset at this prefix{found}; {_missing_dataset_hint(prefix)}")
+    make_dataset(prefix, impl)

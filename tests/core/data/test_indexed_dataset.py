@@ -319,3 +319,35 @@ def test_missing_files_raise_errors_naming_the_file(three_doc_prefix):
     os.remove(index_file_path(three_doc_prefix))
     with pytest.raises(IndexedDatasetError, match=r"three\.idx: index file not found"):
         make_dataset(three_doc_prefix, "infer")
+
+
+def test_check_dataset_prefix_accepts_a_dataset_and_rejects_its_damage(three_doc_prefix):
+    from megatron.core.data.indexed_dataset import check_dataset_prefix
+    check_dataset_prefix(three_doc_prefix)
+    _rewrite(data_file_path(three_doc_prefix), lambda data: data[:-2])
+    with pytest.raises(IndexedDatasetError, match="three.bin"):
+        check_dataset_prefix(three_doc_prefix)
+
+
+@pytest.mark.parametrize("given, hint", [
+    ("{prefix}.bin", "without the .bin extension: {prefix}"),
+    ("{prefix}.idx", "without the .idx extension: {prefix}"),
+    ("{directory}/docs", "{directory}/docs_text_document"),
+    ("{directory}/nothing", "no nothing*.idx in {directory}"),
+    ("{directory}/absent/docs_text_document", "the directory {directory}/absent does not exist"),
+])
+def test_check_dataset_prefix_hints_at_the_likely_prefix(tmp_path, given, hint):
+    from megatron.core.data.indexed_dataset import check_dataset_prefix
+    prefix = str(tmp_path / "docs_text_document")
+    _build(prefix, [[[1, 2]]])
+    values = {"prefix": prefix, "directory": str(tmp_path)}
+    with pytest.raises(IndexedDatasetError) as error:
+        check_dataset_prefix(given.format(**values))
+    assert given.format(**values) in str(error.value) and hint.format(**values) in str(error.value)
+
+
+def test_check_dataset_prefix_names_the_one_file_present(three_doc_prefix):
+    from megatron.core.data.indexed_dataset import check_dataset_prefix
+    os.remove(data_file_path(three_doc_prefix))
+    with pytest.raises(IndexedDatasetError, match=r"only .*three\.idx exists"):
+        check_dataset_prefix(three_doc_prefix)

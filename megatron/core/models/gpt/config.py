@@ -139,7 +139,8 @@ class GPTModelConfig:
         if self.checkpoint_num_layers < 1:
             raise GPTConfigError(f"--checkpoint-num-layers must be >= 1, got {self.checkpoint_num_layers}")
         if self.distribute_checkpointed_activations and not self.checkpoint_activations:
-            raise GPTConfigError("--distribute-checkpointed-activations requires --checkpoint-activations")
+            raise GPTConfigError("--distribute-checkpointed-activations / --partition-activations require "
+                                 "--checkpoint-activations")
         if self.attention_impl not in ATTENTION_IMPLEMENTATIONS:
             raise GPTConfigError(f"attention implementation must be one of {ATTENTION_IMPLEMENTATIONS}, "
                                  f"got {self.attention_impl!r}")
@@ -155,7 +156,10 @@ class GPTModelConfig:
         return self.attention_softmax_in_fp32 or self.apply_query_key_layer_scaling
 
     def validate_for_tensor_parallel(self, tensor_model_parallel_size: int) -> None:
-        """Raise ParallelConfigError unless heads, ffn and vocabulary split evenly over the TP ranks."""
+        """Raise ParallelConfigError unless heads, ffn and vocabulary split evenly over the TP ranks.
+
+        The trainer calls it once, when it builds the config; the layers' own splits (``divide``)
+        raise for a library user who skips it."""
         tp = tensor_model_parallel_size
         check_divisible(self.num_attention_heads, tp, "--num-attention-heads", TP_FLAG)
         check_divisible(self.ffn_hidden_size, tp, "--ffn-hidden-size", TP_FLAG)

@@ -46,7 +46,6 @@ class GPTModel(nn.Module):
         if groups.pp_size != 1:
             raise ParallelConfigError(f"GPTModel runs the whole model on one stage; with "
                                       f"--pipeline-model-parallel-size {groups.pp_size} build GPTModelPipe")
-        config.validate_for_tensor_parallel(groups.tp_size)
         self.config = config
         self.groups = groups
         self.embedding = Embedding(config, groups, device=device)

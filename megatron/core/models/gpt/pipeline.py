@@ -210,7 +210,6 @@ class GPTModelPipe(PipelineModule):
 
     def __init__(self, config: GPTModelConfig, groups: ParallelGroups, topology,
                  partition_method: str = "type:transformer", device=None):
-        config.validate_for_tensor_parallel(groups.tp_size)
         check_partition_method(partition_method)
         specs = gpt_layer_specs(config, groups, device)
         interval = config.checkpoint_num_layers if config.checkpoint_activations else 0
