@@ -106,6 +106,9 @@ def add_training_args(parser):
                        help="save and exit after this many minutes")
     group.add_argument("--kill-switch-path", default=None,
                        help="when this file exists: exit at start, or save a checkpoint and exit")
+    group.add_argument("--exit-signal-handler", action="store_true",
+                       help="save a checkpoint and exit 0 on SIGTERM, SIGINT or SIGUSR1 (always on; the flag "
+                            "is Megatron-LM's and accepted for its scripts)")
     group.add_argument("--tensorboard-dir", default=None, help="TensorBoard output directory")
     group.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false",
                        help="do not fuse scale, mask and softmax")

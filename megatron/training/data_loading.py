@@ -32,6 +32,7 @@ from megatron.core.data.samplers import MegatronPretrainingRandomSampler, Megatr
 from megatron.core.models.gpt import get_ltor_masks_and_position_ids
 from megatron.training.argument_types import ArgumentError
 from megatron.training.config import DataConfig
+from megatron.training.signals import ignore_exit_signals
 
 DATALOADER_TYPES = ("single", "cyclic")
 
@@ -120,7 +121,8 @@ def build_data_loader(dataset, consumed_samples: int, settings: LoaderSettings) 
     # masks of a resumed run, whose loaders start at another point of the RNG stream.
     generator = torch.Generator().manual_seed(settings.seed)
     return DataLoader(dataset, batch_sampler=sampler, num_workers=settings.num_workers, generator=generator,
-                      pin_memory=torch.cuda.is_available(), persistent_workers=settings.num_workers > 0)
+                      pin_memory=torch.cuda.is_available(), persistent_workers=settings.num_workers > 0,
+                      worker_init_fn=ignore_exit_signals if settings.num_workers > 0 else None)
 
 
 def cycling_iterator(dataset, consumed_samples: int, settings: LoaderSettings, name: str) -> Iterator[dict]:
@@ -162,6 +164,14 @@ class DataIterators:
     train: Iterator[dict] | None = None
     valid: list[tuple[str, Iterator[dict] | None]] = field(default_factory=list)
     test: list[tuple[str, Iterator[dict] | None]] = field(default_factory=list)
+
+    def close(self) -> None:
+        """Close every iterator, which shuts its DataLoader workers down. The workers ignore the exit
+        signals (signals.py), so the terminate() that multiprocessing sends its remaining children at
+        interpreter exit would not end them: they must be shut down before."""
+        for iterator in [self.train] + [it for _, it in self.valid] + [it for _, it in self.test]:
+            if iterator is not None:
+                iterator.close()
 
 
 def check_dataset_files(dataset: GPTDatasetConfig) -> None:

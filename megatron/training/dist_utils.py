@@ -87,6 +87,11 @@ def max_across_ranks(value: float, group=None) -> float:
     return _all_reduce([value], dist.ReduceOp.MAX, group)[0]
 
 
+def max_each_across_ranks(values: Sequence[float], group=None) -> list[float]:
+    """Element-wise maximum of ``values`` over the ranks of ``group``: several decisions in one collective."""
+    return _all_reduce(values, dist.ReduceOp.MAX, group)
+
+
 def any_rank_true(flag: bool, group=None) -> bool:
     """True on every rank when ``flag`` is True on at least one: a decision all ranks share
     (the kill switch is seen by whichever rank's file system sees it first)."""

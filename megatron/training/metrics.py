@@ -426,6 +426,14 @@ def kill_switch_line(path: str) -> str:
     return f"Detected kill switch at {path}. Exiting"
 
 
+def signal_exit_line(signal_name: str, iteration: int, save_directory: str | None) -> str:
+    """Where a run stopped by a signal stands and how to resume it."""
+    if save_directory is None:
+        return f"received {signal_name}: exiting after iteration {iteration} without a checkpoint (no --save)"
+    return (f"received {signal_name}: saved a checkpoint at iteration {iteration} in {save_directory}; "
+            f"resume with the same command and --load {save_directory}")
+
+
 def exit_after_minutes_label(minutes: float) -> str:
     """Label for ``datetime_line`` when --exit-duration-in-mins stops the run."""
     return f"exiting program after {minutes} minutes"

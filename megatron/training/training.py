@@ -14,7 +14,8 @@ One iteration (Trainer.train):
   1. the batch calculator sets the global batch for the consumed samples (--rampup-batch-size);
      the engine follows (engine.set_train_batch_size: the pipeline's micro batches, or the plain
      engine's accumulation steps);
-  2. the kill switch is checked (any rank seeing the file stops all ranks);
+  2. the kill switch and the exit signals are checked in one all-reduce (any rank seeing the file
+     or receiving SIGTERM / SIGINT / SIGUSR1 stops all ranks, after a checkpoint: signals.py);
   3. train_step: the pipeline engine's train_batch, or forward/backward/step per micro batch on the
      plain engine; DeepSpeed reduces gradients, clips, steps the optimizer and the LR schedule (not
      on an fp16 overflow, which counts as a skipped iteration);
@@ -52,9 +53,10 @@ from megatron.training.metrics import (BUILDING_DATASETS_LINE, TEST_END_PREFIX, 
                                        gigaflos_no_embeddings, initialization_time_line, kill_switch_line,
                                        measure_matmul_peak_tflops, memory_report_line, model_flops,
                                        parameter_count_lines, rank_parameter_line, remaining_seconds,
-                                       run_summary_lines, train_iterations_line, training_log_line,
-                                       validation_log_lines, validation_prefix)
+                                       run_summary_lines, signal_exit_line, train_iterations_line,
+                                       training_log_line, validation_log_lines, validation_prefix)
 from megatron.training.microbatches import build_num_microbatches_calculator, train_iters_for_samples
+from megatron.training.signals import ExitSignals, signal_name
 from megatron.training.tb_logger import IterationScalars, Progress, TensorBoardLogger, TensorBoardSettings
 from megatron.training.timers import Timers
 
@@ -104,10 +106,20 @@ def exit_label(iteration: int, elapsed_minutes: float | None, schedule) -> str |
     return None
 
 
-def kill_switch_seen(path: str | None) -> bool:
-    """Collective: True on every rank when any rank sees the --kill-switch-path file (whichever file
-    system sees it first)."""
-    return path is not None and dist_utils.any_rank_true(os.path.exists(path))
+@dataclass(frozen=True)
+class StopRequest:
+    """Why the run must stop now, as every rank agreed: the kill switch, or a signal (its number, 0 for none)."""
+
+    kill_switch: bool
+    signal_number: int
+
+
+def stop_request(kill_switch_path: str | None, signals: ExitSignals) -> StopRequest:
+    """Collective, one all-reduce: whether any rank sees the --kill-switch-path file (whichever file
+    system sees it first) and the largest exit signal any rank received (signals.py)."""
+    seen = kill_switch_path is not None and os.path.exists(kill_switch_path)
+    kill_switch, number = dist_utils.max_each_across_ranks([float(seen), float(signals.first)])
+    return StopRequest(kill_switch > 0, int(number))
 
 
 def _loss_scale(engine) -> float | None:
@@ -126,9 +138,9 @@ class Trainer:
     """The engine, the data, the reporting and the counters of one run, all built by the constructor
     (module docstring); ``train`` runs the loop."""
 
-    def __init__(self, config: TrainConfig, groups, tokenizer, start_time: float):
+    def __init__(self, config: TrainConfig, groups, tokenizer, start_time: float, signals: ExitSignals):
         self.config, self.groups, self.schedule = config, groups, config.schedule
-        self.start_time = start_time
+        self.start_time, self.signals = start_time, signals
         self.timers = Timers()
         self.train_iters = total_train_iters(config)
         self.dp_group = groups.process_groups["dp"]
@@ -310,9 +322,10 @@ class Trainer:
         while not self.training_done():
             self.calculator.update(self.progress.consumed_train_samples)
             self.engine.set_train_batch_size(self.calculator.get_current_global_batch_size())
-            if kill_switch_seen(self.schedule.kill_switch_path):
+            stop = stop_request(self.schedule.kill_switch_path, self.signals)
+            if stop.kill_switch or stop.signal_number:
                 self._save_before_exit()
-                return kill_switch_line(self.schedule.kill_switch_path)
+                return self._stop_line(stop)
             self.timers("train-step").start()
             result = self.train_step()
             self.timers("train-step").stop()
@@ -335,6 +348,12 @@ class Trainer:
         self.timers("interval-time").stop()
         function(*args)
         self.timers("interval-time").start()
+
+    def _stop_line(self, stop: StopRequest) -> str:
+        if stop.kill_switch:
+            return kill_switch_line(self.schedule.kill_switch_path)
+        return signal_exit_line(signal_name(stop.signal_number), self.progress.iteration,
+                                self.config.checkpoint.save)
 
     def _exit_requested(self) -> str | None:
         elapsed = None
@@ -442,6 +461,7 @@ class Trainer:
             dist_utils.print_rank_last(line)
 
     def finish(self):
+        self.iterators.close()
         self.tensorboard.close()
         if self.emissions is not None:
             self.emissions.stop()
@@ -477,20 +497,21 @@ def pretrain(config: TrainConfig, tokenizer) -> TrainingProgress:
     """
     start_time = time.time()
     check_supported(config)
-    groups = initialize_megatron(config.parallel, config.logging, config.model.seed)
-    if config.abort_on_unmet_fused_kernel_constraints:
-        check_fused_kernel_constraints(config.model, groups.tp_size, config.schedule.micro_batch_size)
-    start_time = -dist_utils.max_across_ranks(-start_time)
-    dist_utils.print_rank_0(initialization_time_line(time.time() - start_time))
-    dist_utils.print_rank_0(datetime_line("after megatron is initialized"))
-    if kill_switch_seen(config.schedule.kill_switch_path):
-        dist_utils.print_rank_0(kill_switch_line(config.schedule.kill_switch_path))
+    with ExitSignals() as signals:
+        groups = initialize_megatron(config.parallel, config.logging, config.model.seed)
+        if config.abort_on_unmet_fused_kernel_constraints:
+            check_fused_kernel_constraints(config.model, groups.tp_size, config.schedule.micro_batch_size)
+        start_time = -dist_utils.max_across_ranks(-start_time)
+        dist_utils.print_rank_0(initialization_time_line(time.time() - start_time))
+        dist_utils.print_rank_0(datetime_line("after megatron is initialized"))
+        if stop_request(config.schedule.kill_switch_path, signals).kill_switch:
+            dist_utils.print_rank_0(kill_switch_line(config.schedule.kill_switch_path))
+            dist_utils.shutdown()
+            return TrainingProgress()
+        trainer = Trainer(config, groups, tokenizer, start_time, signals)
+        try:
+            _run(trainer)
+        finally:
+            trainer.finish()
         dist_utils.shutdown()
-        return TrainingProgress()
-    trainer = Trainer(config, groups, tokenizer, start_time)
-    try:
-        _run(trainer)
-    finally:
-        trainer.finish()
-    dist_utils.shutdown()
     return trainer.progress

@@ -1,0 +1,156 @@
+"""Stopping without loss: SIGTERM, SIGINT and SIGUSR1 mid-run save a checkpoint at the current iteration,
+and the resumed run continues exactly as if nothing had happened (dropout 0.1, losses equal to the bit).
+
+Each signal is sent two ways, as clusters and users send them:
+  to one rank        the ranks are started as plain processes (RANK, WORLD_SIZE, ... in their
+                     environment) and one of them gets the signal; every rank must exit 0
+  to the launcher    torchrun gets SIGTERM or SIGINT and passes it on to its workers; SIGUSR1 goes to
+                     every process of the job, as SLURM's --signal does (torchrun has no handler for
+                     it and exits at once; the ranks save)
+A second signal while the checkpoint is written must not spoil it.
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from tests.dist_utils import free_port
+from tests.training.e2e_utils import (PRETRAIN_SCRIPT, e2e_data, read_scalars, run_pretrain,  # noqa: F401
+                                      subprocess_env, tiny_gpt_flags, torchrun_command)
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+TRAIN_ITERS = 60
+FLAGS = ["--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(TRAIN_ITERS), "--lr", "1e-3",
+         "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1", "--save-interval", "1000"]
+STOP_LINE = re.compile(r"received (SIG\w+): saved a checkpoint at iteration (\d+) in (\S+); resume with the same "
+                       r"command and --load (\S+)")
+TIMEOUT = 600
+
+
+def run_flags(data, tmp_path, name):
+    flags = tiny_gpt_flags(data) + FLAGS + ["--tensorboard-dir", str(tmp_path / name / "tb"),
+                                            "--save", str(tmp_path / "ckpt")]
+    flags[flags.index("--num-workers") + 1] = "1"
+    return flags
+
+
+def training_losses(tensorboard_dir):
+    return dict(read_scalars(tensorboard_dir)["lm-loss-training/lm loss"])
+
+
+@pytest.fixture(scope="module")
+def reference(e2e_data, tmp_path_factory):  # noqa: F811
+    tmp_path = tmp_path_factory.mktemp("reference")
+    run_pretrain(run_flags(e2e_data, tmp_path, "run"), nproc=2, timeout=TIMEOUT).assert_ok()
+    losses = training_losses(str(tmp_path / "run" / "tb"))
+    assert sorted(losses) == list(range(1, TRAIN_ITERS + 1))
+    return losses
+
+
+class Job:
+    """Processes started together, their output in one file; killed as a group if they outlive TIMEOUT."""
+
+    def __init__(self, commands_and_envs):
+        self.output = tempfile.NamedTemporaryFile("w+", delete=False)
+        self.processes = [subprocess.Popen(command, env=subprocess_env(env), stdout=self.output,
+                                           stderr=subprocess.STDOUT, start_new_session=True)
+                          for command, env in commands_and_envs]
+
+    def text(self) -> str:
+        with open(self.output.name) as f:
+            return f.read()
+
+    def wait_for(self, pattern: str):
+        deadline = time.monotonic() + TIMEOUT
+        while not re.search(pattern, self.text(), re.MULTILINE):
+            if time.monotonic() > deadline or all(p.poll() is not None for p in self.processes):
+                self.kill()
+                raise AssertionError(f"never printed {pattern!r}:\n{self.text()[-4000:]}")
+            time.sleep(0.05)
+
+    def wait(self) -> list[int]:
+        try:
+            return [process.wait(timeout=TIMEOUT) for process in self.processes]
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"the job did not stop:\n{self.text()[-4000:]}")
+
+    def kill(self):
+        for process in self.processes:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def start_ranks(flags) -> Job:
+    """Two ranks as plain processes (the "env" launcher)."""
+    port = str(free_port())
+    base = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    return Job([([sys.executable, PRETRAIN_SCRIPT, *flags], {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+                for rank in range(2)])
+
+
+def start_torchrun(flags) -> Job:
+    return Job([(torchrun_command(2) + [PRETRAIN_SCRIPT, *flags], {})])
+
+
+def every_process_of(job: Job) -> list[int]:
+    """The job's processes and all their descendants (ranks, DataLoader workers): what SLURM signals,
+    since it tracks a job step's processes, not their sessions (torchrun starts each rank in its own)."""
+    output = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True, check=True).stdout
+    children = {}
+    for pid, parent in (map(int, line.split()) for line in output.splitlines()):
+        children.setdefault(parent, []).append(pid)
+    found, pending = [], [process.pid for process in job.processes]
+    while pending:
+        pid = pending.pop()
+        found.append(pid)
+        pending += children.get(pid, [])
+    return found
+
+
+CASES = [("SIGTERM", "rank"), ("SIGINT", "rank"), ("SIGUSR1", "rank"),
+         ("SIGTERM", "launcher"), ("SIGINT", "launcher"), ("SIGUSR1", "launcher")]
+
+
+@pytest.mark.parametrize("name, target", CASES)
+def test_signal_saves_and_the_resumed_run_continues_exactly(e2e_data, tmp_path, reference, name, target):  # noqa: F811
+    number = getattr(signal, name)
+    flags = run_flags(e2e_data, tmp_path, "stopped")
+    job = start_ranks(flags) if target == "rank" else start_torchrun(flags)
+    job.wait_for(r"^ iteration +3/")
+    if target == "rank":
+        os.kill(job.processes[1].pid, number)
+    elif name == "SIGUSR1":
+        for pid in every_process_of(job):
+            os.kill(pid, number)
+    else:
+        os.kill(job.processes[0].pid, number)
+    job.wait_for(r"^saving checkpoint at iteration")
+    for process in job.processes[-1:] if target == "rank" else []:
+        os.kill(process.pid, number)  # a second signal while the checkpoint is written
+    codes = job.wait()
+    output = job.text()
+    if target == "rank":
+        assert codes == [0, 0], output[-4000:]
+    assert "Unable to shutdown process" not in output, "a worker outlived the launcher's grace period"
+    stop = STOP_LINE.search(output)
+    assert stop is not None, output[-4000:]
+    iteration = int(stop[2])
+    assert stop[1] == name and stop[3] == stop[4] == str(tmp_path / "ckpt") and 3 <= iteration < TRAIN_ITERS
+    assert (tmp_path / "ckpt" / "latest").read_text() == f"global_step{iteration}"
+
+    resumed = run_pretrain(run_flags(e2e_data, tmp_path, "resumed") + ["--load", str(tmp_path / "ckpt")], nproc=2,
+                           timeout=TIMEOUT)
+    resumed.assert_ok()
+    assert f"successfully loaded checkpoint from {tmp_path / 'ckpt'} at iteration {iteration}" in resumed.output
+    losses = training_losses(str(tmp_path / "resumed" / "tb"))
+    assert sorted(losses) == list(range(iteration + 1, TRAIN_ITERS + 1))
+    assert {it: losses[it] for it in losses} == {it: reference[it] for it in losses}  # difference 0.0
