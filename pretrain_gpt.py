@@ -6,7 +6,9 @@
 
 Steps: choose DeepSpeed's accelerator (CPU without CUDA) before it is imported; parse and validate
 the flags (megatron/training/arguments.py); build the tokenizer and the typed configuration; open
-every dataset once; then megatron.training.pretrain runs the job. Everything before pretrain runs
+every dataset once; check the checkpoint directories (a readable ``latest`` in --load, no
+checkpoints in --save that a run from iteration 0 would replace); then megatron.training.pretrain
+runs the job. Everything before pretrain runs
 without a process group, so a bad flag, tokenizer or data path stops every rank at once, and only
 rank 0 reports it.
 """
@@ -19,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E40
 from megatron.core.tokenizer import TokenizerError, build_tokenizer  # noqa: E402
 from megatron.training.arguments import (ArgumentError, parse_args_or_exit, report_arguments,  # noqa: E402
                                          report_error_and_exit)
-from megatron.training.checkpointing import CheckpointError  # noqa: E402
+from megatron.training.checkpoint_checks import CheckpointError, check_checkpoint_directories  # noqa: E402
 from megatron.training.config import build_config  # noqa: E402
 from megatron.training.data_loading import DataLoadingError, check_dataset_files  # noqa: E402
 from megatron.training.initialize import FusedKernelConstraintError  # noqa: E402
@@ -47,6 +49,10 @@ def main(argv=None):
         check_dataset_files(config.data.dataset)
     except (ArgumentError, TokenizerError) as error:
         report_error_and_exit(error, 2)
+    try:
+        check_checkpoint_directories(config.checkpoint)
+    except CheckpointError as error:
+        report_error_and_exit(error, 1)
     report_arguments(parsed)
     try:
         pretrain(config, tokenizer)

@@ -164,6 +164,9 @@ def add_checkpointing_args(parser):
     group.add_argument("--no-load-optim", action="store_true", default=None,
                        help="do not load the optimizer state (the LR schedule and the counters still load)")
     group.add_argument("--no-load-rng", action="store_true", default=None, help="do not load the RNG states")
+    group.add_argument("--overwrite-checkpoints", action="store_true",
+                       help="start at iteration 0 although --save holds checkpoints (they are replaced as the run "
+                            "reaches their iterations); without it such a run is refused")
     group.add_argument("--finetune", action="store_true",
                        help="load the weights and start at iteration 0 (with the DeepSpeed engine the "
                             "optimizer is loaded too unless --no-load-optim)")

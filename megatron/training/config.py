@@ -183,6 +183,7 @@ class CheckpointConfig:
         no_load_rng: do not load the RNG states.
         no_save_rng: do not save the RNG states.
         finetune: load the weights and restart at iteration 0.
+        overwrite_checkpoints: a run starting at iteration 0 may save into a --save that holds checkpoints.
     """
 
     save: str | None
@@ -192,6 +193,7 @@ class CheckpointConfig:
     no_load_rng: bool
     no_save_rng: bool
     finetune: bool
+    overwrite_checkpoints: bool
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,15 @@ def any_rank_true(flag: bool, group=None) -> bool:
     return max_across_ranks(1.0 if flag else 0.0, group) > 0.0
 
 
+def gather_objects(value, group=None) -> list:
+    """Every rank's ``value`` (picklable), in rank order, on every rank of ``group``."""
+    if not distributed():
+        return [value]
+    values = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values
+
+
 def barrier(group=None) -> None:
     if not distributed():
         return

@@ -212,6 +212,58 @@ def run_pretrain(flags: list[str], *, nproc: int = 1, env: dict | None = None,
     return run_command(prefix + [PRETRAIN_SCRIPT, *flags], env=env, timeout=timeout)
 
 
+class Job:
+    """Processes started together in the background, their output in one file, for tests that act on
+    a run while it runs (signals, kills); each process in its own session, killed with it."""
+
+    def __init__(self, commands_and_envs, timeout: float = DEFAULT_TIMEOUT):
+        self.timeout = timeout
+        self.output = tempfile.NamedTemporaryFile("w+", delete=False)
+        self.processes = [subprocess.Popen(command, cwd=REPO_ROOT, env=subprocess_env(env), stdout=self.output,
+                                           stderr=subprocess.STDOUT, start_new_session=True)
+                          for command, env in commands_and_envs]
+
+    def text(self) -> str:
+        with open(self.output.name) as f:
+            return f.read()
+
+    def wait_for(self, pattern: str) -> None:
+        """Poll the output until ``pattern`` (a multiline regex) appears; kill the job and fail if it
+        never does (every process ended, or the timeout passed)."""
+        deadline = time.monotonic() + self.timeout
+        while not re.search(pattern, self.text(), re.MULTILINE):
+            if time.monotonic() > deadline or all(p.poll() is not None for p in self.processes):
+                self.kill()
+                raise AssertionError(f"never printed {pattern!r}:\n{self.text()[-4000:]}")
+            time.sleep(0.05)
+
+    def wait(self) -> list[int]:
+        """The exit status of every process; kill the job and fail past the timeout."""
+        deadline = time.monotonic() + self.timeout
+        try:
+            return [process.wait(timeout=max(0.0, deadline - time.monotonic())) for process in self.processes]
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"the job did not stop:\n{self.text()[-4000:]}") from None
+
+    def kill(self) -> None:
+        """SIGKILL every process's session, then reap them."""
+        for process in self.processes:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for process in self.processes:
+            process.wait()
+
+
+def start_ranks(flags: list[str], nproc: int = 2, timeout: float = DEFAULT_TIMEOUT) -> Job:
+    """pretrain_gpt.py as ``nproc`` plain processes with RANK, WORLD_SIZE, ... set (the "env" launcher)."""
+    base = {"WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    return Job([([sys.executable, PRETRAIN_SCRIPT, *flags], {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+                for rank in range(nproc)], timeout)
+
+
 # ---------------------------------------------------------------------------------------- reading logs
 
 LOG_LINE_START = re.compile(r" iteration\s+(?P<iteration>\d+)/\s*(?P<train_iters>\d+) \|")

@@ -3,12 +3,18 @@
 Two processes (DP=2) save at iterations 2 and 4; at 4, rank 1 dies while writing its files, after
 rank 0 has finished its own (tests/training/crash_during_save.py). ``latest`` and
 ``latest_checkpointed_iteration.txt`` must still name iteration 2, and a new run resumes from it
-and saves iteration 4 properly.
+and saves iteration 4 properly. Then 20 runs are SIGKILLed at random moments of their saves.
 """
 import os
+import random
+import re
+import time
 
 import pytest
 
+from megatron.core.checkpoint.manifest import read_manifest
+from megatron.training.checkpoint_checks import SAVING_MARKER
+from tests.training.e2e_utils import start_ranks
 from tests.training.pretrain_helpers import preprocessed_corpus, run_pretrain, tiny_run_args, training_lines  # noqa: F401
 
 CRASHING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "crash_during_save.py")
@@ -34,3 +40,39 @@ def test_rank_killed_during_save_leaves_the_previous_checkpoint_current(preproce
     assert [line["iteration"] for line in training_lines(resumed)] == [3, 4]
     assert (checkpoint / "latest").read_text() == "global_step4"
     assert (checkpoint / "latest_checkpointed_iteration.txt").read_text() == "4\n"
+
+
+def assert_complete(tag_directory):
+    """Every file the manifest lists is there with its size and CRC-32, and the save's mark is gone."""
+    manifest = read_manifest(str(tag_directory))
+    assert manifest is not None and not (tag_directory / SAVING_MARKER).exists()
+    manifest.check_present(str(tag_directory))
+    for name in manifest.files:
+        manifest.verify_file(str(tag_directory / name), str(tag_directory))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sigkill_at_random_moments_of_saves_always_leaves_a_resumable_checkpoint(preprocessed_corpus, tmp_path):  # noqa: F811
+    """20 runs, one after the other, each resuming the last and SIGKILLed (both ranks at once) at a
+    random moment while it saves every iteration: every start resumes from the checkpoint ``latest``
+    names, which is always complete."""
+    checkpoint = tmp_path / "ckpt"
+    args = tiny_run_args(preprocessed_corpus, "--global-batch-size", "4", "--train-iters", "100000",
+                         "--lr-warmup-iters", "1", "--eval-iters", "0", "--save-interval", "1",
+                         "--save", str(checkpoint), "--load", str(checkpoint))
+    rng = random.Random(20261123)
+    resumed_from = []
+    for trial in range(20):
+        before = (checkpoint / "latest").read_text() if (checkpoint / "latest").exists() else None
+        job = start_ranks(args)
+        if before is not None:
+            job.wait_for(rf"successfully loaded checkpoint from {re.escape(str(checkpoint))} at iteration "
+                         rf"{before[len('global_step'):]}$")
+            resumed_from.append(before)
+        job.wait_for(r"^saving checkpoint at iteration")
+        time.sleep(rng.uniform(0.0, 1.5))
+        job.kill()
+        if (checkpoint / "latest").exists():
+            assert_complete(checkpoint / (checkpoint / "latest").read_text())
+    assert len(resumed_from) >= 19 and len(set(resumed_from)) >= 10, resumed_from

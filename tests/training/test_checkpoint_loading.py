@@ -1,10 +1,11 @@
 """--load refuses a damaged or mismatched checkpoint with a message that names the file or the flag.
 
-One 2-process run (DP=2, ZeRO-1) saves at iteration 2; each test damages a copy of it, or resumes
-under another layout: another TP size is refused before anything is read into the model (DeepSpeed
-would re-split the weights and fail later), a missing layer file, a missing model-states file or a
-truncated optimizer shard is named; another data-parallel size needs --no-load-optim, as DeepSpeed
-cannot repartition ZeRO's optimizer states.
+One 2-process run (DP=2, ZeRO-1) saves at iterations 1 and 2; each test damages a copy of it, or
+resumes under another layout: another TP size is refused before anything is read into the model
+(DeepSpeed would re-split the weights and fail later); 15 kinds of damage (missing, truncated,
+bit-flipped or foreign files, a broken manifest, a broken or missing ``latest``) are each named
+before training starts; another data-parallel size needs --no-load-optim, as DeepSpeed cannot
+repartition ZeRO's optimizer states; a run from iteration 0 refuses a --save that holds checkpoints.
 """
 import shutil
 
@@ -22,7 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 def saved_at_2(preprocessed_corpus, tmp_path_factory):  # noqa: F811
     checkpoint = tmp_path_factory.mktemp("saved") / "ckpt"
     run_pretrain(tiny_run_args(preprocessed_corpus, *FLAGS, "--train-iters", "2", "--save", str(checkpoint),
-                                      "--save-interval", "2"), nproc=2)
+                               "--save-interval", "1"), nproc=2)
     return checkpoint
 
 
@@ -54,22 +55,70 @@ def test_another_data_parallel_size_needs_no_load_optim_under_zero(preprocessed_
     assert [(line["iteration"], line["consumed samples"]) for line in training_lines(resumed.stdout)] == [(3, 12), (4, 16)]
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("missing layer", "global_step2 is incomplete: layer_03-model_00-model_states.pt"),
-    ("missing model states", "global_step2 holds no mp_rank_*_model_states.pt"),
-    ("truncated optimizer shard", "cannot read {checkpoint}/global_step2/zero_pp_rank_1_mp_rank_00_optim_states.pt"),
-])
-def test_a_damaged_checkpoint_is_named(preprocessed_corpus, saved_at_2, tmp_path, damage, message):  # noqa: F811
+def flip_a_bit(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def truncate(path):
+    path.write_bytes(path.read_bytes()[:1000])
+
+
+SHARD = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+LAYER = "layer_01-model_00-model_states.pt"
+# What is done to a copy of the checkpoint (tag = its global_step2), and what the error must say.
+DAMAGES = {
+    "missing layer file": (lambda ckpt, tag: (tag / "layer_03-model_00-model_states.pt").unlink(),
+                           "{tag}/layer_03-model_00-model_states.pt is missing (listed in {tag}/manifest.json)"),
+    "missing model states": (lambda ckpt, tag: (tag / "mp_rank_00_model_states.pt").unlink(),
+                             "{tag}/mp_rank_00_model_states.pt is missing"),
+    "missing optimizer shard": (lambda ckpt, tag: (tag / SHARD).unlink(), "{tag}/" + SHARD + " is missing"),
+    "truncated optimizer shard": (lambda ckpt, tag: truncate(tag / SHARD), "{tag}/" + SHARD + " has 1000 bytes"),
+    "truncated layer file": (lambda ckpt, tag: truncate(tag / LAYER), "{tag}/" + LAYER + " has 1000 bytes"),
+    "bit flip in a layer file": (lambda ckpt, tag: flip_a_bit(tag / LAYER),
+                                 "{tag}/" + LAYER + ": CRC-32"),
+    "bit flip in an optimizer shard": (lambda ckpt, tag: flip_a_bit(tag / SHARD), "{tag}/" + SHARD + ": CRC-32"),
+    "bit flip in the model states": (lambda ckpt, tag: flip_a_bit(tag / "mp_rank_00_model_states.pt"),
+                                     "{tag}/mp_rank_00_model_states.pt: CRC-32"),
+    "model states of another iteration": (
+        lambda ckpt, tag: shutil.copy(ckpt / "global_step1" / "mp_rank_00_model_states.pt", tag),
+        "{tag}/mp_rank_00_model_states.pt"),
+    "unreadable manifest": (lambda ckpt, tag: (tag / "manifest.json").write_text('{"files": '),
+                            "{tag}/manifest.json cannot be read"),
+    "empty latest": (lambda ckpt, tag: (ckpt / "latest").write_text(""), "{ckpt}/latest is empty"),
+    "binary latest": (lambda ckpt, tag: (ckpt / "latest").write_bytes(b"\x89PNG\r\n\x1a\n"),
+                      "{ckpt}/latest is not a tag name"),
+    "latest naming a file": (lambda ckpt, tag: (ckpt / "latest").write_text("latest_checkpointed_iteration.txt"),
+                             "{ckpt}/latest names {ckpt}/latest_checkpointed_iteration.txt, which is a file"),
+    "latest naming nothing": (lambda ckpt, tag: (ckpt / "latest").write_text("global_step9"),
+                              "{ckpt}/latest names {ckpt}/global_step9, which is nothing"),
+    "deleted latest": (lambda ckpt, tag: (ckpt / "latest").unlink(),
+                       "--load {ckpt} holds checkpoints (global_step1, global_step2) but no 'latest' file"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_a_damaged_checkpoint_is_named_before_training(preprocessed_corpus, saved_at_2, tmp_path, damage):  # noqa: F811
     checkpoint = _copy(saved_at_2, tmp_path)
     tag = checkpoint / "global_step2"
-    if damage == "missing layer":
-        (tag / "layer_03-model_00-model_states.pt").unlink()
-    elif damage == "missing model states":
-        (tag / "mp_rank_00_model_states.pt").unlink()
-    else:
-        shard = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
-        shard.write_bytes(shard.read_bytes()[:1000])
+    mutate, message = DAMAGES[damage]
+    mutate(checkpoint, tag)
     result = _resume(preprocessed_corpus, checkpoint)
     assert result.returncode != 0
-    assert message.format(checkpoint=checkpoint) in result.stdout, result.stdout[-3000:]
-    assert "pretrain_gpt.py: error: " in result.stdout
+    assert message.format(ckpt=checkpoint, tag=tag) in result.stdout, result.stdout[-3000:]
+    assert "pretrain_gpt.py: error: " in result.stdout and "successfully loaded checkpoint" not in result.stdout
+    assert not training_lines(result.stdout)
+
+
+def test_a_fresh_start_never_overwrites_saved_checkpoints(preprocessed_corpus, saved_at_2, tmp_path):  # noqa: F811
+    checkpoint = _copy(saved_at_2, tmp_path)
+    before = {path: path.stat().st_mtime_ns for path in checkpoint.rglob("*")}
+    for load in ([], ["--load", str(tmp_path / "ckpt-typo")]):
+        result = run_pretrain(tiny_run_args(preprocessed_corpus, *FLAGS, "--train-iters", "4", "--save",
+                                            str(checkpoint), "--save-interval", "2", *load), nproc=2, check=False)
+        assert result.returncode != 0
+        assert (f"--save {checkpoint} already holds checkpoints (global_step1, global_step2) and this run starts at "
+                f"iteration 0") in result.stdout and "--overwrite-checkpoints" in result.stdout
+        assert "> initializing torch distributed" not in result.stdout
+    assert {path: path.stat().st_mtime_ns for path in checkpoint.rglob("*")} == before

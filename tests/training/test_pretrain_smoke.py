@@ -1,10 +1,12 @@
 """pretrain_gpt.py end to end on CPU: log lines, evaluation, checkpoints, TensorBoard, exits, layouts."""
 import glob
+import json
 import math
 import os
 import subprocess
 import sys
 import time
+import zlib
 
 import pytest
 import torch
@@ -80,9 +82,14 @@ def test_checkpoint_layout_and_client_state(fp32_run):
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
     files = sorted(os.listdir(ckpt / "global_step4"))
     # GPTModelPipe numbering: 1 embedding, 3-4 layers, 6 final norm (the tied head is not saved again)
-    assert files == ["layer_01-model_00-model_states.pt", "layer_03-model_00-model_states.pt",
-                     "layer_04-model_00-model_states.pt", "layer_06-model_00-model_states.pt",
-                     "mp_rank_00_model_states.pt"]
+    written = ["layer_01-model_00-model_states.pt", "layer_03-model_00-model_states.pt",
+               "layer_04-model_00-model_states.pt", "layer_06-model_00-model_states.pt", "mp_rank_00_model_states.pt"]
+    assert files == sorted(written + ["manifest.json"])
+    manifest = json.loads((ckpt / "global_step4" / "manifest.json").read_text())
+    assert (manifest["tag"], manifest["iteration"], sorted(manifest["files"])) == ("global_step4", 4, written)
+    for name, entry in manifest["files"].items():
+        data = (ckpt / "global_step4" / name).read_bytes()
+        assert entry == {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}
     state = torch.load(ckpt / "global_step2" / "mp_rank_00_model_states.pt", weights_only=False)
     assert state["iteration"] == 2 and state["global_steps"] == 2
     assert state["consumed_train_samples"] == 2 * GLOBAL_BATCH

@@ -56,9 +56,11 @@ def test_resumed_run_continues_counters_lr_data_and_losses(preprocessed_corpus, 
 def test_finetune_restarts_counters_and_schedule(preprocessed_corpus, uninterrupted, tmp_path):  # noqa: F811
     output, ckpt = uninterrupted
     resume_dir = _checkpoint_at_4(ckpt, tmp_path / "finetune")
-    flags = ["--global-batch-size", "4", "--train-iters", "2", "--lr-warmup-iters", "1", "--eval-iters", "0"]
-    resumed = run_pretrain(tiny_run_args(preprocessed_corpus, *flags, "--load", str(resume_dir), "--finetune",
-                                         "--save", str(resume_dir), "--save-interval", "2")).stdout
+    flags = ["--global-batch-size", "4", "--train-iters", "2", "--lr-warmup-iters", "1", "--eval-iters", "0",
+             "--load", str(resume_dir), "--finetune", "--save", str(resume_dir), "--save-interval", "2"]
+    refused = run_pretrain(tiny_run_args(preprocessed_corpus, *flags), check=False)
+    assert refused.returncode != 0 and "--finetune restarts at iteration 0" in refused.stdout
+    resumed = run_pretrain(tiny_run_args(preprocessed_corpus, *flags, "--overwrite-checkpoints")).stdout
     lines = training_lines(resumed)
     assert [(line["iteration"], line["consumed samples"]) for line in lines] == [(1, 4), (2, 8)]
     assert lines[0]["learning rate"] == pytest.approx(1e-3)  # a fresh schedule: warmup of 4 samples done

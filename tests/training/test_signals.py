@@ -13,15 +13,11 @@ import os
 import re
 import signal
 import subprocess
-import sys
-import tempfile
-import time
 
 import pytest
 
-from tests.dist_utils import free_port
-from tests.training.e2e_utils import (PRETRAIN_SCRIPT, e2e_data, read_scalars, run_pretrain,  # noqa: F401
-                                      subprocess_env, tiny_gpt_flags, torchrun_command)
+from tests.training.e2e_utils import (PRETRAIN_SCRIPT, Job, e2e_data, read_scalars, run_pretrain,  # noqa: F401
+                                      start_ranks, tiny_gpt_flags, torchrun_command)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -53,52 +49,8 @@ def reference(e2e_data, tmp_path_factory):  # noqa: F811
     return losses
 
 
-class Job:
-    """Processes started together, their output in one file; killed as a group if they outlive TIMEOUT."""
-
-    def __init__(self, commands_and_envs):
-        self.output = tempfile.NamedTemporaryFile("w+", delete=False)
-        self.processes = [subprocess.Popen(command, env=subprocess_env(env), stdout=self.output,
-                                           stderr=subprocess.STDOUT, start_new_session=True)
-                          for command, env in commands_and_envs]
-
-    def text(self) -> str:
-        with open(self.output.name) as f:
-            return f.read()
-
-    def wait_for(self, pattern: str):
-        deadline = time.monotonic() + TIMEOUT
-        while not re.search(pattern, self.text(), re.MULTILINE):
-            if time.monotonic() > deadline or all(p.poll() is not None for p in self.processes):
-                self.kill()
-                raise AssertionError(f"never printed {pattern!r}:\n{self.text()[-4000:]}")
-            time.sleep(0.05)
-
-    def wait(self) -> list[int]:
-        try:
-            return [process.wait(timeout=TIMEOUT) for process in self.processes]
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"the job did not stop:\n{self.text()[-4000:]}")
-
-    def kill(self):
-        for process in self.processes:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
-def start_ranks(flags) -> Job:
-    """Two ranks as plain processes (the "env" launcher)."""
-    port = str(free_port())
-    base = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-    return Job([([sys.executable, PRETRAIN_SCRIPT, *flags], {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)})
-                for rank in range(2)])
-
-
 def start_torchrun(flags) -> Job:
-    return Job([(torchrun_command(2) + [PRETRAIN_SCRIPT, *flags], {})])
+    return Job([(torchrun_command(2) + [PRETRAIN_SCRIPT, *flags], {})], TIMEOUT)
 
 
 def every_process_of(job: Job) -> list[int]:
@@ -124,7 +76,7 @@ CASES = [("SIGTERM", "rank"), ("SIGINT", "rank"), ("SIGUSR1", "rank"),
 def test_signal_saves_and_the_resumed_run_continues_exactly(e2e_data, tmp_path, reference, name, target):  # noqa: F811
     number = getattr(signal, name)
     flags = run_flags(e2e_data, tmp_path, "stopped")
-    job = start_ranks(flags) if target == "rank" else start_torchrun(flags)
+    job = start_ranks(flags, timeout=TIMEOUT) if target == "rank" else start_torchrun(flags)
     job.wait_for(r"^ iteration +3/")
     if target == "rank":
         os.kill(job.processes[1].pid, number)

@@ -17,9 +17,9 @@ from megatron.core.models.gpt import GPTModel, GPTModelConfig
 from megatron.core.parallel_state import initialize_model_parallel, single_rank_groups
 from megatron.core.tensor_parallel import get_rng_tracker, model_parallel_seed
 from megatron.training import dist_utils
-from megatron.training.checkpointing import (CheckpointError, TrainingProgress, _check_compatible, client_state,
-                                             restore_rng_states, rng_states)
-from megatron.training.config import DataConfig
+from megatron.training.checkpoint_checks import CheckpointError, _check_compatible
+from megatron.training.checkpointing import TrainingProgress, client_state, restore_rng_states, rng_states
+from megatron.training.config import CheckpointConfig, DataConfig
 from megatron.training.data_loading import (DataLoadingError, LoaderSettings, cycling_iterator, get_batch,
                                             pipeline_batch, train_valid_test_num_samples, training_iterator)
 from megatron.training.engine import (EngineSetupError, build_optimizer, check_engine_grid, gradient_norm_share,
@@ -337,16 +337,59 @@ def test_log_levels_per_rank():
 
 
 def test_a_checkpoint_of_the_other_engine_is_refused(tmp_path):
-    from megatron.training.checkpointing import _check_engine_layout, _tag_directory
+    from megatron.training.checkpoint_checks import _check_engine_layout, resume_directory
 
     (tmp_path / "global_step3").mkdir()
     (tmp_path / "global_step3" / "layer_01-model_00-model_states.pt").write_bytes(b"")
     (tmp_path / "latest").write_text("global_step3")
     plain_engine = SimpleNamespace()
     with pytest.raises(CheckpointError, match="written by the pipeline engine .* uses the plain engine"):
-        _check_engine_layout(plain_engine, _tag_directory(str(tmp_path)))
-    (tmp_path / "latest").write_text("global_step9")
-    with pytest.raises(CheckpointError, match="does not exist"):
-        _tag_directory(str(tmp_path))
-    (tmp_path / "latest").unlink()
-    assert _tag_directory(str(tmp_path)) is None
+        _check_engine_layout(plain_engine, resume_directory(str(tmp_path)))
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "latest is empty"), (b"  \n", "latest is empty"), (b"\x80\x81\xff", "is not a tag name"),
+    (b"global_step3\x00", "is not a tag name"), (b"global_step3\nglobal_step5", "is not a tag name"),
+    (b"global_step3" * 400, "is not a tag name"), (b"global_step9", "global_step9, which is nothing"),
+    (b"notes.txt", "notes.txt, which is a file"),
+])
+def test_a_malformed_latest_is_one_clear_error(tmp_path, content, message):
+    from megatron.training.checkpoint_checks import resume_directory
+    (tmp_path / "global_step3").mkdir()
+    (tmp_path / "notes.txt").write_text("")
+    (tmp_path / "latest").write_bytes(content)
+    with pytest.raises(CheckpointError, match=message) as error:
+        resume_directory(str(tmp_path))
+    assert str(tmp_path / "latest") in str(error.value)
+    (tmp_path / "latest").write_bytes(b"global_step3\n")
+    assert resume_directory(str(tmp_path)) == str(tmp_path / "global_step3")
+
+
+def test_checkpoints_without_latest_are_not_a_fresh_start(tmp_path):
+    from megatron.training.checkpoint_checks import resume_directory
+    assert resume_directory(str(tmp_path)) is None and resume_directory(str(tmp_path / "absent")) is None
+    for iteration in (2, 10, 4):
+        (tmp_path / f"global_step{iteration}").mkdir()
+    with pytest.raises(CheckpointError, match=r"holds checkpoints \(global_step2, global_step4, global_step10\) "
+                                              r"but no 'latest'.*\(e\.g\. global_step10\)"):
+        resume_directory(str(tmp_path))
+
+
+@pytest.mark.parametrize("load, finetune, overwrite, refused", [
+    (None, False, False, True), ("absent", False, False, True), ("save", False, False, False),
+    ("save", True, False, True), (None, False, True, False), ("save", True, True, False),
+])
+def test_a_run_from_iteration_0_never_overwrites_saved_checkpoints(tmp_path, load, finetune, overwrite, refused):
+    from megatron.training.checkpoint_checks import check_checkpoint_directories
+    save = tmp_path / "save"
+    (save / "global_step4").mkdir(parents=True)
+    (save / "latest").write_text("global_step4")
+    settings = CheckpointConfig(save=str(save), load=str(tmp_path / load) if load else None, save_interval=2,
+                                no_load_optim=False, no_load_rng=False, no_save_rng=False, finetune=finetune,
+                                overwrite_checkpoints=overwrite)
+    if not refused:
+        check_checkpoint_directories(settings)
+        return
+    with pytest.raises(CheckpointError, match=r"--save .* already holds checkpoints \(global_step4\).*"
+                                              r"--overwrite-checkpoints"):
+        check_checkpoint_directories(settings)

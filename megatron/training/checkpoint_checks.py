@@ -1,0 +1,247 @@
+"""What is checked before a checkpoint is read or a run may write: nothing damaged is loaded, nothing
+good is overwritten.
+
+Before any process group (``check_checkpoint_directories``, every rank, rank 0 reports):
+  - ``latest`` in --load must name a tag directory: an empty, binary or overlong file, or one that
+    names a file or nothing, is refused with its content;
+  - a --load directory that holds global_stepN directories but no ``latest`` is refused (a deleted
+    ``latest`` or a wrong --load must not start from scratch);
+  - a run that will start at iteration 0 (nothing to resume, or --finetune) refuses a --save that
+    already holds global_stepN directories, unless --overwrite-checkpoints.
+Before DeepSpeed reads anything (``check_before_loading``): the manifest lists every file with its
+size (megatron.core.checkpoint.manifest); the checkpoint was written by this trainer, for the same
+model, engine kind, TP and PP sizes, and DP size when ZeRO partitioned the optimizer (unless
+--no-load-optim); every layer file of this stage is present. While DeepSpeed reads
+(``verified_reads``): each file is checked against its manifest entry (size and CRC-32) first, and
+any file that cannot be read is named. Each refusal is a CheckpointError.
+"""
+import contextlib
+import glob
+import os
+import pickle
+import re
+
+import torch
+
+from megatron.core.checkpoint.manifest import Manifest, ManifestError, read_manifest
+from megatron.training.config import CheckpointConfig, TrainConfig, plain_value
+from megatron.training.dist_utils import print_rank_0
+from megatron.training.engine import is_pipeline_engine
+
+LATEST_FILENAME = "latest"  # DeepSpeed's name; engine.load_checkpoint reads it
+TAG_PATTERN = re.compile(r"global_step\d+")
+MAX_LATEST_BYTES = 4096
+SAVING_MARKER = "saving.incomplete"  # in a tag directory from the start of its save until its manifest is written
+# Model fields whose change between save and load is an error (not a shape mismatch DeepSpeed reports).
+CHECKED_MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
+                        "padded_vocab_size", "position_embedding_type", "max_position_embeddings",
+                        "glu_activation", "embed_layernorm", "apply_residual_connection_post_layernorm")
+READ_ERRORS = (OSError, RuntimeError, EOFError, pickle.UnpicklingError, ManifestError)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed with this configuration; the message names the flags."""
+
+
+def checkpoint_tags(directory: str) -> list[str]:
+    """The global_stepN directories of ``directory`` that hold a checkpoint, by iteration: not those
+    of a save that never finished (they keep the SAVING_MARKER checkpointing.py puts first)."""
+    if not os.path.isdir(directory):
+        return []
+    tags = [name for name in os.listdir(directory)
+            if TAG_PATTERN.fullmatch(name) and os.path.isdir(os.path.join(directory, name))
+            and not os.path.exists(os.path.join(directory, name, SAVING_MARKER))]
+    return sorted(tags, key=lambda tag: int(tag[len("global_step"):]))
+
+
+def _read_latest(latest: str) -> str:
+    with open(latest, "rb") as f:
+        raw = f.read(MAX_LATEST_BYTES + 1)
+    try:
+        tag = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        tag = None
+    if not tag or len(raw) > MAX_LATEST_BYTES or "\x00" in tag or "\n" in tag:
+        shown = "empty" if not raw.strip() else f"not a tag name ({raw[:40]!r})"
+        raise CheckpointError(f"{latest} is {shown}: it must hold the tag to resume from, e.g. global_step1000; "
+                              f"write one of the global_stepN directories there")
+    return tag
+
+
+def resume_directory(directory: str) -> str | None:
+    """The directory ``latest`` names; None when there is nothing to resume (no ``latest``, and no
+    global_stepN that a missing ``latest`` would leave behind)."""
+    latest = os.path.join(directory, LATEST_FILENAME)
+    if not os.path.lexists(latest):
+        tags = checkpoint_tags(directory)
+        if tags:
+            raise CheckpointError(f"--load {directory} holds checkpoints ({', '.join(tags[-3:])}) but no 'latest' "
+                                  f"file: write the tag to resume from into {latest} (e.g. {tags[-1]}), or give "
+                                  f"another --load")
+        return None
+    if not os.path.isfile(latest):
+        raise CheckpointError(f"{latest} is not a file")
+    named = os.path.join(directory, _read_latest(latest))
+    if not os.path.isdir(named):
+        what = "a file" if os.path.exists(named) else "nothing"
+        raise CheckpointError(f"{latest} names {named}, which is {what}: write the tag of a global_stepN "
+                              f"directory there")
+    return named
+
+
+def check_checkpoint_directories(settings: CheckpointConfig) -> None:
+    """The filesystem checks of the module docstring that need no process group."""
+    resumes = settings.load is not None and resume_directory(settings.load) is not None
+    starts_at_zero = not resumes or settings.finetune
+    if settings.save is None or not starts_at_zero or settings.overwrite_checkpoints:
+        return
+    existing = checkpoint_tags(settings.save)
+    if existing:
+        why = "--finetune restarts at iteration 0" if resumes else "nothing is resumed"
+        raise CheckpointError(f"--save {settings.save} already holds checkpoints ({', '.join(existing[-3:])}) and "
+                              f"this run starts at iteration 0 ({why}): its saves would replace them. Resume them "
+                              f"with --load {settings.save}, save elsewhere, or add --overwrite-checkpoints")
+
+
+def earlier_tag_advice(tag_path: str) -> str:
+    return f"point {os.path.join(os.path.dirname(tag_path), LATEST_FILENAME)} at an earlier global_stepN"
+
+
+def unreadable(path: str, error: Exception, tag_path: str) -> CheckpointError:
+    reason = str(error) if isinstance(error, ManifestError) else f"cannot read {path} ({type(error).__name__}: {error})"
+    return CheckpointError(f"{reason}; {earlier_tag_advice(tag_path)} or restore the file")
+
+
+def _check_compatible(state: dict, config: TrainConfig, directory: str) -> None:
+    if state.get("checkpoint_version") is None or "iteration" not in state:
+        raise CheckpointError(f"{directory}: the checkpoint has no trainer state (checkpoint_version, iteration); "
+                              f"it was not written by this trainer")
+    saved = state.get("args", {}).get("model", {})
+    configured = plain_value(config.model)
+    differing = [f"--{name.replace('_', '-')}: checkpoint {saved[name]!r}, configured {configured[name]!r}"
+                 for name in CHECKED_MODEL_FIELDS if name in saved and saved[name] != configured[name]]
+    if differing:
+        raise CheckpointError(f"{directory}: the checkpoint's model differs from the configured one: "
+                              + "; ".join(differing))
+
+
+def _check_engine_layout(engine, tag_directory: str) -> None:
+    """A pipeline engine's checkpoint keeps the module in layer_XX files, the plain engine's in
+    mp_rank_XX; neither engine reads the other's. Name the cause rather than fail inside DeepSpeed."""
+    saved_by_pipeline = any(name.startswith("layer_") for name in os.listdir(tag_directory))
+    loading_with_pipeline = is_pipeline_engine(engine)
+    if saved_by_pipeline != loading_with_pipeline:
+        engines = {True: "the pipeline engine (ZeRO stage 0/1 or PP > 1)", False: "the plain engine (ZeRO stage 2)"}
+        raise CheckpointError(f"{tag_directory} was written by {engines[saved_by_pipeline]} but this run uses "
+                              f"{engines[loading_with_pipeline]}, whose checkpoint layout differs: resume with the "
+                              f"ZeRO stage the checkpoint was written with")
+
+
+def _check_parallel_layout(saved: dict, config: TrainConfig, tag_directory: str) -> None:
+    """TP and PP must be those of the save (``saved``: the checkpoint's ``args``): DeepSpeed would
+    split or merge the weights by name and fail later, or train on a wrong slice. The data-parallel
+    size may change unless ZeRO partitioned the optimizer states by it (DeepSpeed cannot repartition
+    them; --no-load-optim skips them)."""
+    parallel = config.parallel
+    saved_layout = (saved.get("tensor_model_parallel_size"), saved.get("pipeline_model_parallel_size"))
+    layout = (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size)
+    if None not in saved_layout and saved_layout != layout:
+        raise CheckpointError(
+            f"{tag_directory} was saved with --tensor-model-parallel-size {saved_layout[0]} and "
+            f"--pipeline-model-parallel-size {saved_layout[1]}; this run has {layout[0]} and {layout[1]}. Resuming "
+            f"under another tensor or pipeline layout is not supported: resume with the saved sizes")
+    saved_dp = saved.get("data_parallel_size")
+    partitioned = glob.glob(os.path.join(tag_directory, "*zero_pp_rank_*_optim_states.pt"))
+    if partitioned and saved_dp not in (None, parallel.data_parallel_size) and not config.checkpoint.no_load_optim:
+        raise CheckpointError(
+            f"{tag_directory} was saved with data-parallel size {saved_dp} and ZeRO-partitioned optimizer states; "
+            f"this run has data-parallel size {parallel.data_parallel_size}, and DeepSpeed cannot repartition "
+            f"them: resume on {saved_dp * layout[0] * layout[1]} processes, or add --no-load-optim to keep the "
+            f"weights, schedule and counters and rebuild the optimizer states")
+
+
+def _check_layer_files(module, tag_directory: str, tp_size: int) -> None:
+    """Every layer of this pipeline stage needs one layer_XX-model_TT file per TP rank; with one
+    missing, DeepSpeed fails on a bare assertion or re-splits the others."""
+    for index, layer in enumerate(module.forward_funcs):
+        if not hasattr(layer, "load_state_dict"):
+            continue
+        found = module.ckpt_layer_path_list(tag_directory, index)
+        own = module.ckpt_layer_path(tag_directory, index)
+        if len(found) != tp_size or own not in found:
+            raise CheckpointError(f"{tag_directory} is incomplete: {os.path.basename(own)} or another TP rank's file "
+                                  f"of that layer is missing ({len(found)} of {tp_size} found); "
+                                  + earlier_tag_advice(tag_directory))
+
+
+def _read_saved_state(tag_directory: str, manifest: Manifest | None) -> dict:
+    """The trainer state of an mp_rank_XX_model_states.pt file (the same on every rank), verified
+    against the manifest, then memory-mapped where the file format allows, so the weights a
+    plain-engine file holds are not read."""
+    names = sorted(glob.glob(os.path.join(tag_directory, "mp_rank_*_model_states.pt")))
+    if not names:
+        raise CheckpointError(f"{tag_directory} holds no mp_rank_*_model_states.pt: the checkpoint is incomplete; "
+                              + earlier_tag_advice(tag_directory))
+    try:
+        if manifest is not None:
+            manifest.verify_file(names[0], tag_directory)
+        try:
+            state = torch.load(names[0], map_location="cpu", weights_only=False, mmap=True)
+        except RuntimeError:  # a file in the legacy (non-zip) format cannot be memory-mapped
+            state = torch.load(names[0], map_location="cpu", weights_only=False)
+    except READ_ERRORS as error:
+        raise unreadable(names[0], error, tag_directory) from error
+    return state if isinstance(state, dict) else {}
+
+
+@contextlib.contextmanager
+def verified_reads(engine, tag_directory: str, manifest: Manifest | None):
+    """Inside the block, every file DeepSpeed's checkpoint engine reads is first checked against its
+    manifest entry (size, CRC-32); a damaged, missing, truncated or unreadable file raises a
+    CheckpointError that names it."""
+    reader = engine.checkpoint_engine
+    original_load = reader.load
+
+    def load(path, map_location=None):
+        try:
+            if manifest is not None:
+                manifest.verify_file(path, tag_directory)
+            return original_load(path, map_location=map_location)
+        except READ_ERRORS as error:
+            raise unreadable(path, error, tag_directory) from error
+
+    reader.load = load
+    try:
+        yield
+    finally:
+        reader.load = original_load
+
+
+def _manifest(tag_directory: str) -> Manifest | None:
+    """The tag's manifest with every listed file present at its size; None (and a notice) without one."""
+    try:
+        manifest = read_manifest(tag_directory)
+        if manifest is not None:
+            manifest.check_present(tag_directory)
+    except ManifestError as error:
+        raise unreadable(tag_directory, error, tag_directory) from error
+    if manifest is None:
+        print_rank_0(f"notice: {tag_directory} has no manifest (written by an older trainer or by "
+                     f"Megatron-DeepSpeed): its files are loaded without checksum verification")
+    return manifest
+
+
+def check_before_loading(engine, config: TrainConfig) -> tuple[str, Manifest | None] | None:
+    """(the tag directory --load will read, its manifest) after the checks of the module docstring;
+    None when there is nothing to resume."""
+    directory = resume_directory(config.checkpoint.load)
+    if directory is None:
+        return None
+    manifest = _manifest(directory)
+    _check_engine_layout(engine, directory)
+    saved = _read_saved_state(directory, manifest)
+    _check_compatible(saved, config, config.checkpoint.load)
+    _check_parallel_layout(saved.get("args", {}), config, directory)
+    if is_pipeline_engine(engine):
+        _check_layer_files(engine.module, directory, config.parallel.tensor_model_parallel_size)
+    return directory, manifest
