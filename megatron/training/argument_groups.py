@@ -152,6 +152,11 @@ def add_learning_rate_args(parser):
     group.add_argument("--lr-warmup-samples", type=parse_int, default=0, help="warmup in samples")
     group.add_argument("--lr-warmup-tokens", type=parse_int, default=None, help="warmup in tokens")
     group.add_argument("--min-lr", type=parse_float, default=0.0, help="learning-rate floor")
+    group.add_argument("--override-lr-scheduler", action="store_true",
+                       help="on resume, keep these flags' schedule (lr, min lr, warmup, decay) instead of the "
+                            "checkpoint's; its progress (samples, tokens) continues")
+    group.add_argument("--use-checkpoint-lr-scheduler", action="store_true",
+                       help="on resume, take the schedule's settings from the checkpoint instead of these flags")
 
 
 def add_checkpointing_args(parser):

@@ -149,6 +149,8 @@ class ScheduleConfig:
         exit_interval: save and exit at multiples of this iteration, or None.
         exit_duration_in_mins: save and exit after this many minutes, or None.
         kill_switch_path: save and exit when this file exists, or None.
+        lr_scheduler_source: on resume, "check" (the checkpoint's schedule settings must equal the
+            flags), "override" (--override-lr-scheduler) or "checkpoint" (--use-checkpoint-lr-scheduler).
     """
 
     micro_batch_size: int
@@ -169,6 +171,7 @@ class ScheduleConfig:
     exit_interval: int | None
     exit_duration_in_mins: int | None
     kill_switch_path: str | None
+    lr_scheduler_source: str
 
 
 @dataclass(frozen=True)
@@ -358,7 +361,9 @@ def _schedule_config(flags, derived: DerivedValues) -> ScheduleConfig:
         lr_warmup_tokens=flags.lr_warmup_tokens, lr_decay_tokens=flags.lr_decay_tokens,
         eval_interval=flags.eval_interval, eval_iters=flags.eval_iters, eval_only=bool(flags.eval_only),
         log_interval=flags.log_interval, exit_interval=flags.exit_interval,
-        exit_duration_in_mins=flags.exit_duration_in_mins, kill_switch_path=flags.kill_switch_path)
+        exit_duration_in_mins=flags.exit_duration_in_mins, kill_switch_path=flags.kill_switch_path,
+        lr_scheduler_source="override" if flags.override_lr_scheduler else
+        "checkpoint" if flags.use_checkpoint_lr_scheduler else "check")
 
 
 def _precision_config(derived: DerivedValues) -> PrecisionConfig:

@@ -31,7 +31,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.transformer_layer import LayerNorm
 from megatron.core.parallel_state import DeepSpeedMPU, ParallelGroups
 from megatron.training.config import OptimizerConfig, ScheduleConfig, TrainConfig
-from megatron.training.dist_utils import sum_across_group
+from megatron.training.dist_utils import print_rank_0, sum_across_group
 from megatron.training.lr_schedule import AnnealingLR
 
 
@@ -102,7 +102,7 @@ def build_lr_scheduler(torch_optimizer: torch.optim.Optimizer, optimizer: Optimi
                        warmup_steps=schedule.lr_warmup_steps, decay_steps=schedule.lr_decay_steps,
                        decay_style=schedule.lr_decay_style, warmup_tokens=schedule.lr_warmup_tokens,
                        decay_tokens=schedule.lr_decay_tokens, increment_provider=increment_provider,
-                       token_provider=token_provider)
+                       token_provider=token_provider, source=schedule.lr_scheduler_source, report=print_rank_0)
 
 
 def deepspeed_config(config: TrainConfig) -> dict:

@@ -1,5 +1,5 @@
-"""The seed's learning-rate schedule (``AnnealingLR``): linear warmup, then constant, linear, cosine or
-inverse-square-root decay, with progress counted in samples (and optionally tokens).
+"""Megatron-DeepSpeed's learning-rate schedule (``AnnealingLR``): linear warmup, then constant, linear,
+cosine or inverse-square-root decay, with progress counted in samples (and optionally tokens).
 
 Units. The schedule's "steps" are **samples**: the trainer calls ``step(increment=global_batch_size)``
 after every applied optimizer step, so a schedule given in iterations is converted by the caller
@@ -26,37 +26,45 @@ After the decay the rate stays at lr_min (BigScience decayed over 200M of 220M s
 on at the floor).
 
 Where the token-based decay starts (Wt). With a warmup in samples, Wt is the token count at the
-step that ends the warmup (the first step with n >= W; the seed records it only when n == W exactly,
-so with a warmup that is not a multiple of the global batch it never did and decayed from 0 tokens),
+step that ends the warmup (the first step with n >= W; Megatron-DeepSpeed records it only when n == W
+exactly, so with a warmup that is not a multiple of the global batch it never did and decayed from 0
+tokens),
 and it is 0 without a warmup. With a warmup in tokens (``warmup_tokens``), the warmup ends when the
 consumed tokens pass ``warmup_tokens``; the token-based decay starts there, and a step-based decay
 is measured from sample 0 (W = 0), as in Microsoft's Megatron-DeepSpeed ``--lr-warmup-tokens``.
 
-Token counts lag. The seed passes the tokens consumed *before* the current iteration, because the
+Token counts lag. Megatron-DeepSpeed passes the tokens consumed *before* the current iteration, because the
 counter is advanced after the train step; a trainer that calls ``step`` before advancing its
 counters (or lets DeepSpeed call it through ``token_provider``) reproduces that lag.
 
 Driving the schedule from DeepSpeed (0.19.8). ``engine._take_model_step`` calls
 ``lr_scheduler.step(**(lr_kwargs or {}))`` after every applied optimizer step and skips it on fp16
-overflow, as the seed's schedule expects. Give the scheduler an ``increment_provider`` (the current
+overflow, as Megatron-DeepSpeed's schedule expects. Give the scheduler an ``increment_provider`` (the current
 global batch size, e.g. ``calculator.get_current_global_batch_size``) and, for token-based
 schedules, a ``token_provider`` (consumed training tokens), then pass it as
 ``deepspeed.initialize(..., lr_scheduler=scheduler)``: the engine steps it with no arguments, and
-saves/loads its state under ``lr_scheduler`` in ``mp_rank_*`` like the seed's checkpoints. Without
+saves/loads its state under ``lr_scheduler`` in ``mp_rank_*`` like Megatron-DeepSpeed's checkpoints. Without
 an ``increment_provider`` a bare ``step()`` raises ``TypeError``, on which DeepSpeed falls back to
 ``step(engine.train_batch_size())`` (its "Megatron 2.0" path): also correct, since the trainer sets
 the engine's batch size during rampup. The alternative, stepping the schedule in the trainer with
 ``lr_scheduler=None`` given to DeepSpeed, needs ``engine.was_step_applied()`` to skip overflow steps
 and a client-state entry to checkpoint the schedule.
+
+Resuming (``load_state_dict``). The checkpoint's progress (samples, tokens, where the token decay
+starts) always continues. Its settings (peak and minimum rate, warmup, decay length and style) must
+equal the configured ones, unless ``source`` says otherwise, as Megatron-DeepSpeed's flags do:
+"override" (--override-lr-scheduler) keeps the configured values, "checkpoint"
+(--use-checkpoint-lr-scheduler) takes the checkpoint's; each value that differs is reported.
 """
 import math
-from typing import Callable
+from collections.abc import Callable
 
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 WARMUP_FLAGS = "--lr-warmup-samples / --lr-warmup-iters / --lr-warmup-fraction"
 DECAY_FLAGS = "--lr-decay-samples / --lr-decay-iters (default --train-samples / --train-iters)"
-OVERRIDE_NOTE = ("--override-lr-scheduler and --use-checkpoint-lr-scheduler are not available yet: "
-                 "resume with the checkpoint's values")
+OVERRIDE_NOTE = ("resume with the checkpoint's values, or add --override-lr-scheduler (keep the configured ones) or "
+                 "--use-checkpoint-lr-scheduler (take the checkpoint's)")
+SOURCES = ("check", "override", "checkpoint")
 
 # Checked on load: state key -> (description, flags that set it).
 _CHECKED_FIELDS = {
@@ -66,7 +74,7 @@ _CHECKED_FIELDS = {
     "decay_steps": ("decay length (samples)", DECAY_FLAGS),
     "decay_style": ("decay style", "--lr-decay-style"),
 }
-# The seed's older key names, accepted on load.
+# Megatron-DeepSpeed's older key names, accepted on load.
 _LEGACY_KEYS = {"max_lr": "start_lr", "warmup_steps": "warmup_iter", "decay_steps": "end_iter",
                 "num_steps": "num_iters"}
 
@@ -86,7 +94,11 @@ class AnnealingLR:
     def __init__(self, optimizer, max_lr: float, min_lr: float, warmup_steps: float, decay_steps: float,
                  decay_style: str, warmup_tokens: int | None = None, decay_tokens: int | None = None,
                  increment_provider: Callable[[], int] | None = None,
-                 token_provider: Callable[[], int] | None = None):
+                 token_provider: Callable[[], int] | None = None, source: str = "check",
+                 report: Callable[[str], None] = print):
+        if source not in SOURCES:
+            raise LRScheduleError(f"the schedule's source on resume must be one of {SOURCES}, got {source!r}")
+        self.source, self.report = source, report
         self.optimizer = optimizer
         self.max_lr = float(max_lr)
         self.min_lr = min_lr
@@ -220,7 +232,7 @@ class AnnealingLR:
     # ---------------------------------------------------------------- checkpointing
 
     def state_dict(self) -> dict:
-        """The seed's eight keys, plus ``decay_tokens`` and ``warmup_unit`` ("samples" or "tokens")."""
+        """Megatron-DeepSpeed's eight keys, plus ``decay_tokens`` and ``warmup_unit`` ("samples" or "tokens")."""
         return {
             "max_lr": self.max_lr,
             "warmup_steps": self.warmup_steps,
@@ -235,24 +247,40 @@ class AnnealingLR:
         }
 
     def load_state_dict(self, state: dict):
-        """Restore the progress of a checkpointed schedule whose settings equal the configured ones.
+        """Restore a checkpointed schedule (module docstring, "Resuming").
 
-        Raises LRScheduleError naming every flag whose value differs from the checkpoint's (the
-        seed's five checked values, plus the token decay and the warmup unit when the checkpoint
-        records them; the seed's checkpoints do not). Accepts the seed's legacy key names.
+        With source "check", raises LRScheduleError naming every flag whose value differs from the
+        checkpoint's (Megatron-DeepSpeed's five checked values, plus the token decay and the warmup
+        unit when the checkpoint records them; Megatron-DeepSpeed's checkpoints do not). Accepts
+        Megatron-DeepSpeed's legacy key names.
         """
         mismatches = [self._mismatch(key, description, flags, state)
                       for key, (description, flags) in _CHECKED_FIELDS.items()]
         mismatches += self._token_mismatches(state)
         mismatches = [m for m in mismatches if m]
-        if mismatches:
+        if mismatches and self.source == "check":
             raise LRScheduleError("AnnealingLR: the checkpoint's learning-rate schedule differs from the "
                                   "configured one: " + "; ".join(mismatches) + ". " + OVERRIDE_NOTE)
+        if self.source == "checkpoint":
+            self._take_settings(state)
+        for mismatch in mismatches:
+            kept = "the configured value (--override-lr-scheduler)" if self.source == "override" else \
+                "the checkpoint's value (--use-checkpoint-lr-scheduler)"
+            self.report(f"> learning-rate schedule, {mismatch}: using {kept}")
         self.num_steps = _read(state, "num_steps")
         self.num_tokens = state.get("num_tokens", 0)
-        if not self.warmup_by_tokens:
+        if not self.warmup_by_tokens or self.source == "checkpoint":
             self.warmup_tokens = state.get("warmup_tokens", 0)
         self._apply_lr()
+
+    def _take_settings(self, state: dict):
+        """--use-checkpoint-lr-scheduler: the checkpoint's settings replace the configured ones."""
+        for key in _CHECKED_FIELDS:
+            setattr(self, key, _read(state, key))
+        self.max_lr = float(self.max_lr)
+        self.decay_tokens = state.get("decay_tokens", self.decay_tokens)
+        if "warmup_unit" in state:
+            self.warmup_by_tokens = state["warmup_unit"] == "tokens"
 
     def _mismatch(self, key, description, flags, state) -> str | None:
         checkpoint_value = _read(state, key)
@@ -277,7 +305,7 @@ class AnnealingLR:
 
 
 def _read(state: dict, key: str):
-    """state[key], or its legacy name in the seed's older checkpoints."""
+    """state[key], or its legacy name in Megatron-DeepSpeed's older checkpoints."""
     if key in state:
         return state[key]
     legacy = _LEGACY_KEYS.get(key)

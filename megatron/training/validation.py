@@ -179,6 +179,9 @@ def _check_warmup_shorter_than_decay(args):
 
 
 def _check_learning_rate_and_saving(args):
+    if args.override_lr_scheduler and args.use_checkpoint_lr_scheduler:
+        raise ArgumentError("--override-lr-scheduler and --use-checkpoint-lr-scheduler are exclusive: keep the "
+                            "flags' schedule or take the checkpoint's, not both")
     if args.lr is not None and args.min_lr > args.lr:
         raise ArgumentError(f"--min-lr ({args.min_lr}) must be <= --lr ({args.lr})")
     if args.save and args.save_interval is None:

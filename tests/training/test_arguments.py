@@ -87,8 +87,7 @@ def test_refused_flag_gives_its_reason(flag):
     assert message == f"{flag}: {REJECTED_FLAGS[flag]}"
 
 
-@pytest.mark.parametrize("extra", [["--skip-train-iteration-range", "10-20", "30-40"], ["--override-lr-scheduler"],
-                                   ["--use-checkpoint-lr-scheduler"], ["--use-bnb-optimizer"],
+@pytest.mark.parametrize("extra", [["--skip-train-iteration-range", "10-20", "30-40"], ["--use-bnb-optimizer"],
                                    ["--universal-checkpoint"], ["--reset-progress"]])
 def test_long_run_features_are_not_available_yet(extra):
     assert "not available yet" in error(extra)
@@ -132,6 +131,8 @@ VALIDATION_CASES = {
     "inverse sqrt without warmup": (["--lr-decay-style", "inverse-square-root"], (), None,
                                     ["--lr-decay-style inverse-square-root", "--lr-warmup-samples"]),
     "min lr > lr": (["--min-lr", "0.1"], (), None, ["--min-lr", "--lr"]),
+    "both lr scheduler sources": (["--override-lr-scheduler", "--use-checkpoint-lr-scheduler"], (), None,
+                                  ["--override-lr-scheduler", "--use-checkpoint-lr-scheduler", "exclusive"]),
     "save without interval": (["--save", "/tmp/ckpt"], (), None, ["--save", "--save-interval"]),
     "missing required": ([], ["--num-layers", "--seq-length"], None, ["--num-layers", "--seq-length"]),
     "missing lr": ([], ["--lr"], None, ["--lr"]),

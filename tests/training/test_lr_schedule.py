@@ -154,7 +154,7 @@ def test_state_round_trip_continues_the_schedule():
         assert resumed.get_lr() == original.get_lr()
 
 
-def test_loads_the_seed_legacy_keys():
+def test_loads_megatron_deepspeed_legacy_keys():
     resumed, optimizer = schedule(min_lr=0.0, warmup_steps=100, decay_steps=1100)
     resumed.load_state_dict({"start_lr": 1.0, "min_lr": 0.0, "warmup_iter": 100, "end_iter": 1100,
                              "decay_style": "linear", "num_iters": 600})
@@ -179,6 +179,33 @@ def test_load_mismatch_names_the_flag_and_the_missing_overrides(overrides, flag)
     message = str(raised.value)
     assert flag in message
     assert "--override-lr-scheduler" in message and "--use-checkpoint-lr-scheduler" in message
+
+
+def test_override_keeps_the_flags_and_the_checkpoints_progress():
+    # The checkpoint: lr 1.0 -> 0.1 linear, warmup 100 samples, decay to 1100, at 600 samples.
+    original, _ = schedule()
+    original.step(600)
+    reports = []
+    changed, optimizer = schedule(max_lr=2.0, decay_steps=2100, source="override", report=reports.append)
+    changed.load_state_dict(original.state_dict())
+    assert (changed.num_steps, changed.max_lr, changed.decay_steps) == (600, 2.0, 2100)
+    # lr = 0.1 + (1 - (600 - 100) / (2100 - 100)) * (2.0 - 0.1) = 0.1 + 0.75 * 1.9
+    assert group_lrs(optimizer) == [pytest.approx(0.1 + 0.75 * 1.9)] * 2
+    assert len(reports) == 2 and all("--override-lr-scheduler" in line for line in reports)
+    assert "learning rate: checkpoint 1.0, configured 2.0" in reports[0]
+
+
+def test_use_checkpoint_takes_the_checkpoints_settings():
+    original, _ = schedule()
+    original.step(600)
+    reports = []
+    changed, optimizer = schedule(max_lr=2.0, min_lr=0.0, decay_style="cosine", source="checkpoint",
+                                  report=reports.append)
+    changed.load_state_dict(original.state_dict())
+    assert (changed.max_lr, changed.min_lr, changed.decay_style, changed.num_steps) == (1.0, 0.1, "linear", 600)
+    # the checkpoint's schedule: 0.1 + (1 - (600 - 100) / (1100 - 100)) * 0.9 = 0.55
+    assert group_lrs(optimizer) == [pytest.approx(0.55)] * 2
+    assert len(reports) == 3 and all("--use-checkpoint-lr-scheduler" in line for line in reports)
 
 
 def test_load_mismatch_of_warmup_unit():

@@ -88,3 +88,27 @@ def test_missing_load_directory_starts_from_scratch(preprocessed_corpus, tmp_pat
     output = run_pretrain(tiny_run_args(preprocessed_corpus, *flags, "--load", str(tmp_path / "absent"))).stdout
     assert f"no checkpoint found in --load {tmp_path / 'absent'}" in output
     assert [line["iteration"] for line in training_lines(output)] == [1]
+
+
+@pytest.mark.parametrize("source", [None, "--override-lr-scheduler", "--use-checkpoint-lr-scheduler"])
+def test_a_changed_learning_rate_on_resume(preprocessed_corpus, uninterrupted, tmp_path, source):  # noqa: F811
+    """--lr 2e-3 instead of 1e-3 when resuming at iteration 4 (global batch 4, warmup 8 samples, linear decay
+    to 0 at 32 samples): refused without a flag; --override-lr-scheduler continues the progress with the
+    new peak, lr(n) = 2e-3 (1 - (n - 8) / 24) before the step of sample n; --use-checkpoint-lr-scheduler
+    keeps the checkpoint's 1e-3, the uninterrupted run's rates."""
+    output, ckpt = uninterrupted
+    resume_dir = _checkpoint_at_4(ckpt, tmp_path / "changed")
+    flags = [*FLAGS, "--lr", "2e-3", "--load", str(resume_dir), "--save", str(resume_dir)] + ([source] if source else [])
+    result = run_pretrain(tiny_run_args(preprocessed_corpus, *flags), check=source is not None)
+    if source is None:
+        assert result.returncode != 0
+        assert ("learning rate: checkpoint 0.001, configured 0.002 (--lr)" in result.stdout
+                and "--override-lr-scheduler" in result.stdout and "--use-checkpoint-lr-scheduler" in result.stdout)
+        return
+    assert f"> learning-rate schedule, learning rate: checkpoint 0.001, configured 0.002 (--lr): using" in result.stdout
+    rates = [line["learning rate"] for line in training_lines(result.stdout)]
+    if source == "--override-lr-scheduler":
+        assert rates == pytest.approx([2e-3 * (1 - (4 * i - 8) / 24) for i in (5, 6, 7, 8)], rel=1e-3)
+    else:
+        reference = {line["iteration"]: line["learning rate"] for line in training_lines(output)}
+        assert rates == [reference[i] for i in (5, 6, 7, 8)]
