@@ -17,7 +17,8 @@ Rules, applied key by key (a key set to "auto" counts as absent):
 | --loss-scale, --initial-loss-scale, --min-loss-scale, --loss-scale-window, --hysteresis | fp16.loss_scale, .initial_scale_power, .min_loss_scale, .loss_scale_window, .hysteresis | with fp16: the config wins (one notice per key where a given flag differs); absent keys come from a given flag, else DeepSpeed's default (all from the flags when the config is built from them) |
 
 With bf16, gradients accumulate in fp32: ``data_types.grad_accum_dtype = "fp32"`` unless the config
-sets it, with a notice. DeepSpeed 0.19 runs bf16 + fp32 accumulation as its BF16_Optimizer, which it
+sets it, with a notice. (DeepSpeed's ``bf16.check_grad_overflow`` defaults to true: a NaN or Inf
+gradient skips the step at every ZeRO stage.) DeepSpeed 0.19 runs bf16 + fp32 accumulation as its BF16_Optimizer, which it
 only allows at ZeRO stage 1 (stage 0 raises "unsupported mix"); Megatron-DeepSpeed's "bf16 needs
 stage 0" was that same optimizer, so stage 0 becomes 1 in that case (said in the notice). Refused: ZeRO
 stage 3, stage >= 2 with pipeline parallelism, fp16 without CUDA, enabled ``curriculum_learning``,

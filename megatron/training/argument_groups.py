@@ -106,6 +106,12 @@ def add_training_args(parser):
                        help="save and exit after this many minutes")
     group.add_argument("--kill-switch-path", default=None,
                        help="when this file exists: exit at start, or save a checkpoint and exit")
+    group.add_argument("--skip-train-iteration-range", nargs="+", default=None, metavar="START-END",
+                       help="iterations to skip: each draws its global batch and discards it, advances the counters "
+                            "and makes no update (e.g. 1000-1200 3000-3010)")
+    group.add_argument("--max-consecutive-nan-iterations", type=parse_int, default=20,
+                       help="save and stop after this many iterations in a row with a NaN or Inf loss or gradient "
+                            "norm (each makes no update); 0 never stops")
     group.add_argument("--exit-signal-handler", action="store_true",
                        help="save a checkpoint and exit 0 on SIGTERM, SIGINT or SIGUSR1 (always on; the flag "
                             "is Megatron-LM's and accepted for its scripts)")

@@ -6,7 +6,7 @@ message that says why and what to do instead. The flags are hidden from ``--help
 
 | Flags | Why refused |
 |---|---|
-| --skip-train-iteration-range, --use-bnb-optimizer, --universal-checkpoint, --reset-progress | the feature comes with the long-run work (skip ranges, 8-bit Adam, universal checkpoints, progress reset); ds_config ``curriculum_learning`` is refused likewise (argument_ds_config.py) |
+| --use-bnb-optimizer, --universal-checkpoint, --reset-progress | the feature comes with the long-run work (8-bit Adam, universal checkpoints, progress reset); ds_config ``curriculum_learning`` is refused likewise (argument_ds_config.py) |
 | --sync-tp-duplicated-parameters | averaging the TP-duplicated LayerNorm weights and biases is not implemented yet |
 | --inference | builds a model without optimizer for the generation tools; pretraining always trains |
 | --batch-size, --warmup, --model-parallel-size | deprecated in the seed, which asserted with these messages |
@@ -46,7 +46,6 @@ def _zero_block(key):
 
 
 _SPECIFIC_REASONS = {
-    "--skip-train-iteration-range": f"skipping iteration ranges {_LONG_RUN}",
     "--use-bnb-optimizer": f"8-bit Adam (bitsandbytes) {_LONG_RUN}",
     "--universal-checkpoint": f"loading universal checkpoints {_LONG_RUN}; resume with the same TP/PP layout",
     "--reset-progress": f"resetting the progress counters on load {_LONG_RUN}",

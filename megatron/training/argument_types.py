@@ -58,6 +58,27 @@ def parse_bool(text: str) -> bool:
         f"expected a boolean ({'/'.join(TRUE_WORDS)} or {'/'.join(FALSE_WORDS)}), got {text!r}")
 
 
+def parse_iteration_ranges(values, flag: str) -> tuple[tuple[int, int], ...]:
+    """``["10-20", "15-30", "40-40"]`` -> ((10, 30), (40, 40)): inclusive ranges of iteration numbers
+    (1-based), sorted and merged where they overlap or touch. ArgumentError names ``flag``."""
+    ranges = []
+    for text in values:
+        start, dash, end = text.partition("-")
+        if not dash or not start.strip().isdigit() or not end.strip().isdigit():
+            raise ArgumentError(f"{flag}: {text!r} is not a range START-END of iteration numbers, e.g. 1000-1200")
+        first, last = int(start), int(end)
+        if not 1 <= first <= last:
+            raise ArgumentError(f"{flag}: {text!r} must have 1 <= START <= END")
+        ranges.append((first, last))
+    merged = []
+    for first, last in sorted(ranges):
+        if merged and first <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], last))
+        else:
+            merged.append((first, last))
+    return tuple(merged)
+
+
 class RejectedFlag(argparse.Action):
     """A flag that is recognised but refused: parsing it raises ArgumentError with ``reason``.
 

@@ -24,7 +24,7 @@ from megatron.core.data.data_paths import (DEFAULT_SPLIT, parse_data_path, parse
 from megatron.core.data.gpt_dataset import GPTDatasetConfig
 from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.tokenizer import vocab_size_with_padding
-from megatron.training.argument_types import ArgumentError
+from megatron.training.argument_types import ArgumentError, parse_iteration_ranges
 from megatron.training.arguments import ParsedArguments
 from megatron.training.validation import DerivedValues, lr_lengths_in_samples
 
@@ -151,6 +151,9 @@ class ScheduleConfig:
         kill_switch_path: save and exit when this file exists, or None.
         lr_scheduler_source: on resume, "check" (the checkpoint's schedule settings must equal the
             flags), "override" (--override-lr-scheduler) or "checkpoint" (--use-checkpoint-lr-scheduler).
+        skip_train_iteration_ranges: inclusive iteration ranges whose batches are drawn and discarded
+            (--skip-train-iteration-range), sorted and merged.
+        max_consecutive_nan_iterations: save and stop after this many NaN/Inf iterations in a row; 0 never.
     """
 
     micro_batch_size: int
@@ -172,6 +175,8 @@ class ScheduleConfig:
     exit_duration_in_mins: int | None
     kill_switch_path: str | None
     lr_scheduler_source: str
+    skip_train_iteration_ranges: tuple[tuple[int, int], ...]
+    max_consecutive_nan_iterations: int
 
 
 @dataclass(frozen=True)
@@ -363,7 +368,10 @@ def _schedule_config(flags, derived: DerivedValues) -> ScheduleConfig:
         log_interval=flags.log_interval, exit_interval=flags.exit_interval,
         exit_duration_in_mins=flags.exit_duration_in_mins, kill_switch_path=flags.kill_switch_path,
         lr_scheduler_source="override" if flags.override_lr_scheduler else
-        "checkpoint" if flags.use_checkpoint_lr_scheduler else "check")
+        "checkpoint" if flags.use_checkpoint_lr_scheduler else "check",
+        skip_train_iteration_ranges=parse_iteration_ranges(flags.skip_train_iteration_range or (),
+                                                           "--skip-train-iteration-range"),
+        max_consecutive_nan_iterations=flags.max_consecutive_nan_iterations)
 
 
 def _precision_config(derived: DerivedValues) -> PrecisionConfig:

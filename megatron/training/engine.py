@@ -155,28 +155,41 @@ def gradient_norm_share(parameters, tp_rank: int) -> float:
     return float(torch.stack(squares).sum()) if squares else 0.0
 
 
-def clip_fp32_gradients_globally(engine, groups: ParallelGroups) -> None:
-    """Replace the engine's fp32 clipping (no ZeRO, no mixed precision) by an exact global-norm clip.
+def guard_fp32_steps(engine, groups: ParallelGroups) -> None:
+    """The fp32 optimizer step without ZeRO and without mixed precision, made as safe as DeepSpeed's
+    ZeRO and bf16 optimizers: an exact global-norm clip, and no update on a NaN or Inf gradient.
 
-    DeepSpeed's own (``runtime.utils.clip_grad_norm_``) counts replicated parameters only on the
+    DeepSpeed's own clip (``runtime.utils.clip_grad_norm_``) counts replicated parameters only on the
     first rank of the TP x PP group, so with pipeline parallelism the other stages' norm weights and
-    biases drop out of the norm and the tied embedding counts twice, and it discards the norm. Here
-    ||g|| = sqrt(sum over the TP x PP group of ``gradient_norm_share``), every gradient is scaled by
-    min(1, clip / (||g|| + 1e-6)) as DeepSpeed does, and ||g|| is kept for
-    ``engine.get_global_grad_norm()`` like the ZeRO and mixed-precision optimizers keep theirs.
+    biases drop out of the norm and the tied embedding counts twice, and it discards the norm; and
+    this path applies a NaN gradient. Here, before every step, ||g|| = sqrt(sum over the TP x PP
+    group of ``gradient_norm_share``) is kept for ``engine.get_global_grad_norm()``; if it is not
+    finite, the gradients are dropped and the optimizer's ``overflow`` tells the engine to count a
+    skipped step and leave the learning rate (as for an fp16 overflow); else every gradient is scaled
+    by min(1, clip / (||g|| + 1e-6)) as DeepSpeed does, when clipping is on.
     """
     model_parallel_group = groups.process_groups["model_parallel"]
+    optimizer = engine.optimizer
+    apply_step = optimizer.step
 
-    def clip_fp32_gradients():
+    def guarded_step(*args, **kwargs):
         parameters = [p for p in engine.module.parameters() if p.grad is not None]
         share = gradient_norm_share(parameters, groups.tp_rank)
         norm = math.sqrt(sum_across_group([share], model_parallel_group)[0])
-        coefficient = min(1.0, engine.gradient_clipping() / (norm + 1e-6))
-        for param in parameters:
-            param.grad.mul_(coefficient)
         engine._global_grad_norm = norm
+        optimizer.overflow = not math.isfinite(norm)
+        if optimizer.overflow:
+            optimizer.zero_grad(set_to_none=True)
+            return None
+        if engine.gradient_clipping() > 0.0:
+            coefficient = min(1.0, engine.gradient_clipping() / (norm + 1e-6))
+            for param in parameters:
+                param.grad.mul_(coefficient)
+        return apply_step(*args, **kwargs)
 
-    engine.clip_fp32_gradients = clip_fp32_gradients
+    engine.clip_fp32_gradients = lambda: None  # the clip is part of guarded_step
+    optimizer.overflow = False
+    optimizer.step = guarded_step
 
 
 def initialize_engine(config: TrainConfig, groups: ParallelGroups, model: torch.nn.Module,
@@ -191,7 +204,8 @@ def initialize_engine(config: TrainConfig, groups: ParallelGroups, model: torch.
                                            config=deepspeed_config(config))
     check_engine_grid(engine, groups)
     check_engine_precision(engine, config)
-    clip_fp32_gradients_globally(engine, groups)
+    if not (engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization()):
+        guard_fp32_steps(engine, groups)
     if pipeline and config.data.reset_attention_mask:
         engine.set_has_attention_mask(True)
     return engine

@@ -163,8 +163,10 @@ def measure_matmul_peak_tflops(device, size: int = 8192, warmup: int = 10, repea
 class LossAccumulator:
     """The losses and iteration counts between two log lines (Megatron-DeepSpeed's ``total_loss_dict``).
 
-    An applied ("advanced") iteration adds its losses to the sums; a skipped one (fp16 overflow)
-    adds nothing and counts as a nan iteration when any of its losses is inf or nan.
+    An applied ("advanced") iteration adds its losses to the sums; a skipped one (an fp16 overflow,
+    a NaN/Inf loss or gradient, or --skip-train-iteration-range) adds nothing, and counts as a nan
+    iteration when the trainer says so (``nan``: a NaN or Inf loss or gradient norm that is not an
+    fp16 overflow).
     """
 
     def __init__(self):
@@ -176,14 +178,14 @@ class LossAccumulator:
         self.skipped_iterations = 0
         self.nan_iterations = 0
 
-    def add(self, losses: Mapping[str, float], skipped: bool):
+    def add(self, losses: Mapping[str, float], skipped: bool, nan: bool = False):
         if not skipped:
             self.advanced_iterations += 1
             for key, value in losses.items():
                 self.loss_sums[key] = self.loss_sums.get(key, 0.0) + float(value)
             return
         self.skipped_iterations += 1
-        if any(not math.isfinite(float(value)) for value in losses.values()):
+        if nan:
             self.nan_iterations += 1
 
     @property
@@ -424,6 +426,10 @@ def loaded_checkpoint_line(directory: str, iteration: int) -> str:
 
 def kill_switch_line(path: str) -> str:
     return f"Detected kill switch at {path}. Exiting"
+
+
+def skipped_iterations_line(start: int, end: int) -> str:
+    return f"Skipped iterations {start} to {end} due to --skip-train-iteration-range flag."
 
 
 def signal_exit_line(signal_name: str, iteration: int, save_directory: str | None) -> str:

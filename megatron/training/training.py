@@ -32,6 +32,7 @@ a file there, the console gets one line.
 """
 import contextlib
 import io
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -53,7 +54,8 @@ from megatron.training.metrics import (BUILDING_DATASETS_LINE, TEST_END_PREFIX, 
                                        gigaflos_no_embeddings, initialization_time_line, kill_switch_line,
                                        measure_matmul_peak_tflops, memory_report_line, model_flops,
                                        parameter_count_lines, rank_parameter_line, remaining_seconds,
-                                       run_summary_lines, signal_exit_line, train_iterations_line,
+                                       run_summary_lines, signal_exit_line, skipped_iterations_line,
+                                       train_iterations_line,
                                        training_log_line, validation_log_lines, validation_prefix)
 from megatron.training.microbatches import build_num_microbatches_calculator, train_iters_for_samples
 from megatron.training.signals import ExitSignals, signal_name
@@ -68,14 +70,32 @@ class UnsupportedConfigurationError(ValueError):
     """A flag this trainer accepts but cannot honour in this configuration."""
 
 
+class TrainingDivergedError(RuntimeError):
+    """Too many iterations in a row had a NaN or Inf loss or gradient norm (--max-consecutive-nan-iterations)."""
+
+
 @dataclass(frozen=True)
 class StepResult:
-    """One iteration: the loss (mean over micro batches and data-parallel ranks), whether the optimizer
-    step was skipped (fp16 overflow), and DeepSpeed's global gradient norm (None when not computed)."""
+    """One iteration: the loss (mean over micro batches and data-parallel ranks; None when the
+    iteration was skipped by --skip-train-iteration-range), whether no update was applied (an fp16
+    overflow, a NaN/Inf gradient, a skip range), and DeepSpeed's global gradient norm (None when not
+    computed)."""
 
-    loss: float
+    loss: float | None
     skipped: bool
     grad_norm: float | None
+
+    def is_nan(self, fp16: bool) -> bool:
+        """A skipped step with a NaN/Inf loss, or (outside fp16, whose loss scaling overflows on
+        purpose) with a NaN/Inf gradient norm."""
+        def bad(value):
+            return value is not None and not math.isfinite(value)
+        return self.skipped and (bad(self.loss) or (not fp16 and bad(self.grad_norm)))
+
+
+def in_ranges(iteration: int, ranges: tuple[tuple[int, int], ...]) -> tuple[int, int] | None:
+    """The range of ``ranges`` that holds ``iteration``, or None."""
+    return next(((start, end) for start, end in ranges if start <= iteration <= end), None)
 
 
 def total_train_iters(config: TrainConfig) -> int:
@@ -153,6 +173,7 @@ class Trainer:
         self.last_saved_iteration = None
         self.memory_reported = False
         self.accumulator = LossAccumulator()
+        self.consecutive_nan_iterations = 0
         self.totals = RunTotals()
         self.summary_losses: dict[str, float] = {}
         self.progress = TrainingProgress()
@@ -166,6 +187,7 @@ class Trainer:
             self.progress = loaded
             self.last_saved_iteration = None if config.checkpoint.finetune else loaded.iteration
         self.calculator.update(self.progress.consumed_train_samples)
+        self.first_iteration = self.progress.iteration + 1
         dist_utils.print_rank_0(datetime_line("after model, optimizer, and learning rate scheduler are built"))
         self.named_sets = not config.data.dataset.data_path
         self.iterators = self._build_data()
@@ -253,6 +275,40 @@ class Trainer:
 
     # ------------------------------------------------------------------ one iteration
 
+    def _skip_step(self) -> StepResult:
+        """--skip-train-iteration-range: draw this iteration's whole global batch and discard it; no
+        forward, no update, no learning-rate step (as an iteration skipped for NaN)."""
+        if self.iterators.train is not None:
+            for _ in range(self.calculator.get()):
+                next(self.iterators.train)
+        return StepResult(loss=None, skipped=True, grad_norm=None)
+
+    def _next_step(self) -> StepResult:
+        iteration = self.progress.iteration + 1
+        skip_range = in_ranges(iteration, self.schedule.skip_train_iteration_ranges)
+        if skip_range is None:
+            return self.train_step()
+        if iteration == skip_range[0] or iteration == self.first_iteration:
+            dist_utils.print_rank_0(skipped_iterations_line(iteration, skip_range[1]))
+        return self._skip_step()
+
+    def _count_nan(self, result: StepResult) -> None:
+        """Stop, after a checkpoint, once --max-consecutive-nan-iterations NaN/Inf iterations came in a row."""
+        if result.loss is None:  # a skip range neither continues nor ends a run of NaN iterations
+            return
+        nan = result.is_nan(self.config.precision.fp16)
+        self.consecutive_nan_iterations = self.consecutive_nan_iterations + 1 if nan else 0
+        limit = self.schedule.max_consecutive_nan_iterations
+        if limit and self.consecutive_nan_iterations >= limit:
+            self._save_before_exit()
+            saved = f"; the checkpoint at iteration {self.progress.iteration} holds the weights from before them" \
+                if self.config.checkpoint.save else ""
+            raise TrainingDivergedError(
+                f"{self.consecutive_nan_iterations} iterations in a row (up to {self.progress.iteration}) had a NaN or "
+                f"Inf loss or gradient norm and made no update (--max-consecutive-nan-iterations {limit}){saved}. "
+                f"Roll back to an earlier checkpoint, lower the learning rate (--override-lr-scheduler) or skip the "
+                f"data (--skip-train-iteration-range)")
+
     def train_step(self) -> StepResult:
         skipped_before = self.engine.skipped_steps
         if self.pipeline:
@@ -327,10 +383,11 @@ class Trainer:
                 self._save_before_exit()
                 return self._stop_line(stop)
             self.timers("train-step").start()
-            result = self.train_step()
+            result = self._next_step()
             self.timers("train-step").stop()
             self._advance()
             self._report(result)
+            self._count_nan(result)
             iteration = self.progress.iteration
             if self.do_valid and iteration % self.schedule.eval_interval == 0:
                 self._paused(self.evaluate_and_print, self.iterators.valid, validation_prefix(iteration), "validation")
@@ -381,7 +438,8 @@ class Trainer:
         return self.schedule.eval_iters > 0 and bool(self.iterators.valid)
 
     def _report(self, result: StepResult):
-        self.accumulator.add({LOSS_KEY: result.loss}, result.skipped)
+        losses = {} if result.loss is None else {LOSS_KEY: result.loss}
+        self.accumulator.add(losses, result.skipped, result.is_nan(self.config.precision.fp16))
         params_norm = None
         if self.config.logging.log_params_norm:
             params_norm = dist_utils.params_l2_norm(self.engine.module.named_parameters(), self.groups.tp_rank,
@@ -389,7 +447,7 @@ class Trainer:
         loss_scale = _loss_scale(self.engine) if self.config.precision.fp16 else None
         scalars = IterationScalars(learning_rate=self.lr_scheduler.get_lr(),
                                    global_batch_size=self.calculator.get_current_global_batch_size(),
-                                   losses={LOSS_KEY: result.loss}, loss_scale=loss_scale, grad_norm=result.grad_norm,
+                                   losses=losses, loss_scale=loss_scale, grad_norm=result.grad_norm,
                                    params_norm=params_norm)
         self.tensorboard.write_iteration(self._tensorboard_progress(), scalars)
         if self.progress.iteration % self.schedule.log_interval == 0:

@@ -30,7 +30,7 @@ POSITIVE_INTS = ("num_layers", "hidden_size", "num_attention_heads", "micro_batc
                  "tensorboard_log_interval", "tensorboard_queue_size", "lr_decay_iters", "lr_decay_samples",
                  "lr_decay_tokens", "checkpoint_num_layers", "tensor_model_parallel_size",
                  "pipeline_model_parallel_size", "hysteresis")
-NON_NEGATIVE_NUMBERS = ("eval_iters", "num_workers", "valid_num_workers", "lr_warmup_iters",
+NON_NEGATIVE_NUMBERS = ("eval_iters", "num_workers", "valid_num_workers", "lr_warmup_iters", "max_consecutive_nan_iterations",
                         "lr_warmup_samples", "lr_warmup_tokens", "seed", "zero_stage", "lr", "min_lr",
                         "weight_decay", "clip_grad", "sgd_momentum")
 POSITIVE_FLOATS = ("adam_eps", "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window")

@@ -87,7 +87,7 @@ def test_refused_flag_gives_its_reason(flag):
     assert message == f"{flag}: {REJECTED_FLAGS[flag]}"
 
 
-@pytest.mark.parametrize("extra", [["--skip-train-iteration-range", "10-20", "30-40"], ["--use-bnb-optimizer"],
+@pytest.mark.parametrize("extra", [["--use-bnb-optimizer"],
                                    ["--universal-checkpoint"], ["--reset-progress"]])
 def test_long_run_features_are_not_available_yet(extra):
     assert "not available yet" in error(extra)
@@ -565,7 +565,7 @@ def test_tr11_style_arguments_parse(tmp_path, ds_file, capsys):
     assert not any("gradient_clipping" in n for n in notices)
 
 
-@pytest.mark.parametrize("refused", [["--sync-tp-duplicated-parameters"], ["--skip-train-iteration-range", "1-2"]])
+@pytest.mark.parametrize("refused", [["--sync-tp-duplicated-parameters"], ["--use-bnb-optimizer"]])
 def test_tr11_style_arguments_with_refused_flags(tmp_path, ds_file, refused):
     argv_tr11 = tr11_argv(tmp_path, ds_file(TR11_DS_CONFIG)) + refused
     with pytest.raises(ArgumentError, match="not available yet"):

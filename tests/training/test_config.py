@@ -213,3 +213,16 @@ def test_every_config_field_is_documented():
                 module.TrainConfig):
         for field in dataclasses.fields(cls):
             assert field.name in cls.__doc__, f"{cls.__name__}.{field.name} is not documented"
+
+
+def test_skip_ranges_are_sorted_and_merged():
+    schedule = config_of(["--skip-train-iteration-range", "40-40", "10-20", "15-30", "31-33"]).schedule
+    assert schedule.skip_train_iteration_ranges == ((10, 33), (40, 40))
+    assert config_of().schedule.skip_train_iteration_ranges == ()
+    assert (config_of().schedule.max_consecutive_nan_iterations, config_of().schedule.lr_scheduler_source) == (20, "check")
+
+
+@pytest.mark.parametrize("value", ["20-10", "0-5", "10", "a-b", "10-", "1-2-3"])
+def test_a_bad_skip_range_is_named(value):
+    with pytest.raises(ArgumentError, match=f"--skip-train-iteration-range: '{value}'"):
+        config_of(["--skip-train-iteration-range", "1-2", value])

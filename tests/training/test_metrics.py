@@ -203,9 +203,9 @@ def test_log_line_optional_fields_follow_the_seed_rules():
 def test_loss_accumulator_counts_skipped_and_nan_iterations():
     accumulator = LossAccumulator()
     accumulator.add({"lm loss": 2.0}, skipped=False)
-    accumulator.add({"lm loss": float("inf")}, skipped=True)
+    accumulator.add({"lm loss": float("inf")}, skipped=True, nan=True)
     accumulator.add({"lm loss": 4.0}, skipped=False)
-    accumulator.add({"lm loss": 3.0}, skipped=True)
+    accumulator.add({"lm loss": 3.0}, skipped=True)  # an fp16 overflow: skipped, not a NaN
     assert accumulator.averages() == {"lm loss": 3.0}
     assert (accumulator.advanced_iterations, accumulator.skipped_iterations, accumulator.nan_iterations) == (2, 2, 1)
     assert accumulator.total_iterations == 4

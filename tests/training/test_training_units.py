@@ -393,3 +393,14 @@ def test_a_run_from_iteration_0_never_overwrites_saved_checkpoints(tmp_path, loa
     with pytest.raises(CheckpointError, match=r"--save .* already holds checkpoints \(global_step4\).*"
                                               r"--overwrite-checkpoints"):
         check_checkpoint_directories(settings)
+
+
+@pytest.mark.parametrize("loss, skipped, grad_norm, fp16, nan", [
+    (2.0, False, 1.0, False, False), (float("nan"), True, float("nan"), False, True),
+    (2.0, True, float("inf"), False, True), (2.0, True, float("inf"), True, False),
+    (float("inf"), True, float("inf"), True, True), (None, True, None, False, False),
+    (2.0, True, None, False, False),
+])
+def test_a_nan_iteration_is_a_skipped_one_with_a_non_finite_loss_or_gradient(loss, skipped, grad_norm, fp16, nan):
+    from megatron.training.training import StepResult
+    assert StepResult(loss, skipped, grad_norm).is_nan(fp16) is nan
