@@ -175,6 +175,14 @@ def add_checkpointing_args(parser):
     group.add_argument("--no-load-optim", action="store_true", default=None,
                        help="do not load the optimizer state (the LR schedule and the counters still load)")
     group.add_argument("--no-load-rng", action="store_true", default=None, help="do not load the RNG states")
+    group.add_argument("--save-interval-ranges", nargs="+", default=None, metavar="START-END:INTERVAL",
+                       help="other save intervals within iteration ranges, e.g. 1-100:10 101-1000:50 (--save-interval "
+                            "applies outside them)")
+    group.add_argument("--keep-last-checkpoints", type=parse_int, default=None,
+                       help="after each save, delete all but the last K checkpoints (never the one latest names, "
+                            "never a pinned one)")
+    group.add_argument("--pin-checkpoints", type=parse_int, nargs="+", default=None, metavar="ITERATION",
+                       help="iterations whose checkpoints --keep-last-checkpoints never deletes")
     group.add_argument("--overwrite-checkpoints", action="store_true",
                        help="start at iteration 0 although --save holds checkpoints (they are replaced as the run "
                             "reaches their iterations); without it such a run is refused")

@@ -79,6 +79,23 @@ def parse_iteration_ranges(values, flag: str) -> tuple[tuple[int, int], ...]:
     return tuple(merged)
 
 
+def parse_interval_ranges(values, flag: str) -> tuple[tuple[int, int, int], ...]:
+    """``["1-100:10", "101-1000:50"]`` -> ((1, 100, 10), (101, 1000, 50)): inclusive iteration ranges,
+    each with its interval, sorted; overlapping ranges are refused. ArgumentError names ``flag``."""
+    found = []
+    for text in values:
+        span, colon, interval = text.partition(":")
+        if not colon or not interval.strip().isdigit() or int(interval) < 1:
+            raise ArgumentError(f"{flag}: {text!r} is not START-END:INTERVAL (e.g. 1-100:10)")
+        ((start, end),) = parse_iteration_ranges([span], flag)
+        found.append((start, end, int(interval)))
+    found.sort()
+    for (_, end, _), (start, _, _) in zip(found, found[1:]):
+        if start <= end:
+            raise ArgumentError(f"{flag}: the ranges overlap at iteration {start}; give each iteration one interval")
+    return tuple(found)
+
+
 class RejectedFlag(argparse.Action):
     """A flag that is recognised but refused: parsing it raises ArgumentError with ``reason``.
 

@@ -38,6 +38,7 @@ import contextlib
 import dataclasses
 import os
 import random
+import shutil
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,7 +47,7 @@ import torch
 from megatron.core.checkpoint.manifest import FileEntry, describe_file, fsync_path, write_manifest
 from megatron.core.tensor_parallel import get_rng_tracker
 from megatron.training.checkpoint_checks import (LATEST_FILENAME, SAVING_MARKER, CheckpointError,
-                                                 check_before_loading, verified_reads)
+                                                 check_before_loading, checkpoint_tags, verified_reads)
 from megatron.training.config import CheckpointConfig, TrainConfig, plain_value
 from megatron.training.dist_utils import barrier, gather_objects, is_rank_0, print_rank_0
 from megatron.training.metrics import loaded_checkpoint_line, saved_checkpoint_line, saving_checkpoint_line
@@ -166,14 +167,36 @@ def save_checkpoint(engine, progress: TrainingProgress, config: TrainConfig) -> 
     with _recorded_writes(engine, tag_directory) as written:
         engine.save_checkpoint(directory, tag=tag, client_state=client_state(progress, config), save_latest=False)
     every_rank_written = gather_objects(written)  # collective: every rank has finished writing
+    removed = []
     if is_rank_0():
         write_manifest(tag_directory, progress.iteration,
                        {name: entry for files in every_rank_written for name, entry in files.items()})
         os.remove(os.path.join(tag_directory, SAVING_MARKER))
         fsync_path(tag_directory)
         _commit(directory, progress.iteration)
+        removed = prune_checkpoints(directory, config.checkpoint, tag)
     barrier()
     print_rank_0(saved_checkpoint_line(progress.iteration, directory))
+    if removed:
+        print_rank_0(f"  removed {', '.join(removed)} (--keep-last-checkpoints {config.checkpoint.keep_last_checkpoints})")
+
+
+def prune_checkpoints(directory: str, settings: CheckpointConfig, current_tag: str) -> list[str]:
+    """--keep-last-checkpoints K: delete all complete checkpoints but the last K, never ``current_tag``
+    (the one ``latest`` names) nor a --pin-checkpoints iteration; return the tags deleted. Each is
+    first renamed out of the global_stepN namespace, so a deletion cut short leaves no half checkpoint
+    that looks whole."""
+    if not settings.keep_last_checkpoints:
+        return []
+    tags = checkpoint_tags(directory)
+    keep = set(tags[-settings.keep_last_checkpoints:]) | {current_tag}
+    keep |= {checkpoint_tag(iteration) for iteration in settings.pinned_checkpoints}
+    removed = [tag for tag in tags if tag not in keep]
+    for tag in removed:
+        doomed = os.path.join(directory, f".deleting-{tag}")
+        os.replace(os.path.join(directory, tag), doomed)
+        shutil.rmtree(doomed)
+    return removed
 
 
 def _restart_engine_counters(engine) -> None:

@@ -24,7 +24,7 @@ from megatron.core.data.data_paths import (DEFAULT_SPLIT, parse_data_path, parse
 from megatron.core.data.gpt_dataset import GPTDatasetConfig
 from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.tokenizer import vocab_size_with_padding
-from megatron.training.argument_types import ArgumentError, parse_iteration_ranges
+from megatron.training.argument_types import ArgumentError, parse_interval_ranges, parse_iteration_ranges
 from megatron.training.arguments import ParsedArguments
 from megatron.training.validation import DerivedValues, lr_lengths_in_samples
 
@@ -192,6 +192,10 @@ class CheckpointConfig:
         no_save_rng: do not save the RNG states.
         finetune: load the weights and restart at iteration 0.
         overwrite_checkpoints: a run starting at iteration 0 may save into a --save that holds checkpoints.
+        save_interval_ranges: (start, end, interval) of --save-interval-ranges: another interval within
+            an inclusive iteration range; save_interval applies outside them.
+        keep_last_checkpoints: keep only the last K checkpoints (--keep-last-checkpoints), or None to keep all.
+        pinned_checkpoints: iterations whose checkpoints are never deleted (--pin-checkpoints).
     """
 
     save: str | None
@@ -202,6 +206,17 @@ class CheckpointConfig:
     no_save_rng: bool
     finetune: bool
     overwrite_checkpoints: bool
+    save_interval_ranges: tuple[tuple[int, int, int], ...]
+    keep_last_checkpoints: int | None
+    pinned_checkpoints: tuple[int, ...]
+
+    def save_due(self, iteration: int) -> bool:
+        """Whether ``iteration`` is a multiple of the save interval in force there."""
+        if self.save is None:
+            return False
+        interval = next((every for start, end, every in self.save_interval_ranges if start <= iteration <= end),
+                        self.save_interval)
+        return iteration % interval == 0
 
 
 @dataclass(frozen=True)
@@ -433,8 +448,11 @@ def build_config(parsed: ParsedArguments, tokenizer_vocab_size: int) -> TrainCon
         parallel=_parallel_config(flags, derived), data=_data_config(flags, derived, tokenizer_vocab_size),
         optimizer=_fields_from_args(OptimizerConfig, flags, clip_grad=derived.clip_grad),
         schedule=_schedule_config(flags, derived),
-        checkpoint=_fields_from_args(CheckpointConfig, flags, no_load_optim=bool(flags.no_load_optim),
-                                     no_load_rng=bool(flags.no_load_rng), no_save_rng=bool(flags.no_save_rng)),
+        checkpoint=_fields_from_args(
+            CheckpointConfig, flags, no_load_optim=bool(flags.no_load_optim), no_load_rng=bool(flags.no_load_rng),
+            no_save_rng=bool(flags.no_save_rng),
+            save_interval_ranges=parse_interval_ranges(flags.save_interval_ranges or (), "--save-interval-ranges"),
+            pinned_checkpoints=tuple(sorted(set(flags.pin_checkpoints or ())))),
         logging=_fields_from_args(LoggingConfig, flags),
         precision=_precision_config(derived),
         deepspeed=DeepSpeedSettings(config_path=flags.deepspeed_config or flags.deepscale_config,

@@ -391,7 +391,7 @@ class Trainer:
             iteration = self.progress.iteration
             if self.do_valid and iteration % self.schedule.eval_interval == 0:
                 self._paused(self.evaluate_and_print, self.iterators.valid, validation_prefix(iteration), "validation")
-            if self.config.checkpoint.save and iteration % self.config.checkpoint.save_interval == 0:
+            if self.config.checkpoint.save_due(iteration):
                 self._paused(self.save)
             label = self._exit_requested()
             if label is not None:

@@ -28,7 +28,7 @@ POSITIVE_INTS = ("num_layers", "hidden_size", "num_attention_heads", "micro_batc
                  "pad_vocab_size_to", "global_batch_size", "train_iters", "train_samples", "train_tokens",
                  "log_interval", "exit_interval", "exit_duration_in_mins", "eval_interval", "save_interval",
                  "tensorboard_log_interval", "tensorboard_queue_size", "lr_decay_iters", "lr_decay_samples",
-                 "lr_decay_tokens", "checkpoint_num_layers", "tensor_model_parallel_size",
+                 "lr_decay_tokens", "checkpoint_num_layers", "tensor_model_parallel_size", "keep_last_checkpoints",
                  "pipeline_model_parallel_size", "hysteresis")
 NON_NEGATIVE_NUMBERS = ("eval_iters", "num_workers", "valid_num_workers", "lr_warmup_iters", "max_consecutive_nan_iterations",
                         "lr_warmup_samples", "lr_warmup_tokens", "seed", "zero_stage", "lr", "min_lr",
@@ -184,6 +184,8 @@ def _check_learning_rate_and_saving(args):
                             "flags' schedule or take the checkpoint's, not both")
     if args.lr is not None and args.min_lr > args.lr:
         raise ArgumentError(f"--min-lr ({args.min_lr}) must be <= --lr ({args.lr})")
+    if (args.keep_last_checkpoints or args.pin_checkpoints or args.save_interval_ranges) and not args.save:
+        raise ArgumentError("--keep-last-checkpoints, --pin-checkpoints and --save-interval-ranges need --save")
     if args.save and args.save_interval is None:
         raise ArgumentError("--save needs --save-interval (iterations between checkpoints)")
 

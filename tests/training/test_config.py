@@ -226,3 +226,26 @@ def test_skip_ranges_are_sorted_and_merged():
 def test_a_bad_skip_range_is_named(value):
     with pytest.raises(ArgumentError, match=f"--skip-train-iteration-range: '{value}'"):
         config_of(["--skip-train-iteration-range", "1-2", value])
+
+
+def test_save_interval_ranges_choose_the_interval_in_force():
+    checkpoint = config_of(["--save", "/ckpt", "--save-interval", "1500", "--save-interval-ranges", "101-1000:50",
+                            "1-100:10"]).checkpoint
+    assert checkpoint.save_interval_ranges == ((1, 100, 10), (101, 1000, 50))
+    due = [iteration for iteration in range(1, 4501) if checkpoint.save_due(iteration)]
+    assert due == list(range(10, 101, 10)) + list(range(150, 1001, 50)) + [1500, 3000, 4500]
+    assert not config_of().checkpoint.save_due(1500)
+
+
+@pytest.mark.parametrize("values, message", [
+    (["1-100"], "is not START-END:INTERVAL"), (["1-100:0"], "is not START-END:INTERVAL"),
+    (["1-100:10", "50-200:20"], "overlap at iteration 50"), (["100-1:10"], "1 <= START <= END"),
+])
+def test_bad_save_interval_ranges_are_named(values, message):
+    with pytest.raises(ArgumentError, match=message):
+        config_of(["--save", "/ckpt", "--save-interval", "10", "--save-interval-ranges", *values])
+
+
+def test_retention_flags_need_save():
+    with pytest.raises(ArgumentError, match="need --save"):
+        config_of(["--keep-last-checkpoints", "3"])

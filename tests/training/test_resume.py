@@ -6,6 +6,7 @@ rate, data position and, with dropout on, the RNG streams must continue: iterati
 same consumed samples/tokens and learning rates, and the same losses (bit-exact here; the test
 allows fp32 noise), and the validation set continues where it stood.
 """
+import os
 import shutil
 
 import pytest
@@ -112,3 +113,19 @@ def test_a_changed_learning_rate_on_resume(preprocessed_corpus, uninterrupted, t
     else:
         reference = {line["iteration"]: line["learning rate"] for line in training_lines(output)}
         assert rates == [reference[i] for i in (5, 6, 7, 8)]
+
+
+def test_save_schedule_and_retention(preprocessed_corpus, tmp_path):  # noqa: F811
+    """12 iterations, --save-interval 4 with every 2nd iteration in 1-6, keeping the last 2 checkpoints and
+    the one of iteration 2: saves at 2, 4, 6 (the range), 8 and 12 (every 4th; 12 is also the end);
+    after each save only the last two and the pinned one remain."""
+    flags = ["--global-batch-size", "4", "--train-iters", "12", "--eval-iters", "0", "--save", str(tmp_path / "ckpt"),
+             "--save-interval", "4", "--save-interval-ranges", "1-6:2", "--keep-last-checkpoints", "2",
+             "--pin-checkpoints", "2"]
+    output = run_pretrain(tiny_run_args(preprocessed_corpus, *flags)).stdout
+    saved = [int(line.split()[4]) for line in output.splitlines() if line.startswith("saving checkpoint at iteration")]
+    assert saved == [2, 4, 6, 8, 12]
+    removed = [line.split()[1].rstrip(",") for line in output.splitlines() if line.startswith("  removed ")]
+    assert removed == ["global_step4", "global_step6"]  # after the saves of 8 and 12
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["global_step12", "global_step2", "global_step8", "latest",
+                                                    "latest_checkpointed_iteration.txt"]
