@@ -8,9 +8,11 @@ Launchers and what they leave behind (first match wins):
     python -m torch.distributed.launch
                                       as torchrun, plus argv --local-rank=i (--local_rank before torch 2.0)
     plain environment                 env RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT
+                                      (RANK=0 without WORLD_SIZE: Megatron-DeepSpeed's "emulate
+                                      distributed", a world of 1)
     srun (SLURM)                      env SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; the rendezvous host
                                       is MASTER_ADDR or else the first host of SLURM_JOB_NODELIST
-    single process                    nothing: rank 0 of 1
+    single process                    nothing: rank 0 of 1 (on a free port unless MASTER_PORT is set)
 
 The torch variables win over SLURM's, so ``srun torchrun ...`` (one torchrun per node, as the
 BigScience tr11 job) reads torchrun's ranks. SLURM's own variables are used only when RANK and
@@ -18,6 +20,7 @@ WORLD_SIZE are absent, i.e. one srun task per GPU. A batch script that runs pyth
 still carries SLURM_NTASKS of the allocation: launch through srun (or a launcher) there.
 """
 import re
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -94,7 +97,10 @@ def _master(env, world_size, fallback_addr=None):
             raise LaunchEnvError(f"MASTER_ADDR is not set for a job of {world_size} processes: set "
                                  f"MASTER_ADDR (host of rank 0) and MASTER_PORT, or use a launcher")
         addr = DEFAULT_MASTER_ADDR
-    port = _env_int(env, "MASTER_PORT", minimum=1) if env.get("MASTER_PORT") else DEFAULT_MASTER_PORT
+    if env.get("MASTER_PORT"):
+        port = _env_int(env, "MASTER_PORT", minimum=1)
+    else:  # a lone process meets only itself: any free port, so that two of them on one host do not collide
+        port = DEFAULT_MASTER_PORT if world_size > 1 else free_port()
     if port > 65535:
         raise LaunchEnvError(f"environment variable MASTER_PORT={port} is not a port (1-65535)")
     return addr, port
@@ -129,7 +135,20 @@ def _torch_launcher_name(env, argv_local_rank):
     return "env"
 
 
+def free_port() -> int:
+    """A TCP port nothing listens on now (the kernel's pick for port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def _from_torch_env(env, argv_local_rank):
+    if env.get("RANK") and not env.get("WORLD_SIZE"):
+        if _env_int(env, "RANK") != 0:
+            raise LaunchEnvError(f"RANK={env['RANK']} is set but WORLD_SIZE is not: set WORLD_SIZE (and "
+                                 f"LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or use a launcher")
+        # Megatron-DeepSpeed's "emulate distributed": RANK=0 (and LOCAL_RANK=0) alone is a world of 1.
+        env = {**env, "WORLD_SIZE": "1"}
     for name in ("RANK", "WORLD_SIZE"):
         if not env.get(name):
             other = "WORLD_SIZE" if name == "RANK" else "RANK"

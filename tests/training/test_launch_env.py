@@ -1,4 +1,6 @@
 """launch_env: rank, world size, local rank and rendezvous as each launcher leaves them (fake envs)."""
+import socket
+
 import pytest
 
 from megatron.training.launch_env import (DEFAULT_MASTER_PORT, LaunchEnv, LaunchEnvError, effective_backend,
@@ -7,8 +9,25 @@ from megatron.training.launch_env import (DEFAULT_MASTER_PORT, LaunchEnv, Launch
 TORCH_VARS = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "node01", "MASTER_PORT": "29500"}
 
 
-def test_single_process_without_variables():
-    assert read_launch_env({}) == LaunchEnv(0, 1, 0, "127.0.0.1", DEFAULT_MASTER_PORT, "single")
+def test_single_process_without_variables_gets_a_free_port():
+    launch = read_launch_env({})
+    assert (launch.rank, launch.world_size, launch.local_rank, launch.master_addr, launch.source) == \
+        (0, 1, 0, "127.0.0.1", "single")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", launch.master_port))  # nothing listens there
+    assert read_launch_env({"MASTER_PORT": "6123"}).master_port == 6123
+
+
+def test_rank_0_without_world_size_is_a_world_of_one():
+    launch = read_launch_env({"RANK": "0", "LOCAL_RANK": "0"})
+    assert (launch.rank, launch.world_size, launch.local_rank, launch.source) == (0, 1, 0, "env")
+    with pytest.raises(LaunchEnvError, match="RANK=3 is set but WORLD_SIZE is not"):
+        read_launch_env({"RANK": "3"})
+
+
+def test_several_processes_without_master_port_meet_on_megatrons_default():
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "node01"}
+    assert read_launch_env(env).master_port == DEFAULT_MASTER_PORT
 
 
 def test_deepspeed_launcher_env_and_argv_local_rank():
@@ -68,7 +87,7 @@ def test_bad_nodelist_is_an_error():
 
 
 @pytest.mark.parametrize("env, argv_local_rank, words", [
-    ({"RANK": "0"}, None, ["WORLD_SIZE"]),
+    ({"RANK": "2"}, None, ["WORLD_SIZE"]),
     ({"WORLD_SIZE": "2"}, None, ["RANK"]),
     ({**TORCH_VARS, "RANK": "x"}, None, ["RANK", "not an integer"]),
     ({**TORCH_VARS, "RANK": "8"}, None, ["RANK=8", "WORLD_SIZE=8"]),
