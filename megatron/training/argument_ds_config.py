@@ -262,6 +262,23 @@ class _Resolution:
             self.notices.append("fp16 at zero_optimization.stage 0 runs at stage 1: DeepSpeed 0.19 does not "
                                 "scale the loss for its stage-0 fp16 optimizer (deepspeedai/DeepSpeed#8393)")
 
+    def offload(self):
+        """ZeRO's optimizer offload: to the CPU (with DeepSpeed's CPU Adam, engine.build_optimizer);
+        NVMe offload and offloading the parameters (ZeRO-3) are not supported."""
+        block = self.config["zero_optimization"]
+        device = (block.get("offload_optimizer") or {}).get("device", "none")
+        if device not in ("none", "cpu"):
+            raise ArgumentError(f"zero_optimization.offload_optimizer.device {device!r} in {self.where}: only "
+                                f"\"cpu\" (or \"none\") is supported")
+        if device == "cpu" and block["stage"] == 0:
+            raise ArgumentError(f"zero_optimization.offload_optimizer in {self.where} needs ZeRO stage 1 or 2")
+        if device == "cpu" and self.args.optimizer != "adam":
+            raise ArgumentError(f"zero_optimization.offload_optimizer in {self.where} runs DeepSpeed's CPU Adam: "
+                                f"use --optimizer adam, or no offload")
+        if (block.get("offload_param") or {}).get("device", "none") != "none":
+            raise ArgumentError(f"zero_optimization.offload_param in {self.where} is a ZeRO-3 feature, and ZeRO "
+                                f"stage 3 is not supported; remove it")
+
     def optimizer_support(self):
         """DeepSpeed refuses optimizers outside its ZeRO list (SGD) at stage >= 1 unless told otherwise."""
         if self.args.optimizer == "sgd" and self.config["zero_optimization"]["stage"] >= 1:
@@ -285,5 +302,6 @@ def resolve_ds_config(args, explicit, data_parallel_size, pipeline_parallel_size
     resolution.zero_stage()
     resolution.grad_accumulation()
     resolution.fp16_stage()
+    resolution.offload()
     resolution.optimizer_support()
     return resolution.config, resolution.notices

@@ -295,6 +295,12 @@ class DeepSpeedSettings:
     config_path: str | None
     config: dict
 
+    @property
+    def offloads_optimizer(self) -> bool:
+        """ZeRO keeps the optimizer states and step on the CPU (zero_optimization.offload_optimizer)."""
+        offload = self.config.get("zero_optimization", {}).get("offload_optimizer") or {}
+        return offload.get("device", "none") == "cpu"
+
     def config_for_initialize(self) -> dict:
         """A private copy for ``deepspeed.initialize(config=...)``, which may modify what it gets."""
         return copy.deepcopy(self.config)

@@ -82,12 +82,22 @@ def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dic
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: torch.nn.Module, optimizer: OptimizerConfig) -> torch.optim.Optimizer:
-    """AdamW (decoupled weight decay, fused on CUDA) or SGD over ``weight_decay_groups``."""
+def build_optimizer(model: torch.nn.Module, optimizer: OptimizerConfig,
+                    offload_to_cpu: bool = False) -> torch.optim.Optimizer:
+    """AdamW (decoupled weight decay, fused on CUDA) or SGD over ``weight_decay_groups``.
+
+    With ZeRO's optimizer offload (``offload_to_cpu``) Adam is DeepSpeed's DeepSpeedCPUAdam in AdamW
+    mode, the same update run by DeepSpeed's vectorised CPU kernel (compiled on first use): DeepSpeed
+    refuses another optimizer there.
+    """
     groups = [group for group in weight_decay_groups(model, optimizer.weight_decay) if group["params"]]
+    betas = (optimizer.adam_beta1, optimizer.adam_beta2)
+    if optimizer.optimizer == "adam" and offload_to_cpu:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        return DeepSpeedCPUAdam(groups, lr=optimizer.lr, betas=betas, eps=optimizer.adam_eps, adamw_mode=True)
     if optimizer.optimizer == "adam":
-        return torch.optim.AdamW(groups, lr=optimizer.lr, betas=(optimizer.adam_beta1, optimizer.adam_beta2),
-                                 eps=optimizer.adam_eps, fused=torch.cuda.is_available())
+        return torch.optim.AdamW(groups, lr=optimizer.lr, betas=betas, eps=optimizer.adam_eps,
+                                 fused=torch.cuda.is_available())
     if optimizer.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=optimizer.lr, momentum=optimizer.sgd_momentum)
     raise ValueError(f"--optimizer {optimizer.optimizer!r} is not supported; use adam or sgd")

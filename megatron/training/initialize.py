@@ -54,19 +54,41 @@ def _rendezvous_environment(parallel: ParallelConfig) -> dict:
             "MASTER_PORT": str(parallel.master_port)}
 
 
-def _announce_cpu_op_build(rank: int) -> None:
-    """Before DeepSpeed's CPU accelerator compiles its shared-memory op (first start only), say why
-    the next minute is quiet."""
+CPU_OPS = {"ShareMemCommBuilder": "shared-memory collectives (every run)",
+           "CPUAdamBuilder": "CPU Adam (ZeRO optimizer offload)"}
+
+
+def _unbuilt_cpu_op(name: str):
+    """(DeepSpeed's op builder, its cache directory) when the CPU op ``name`` still has to be compiled, else None."""
     from deepspeed.accelerator import get_accelerator
     from torch.utils.cpp_extension import _get_build_directory
 
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is None or rank != 0:
-        return
+    builder = get_accelerator().create_op_builder(name)
+    if builder is None:
+        return None
     directory = _get_build_directory(builder.NAME, verbose=False)
-    if not os.path.exists(os.path.join(directory, f"{builder.NAME}.so")):
+    return None if os.path.exists(os.path.join(directory, f"{builder.NAME}.so")) else (builder, directory)
+
+
+def build_deepspeed_cpu_ops() -> None:
+    """Compile DeepSpeed's CPU ops not yet in torch's extensions cache, saying so first (the install
+    script runs this, so that no run waits for it)."""
+    for name, purpose in CPU_OPS.items():
+        unbuilt = _unbuilt_cpu_op(name)
+        if unbuilt is not None:
+            builder, directory = unbuilt
+            print_line(f"building DeepSpeed's {purpose} op for the CPU, once (a minute or two on two cores; "
+                       f"cached in {directory}) ...")
+            builder.load(verbose=False)
+
+
+def _announce_cpu_op_build(rank: int) -> None:
+    """Before DeepSpeed's CPU accelerator compiles its shared-memory op (when the install did not),
+    say why the next minute is quiet."""
+    unbuilt = _unbuilt_cpu_op("ShareMemCommBuilder")
+    if unbuilt is not None and rank == 0:
         print_line(f"> DeepSpeed builds its shared-memory op for the CPU once (about a minute on two cores; "
-                   f"cached in {directory}) ...")
+                   f"cached in {unbuilt[1]}) ...")
 
 
 def use_current_collective_names() -> None:

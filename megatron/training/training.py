@@ -224,7 +224,7 @@ class Trainer:
         return without_embeddings / BILLION
 
     def _build_engine(self, model):
-        optimizer = build_optimizer(model, self.config.optimizer)
+        optimizer = build_optimizer(model, self.config.optimizer, self.config.deepspeed.offloads_optimizer)
         lr_scheduler = build_lr_scheduler(optimizer, self.config.optimizer, self.schedule,
                                           self.calculator.get_current_global_batch_size,
                                           lambda: self.progress.consumed_train_tokens)

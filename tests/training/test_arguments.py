@@ -598,3 +598,20 @@ def test_help_shows_the_defaults_worth_showing():
     for shown in ("(default: 128)", "(default: 1234)", "(default: 0.01)", "(default: linear)", "(default: infer)"):
         assert shown in text
     assert "(default: None)" not in text and "(default: False)" not in text and "(default: True)" not in text
+
+
+@pytest.mark.parametrize("zero, extra, words", [
+    ({"stage": 2, "offload_optimizer": {"device": "nvme"}}, [], ["offload_optimizer.device 'nvme'", '"cpu"']),
+    ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, [], ["offload_optimizer", "stage 1 or 2"]),
+    ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, ["--optimizer", "sgd"], ["CPU Adam", "--optimizer adam"]),
+    ({"stage": 2, "offload_param": {"device": "cpu"}}, [], ["offload_param", "ZeRO-3"]),
+])
+def test_offload_settings_that_cannot_run_are_refused(ds_file, zero, extra, words):
+    message = error(with_ds(ds_file({"zero_optimization": zero}), *extra))
+    assert all(word in message for word in words), message
+
+
+def test_cpu_offload_is_accepted_at_zero_1_and_2(ds_file):
+    for stage in (1, 2):
+        parsed = parse(with_ds(ds_file({"zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}}})))
+        assert parsed.derived.ds_config["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}

@@ -1,0 +1,45 @@
+"""ZeRO-2 with the optimizer offloaded to the CPU, from the ds_config alone (the GPT-2 benchmark notes'
+setting): DeepSpeed's CPU Adam runs the same AdamW update as ZeRO-2 without offload, so 5 iterations
+give the same losses (fp32, 2 gloo processes), and a save at 3 resumes with the offloaded state."""
+import json
+
+import pytest
+
+from tests.training.e2e_utils import e2e_data, run_pretrain, tiny_gpt_flags  # noqa: F401
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+FLAGS = ["--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "5", "--lr", "1e-3",
+         "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0", "--weight-decay", "0.1",
+         "--hidden-dropout", "0", "--attention-dropout", "0", "--use-cpu-initialization", "--deepspeed"]
+
+
+def ds_config(tmp_path, offload: bool) -> str:
+    zero = {"stage": 2, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
+    path = tmp_path / f"ds_offload_{offload}.json"
+    path.write_text(json.dumps({"zero_optimization": zero, "gradient_clipping": 1.0}))
+    return str(path)
+
+
+def losses(result):
+    return {line.iteration: line.number("lm loss") for line in result.log_lines()}
+
+
+def test_offload_gives_the_losses_of_zero_2_and_resumes(e2e_data, tmp_path):  # noqa: F811
+    plain = run_pretrain(tiny_gpt_flags(e2e_data) + FLAGS + ["--deepspeed_config", ds_config(tmp_path, False)],
+                         nproc=2)
+    plain.assert_ok()
+    flags = tiny_gpt_flags(e2e_data) + FLAGS + ["--deepspeed_config", ds_config(tmp_path, True)]
+    offloaded = run_pretrain(flags + ["--save", str(tmp_path / "ckpt"), "--save-interval", "3"], nproc=2)
+    offloaded.assert_ok()
+    reference = losses(plain)
+    assert sorted(reference) == [1, 2, 3, 4, 5]
+    assert losses(offloaded) == pytest.approx(reference, rel=1e-5)
+
+    (tmp_path / "ckpt" / "latest").write_text("global_step3")  # the run also saved at its end, iteration 5
+    resumed = run_pretrain(flags + ["--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / "resumed"),
+                                    "--save-interval", "100"], nproc=2)
+    resumed.assert_ok()
+    assert "successfully loaded checkpoint" in resumed.output
+    continued = losses(resumed)
+    assert sorted(continued) == [4, 5] and continued == pytest.approx({4: reference[4], 5: reference[5]}, rel=1e-5)
