@@ -50,10 +50,12 @@ from megatron.training.checkpoint_checks import (LATEST_FILENAME, SAVING_MARKER,
                                                  check_before_loading, checkpoint_tags, verified_reads)
 from megatron.training.config import CheckpointConfig, TrainConfig, plain_value
 from megatron.training.dist_utils import barrier, gather_objects, is_rank_0, print_rank_0
+from megatron.training.engine import is_pipeline_engine
 from megatron.training.metrics import loaded_checkpoint_line, saved_checkpoint_line, saving_checkpoint_line
 
 CHECKPOINT_VERSION = 3.0
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
 __all__ = ["CHECKPOINT_VERSION", "CheckpointError", "TrainingProgress", "load_checkpoint", "save_checkpoint"]
 
@@ -169,6 +171,8 @@ def save_checkpoint(engine, progress: TrainingProgress, config: TrainConfig) -> 
     every_rank_written = gather_objects(written)  # collective: every rank has finished writing
     removed = []
     if is_rank_0():
+        if is_pipeline_engine(engine):
+            _remove_recovery_scripts(directory)
         write_manifest(tag_directory, progress.iteration,
                        {name: entry for files in every_rank_written for name, entry in files.items()})
         os.remove(os.path.join(tag_directory, SAVING_MARKER))
@@ -179,6 +183,16 @@ def save_checkpoint(engine, progress: TrainingProgress, config: TrainConfig) -> 
     print_rank_0(saved_checkpoint_line(progress.iteration, directory))
     if removed:
         print_rank_0(f"  removed {', '.join(removed)} (--keep-last-checkpoints {config.checkpoint.keep_last_checkpoints})")
+
+
+def _remove_recovery_scripts(directory: str) -> None:
+    """DeepSpeed copies its zero_to_fp32.py / zero_to_torch.py next to every ZeRO checkpoint, but they
+    cannot read the pipeline engine's checkpoints (its mp_rank files hold no module): drop them there
+    rather than leave a tool that fails. They stay with the plain engine's (ZeRO-2) checkpoints."""
+    for name in RECOVERY_SCRIPTS:
+        path = os.path.join(directory, name)
+        if os.path.exists(path):
+            os.remove(path)
 
 
 def prune_checkpoints(directory: str, settings: CheckpointConfig, current_tag: str) -> list[str]:

@@ -1,7 +1,14 @@
 """ZeRO-2 with the optimizer offloaded to the CPU, from the ds_config alone (the GPT-2 benchmark notes'
 setting): DeepSpeed's CPU Adam runs the same AdamW update as ZeRO-2 without offload, so 5 iterations
-give the same losses (fp32, 2 gloo processes), and a save at 3 resumes with the offloaded state."""
+give the same losses (fp32, 2 gloo processes), and a save at 3 resumes with the offloaded state.
+DeepSpeed's zero_to_fp32.py, left beside these (plain-engine) checkpoints, rebuilds the weights; the
+pipeline engine's checkpoints (ZeRO 0/1) do not get it, as it cannot read them."""
 import json
+import os
+import subprocess
+import sys
+
+import torch
 
 import pytest
 
@@ -9,9 +16,10 @@ from tests.training.e2e_utils import e2e_data, run_pretrain, tiny_gpt_flags  # n
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-FLAGS = ["--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "5", "--lr", "1e-3",
-         "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0", "--weight-decay", "0.1",
-         "--hidden-dropout", "0", "--attention-dropout", "0", "--use-cpu-initialization", "--deepspeed"]
+def run_flags(train_iters: int = 5) -> list[str]:
+    return ["--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(train_iters), "--lr", "1e-3",
+            "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0", "--weight-decay", "0.1",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--use-cpu-initialization", "--deepspeed"]
 
 
 def ds_config(tmp_path, offload: bool) -> str:
@@ -26,10 +34,10 @@ def losses(result):
 
 
 def test_offload_gives_the_losses_of_zero_2_and_resumes(e2e_data, tmp_path):  # noqa: F811
-    plain = run_pretrain(tiny_gpt_flags(e2e_data) + FLAGS + ["--deepspeed_config", ds_config(tmp_path, False)],
+    plain = run_pretrain(tiny_gpt_flags(e2e_data) + run_flags() + ["--deepspeed_config", ds_config(tmp_path, False)],
                          nproc=2)
     plain.assert_ok()
-    flags = tiny_gpt_flags(e2e_data) + FLAGS + ["--deepspeed_config", ds_config(tmp_path, True)]
+    flags = tiny_gpt_flags(e2e_data) + run_flags() + ["--deepspeed_config", ds_config(tmp_path, True)]
     offloaded = run_pretrain(flags + ["--save", str(tmp_path / "ckpt"), "--save-interval", "3"], nproc=2)
     offloaded.assert_ok()
     reference = losses(plain)
@@ -43,3 +51,18 @@ def test_offload_gives_the_losses_of_zero_2_and_resumes(e2e_data, tmp_path):  # 
     assert "successfully loaded checkpoint" in resumed.output
     continued = losses(resumed)
     assert sorted(continued) == [4, 5] and continued == pytest.approx({4: reference[4], 5: reference[5]}, rel=1e-5)
+
+
+def test_zero_to_fp32_works_where_it_is_written(e2e_data, tmp_path):  # noqa: F811
+    flags = tiny_gpt_flags(e2e_data) + run_flags(train_iters=2) + ["--save-interval", "2"]
+    for stage, expected in ((2, True), (1, False)):
+        path = tmp_path / f"ds_{stage}.json"
+        path.write_text(json.dumps({"zero_optimization": {"stage": stage}}))
+        checkpoint = tmp_path / f"zero{stage}"
+        run_pretrain(flags + ["--deepspeed_config", str(path), "--save", str(checkpoint)], nproc=2).assert_ok()
+        assert os.path.exists(checkpoint / "zero_to_fp32.py") is expected
+    subprocess.run([sys.executable, "zero_to_fp32.py", ".", str(tmp_path / "fp32")], cwd=tmp_path / "zero2",
+                   check=True, capture_output=True)
+    rebuilt = torch.load(tmp_path / "fp32" / "pytorch_model.bin", weights_only=False)
+    module = torch.load(tmp_path / "zero2" / "global_step2" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    assert sorted(rebuilt) == sorted(module) and all(torch.equal(rebuilt[k], module[k].float()) for k in rebuilt)
