@@ -5,6 +5,7 @@ Every run here starts 2 processes under torchrun, as a user's first launch would
 """
 import os
 import re
+import struct
 
 import pytest
 
@@ -92,3 +93,51 @@ def test_no_per_rank_warnings_on_the_console(quiet_run):
     result, _ = quiet_run
     assert "FutureWarning" not in result.output and "all_gather_into_tensor" not in result.output
     assert "notice: --distributed-backend" not in result.output
+
+
+def _patch(offset, fmt, value):
+    def mutate(raw):
+        struct.pack_into(fmt, raw, offset, value)
+        return raw
+    return mutate
+
+
+SIZES = 34  # the .idx header's size: sizes (int32) follow, then pointers (int64), then the document index
+# (which file, how it is damaged, what the error says): each refused before any process group.
+DATASET_DAMAGES = {
+    "bad magic": ("idx", lambda raw: b"NOTANIDX\x00" + raw[9:], "bad magic"),
+    "legacy format": ("idx", lambda raw: b"TNTIDX\x00\x00" + raw[8:], "legacy lazy/cached (TNTIDX) format"),
+    "unknown version": ("idx", _patch(9, "<Q", 7), "unsupported index version 7"),
+    "unknown dtype": ("idx", _patch(17, "<B", 42), "unknown dtype code 42"),
+    "truncated index": ("idx", lambda raw: raw[:-5], "truncated index"),
+    "truncated data": ("bin", lambda raw: raw[:-10], "data file has"),
+    "negative size": ("idx", _patch(SIZES + 4, "<i", -1), "has a negative size"),
+    "shifted pointer": ("idx", lambda raw: _shift_second_pointer(raw), "pointers are inconsistent with item sizes"),
+    "missing data file": ("bin", None, "only"),
+}
+
+
+def _shift_second_pointer(raw):
+    count = struct.unpack_from("<Q", raw, 18)[0]
+    offset = SIZES + 4 * count + 8
+    struct.pack_into("<q", raw, offset, struct.unpack_from("<q", raw, offset)[0] + 2)
+    return raw
+
+
+@pytest.mark.parametrize("damage", sorted(DATASET_DAMAGES))
+def test_a_damaged_dataset_is_named_before_anything_starts_each_kind(e2e_data, tmp_path, damage):  # noqa: F811
+    which, mutate, message = DATASET_DAMAGES[damage]
+    prefix = tmp_path / "copy_text_document"
+    for extension in ("idx", "bin"):
+        with open(e2e_data.data_prefix + f".{extension}", "rb") as f:
+            raw = bytearray(f.read())
+        if extension == which:
+            if mutate is None:
+                continue
+            raw = mutate(raw)
+        (tmp_path / f"copy_text_document.{extension}").write_bytes(bytes(raw))
+    result = run_pretrain(flags_with_data_path(e2e_data, str(prefix), tmp_path), nproc=1)
+    errors = [line for line in result.output.splitlines() if "pretrain_gpt.py: error:" in line]
+    assert result.returncode == 2 and len(errors) == 1, result.output[-3000:]
+    assert f"--data-path: {prefix}" in errors[0] and message in errors[0], errors[0]
+    assert STARTED not in result.output and not (tmp_path / "ckpt").exists()

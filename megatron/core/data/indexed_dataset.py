@@ -83,11 +83,36 @@ def dtype_code(dtype, path="<dataset>"):
     return code
 
 
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def remove_abandoned_temporaries(final_path) -> list[str]:
+    """Delete the temporary files a killed writer of ``final_path`` left behind (``_temporary_path``
+    names, whose process is gone); a live writer's are kept. Returns the paths removed."""
+    directory, name = os.path.split(os.path.abspath(final_path))
+    removed = []
+    for entry in os.listdir(directory):
+        parts = entry[len(name) + 2:].split(".") if entry.startswith(f".{name}.") else []
+        if len(parts) == 3 and parts[2] == "tmp" and parts[0].isdigit() and not _process_alive(int(parts[0])):
+            os.remove(os.path.join(directory, entry))
+            removed.append(os.path.join(directory, entry))
+    return removed
+
+
 def _temporary_path(final_path):
-    """A new empty file next to ``final_path`` whose name never looks like a finished dataset.
+    """A new empty file next to ``final_path`` whose name never looks like a finished dataset:
+    ``.{name}.{pid}.{random}.tmp``, so that a later writer can tell a dead writer's leftovers.
 
     Created with the default permissions (umask applies), unlike ``tempfile.mkstemp``'s 0600.
     """
+    remove_abandoned_temporaries(final_path)
     directory, name = os.path.split(os.path.abspath(final_path))
     while True:
         path = os.path.join(directory, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
@@ -325,6 +350,23 @@ class MMapIndexedDataset:
     def __init__(self, path_prefix, skip_warmup=True):
         self._open(path_prefix, skip_warmup)
 
+    def _check_pointers(self, index_path):
+        """Every pointer is the running byte sum of the sizes before it (vectorised: a few milliseconds
+        per million items), so no item is read from a shifted offset."""
+        sizes, pointers = self._index.sizes, self._index.pointers
+        if len(sizes) == 0:
+            return
+        expected = np.empty(len(sizes), dtype=np.int64)
+        expected[0] = 0
+        np.cumsum(sizes[:-1], dtype=np.int64, out=expected[1:])
+        expected *= self.dtype.itemsize
+        wrong = np.flatnonzero(pointers != expected)
+        if len(wrong):
+            item = int(wrong[0])
+            raise IndexedDatasetError(f"{index_path}: pointers are inconsistent with item sizes: item {item} starts "
+                                      f"at byte {int(pointers[item])}, its sizes put it at {int(expected[item])} "
+                                      f"({len(wrong)} items misplaced)")
+
     def _open(self, path_prefix, skip_warmup):
         self._path_prefix = path_prefix
         self._skip_warmup = skip_warmup
@@ -334,14 +376,16 @@ class MMapIndexedDataset:
         if not os.path.isfile(bin_path):
             raise IndexedDatasetError(f"{bin_path}: data file not found (index {index_path} exists)")
         sizes = self._index.sizes
+        negative = np.flatnonzero(sizes < 0)
+        if len(negative):
+            raise IndexedDatasetError(f"{index_path}: item {int(negative[0])} has a negative size {int(sizes[negative[0]])}")
         expected_bytes = int(sizes.sum(dtype=np.int64)) * self.dtype.itemsize
         actual_bytes = os.path.getsize(bin_path)
         if actual_bytes != expected_bytes:
             raise IndexedDatasetError(
                 f"{bin_path}: data file has {actual_bytes} bytes but {index_path} describes "
                 f"{expected_bytes} ({int(sizes.sum(dtype=np.int64))} tokens of {self.dtype})")
-        if len(sizes) and int(self._index.pointers[-1]) + int(sizes[-1]) * self.dtype.itemsize != expected_bytes:
-            raise IndexedDatasetError(f"{index_path}: pointers are inconsistent with item sizes")
+        self._check_pointers(index_path)
         if not skip_warmup:
             _warmup(index_path)
             _warmup(bin_path)

@@ -31,6 +31,7 @@ BAD_LINE_KINDS = {
     "invalid_utf8": "line is not valid UTF-8",
     "blank_line": "line is empty or whitespace only",
     "malformed_json": "line is not valid JSON",
+    "nested_too_deep": "line nests arrays or objects deeper than the JSON parser allows",
     "truncated_last_line": "last line is cut off (no trailing newline, not valid JSON)",
     "not_an_object": "line is JSON but not an object",
     "missing_key": "a --json-keys key is missing",
@@ -190,6 +191,8 @@ def parse_line(raw, json_keys):
         record = json.loads(line)
     except UnicodeDecodeError:
         return "invalid_utf8" if raw.endswith(b"\n") else "truncated_last_line"
+    except RecursionError:
+        return "nested_too_deep"
     except ValueError:
         if line.isspace() or not line:
             return "blank_line"

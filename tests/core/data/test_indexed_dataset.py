@@ -298,6 +298,9 @@ CORRUPTIONS = {
     "truncated bin": ("bin", lambda raw: raw[:-2], "data file has 12 bytes but"),
     "extended bin": ("bin", lambda raw: raw + b"\x00\x00", "data file has 16 bytes but"),
     "bad pointer": ("idx", _set(SIZES_OFFSET + 16 + 24, "<q", 14), "pointers are inconsistent"),
+    "shifted middle pointer": ("idx", _set(SIZES_OFFSET + 16 + 8, "<q", 8), r"item 1 starts at byte 8, its sizes put "
+                                                                            r"it at 6 \(1 items misplaced\)"),
+    "negative size": ("idx", _set(SIZES_OFFSET + 4, "<i", -2), "item 1 has a negative size -2"),
 }
 
 
@@ -351,3 +354,21 @@ def test_check_dataset_prefix_names_the_one_file_present(three_doc_prefix):
     os.remove(data_file_path(three_doc_prefix))
     with pytest.raises(IndexedDatasetError, match=r"only .*three\.idx exists"):
         check_dataset_prefix(three_doc_prefix)
+
+
+def test_a_killed_writers_temporary_files_are_removed_by_the_next_writer(tmp_path):
+    import subprocess
+    import sys
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead_pid = int(dead.stdout)
+    prefix = str(tmp_path / "docs_text_document")
+    abandoned = [tmp_path / f".docs_text_document.{suffix}.{dead_pid}.0badf00d.tmp" for suffix in ("bin", "idx")]
+    live = tmp_path / f".docs_text_document.bin.{os.getpid()}.cafecafe.tmp"
+    other = tmp_path / f".other_text_document.bin.{dead_pid}.0badf00d.tmp"
+    for path in abandoned + [live, other]:
+        path.write_bytes(b"partial")
+    _build(prefix, [[[1, 2]]])
+    assert not any(path.exists() for path in abandoned)
+    assert live.exists() and other.exists()
+    assert make_dataset(prefix, "mmap")[0].tolist() == [1, 2]

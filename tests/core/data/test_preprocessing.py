@@ -325,3 +325,9 @@ def test_map_in_order_is_ordered_and_bounded():
         first = next(results)
         assert first == 0 and len(drawn) <= 3
         assert [first] + list(results) == [v * v for v in range(40)]
+
+
+def test_a_line_nested_too_deep_for_the_parser_is_a_bad_line():
+    deep = b'{"text": "t", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n"
+    assert parse_line(deep, ("text",)) == "nested_too_deep"
+    assert parse_line(b'{"text": "t", "x": [[[1]]]}\n', ("text",)) == ["t"]
