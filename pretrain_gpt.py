@@ -26,11 +26,11 @@ from megatron.training.config import build_config  # noqa: E402
 from megatron.training.data_loading import DataLoadingError, check_dataset_files  # noqa: E402
 from megatron.training.initialize import FusedKernelConstraintError  # noqa: E402
 from megatron.training.lr_schedule import LRScheduleError  # noqa: E402
-from megatron.training.training import TrainingDivergedError, UnsupportedConfigurationError, pretrain  # noqa: E402
+from megatron.training.training import TrainingDivergedError, pretrain  # noqa: E402
 
 # Errors of the run's inputs (checkpoint, data, schedule), reported as one line rather than a traceback.
 RUN_ERRORS = (CheckpointError, DataLoadingError, FusedKernelConstraintError, LRScheduleError,
-              TrainingDivergedError, UnsupportedConfigurationError)
+              TrainingDivergedError)
 
 
 @record

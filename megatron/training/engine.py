@@ -216,9 +216,40 @@ def initialize_engine(config: TrainConfig, groups: ParallelGroups, model: torch.
     check_engine_precision(engine, config)
     if not (engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization()):
         guard_fp32_steps(engine, groups)
+    if config.logging.log_num_zeros_in_grad:
+        count_zeros_before_each_step(engine, groups)
     if pipeline and config.data.reset_attention_mask:
         engine.set_has_attention_mask(True)
     return engine
+
+
+def count_zero_gradients(module: torch.nn.Module, groups: ParallelGroups) -> int:
+    """Collective: the zeros of the whole model's gradient, as the optimizer is about to apply it
+    (reduced over DP, unscaled zeros being zeros, before clipping). Each distinct parameter counts
+    once: TP-split ones on every TP rank (their slices are disjoint), replicated ones on TP rank 0,
+    the pipeline's second tied copy never; DeepSpeed's ``safe_get_full_grad`` assembles a parameter's
+    gradient from ZeRO's partitions or the bf16 optimizer's fp32 buffer (an all-reduce over DP)."""
+    from deepspeed.utils import safe_get_full_grad
+
+    zeros = 0
+    for name, param in module.named_parameters():
+        gradient = safe_get_full_grad(param)  # collective under ZeRO: every rank asks for every parameter
+        distinct = counts_once(name, groups) and (getattr(param, "tensor_model_parallel", False) or groups.tp_rank == 0)
+        if gradient is not None and distinct:
+            zeros += int((gradient == 0).sum())
+    return int(sum_across_group([zeros], groups.process_groups["model_parallel"])[0])
+
+
+def count_zeros_before_each_step(engine, groups: ParallelGroups) -> None:
+    """--log-num-zeros-in-grad: ``engine.num_zeros_in_grad`` holds the count of the last step's gradient."""
+    take_step = engine._take_model_step
+
+    def counted_step(*args, **kwargs):
+        engine.num_zeros_in_grad = count_zero_gradients(engine.module, groups)
+        return take_step(*args, **kwargs)
+
+    engine.num_zeros_in_grad = None
+    engine._take_model_step = counted_step
 
 
 def counts_once(name: str, groups: ParallelGroups) -> bool:

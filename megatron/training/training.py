@@ -66,10 +66,6 @@ LOSS_KEY = "lm loss"
 BILLION = 1e9
 
 
-class UnsupportedConfigurationError(ValueError):
-    """A flag this trainer accepts but cannot honour in this configuration."""
-
-
 class TrainingDivergedError(RuntimeError):
     """Too many iterations in a row had a NaN or Inf loss or gradient norm (--max-consecutive-nan-iterations)."""
 
@@ -84,6 +80,7 @@ class StepResult:
     loss: float | None
     skipped: bool
     grad_norm: float | None
+    num_zeros: int | None = None
 
     def is_nan(self, fp16: bool) -> bool:
         """A skipped step with a NaN/Inf loss, or (outside fp16, whose loss scaling overflows on
@@ -105,15 +102,6 @@ def total_train_iters(config: TrainConfig) -> int:
         return schedule.train_iters
     return train_iters_for_samples(schedule.train_samples, schedule.global_batch_size, schedule.micro_batch_size,
                                    config.parallel.data_parallel_size, schedule.rampup_batch_size)
-
-
-def check_supported(config: TrainConfig) -> None:
-    """Refuse what the DeepSpeed path cannot report rather than print a made-up value."""
-    if config.logging.log_num_zeros_in_grad:
-        raise UnsupportedConfigurationError(
-            "--log-num-zeros-in-grad is not supported: DeepSpeed's engine reduces and zeroes the gradients "
-            "inside its optimizer step, so they cannot be counted (Megatron-DeepSpeed logged 0 on this path); "
-            "drop the flag")
 
 
 def exit_label(iteration: int, elapsed_minutes: float | None, schedule) -> str | None:
@@ -315,7 +303,8 @@ class Trainer:
             loss = float(self.engine.train_batch(data_iter=self.iterators.train))
         else:
             loss = self._plain_engine_step()
-        return StepResult(loss, self.engine.skipped_steps > skipped_before, _grad_norm(self.engine))
+        return StepResult(loss, self.engine.skipped_steps > skipped_before, _grad_norm(self.engine),
+                          getattr(self.engine, "num_zeros_in_grad", None))
 
     def _plain_engine_step(self) -> float:
         """Forward, backward and step per micro batch; the optimizer steps at the last one."""
@@ -448,7 +437,7 @@ class Trainer:
         scalars = IterationScalars(learning_rate=self.lr_scheduler.get_lr(),
                                    global_batch_size=self.calculator.get_current_global_batch_size(),
                                    losses=losses, loss_scale=loss_scale, grad_norm=result.grad_norm,
-                                   params_norm=params_norm)
+                                   num_zeros=result.num_zeros, params_norm=params_norm)
         self.tensorboard.write_iteration(self._tensorboard_progress(), scalars)
         if self.progress.iteration % self.schedule.log_interval == 0:
             self._log_interval(scalars)
@@ -478,7 +467,8 @@ class Trainer:
             learning_rate=scalars.learning_rate, global_batch_size=scalars.global_batch_size,
             skipped_iterations=self.accumulator.skipped_iterations, nan_iterations=self.accumulator.nan_iterations,
             samples_per_second=throughput.samples_per_second, tflops=throughput.tflops, losses=losses,
-            loss_scale=scalars.loss_scale, grad_norm=scalars.grad_norm, params_norm=scalars.params_norm,
+            loss_scale=scalars.loss_scale, grad_norm=scalars.grad_norm, num_zeros=scalars.num_zeros,
+            params_norm=scalars.params_norm,
             model_tflops=throughput.model_tflops, mfu=throughput.mfu, eta_seconds=eta)
         dist_utils.print_rank_last(training_log_line(fields))
         self.tensorboard.write_throughput(self._tensorboard_progress(), throughput)
@@ -554,7 +544,6 @@ def pretrain(config: TrainConfig, tokenizer) -> TrainingProgress:
     ``tokenizer`` provides ``eod``.
     """
     start_time = time.time()
-    check_supported(config)
     with ExitSignals() as signals:
         groups = initialize_megatron(config.parallel, config.logging, config.model.seed)
         if config.abort_on_unmet_fused_kernel_constraints:

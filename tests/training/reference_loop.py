@@ -12,6 +12,7 @@ MegatronPretrainingSampler hands out, micro batch by micro batch, to the data-pa
     loss_k = mean cross entropy over the B_k·s tokens of the batch (the mean of the micro-batch means
              when every micro batch holds as many tokens, i.e. without --eod-mask-loss)
     n_k    = ||∇ loss_k||_2 before clipping;  ∇ ← ∇ · min(1, c / (n_k + 1e-6))
+    z_k    = the number of zeros of ∇ loss_k (every parameter once, the tied embedding once)
     AdamW(lr_k, betas, eps), weight decay wd on the weights, 0 on biases and LayerNorm parameters
 
 with W warmup samples, D decay samples, r = (n - W) / (D - W):
@@ -53,12 +54,14 @@ class ReferenceSchedule:
 
 @dataclass(frozen=True)
 class ReferenceStep:
-    """One iteration: the batch loss, the gradient norm before clipping, the rate used and the next one."""
+    """One iteration: the batch loss, the gradient norm before clipping and its zeros, the rate used and
+    the next one."""
 
     loss: float
     grad_norm: float
     learning_rate: float
     next_learning_rate: float
+    num_zeros: int
 
 
 def learning_rate(consumed_samples: int, schedule: ReferenceSchedule) -> float:
@@ -123,7 +126,8 @@ def run_reference_loop(model_config: GPTModelConfig, dataset, schedule: Referenc
         optimizer.zero_grad(set_to_none=True)
         loss = model(tokens, labels=labels)
         loss.backward()
+        num_zeros = sum(int((param.grad == 0).sum()) for param in model.parameters())
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), schedule.clip_grad)
         optimizer.step()
-        steps.append(ReferenceStep(loss.item(), grad_norm.item(), rate, learning_rate(consumed, schedule)))
+        steps.append(ReferenceStep(loss.item(), grad_norm.item(), rate, learning_rate(consumed, schedule), num_zeros))
     return steps

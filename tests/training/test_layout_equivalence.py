@@ -31,6 +31,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 GLOBAL_BATCH, TRAIN_ITERS, SEQ_LENGTH, SEED = 4, 6, 64, 1234
 LR, MIN_LR, WARMUP_ITERS, DECAY_ITERS, WEIGHT_DECAY = 1e-3, 1e-4, 1, 8, 1.0
 LOSS_RTOL, GRAD_NORM_RTOL = 1e-5, 1e-4
+# More position rows than the sequence uses: rows 64-79 never get a gradient, so every layout must count
+# at least (80 - 64) x 64 zeros, and the zeros of the plain loop: up to ZEROS_ATOL more or fewer, the
+# gradient entries that a layout's order of fp32 sums happens to cancel to exactly 0 (seen: 1 in ~170k).
+MAX_POSITIONS, HIDDEN, ZEROS_ATOL = 80, 64, 3
 # name -> (processes, layout flags)
 LAYOUTS = {
     "single": (1, []),
@@ -50,7 +54,8 @@ def common_flags(data, *, seq_length=SEQ_LENGTH, num_layers=2, global_batch=GLOB
         "--lr-decay-iters", str(DECAY_ITERS), "--lr-decay-style", "cosine", "--weight-decay", str(WEIGHT_DECAY),
         "--clip-grad", "1.0", "--adam-beta2", "0.95", "--attention-dropout", "0", "--hidden-dropout", "0",
         "--use-cpu-initialization", "--pad-vocab-size-to", "1152", "--seed", str(SEED),
-        "--log-interval", "1", "--eval-iters", "0"]
+        "--log-interval", "1", "--eval-iters", "0", "--log-num-zeros-in-grad",
+        "--max-position-embeddings", str(MAX_POSITIONS)]
 
 
 def series(scalars, tag, steps=tuple(range(1, TRAIN_ITERS + 1))):
@@ -62,7 +67,8 @@ def series(scalars, tag, steps=tuple(range(1, TRAIN_ITERS + 1))):
 
 @pytest.fixture(scope="module")
 def layout_runs(e2e_data, tmp_path_factory):  # noqa: F811
-    """name -> (losses, grad norms, learning rates, log lines) of one pretrain_gpt.py run per layout."""
+    """name -> (losses, grad norms, learning rates, log lines, zeros of the gradient) of one pretrain_gpt.py
+    run per layout."""
     runs = {}
     for name, (processes, flags) in LAYOUTS.items():
         tensorboard_dir = str(tmp_path_factory.mktemp(f"tb_{name}"))
@@ -71,7 +77,8 @@ def layout_runs(e2e_data, tmp_path_factory):  # noqa: F811
         result.assert_ok()
         scalars = read_scalars(tensorboard_dir)
         runs[name] = (series(scalars, "lm-loss-training/lm loss"), series(scalars, "grad-norm/grad-norm"),
-                      series(scalars, "learning-rate/learning-rate"), result.log_lines())
+                      series(scalars, "learning-rate/learning-rate"), result.log_lines(),
+                      series(scalars, "num-zeros/num-zeros"))
     return runs
 
 
@@ -87,19 +94,21 @@ def assert_counters_of_every_iteration(lines, name: str, train_iters: int = TRAI
 
 
 def test_each_layout_logs_every_iteration_with_the_same_counters(layout_runs):
-    for name, (_, _, _, lines) in layout_runs.items():
+    for name, (_, _, _, lines, _) in layout_runs.items():
         assert_counters_of_every_iteration(lines, name)
 
 
 @pytest.mark.parametrize("name", [name for name in LAYOUTS if name != "single"])
 def test_layout_matches_the_single_process_run(layout_runs, name):
-    losses, grad_norms, rates, lines = layout_runs[name]
-    single_losses, single_grad_norms, single_rates, _ = layout_runs["single"]
+    losses, grad_norms, rates, lines, zeros = layout_runs[name]
+    single_losses, single_grad_norms, single_rates, _, single_zeros = layout_runs["single"]
+    assert zeros == pytest.approx(single_zeros, abs=ZEROS_ATOL)
     assert losses == pytest.approx(single_losses, rel=LOSS_RTOL)
     assert grad_norms == pytest.approx(single_grad_norms, rel=GRAD_NORM_RTOL)
     assert rates == pytest.approx(single_rates, rel=1e-6)
     # The printed line carries the same numbers (interval of 1: the average is the iteration's loss).
     assert [line.number("lm loss") for line in lines] == pytest.approx(single_losses, rel=LOSS_RTOL)
+    assert [line.number("num zeros") for line in lines] == zeros
 
 
 def test_the_run_changes_the_loss(layout_runs):
@@ -111,7 +120,7 @@ def test_the_run_changes_the_loss(layout_runs):
 
 def test_single_process_matches_a_plain_pytorch_adamw_loop(layout_runs, e2e_data):  # noqa: F811
     model = GPTModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, padded_vocab_size=1152,
-                           seq_length=SEQ_LENGTH, max_position_embeddings=SEQ_LENGTH, hidden_dropout=0.0,
+                           seq_length=SEQ_LENGTH, max_position_embeddings=MAX_POSITIONS, hidden_dropout=0.0,
                            attention_dropout=0.0, use_cpu_initialization=True, seed=SEED)
     schedule = ReferenceSchedule(batch_sizes=(GLOBAL_BATCH,) * TRAIN_ITERS, lr=LR, min_lr=MIN_LR,
                                  warmup_samples=WARMUP_ITERS * GLOBAL_BATCH, decay_samples=DECAY_ITERS * GLOBAL_BATCH,
@@ -119,8 +128,10 @@ def test_single_process_matches_a_plain_pytorch_adamw_loop(layout_runs, e2e_data
                                  adam_eps=1e-8, clip_grad=1.0)
     dataset = training_dataset(e2e_data.data_prefix, SEQ_LENGTH, SEED, TRAIN_ITERS * GLOBAL_BATCH, e2e_data.cache_dir)
     reference = run_reference_loop(model, dataset, schedule)
-    losses, grad_norms, rates, _ = layout_runs["single"]
+    losses, grad_norms, rates, _, zeros = layout_runs["single"]
     assert reference[0].learning_rate == 0.0  # the warmup's first step
+    assert zeros == pytest.approx([step.num_zeros for step in reference], abs=ZEROS_ATOL)
+    assert min(zeros) >= (MAX_POSITIONS - SEQ_LENGTH) * HIDDEN
     assert losses == pytest.approx([step.loss for step in reference], rel=LOSS_RTOL)
     assert grad_norms == pytest.approx([step.grad_norm for step in reference], rel=GRAD_NORM_RTOL)
     assert rates == pytest.approx([step.next_learning_rate for step in reference], rel=1e-6)

@@ -24,7 +24,7 @@ from megatron.training.data_loading import (DataLoadingError, LoaderSettings, cy
                                             pipeline_batch, train_valid_test_num_samples, training_iterator)
 from megatron.training.engine import (EngineSetupError, build_optimizer, check_engine_grid, gradient_norm_share,
                                       parameter_counts, uses_pipeline_engine, weight_decay_groups)
-from megatron.training.training import UnsupportedConfigurationError, check_supported, exit_label
+from megatron.training.training import exit_label
 from tests.dist_utils import run_distributed
 from tests.training.test_config import config_of
 
@@ -280,12 +280,6 @@ def test_exit_label():
     schedule = SimpleNamespace(exit_duration_in_mins=None, exit_interval=4)
     assert exit_label(3, None, schedule) is None
     assert exit_label(8, None, schedule) == "exiting program at iteration 8"
-
-
-def test_num_zeros_in_grad_is_refused():
-    with pytest.raises(UnsupportedConfigurationError, match="--log-num-zeros-in-grad"):
-        check_supported(SimpleNamespace(logging=SimpleNamespace(log_num_zeros_in_grad=True)))
-    check_supported(SimpleNamespace(logging=SimpleNamespace(log_num_zeros_in_grad=False)))
 
 
 def test_select_accelerator_sets_cpu_without_cuda(monkeypatch):
