@@ -3,7 +3,7 @@
 # GPT_ARGS / OUTPUT_ARGS / DATA_ARGS / DEEPSPEED_ARGS blocks and the same inline ds_config, on a
 # 2-layer, 64-wide model, launched by `deepspeed --num_gpus N`.
 #
-# Precision: the seed runs fp16 (dynamic loss scaling). DeepSpeed cannot run fp16 on CPU, so without
+# Precision: Megatron-DeepSpeed's example runs fp16 (dynamic loss scaling). DeepSpeed cannot run fp16 on CPU, so without
 # a GPU the script switches to --bf16 with a bf16 ds_config (same batch, clipping and ZeRO stage).
 # Force either with PRECISION=fp16|bf16.
 #

@@ -1,9 +1,9 @@
 #!/bin/bash
-# One GPU, one process, no launcher: the seed's examples/pretrain_gpt.sh (GPT-2 345M, cosine decay,
+# One GPU, one process, no launcher: Megatron-DeepSpeed's examples/pretrain_gpt.sh (GPT-2 345M, cosine decay,
 # 1 % warmup) on the DeepSpeed engine with a ds_config template.
 #
 # `python pretrain_gpt.py` alone is rank 0 of a world of 1. When MASTER_ADDR, MASTER_PORT, RANK,
-# LOCAL_RANK and WORLD_SIZE are in the environment (the seed's "emulate distributed" recipe:
+# LOCAL_RANK and WORLD_SIZE are in the environment (Megatron-DeepSpeed's "emulate distributed" recipe:
 # MASTER_ADDR=localhost MASTER_PORT=9994 RANK=0 LOCAL_RANK=0 WORLD_SIZE=1), they are used.
 #
 # Precision: fp16 (examples/ds_config_fp16.json) on a GPU; DeepSpeed cannot run fp16 on CPU, so

@@ -1,4 +1,4 @@
-"""Structural rules of the codebase (DESIGN.md principles 2, 3 and 8), checked on the source tree."""
+"""Structural rules of the codebase (docs/architecture.md: layering and size budgets), checked on the source tree."""
 import ast
 import os
 

@@ -52,7 +52,7 @@ TOOL_ERRORS = (PreprocessingError, TokenizerError, IndexedDatasetError)
 
 
 def add_preprocessing_arguments(parser):
-    """The flags shared by preprocess_data.py and preprocess_data_many_cores.py (the seed's)."""
+    """The flags shared by preprocess_data.py and preprocess_data_many_cores.py (Megatron-DeepSpeed's)."""
     group = parser.add_argument_group("input data")
     group.add_argument("--input", nargs="+", required=True,
                        help="jsonl files or globs; plain, .gz or .xz")

@@ -1,22 +1,22 @@
 """Flags of Megatron-DeepSpeed that are recognised and refused, each with its reason.
 
-A flag we accept must work (DESIGN.md principle 1), so every seed flag whose feature we lack, that
-was a no-op in the seed, or that belongs to another model type is refused at parse time with a
-message that says why and what to do instead. The flags are hidden from ``--help``.
+A flag we accept must work (docs/architecture.md, "Principles"), so every Megatron-DeepSpeed flag
+whose feature we lack, that was a no-op there, or that belongs to another model type is refused
+at parse time with a message that says why and what to do instead. The flags are hidden from ``--help``.
 
 | Flags | Why refused |
 |---|---|
 | --use-bnb-optimizer, --universal-checkpoint, --reset-progress | the feature comes with the long-run work (8-bit Adam, universal checkpoints, progress reset); ds_config ``curriculum_learning`` is refused likewise (argument_ds_config.py) |
 | --sync-tp-duplicated-parameters | averaging the TP-duplicated LayerNorm weights and biases is not implemented yet |
 | --inference | builds a model without optimizer for the generation tools; pretraining always trains |
-| --batch-size, --warmup, --model-parallel-size | deprecated in the seed, which asserted with these messages |
-| --cpu-optimizer, --cpu_torch_adam | the seed raised NotImplementedError / ignored it; offload is a ds_config matter |
-| --zero-reduce-scatter, --zero-contigious-gradients, --zero-reduce-bucket-size, --zero-allgather-bucket-size | no-ops in the seed: the ds_config's zero_optimization block decides |
+| --batch-size, --warmup, --model-parallel-size | deprecated in Megatron-DeepSpeed, which asserted with these messages |
+| --cpu-optimizer, --cpu_torch_adam | Megatron-DeepSpeed raised NotImplementedError / ignored it; offload is a ds_config matter |
+| --zero-reduce-scatter, --zero-contigious-gradients, --zero-reduce-bucket-size, --zero-allgather-bucket-size | no-ops in Megatron-DeepSpeed: the ds_config's zero_optimization block decides |
 | --remote-device, --use-pin-memory | ZeRO-3 ``zero.Init`` options; ZeRO stage 3 is not supported |
-| --scattered-embeddings, --memory-centric-tiled-linear, --tile-factor, --split-transformers | no-ops in the seed |
+| --scattered-embeddings, --memory-centric-tiled-linear, --tile-factor, --split-transformers | no-ops in Megatron-DeepSpeed |
 | --contigious-checkpointing, --checkpoint-in-cpu, --synchronize-each-layer, --profile-backward | DeepSpeed checkpointing options our activation checkpointing does not implement |
 | --fp16-lm-cross-entropy | the loss is always computed in fp32 |
-| --no-save-optim | the DeepSpeed engine always saves the optimizer (the seed's flag worked only without DeepSpeed) |
+| --no-save-optim | the DeepSpeed engine always saves the optimizer (Megatron-DeepSpeed's flag worked only without DeepSpeed) |
 | --accumulate-allreduce-grads-in-fp32, --DDP-impl, --use-contiguous-buffers-in-ddp | Megatron's own DDP, unused: DeepSpeed does data parallelism |
 | --num-layers-per-virtual-pipeline-stage, --no-scatter-gather-tensors-in-pipeline | Megatron's own pipeline schedule, unused: DeepSpeed's pipeline engine runs 1F1B |
 | --adlr-autoresume, --adlr-autoresume-interval | NVIDIA's ADLR cluster autoresume |
@@ -33,7 +33,7 @@ _OWN_DDP = ("Megatron's own data parallelism is not used: DeepSpeed provides it 
             "ds_config's zero_optimization.stage); remove the flag")
 _OWN_PIPELINE = ("Megatron's own pipeline schedule is not used: DeepSpeed's pipeline engine runs "
                  "1F1B; remove the flag")
-_SEED_NO_OP = "had no effect in the seed; remove the flag"
+_NO_OP_IN_MEGATRON_DEEPSPEED = "had no effect in Megatron-DeepSpeed; remove the flag"
 _CHECKPOINTING = ("is a DeepSpeed activation-checkpointing option that our activation checkpointing "
                   "(RNG-replaying, optionally partitioned with --partition-activations) does not "
                   "implement; remove the flag")
@@ -42,7 +42,7 @@ _ZERO3 = ("is a ZeRO-3 zero.Init option and ZeRO stage 3 is not supported (use s
 
 
 def _zero_block(key):
-    return f"had no effect in the seed: set zero_optimization.{key} in the ds_config instead"
+    return f"had no effect in Megatron-DeepSpeed: set zero_optimization.{key} in the ds_config instead"
 
 
 _SPECIFIC_REASONS = {
@@ -57,26 +57,26 @@ _SPECIFIC_REASONS = {
     "--warmup": "--warmup argument is no longer valid, use --lr-warmup-fraction instead",
     "--model-parallel-size": ("--model-parallel-size is no longer valid, use "
                               "--tensor-model-parallel-size instead"),
-    "--cpu-optimizer": ("CPU optimizers are not supported (the seed raised NotImplementedError); "
+    "--cpu-optimizer": ("CPU optimizers are not supported (Megatron-DeepSpeed raised NotImplementedError); "
                         "offload through the ds_config's zero_optimization.offload_optimizer"),
-    "--cpu_torch_adam": f"{_SEED_NO_OP} (optimizer offload is set in the ds_config)",
+    "--cpu_torch_adam": f"{_NO_OP_IN_MEGATRON_DEEPSPEED} (optimizer offload is set in the ds_config)",
     "--zero-reduce-scatter": _zero_block("reduce_scatter"),
     "--zero-contigious-gradients": _zero_block("contiguous_gradients"),
     "--zero-reduce-bucket-size": _zero_block("reduce_bucket_size"),
     "--zero-allgather-bucket-size": _zero_block("allgather_bucket_size"),
     "--remote-device": _ZERO3,
     "--use-pin-memory": _ZERO3,
-    "--scattered-embeddings": _SEED_NO_OP,
-    "--memory-centric-tiled-linear": _SEED_NO_OP,
-    "--tile-factor": _SEED_NO_OP,
-    "--split-transformers": _SEED_NO_OP,
+    "--scattered-embeddings": _NO_OP_IN_MEGATRON_DEEPSPEED,
+    "--memory-centric-tiled-linear": _NO_OP_IN_MEGATRON_DEEPSPEED,
+    "--tile-factor": _NO_OP_IN_MEGATRON_DEEPSPEED,
+    "--split-transformers": _NO_OP_IN_MEGATRON_DEEPSPEED,
     "--contigious-checkpointing": _CHECKPOINTING,
     "--checkpoint-in-cpu": _CHECKPOINTING,
     "--synchronize-each-layer": _CHECKPOINTING,
     "--profile-backward": _CHECKPOINTING,
     "--fp16-lm-cross-entropy": "the loss is always computed in fp32; remove the flag",
-    "--no-save-optim": ("the DeepSpeed engine always saves the optimizer state (the seed's flag worked "
-                        "only without DeepSpeed); remove the flag"),
+    "--no-save-optim": ("the DeepSpeed engine always saves the optimizer state (Megatron-DeepSpeed's flag "
+                        "worked only without DeepSpeed); remove the flag"),
     "--accumulate-allreduce-grads-in-fp32": (
         "is an option of Megatron's own DDP, which is not used; with DeepSpeed set "
         "data_types.grad_accum_dtype in the ds_config (\"fp32\" by default with --bf16)"),
@@ -114,8 +114,8 @@ REJECTED_FLAGS = {
 def add_rejected_flags(parser) -> None:
     """Register every flag of REJECTED_FLAGS so that giving it raises ArgumentError with its reason."""
     group = parser.add_argument_group(
-        "refused", "seed flags that are recognised and refused with a reason (hidden; the table is in "
-                   "megatron/training/argument_rejections.py)")
+        "refused", "Megatron-DeepSpeed flags that are recognised and refused with a reason (hidden; the "
+                   "table is in megatron/training/argument_rejections.py)")
     for flag, reason in REJECTED_FLAGS.items():
         dest = "rejected_" + flag.lstrip("-").replace("-", "_")
         group.add_argument(flag, dest=dest, action=RejectedFlag, reason=reason)

@@ -6,9 +6,9 @@ Numbers are read in the notations of the BigScience launch scripts:
                                                             value is a whole number: 10e6 -> 10000000)
     float flags     "6e-5", "0.95", "1_000.5"
 
-"1.5" for an integer flag is an error that names the flag. Booleans of the seed's ``type=bool``
-flags (--eval-only, --onnx-safe, --lazy-mpu-init) are read as true/false, 1/0, yes/no, on/off,
-instead of the seed's "any non-empty string is True".
+"1.5" for an integer flag is an error that names the flag. Booleans of Megatron-DeepSpeed's
+``type=bool`` flags (--eval-only, --onnx-safe, --lazy-mpu-init) are read as true/false, 1/0, yes/no,
+on/off, instead of argparse's "any non-empty string is True" there.
 """
 import argparse
 import math
@@ -22,7 +22,7 @@ class ArgumentError(ValueError):
 
 
 def parse_int(text: str) -> int:
-    """Integer in the seed scripts' notations: "6_000_000", "10e6" (a whole-valued float), "-1"."""
+    """Integer in the BigScience scripts' notations: "6_000_000", "10e6" (a whole-valued float), "-1"."""
     try:
         return int(text)
     except ValueError:

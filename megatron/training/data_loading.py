@@ -43,7 +43,7 @@ class DataLoadingError(RuntimeError):
 
 def train_valid_test_num_samples(train_iters: int, global_batch_size: int, train_samples: int | None,
                                  eval_interval: int, eval_iters: int) -> tuple[int, int, int]:
-    """Samples to build per split, as the seed asks for them.
+    """Samples to build per split, as Megatron-DeepSpeed asks for them.
 
     train: --train-samples, or train_iters x global batch; valid: one evaluation of eval_iters
     global batches every eval_interval iterations plus the final one; test: one evaluation.

@@ -1,7 +1,7 @@
 """The trainer's own collectives: loss averaging, flags agreed across ranks, maxima, barriers, printing.
 
 The model's collectives live in megatron/core/tensor_parallel/mappings.py; these are the few the
-loop needs around it (DESIGN.md principle 3). Every function is the identity on a single process
+loop needs around it (docs/architecture.md, "Principles"). Every function is the identity on a single process
 without torch.distributed, so the loop's code is the same for one process and for many.
 
 Reductions run on the device the backend requires: the current CUDA device under NCCL, the CPU
@@ -31,7 +31,7 @@ def is_rank_0() -> bool:
 
 
 def is_last_rank() -> bool:
-    """The rank that prints the log line and writes TensorBoard, as in the seed (world_size - 1)."""
+    """The rank that prints the log line and writes TensorBoard, as in Megatron-DeepSpeed (world_size - 1)."""
     return rank() == world_size() - 1
 
 
@@ -69,8 +69,8 @@ def _all_reduce(values: Sequence[float], op, group) -> list[float]:
 def average_across_group(values: Sequence[float], group=None) -> list[float]:
     """Element-wise mean of ``values`` over the ranks of ``group`` (default: the world).
 
-    The trainer averages each micro-batch-mean loss over the data-parallel group, the seed's
-    ``average_losses_across_data_parallel_group``. A NaN or inf on any rank makes that entry
+    The trainer averages each micro-batch-mean loss over the data-parallel group, as Megatron-DeepSpeed's
+    ``average_losses_across_data_parallel_group`` does. A NaN or inf on any rank makes that entry
     NaN/inf everywhere.
     """
     size = dist.get_world_size(group) if distributed() else 1
@@ -126,7 +126,7 @@ def shutdown() -> None:
 
 def params_l2_norm(named_parameters: Iterable[tuple[str, torch.Tensor]], tp_rank: int, data_parallel_size: int,
                    counts_here: Callable[[str], bool]) -> float:
-    """L2 norm of all distinct parameters of the model (the seed's ``params norm``); collective.
+    """L2 norm of all distinct parameters of the model (the log line's ``params norm``); collective.
 
     Each rank adds the squares of its share: a TP-split parameter (``tensor_model_parallel`` True)
     on every TP rank (the slices are disjoint), a replicated one on TP rank 0 only, and only where

@@ -1,10 +1,10 @@
-"""Energy and CO2 accounting with codecarbon for --codecarbon-dir (the seed accepts the flag and does nothing).
+"""Energy and CO2 accounting with codecarbon for --codecarbon-dir (a no-op flag in Megatron-DeepSpeed).
 
 Each rank runs codecarbon's ``OfflineEmissionsTracker``: no network, the carbon intensity of the
 given country's energy mix (default "FRA": BigScience trained at IDRIS, France), power from RAPL /
 NVML where readable and codecarbon's estimates otherwise. Rank r appends its measurements to
-``{codecarbon_dir}/emissions-{r:03d}.csv`` (the seed's file name) at every ``flush`` (the seed
-flushed after each checkpoint save) and at ``stop``.
+``{codecarbon_dir}/emissions-{r:03d}.csv`` (Megatron-DeepSpeed's file name) at every ``flush``
+(Megatron-DeepSpeed flushed after each checkpoint save) and at ``stop``.
 
 codecarbon catches its own errors and only logs them, so a tracker that failed silently would
 write nothing; ``stop`` therefore checks that the CSV exists and raises EmissionsError otherwise.

@@ -1,9 +1,10 @@
-"""Model, optimizer, learning-rate schedule and the DeepSpeed engine that runs them (DESIGN.md principle 4).
+"""Model, optimizer, learning-rate schedule and the DeepSpeed engine that runs them (DeepSpeed is the engine:
+docs/architecture.md, "Principles").
 
 Which module DeepSpeed gets:
 
     PP > 1, ZeRO 0/1     GPTModelPipe (a PipelineModule): DeepSpeed's PipelineEngine, 1F1B schedule
-    PP = 1, ZeRO 0/1     GPTModelPipe too, as the seed always did: same checkpoint layout
+    PP = 1, ZeRO 0/1     GPTModelPipe too, as Megatron-DeepSpeed always did: same checkpoint layout
                          (layer_XX-model_YY-model_states.pt) whatever the pipeline degree
     PP = 1, ZeRO 2       GPTModel, a plain module: DeepSpeed's PipelineEngine refuses ZeRO >= 2
 
@@ -107,7 +108,7 @@ def build_lr_scheduler(torch_optimizer: torch.optim.Optimizer, optimizer: Optimi
                        schedule: ScheduleConfig, increment_provider: Callable[[], int],
                        token_provider: Callable[[], int]) -> AnnealingLR:
     """AnnealingLR in samples; ``increment_provider`` gives the current global batch, ``token_provider``
-    the consumed training tokens before the step (the seed's lag, lr_schedule.py)."""
+    the consumed training tokens before the step (Megatron-DeepSpeed's lag, lr_schedule.py)."""
     return AnnealingLR(torch_optimizer, max_lr=optimizer.lr, min_lr=optimizer.min_lr,
                        warmup_steps=schedule.lr_warmup_steps, decay_steps=schedule.lr_decay_steps,
                        decay_style=schedule.lr_decay_style, warmup_tokens=schedule.lr_warmup_tokens,
@@ -150,7 +151,7 @@ def check_engine_grid(engine, groups: ParallelGroups) -> None:
 
 
 def check_engine_precision(engine, config: TrainConfig) -> None:
-    """The engine must run the precision the flags and the ds_config agreed on (the seed's assertion)."""
+    """The engine must run the precision the flags and the ds_config agreed on (Megatron-DeepSpeed asserts it too)."""
     if engine.fp16_enabled() != config.precision.fp16 or engine.bfloat16_enabled() != config.precision.bf16:
         raise EngineSetupError(f"DeepSpeed runs fp16={engine.fp16_enabled()} bf16={engine.bfloat16_enabled()} but "
                                f"the configuration says fp16={config.precision.fp16} bf16={config.precision.bf16}")

@@ -78,7 +78,7 @@ class Timers:
         return name in self.timers
 
     def existing(self, names: Iterable[str]) -> list[str]:
-        """The names among ``names`` that have a timer, in order (the seed logs only those)."""
+        """The names among ``names`` that have a timer, in order (Megatron-DeepSpeed logs only those)."""
         return [name for name in names if name in self.timers]
 
     def elapsed_seconds(self, names: Iterable[str], normalizer: float = 1.0, reset: bool = True) -> dict[str, float]:

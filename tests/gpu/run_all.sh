@@ -3,7 +3,8 @@
 #   bash tests/gpu/run_all.sh            (logs under $OUT, default /tmp/gpu_checks)
 # GPU tests, fused-kernel table, 1.3B forward+backward, then the trainer runs of run_trainer.sh
 # (with 2 or more GPUs also the DP/TP/PP layout comparison). Takes about 10 minutes on one H100.
-# Carry .whl (made by ../shared/device/prepare-wheels.sh) so DeepSpeed is importable there.
+# The GPU machine has no network and no DeepSpeed: carry DeepSpeed's wheel (and any other missing
+# package) in .whl/ at the repository root, and it is installed from there.
 set -o pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/gpu_checks}

@@ -1,6 +1,6 @@
 #!/bin/bash
 # The trainer on GPUs through the deepspeed launcher (the GPU acceptance runs of issues 4 and 5):
-#   1. the seed's single-node example, unmodified (fp16 on a GPU)
+#   1. Megatron-DeepSpeed's single-node example, unmodified (fp16 on a GPU)
 #   2. 350M and 1.3B GPTs at seq 2048, bf16 and fp16, with model TFLOP/s and MFU in the log line
 #   3. a forced fp16 overflow: initial loss scale 2^24, hysteresis 1, so the first iterations
 #      overflow; the log's skipped count must equal the number of halvings of the loss scale

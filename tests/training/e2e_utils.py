@@ -5,7 +5,7 @@ their stdout and TensorBoard files.
     flags = tiny_gpt_flags(data) + ["--train-iters", "5", ...]
     result = run_pretrain(flags, nproc=2)           # torchrun, CPU, gloo
     result.assert_ok()
-    lines = result.log_lines()                      # the seed's per-iteration line, parsed
+    lines = result.log_lines()                      # the per-iteration log line, parsed
     scalars = read_scalars(tensorboard_dir)         # {tag: [(step, value), ...]}
 
 Every subprocess runs without any launcher variable inherited from the calling shell, on CPU

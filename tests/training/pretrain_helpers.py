@@ -3,7 +3,7 @@
 ``preprocessed_corpus`` (a fixture: import it into a test module) tokenizes the sample corpus with
 the session's 4k GPT-2 tokenizer into an indexed dataset, once per module. ``run_pretrain`` starts
 one process (plain ``python``, on a free rendezvous port) or several (``python -m
-torch.distributed.run``). ``training_lines`` / ``validation_lines`` parse the seed's log lines.
+torch.distributed.run``). ``training_lines`` / ``validation_lines`` parse Megatron-DeepSpeed's log lines.
 """
 import os
 import re

@@ -1,11 +1,11 @@
 """pretrain_gpt.py under every way of starting it, on CPU: each run trains a few iterations and prints
-the seed's log line, and the trainer names the launcher it detected.
+Megatron-DeepSpeed's log line, and the trainer names the launcher it detected.
 
     launcher                                   test
     python, MASTER_*/RANK/... in the env       examples/pretrain_gpt_single_gpu.sh, scaled down
-    deepspeed --num_gpus 2 (--local_rank=i)    examples/pretrain_gpt_deepspeed_single_node.sh, the seed's
-                                               single-node example, bf16 in place of fp16 (and unmodified,
-                                               fp16, on a GPU machine: marked gpu)
+    deepspeed --num_gpus 2 (--local_rank=i)    examples/pretrain_gpt_deepspeed_single_node.sh (the single-node
+                                               example of Megatron-DeepSpeed), bf16 in place of fp16 (and
+                                               unmodified, fp16, on a GPU machine: marked gpu)
     torchrun --nproc_per_node 2                ZeRO-2 through examples/ds_config_zero2.json
     python -m torch.distributed.launch         passes --local-rank=i (torch >= 2.0)
     srun, one task per process                 SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID / SLURM_JOB_NODELIST
@@ -98,7 +98,7 @@ def run_single_node_example(data, output_dir, cpu_only, processes):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_deepspeed_launcher_runs_the_seeds_single_node_example(e2e_data, tmp_path):  # noqa: F811
+def test_deepspeed_launcher_runs_megatron_deepspeeds_single_node_example(e2e_data, tmp_path):  # noqa: F811
     result, _ = run_single_node_example(e2e_data, tmp_path, cpu_only=True, processes=2)
     assert "precision: bf16" in result.output
     assert "'--local_rank=1'" in result.output  # DeepSpeed's launcher passes the underscored spelling
@@ -107,8 +107,8 @@ def test_deepspeed_launcher_runs_the_seeds_single_node_example(e2e_data, tmp_pat
 
 @pytest.mark.gpu
 @pytest.mark.slow
-def test_deepspeed_launcher_runs_the_seeds_single_node_example_unmodified_on_gpu(e2e_data, tmp_path):  # noqa: F811
-    """On a GPU the example keeps the seed's fp16 with dynamic loss scaling (initial scale 2^12)."""
+def test_deepspeed_launcher_runs_megatron_deepspeeds_single_node_example_unmodified_on_gpu(e2e_data, tmp_path):  # noqa: F811
+    """On a GPU the example keeps Megatron-DeepSpeed's fp16 with dynamic loss scaling (initial scale 2^12)."""
     import torch
 
     result, lines = run_single_node_example(e2e_data, tmp_path, cpu_only=False,

@@ -1,10 +1,10 @@
-"""What a real run reports: the seed's log line field by field, its validation and milestone lines, and
-the TensorBoard event files read back with tensorboard's EventAccumulator (seed-system.md §5).
+"""What a real run reports: Megatron-DeepSpeed's log line field by field, its validation and milestone
+lines, and the TensorBoard event files read back with tensorboard's EventAccumulator (docs/logging.md).
 
 One run: 2 processes as a 2-stage pipeline (the loss lives on the last stage, which is also the rank
 that logs and writes TensorBoard), global batch 4 of 64 tokens, 4 iterations, a log line every 2
 iterations (so the printed loss is an average of two), evaluation every 2 iterations, a checkpoint
-at iteration 4, and the seed's TensorBoard flags.
+at iteration 4, and Megatron-DeepSpeed's TensorBoard flags.
 """
 import glob
 import math
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.distributed
 
 GBS, SEQ, LAYERS, HIDDEN, PADDED_VOCAB, WORLD_SIZE, TRAIN_ITERS, LOG_INTERVAL = 4, 64, 2, 64, 1152, 2, 4, 2
 
-# The seed's line (seed-system.md §5.1), fp32 so no loss scale; DeepSpeed counts no zeros, so no
+# Megatron-DeepSpeed's line (docs/logging.md), fp32 so no loss scale; DeepSpeed counts no zeros, so no
 # "num zeros" either; then our model TFLOP/s (MFU only when a GPU peak was measured).
 LOG_LINE = re.compile(
     r"^ iteration (?P<iteration>[ \d]{8})/(?P<train_iters>[ \d]{8}) \|"
@@ -40,15 +40,15 @@ VALIDATION_LINE = re.compile(r"^(?P<prefix>validation loss at .+?) \| lm loss va
                              r"lm loss PPL: (?P<ppl>\d\.\d{6}E[-+]\d{2}) \| $")
 
 
-def seed_tflops(iteration_time):
-    """The seed's estimate per GPU: 24·3·B·s·L·h²·(1 + s/(6h) + V/(16·L·h)) / (t·world·1e12)
+def megatron_deepspeed_tflops(iteration_time):
+    """Megatron-DeepSpeed's estimate per GPU: 24·3·B·s·L·h²·(1 + s/(6h) + V/(16·L·h)) / (t·world·1e12)
     (24 without GLU, 3 passes without activation checkpointing)."""
     b, s, n, h, v = GBS, SEQ, LAYERS, HIDDEN, PADDED_VOCAB
     return 24 * 3 * b * s * n * h ** 2 * (1 + s / (6 * h) + v / (16 * n * h)) / (iteration_time * WORLD_SIZE * 1e12)
 
 
 def model_tflops(iteration_time):
-    """DESIGN.md's model FLOPs per GPU: 72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h)) / (t·world·1e12)."""
+    """Model FLOPs per GPU (docs/architecture.md): 72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h)) / (t·world·1e12)."""
     b, s, n, h, v = GBS, SEQ, LAYERS, HIDDEN, PADDED_VOCAB
     return 72 * b * s * n * h ** 2 * (1 + s / (6 * h) + v / (12 * n * h)) / (iteration_time * WORLD_SIZE * 1e12)
 
@@ -74,9 +74,9 @@ def values(scalars, tag):
     return [value for _, value in scalars[tag]]
 
 
-def test_log_line_has_the_seed_fields_in_the_seed_format(logged_run):
+def test_log_line_has_megatron_deepspeeds_fields_in_its_format(logged_run):
     _, lines, _, _, _ = logged_run
-    assert len(lines) == TRAIN_ITERS // LOG_INTERVAL and all(lines), "a log line does not match the seed's format"
+    assert len(lines) == TRAIN_ITERS // LOG_INTERVAL and all(lines), "a log line does not match Megatron-DeepSpeed's format"
     for match, iteration in zip(lines, (2, 4)):
         assert int(match["iteration"]) == iteration and int(match["train_iters"]) == TRAIN_ITERS
         assert int(match["samples"]) == GBS * iteration and int(match["tokens"]) == GBS * SEQ * iteration
@@ -94,7 +94,7 @@ def test_log_line_loss_is_the_interval_average_and_grad_norm_the_last_iteration(
         assert float(match["grad_norm"]) == pytest.approx(values(scalars, "grad-norm/grad-norm")[second], abs=6e-4)
 
 
-def test_tensorboard_has_the_seed_tags(logged_run):
+def test_tensorboard_has_megatron_deepspeeds_tags(logged_run):
     _, _, scalars, _, _ = logged_run
     with_axes = {tag + suffix for tag, suffixes in {
         "learning-rate/learning-rate": ("", " vs samples", " vs tokens"),
@@ -144,8 +144,8 @@ def test_tflops_and_rates_recomputed_from_the_logged_iteration_time(logged_run):
     for (step, seconds), match in zip(times, lines):
         assert float(match["time"]) == pytest.approx(seconds, abs=0.005 + 1e-6)
         tflops = dict(scalars["iteration-time/TFLOPs per gpu (estimated)"])[step]
-        assert tflops == pytest.approx(seed_tflops(seconds), rel=1e-5)
-        assert float(match["tflops"]) == pytest.approx(seed_tflops(seconds), abs=0.005 + 1e-6)
+        assert tflops == pytest.approx(megatron_deepspeed_tflops(seconds), rel=1e-5)
+        assert float(match["tflops"]) == pytest.approx(megatron_deepspeed_tflops(seconds), abs=0.005 + 1e-6)
         assert dict(scalars["iteration-time/model TFLOP/s per gpu"])[step] == pytest.approx(model_tflops(seconds),
                                                                                           rel=1e-5)
         assert float(match["model_tflops"]) == pytest.approx(model_tflops(seconds), abs=0.005 + 1e-6)

@@ -66,7 +66,7 @@ def test_warmup_fraction_gives_fractional_warmup_steps():
 
 
 def test_token_based_decay_starts_where_the_sample_warmup_ends():
-    # W = 16 samples; 10 tokens per sample, tokens passed with the seed's one-step lag.
+    # W = 16 samples; 10 tokens per sample, tokens passed with Megatron-DeepSpeed's one-step lag.
     scheduler, _ = schedule(min_lr=0.0, warmup_steps=16, decay_steps=1000, decay_tokens=1000)
     rates = lrs_at(scheduler, [8, 16, 24, 32], tokens=[0, 80, 160, 1001])
     assert scheduler.warmup_tokens == 80
@@ -74,7 +74,7 @@ def test_token_based_decay_starts_where_the_sample_warmup_ends():
 
 
 def test_token_decay_records_warmup_tokens_when_the_warmup_is_not_a_batch_multiple():
-    # W = 12 samples, steps of 8: the warmup ends at 16 samples; the seed only recorded at n == W.
+    # W = 12 samples, steps of 8: the warmup ends at 16 samples; Megatron-DeepSpeed only recorded at n == W.
     scheduler, _ = schedule(min_lr=0.0, warmup_steps=12, decay_steps=1000, decay_tokens=1080)
     rates = lrs_at(scheduler, [8, 16, 24], tokens=[0, 80, 580])
     assert scheduler.warmup_tokens == 80

@@ -17,8 +17,8 @@ from megatron.training.metrics import LossAccumulator, TrainingLogFields, traini
 # ---------------------------------------------------------------------------------------- FLOPs
 
 
-def design_model_flops(b, s, n, h, v):
-    """DESIGN.md: 72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h))."""
+def reference_model_flops(b, s, n, h, v):
+    """Model FLOPs of docs/architecture.md: 72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h))."""
     return 72 * b * s * n * h ** 2 * (1 + s / (6 * h) + v / (12 * n * h))
 
 
@@ -27,7 +27,7 @@ def design_model_flops(b, s, n, h, v):
 def test_model_flops_reduce_to_design_formula_without_glu_at_4h(b, s, n, h, v):
     flops = metrics.model_flops_per_iteration(global_batch_size=b, seq_length=s, num_layers=n, hidden_size=h,
                                               padded_vocab_size=v)
-    assert flops == pytest.approx(design_model_flops(b, s, n, h, v), rel=1e-12)
+    assert flops == pytest.approx(reference_model_flops(b, s, n, h, v), rel=1e-12)
 
 
 def matmul_flops_by_shape(b, s, n, h, v, f, p, glu):
@@ -100,7 +100,7 @@ def test_compute_throughput_uses_the_model_config():
     assert result.tflops == pytest.approx(metrics.megatron_deepspeed_tflops(
         global_batch_size=32, seq_length=128, num_layers=4, hidden_size=256, padded_vocab_size=1024, glu=False,
         checkpoint_activations=True, iteration_time=0.5, world_size=4))
-    model_flops = design_model_flops(32, 128, 4, 256, 1024)  # recomputation earns no credit
+    model_flops = reference_model_flops(32, 128, 4, 256, 1024)  # recomputation earns no credit
     assert result.model_tflops == pytest.approx(model_flops / (0.5 * 4 * 1e12))
     assert result.mfu == pytest.approx(result.model_tflops / 0.5)
 
@@ -175,7 +175,7 @@ def test_log_line_parses_back_field_by_field():
     assert (int(match["skipped"]), int(match["nan"])) == (2, 1)
     assert float(match["sps"]) == pytest.approx(409.6)
     assert (match["model_tflops"], match["mfu"]) == ("123.46", "43.22")
-    # TFLOPs recomputed from the logged time, with the seed's formula and --checkpoint-activations.
+    # TFLOPs recomputed from the logged time, with Megatron-DeepSpeed's formula and --checkpoint-activations.
     recomputed = metrics.megatron_deepspeed_tflops(glu=False, checkpoint_activations=True, iteration_time=float(match["time"]),
                                      world_size=64, **SHAPE)
     assert match["tflops"] == f"{recomputed:.2f}"
@@ -191,7 +191,7 @@ def test_log_line_exact_text_with_only_the_mandatory_fields():
                     " samples per second: 409.600 | TFLOPs: 12.35 |")
 
 
-def test_log_line_optional_fields_follow_the_seed_rules():
+def test_log_line_optional_fields_follow_megatron_deepspeeds_rules():
     line = training_log_line(full_fields(loss_scale=None, params_norm=None, curriculum_seqlen=None, mfu=None,
                                          losses={"lm loss": 0.0}))
     assert "loss scale" not in line and "params norm" not in line and "curriculum seqlen" not in line

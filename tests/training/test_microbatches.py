@@ -1,4 +1,4 @@
-"""Batch-size rampup against a hand-computed table, and the seed's divisibility errors."""
+"""Batch-size rampup against a hand-computed table, and Megatron-DeepSpeed's divisibility errors."""
 import pytest
 
 from megatron.training.microbatches import (BatchSizeError, build_num_microbatches_calculator,

@@ -16,12 +16,12 @@ SEQ_LENGTH, SEED = 64, 1234
 # Run 1: --rampup-batch-size 2 2 16 --global-batch-size 8 --train-samples 40, 2 data-parallel processes,
 # micro batch 1, --lr 1e-3 --min-lr 1e-4 --lr-warmup-samples 6 --lr-decay-samples 30, linear decay.
 #
-# Rampup (seed-system.md §6.2): (8 - 2) / 2 = 3 increments over 16 samples, one every 16/3 = 5.33 samples;
+# Rampup (megatron/training/microbatches.py): (8 - 2) / 2 = 3 increments over 16 samples, one every 16/3 = 5.33 samples;
 # with c the samples consumed before an iteration, gbs(c) = 2 + 2·floor(c / 5.33) while c <= 16, then 8:
 #   it 1: c = 0  -> 2        it 4: c = 6  -> 2 + 2·floor(1.125) = 4      it 7: c = 20 > 16 -> 8
 #   it 2: c = 2  -> 2        it 5: c = 10 -> 2 + 2·floor(1.875) = 4      it 8: c = 28      -> 8
 #   it 3: c = 4  -> 2        it 6: c = 14 -> 2 + 2·floor(2.625) = 6      (it 9 would need 36 + 8 > 40)
-# so 8 iterations, 36 samples (the last 4 of the 40 are dropped, as the seed does), 64 tokens each.
+# so 8 iterations, 36 samples (the last 4 of the 40 are dropped, as Megatron-DeepSpeed does), 64 tokens each.
 #
 # Learning rate printed after each step, at n = consumed samples (W = 6, D = 30):
 #   n <= 6: 1e-3·n/6;  6 < n <= 30: 1e-4 + (1 - (n - 6)/24)·9e-4;  n > 30: 1e-4
@@ -41,7 +41,7 @@ RAMPUP_LEARNING_RATES = ("3.333E-04", "6.667E-04", "1.000E-03", "8.500E-04", "7.
 #
 # The run stops at the first iteration whose consumed tokens reach 1300: 6 x 256 = 1536 (5 x 256 = 1280).
 # The schedule sees, at step k, n = 4k samples and the tokens consumed BEFORE iteration k, t = 256(k - 1)
-# (the seed's lag). The warmup ends at step 2 (n = 8), where t = 256 becomes the start of the token decay:
+# (Megatron-DeepSpeed's lag). The warmup ends at step 2 (n = 8), where t = 256 becomes the start of the token decay:
 #   k = 1: 1e-3·4/8 = 5e-4        k = 2: 1e-3·8/8 = 1e-3
 #   k >= 3: 1e-4 + (1 - (t - 256)/(2048 - 256))·9e-4 with (t - 256)/1792 = (k - 2)/7:
 #   k = 3: 1e-4 + (6/7)·9e-4 = 8.714e-4   k = 4: 1e-4 + (5/7)·9e-4 = 7.429e-4

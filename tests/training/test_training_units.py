@@ -184,7 +184,7 @@ def test_batch_shifts_text_and_applies_the_mask_flags():
     assert len(pipeline_batch(plain)[0]) == 2
 
 
-def test_num_samples_per_split_as_the_seed():
+def test_num_samples_per_split_as_megatron_deepspeed_asks():
     assert train_valid_test_num_samples(100, 8, None, 10, 2) == (800, (100 // 10 + 1) * 2 * 8, 16)
     assert train_valid_test_num_samples(100, 8, 1000, 10, 2)[0] == 1000
 
@@ -380,7 +380,8 @@ def test_a_run_from_iteration_0_never_overwrites_saved_checkpoints(tmp_path, loa
     (save / "latest").write_text("global_step4")
     settings = CheckpointConfig(save=str(save), load=str(tmp_path / load) if load else None, save_interval=2,
                                 no_load_optim=False, no_load_rng=False, no_save_rng=False, finetune=finetune,
-                                overwrite_checkpoints=overwrite)
+                                overwrite_checkpoints=overwrite, save_interval_ranges=(), keep_last_checkpoints=None,
+                                pinned_checkpoints=())
     if not refused:
         check_checkpoint_directories(settings)
         return

@@ -1,4 +1,4 @@
-"""Forward + backward time of a GPT on one GPU, with model TFLOP/s and MFU (DESIGN.md's definitions).
+"""Forward + backward time of a GPT on one GPU, with model TFLOP/s and MFU (defined in docs/architecture.md).
 
 Default: the 1.3B GPT of issue 3 (24 layers, hidden 2048, 16 heads, seq 2048, micro-batch 8,
 padded vocab 50304, bf16), timed in three settings: no dropout, dropout 0.1, and dropout 0.1

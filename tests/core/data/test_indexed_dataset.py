@@ -18,7 +18,8 @@ from megatron.core.data.indexed_dataset import (
 )
 
 # Three documents in uint16 (code 8): doc 0 = item [1, 2, 3]; doc 1 = items [4, 5] and [6];
-# doc 2 = item [7]. Written by hand from the layout in seed-system.md section 4.1.
+# doc 2 = item [7]. Written by hand from the .idx layout: magic, version, dtype code, item and
+# document counts, int32 sizes, int64 byte pointers, int64 document index.
 THREE_DOC_IDX_HEX = (
     "4d4d4944494458 0000"          # magic MMIDIDX\0\0
     "0100000000000000"             # version 1

@@ -1,11 +1,11 @@
-"""Padded vocabulary: the seed's rules for --make-vocab-size-divisible-by, --pad-vocab-size-to."""
+"""Padded vocabulary: Megatron-DeepSpeed's rules for --make-vocab-size-divisible-by, --pad-vocab-size-to."""
 import pytest
 
 from megatron.core.tokenizer import TokenizerError, vocab_size_with_padding
 
 
-def seed_padding(orig, divisible_by, tp):
-    """The seed's loop: count up until the size is a multiple of divisible_by * TP."""
+def counted_up_padding(orig, divisible_by, tp):
+    """Megatron-DeepSpeed's loop: count up until the size is a multiple of divisible_by * TP."""
     after = orig
     while after % (divisible_by * tp) != 0:
         after += 1
@@ -26,17 +26,17 @@ def test_round_up_to_divisible_by_times_tp(orig, divisible_by, tp, expected):
     assert vocab_size_with_padding(orig, divisible_by, tp) == expected
 
 
-def test_matches_the_seed_loop():
+def test_matches_megatron_deepspeeds_loop():
     for orig in range(1, 700, 7):
         for divisible_by in (1, 8, 64, 128):
             for tp in (1, 2, 3, 4):
                 assert vocab_size_with_padding(orig, divisible_by, tp) == \
-                    seed_padding(orig, divisible_by, tp)
+                    counted_up_padding(orig, divisible_by, tp)
 
 
 def test_pad_vocab_size_to():
     assert vocab_size_with_padding(250680, 128, 4, pad_vocab_size_to=250880) == 250880
-    # pad-to overrides TP rounding and is only checked against divisible-by (as in the seed).
+    # pad-to overrides TP rounding and is only checked against divisible-by (as in Megatron-DeepSpeed).
     assert vocab_size_with_padding(50257, 128, 8, pad_vocab_size_to=50304) == 50304
     assert vocab_size_with_padding(5000, 128, 1, pad_vocab_size_to=5120) == 5120
 

@@ -1,4 +1,4 @@
-"""GPTModelConfig: derived defaults and the seed's cross-checks, with errors naming the flags."""
+"""GPTModelConfig: derived defaults and Megatron-DeepSpeed's cross-checks, with errors naming the flags."""
 import dataclasses
 
 import pytest

@@ -1,4 +1,4 @@
-"""Initialisation: the seed's sigma and sigma / sqrt(2 L) rule, and the layout-independent seeded draw.
+"""Initialisation: Megatron-DeepSpeed's sigma and sigma / sqrt(2 L) rule, and the layout-independent seeded draw.
 
 The gathered-weights check across TP in {1, 2, 4} lives in test_gpt_model.py and across PP in {1, 2}
 in test_pipeline.py (they need several processes); here: the building blocks on one process.

@@ -40,7 +40,7 @@ def project_out(module, activated):
 
 
 @pytest.mark.parametrize("overrides, activation", [
-    (dict(), gelu_tanh),  # the seed's default: fused bias + tanh GeLU
+    (dict(), gelu_tanh),  # Megatron-DeepSpeed's default: fused bias + tanh GeLU
     (dict(bias_gelu_fusion=False), gelu_erf),
     (dict(bias_gelu_fusion=False, openai_gelu=True), gelu_tanh),
 ])

@@ -18,7 +18,7 @@ from tests.dist_utils import run_distributed
 EOD = 0
 
 
-def test_layer_list_follows_the_seed_numbering():
+def test_layer_list_follows_megatron_deepspeeds_numbering():
     specs = gpt_layer_specs(tiny_config(num_layers=3), single_rank_groups())
     names = [spec.typename.__name__ if isinstance(spec, LayerSpec) else spec.__name__ for spec in specs]
     assert names == ["check_pipeline_inputs", "EmbeddingPipe", "to_sequence_first",

@@ -79,7 +79,7 @@ def test_alibi_slopes(heads, expected):
     torch.testing.assert_close(alibi_slopes(heads), torch.tensor(expected, dtype=torch.float32))
 
 
-def test_alibi_bias_and_equivalence_with_seed_form():
+def test_alibi_bias_and_equivalence_with_megatron_deepspeeds_form():
     slopes = alibi_slopes(4)
     bias = alibi_bias(slopes, 6)
     assert bias.shape == (4, 6, 6)
@@ -87,12 +87,12 @@ def test_alibi_bias_and_equivalence_with_seed_form():
         for q in range(6):
             for k in range(6):
                 assert float(bias[j, q, k]) == pytest.approx(float(slopes[j]) * (k - q))
-    # the seed adds m * k: softmax over the causal keys is the same (a constant per query row)
+    # Megatron-DeepSpeed adds m * k: softmax over the causal keys is the same (a constant per query row)
     scores = torch.randn(4, 6, 6, generator=torch.Generator().manual_seed(3))
     causal = torch.ones(6, 6, dtype=torch.bool).triu(1)
-    seed_form = slopes[:, None, None] * torch.arange(6.0)[None, None, :]
+    key_position_form = slopes[:, None, None] * torch.arange(6.0)[None, None, :]
     ours = torch.softmax((scores + bias).masked_fill(causal, float("-inf")), -1)
-    theirs = torch.softmax((scores + seed_form).masked_fill(causal, float("-inf")), -1)
+    theirs = torch.softmax((scores + key_position_form).masked_fill(causal, float("-inf")), -1)
     torch.testing.assert_close(ours, theirs)
 
 
