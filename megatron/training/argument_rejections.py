@@ -7,7 +7,6 @@ at parse time with a message that says why and what to do instead. The flags are
 | Flags | Why refused |
 |---|---|
 | --use-bnb-optimizer, --universal-checkpoint, --reset-progress | the feature comes with the long-run work (8-bit Adam, universal checkpoints, progress reset); ds_config ``curriculum_learning`` is refused likewise (argument_ds_config.py) |
-| --sync-tp-duplicated-parameters | averaging the TP-duplicated LayerNorm weights and biases is not implemented yet |
 | --inference | builds a model without optimizer for the generation tools; pretraining always trains |
 | --batch-size, --warmup, --model-parallel-size | deprecated in Megatron-DeepSpeed, which asserted with these messages |
 | --cpu-optimizer, --cpu_torch_adam | Megatron-DeepSpeed raised NotImplementedError / ignored it; offload is a ds_config matter |
@@ -49,8 +48,6 @@ _SPECIFIC_REASONS = {
     "--use-bnb-optimizer": f"8-bit Adam (bitsandbytes) {_LONG_RUN}",
     "--universal-checkpoint": f"loading universal checkpoints {_LONG_RUN}; resume with the same TP/PP layout",
     "--reset-progress": f"resetting the progress counters on load {_LONG_RUN}",
-    "--sync-tp-duplicated-parameters": ("averaging the TP-duplicated LayerNorm weights and biases in every "
-                                        "forward is not available yet; remove the flag"),
     "--inference": ("builds a model without optimizer for the text-generation tools; pretraining "
                     "always trains; remove the flag"),
     "--batch-size": "--batch-size argument is no longer valid, use --micro-batch-size instead",

@@ -50,6 +50,8 @@ class ParallelConfig:
         distributed_backend: the backend used: --distributed-backend, or gloo without CUDA.
         zero_stage: the ZeRO stage DeepSpeed runs (ds_config zero_optimization.stage).
         pp_partition_method: PipelineModule partition method (--pp-partition-method).
+        sync_tp_duplicated_parameters: after every step, copy TP rank 0's values of the parameters
+            every TP rank holds whole to the others and report any drift (--sync-tp-duplicated-parameters).
     """
 
     tensor_model_parallel_size: int
@@ -64,6 +66,7 @@ class ParallelConfig:
     distributed_backend: str
     zero_stage: int
     pp_partition_method: str
+    sync_tp_duplicated_parameters: bool
 
 
 @dataclass(frozen=True)
@@ -419,7 +422,8 @@ def _parallel_config(flags, derived: DerivedValues) -> ParallelConfig:
         data_parallel_size=derived.data_parallel_size, world_size=launch.world_size, rank=launch.rank,
         local_rank=launch.local_rank, master_addr=launch.master_addr, master_port=launch.master_port,
         launcher=launch.source, distributed_backend=derived.distributed_backend, zero_stage=derived.zero_stage,
-        pp_partition_method=flags.pp_partition_method or DEFAULT_PP_PARTITION_METHOD)
+        pp_partition_method=flags.pp_partition_method or DEFAULT_PP_PARTITION_METHOD,
+        sync_tp_duplicated_parameters=flags.sync_tp_duplicated_parameters)
 
 
 def _data_config(flags, derived: DerivedValues, tokenizer_vocab_size: int) -> DataConfig:

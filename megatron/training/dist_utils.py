@@ -107,6 +107,16 @@ def gather_objects(value, group=None) -> list:
     return values
 
 
+def broadcast_from_first_rank(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """The first rank of ``group``'s ``tensor`` on every rank of it (a new tensor; ``tensor`` is kept)."""
+    if not distributed():
+        return tensor.clone()
+    received = tensor.clone().contiguous()
+    source = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast(received, src=source, group=group)
+    return received
+
+
 def barrier(group=None) -> None:
     if not distributed():
         return

@@ -32,7 +32,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.transformer_layer import LayerNorm
 from megatron.core.parallel_state import DeepSpeedMPU, ParallelGroups
 from megatron.training.config import OptimizerConfig, ScheduleConfig, TrainConfig
-from megatron.training.dist_utils import print_rank_0, sum_across_group
+from megatron.training.dist_utils import (broadcast_from_first_rank, gather_objects, max_across_ranks, print_rank_0,
+                                         sum_across_group)
 from megatron.training.lr_schedule import AnnealingLR
 
 
@@ -219,6 +220,8 @@ def initialize_engine(config: TrainConfig, groups: ParallelGroups, model: torch.
         guard_fp32_steps(engine, groups)
     if config.logging.log_num_zeros_in_grad:
         count_zeros_before_each_step(engine, groups)
+    if config.parallel.sync_tp_duplicated_parameters and groups.tp_size > 1:
+        synchronize_tp_duplicates_after_each_step(engine, groups)
     if pipeline and config.data.reset_attention_mask:
         engine.set_has_attention_mask(True)
     return engine
@@ -251,6 +254,49 @@ def count_zeros_before_each_step(engine, groups: ParallelGroups) -> None:
 
     engine.num_zeros_in_grad = None
     engine._take_model_step = counted_step
+
+
+def tp_duplicated_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters every TP rank holds whole (layer norms, row-parallel and output biases, position
+    embeddings): not ``tensor_model_parallel``."""
+    return [(name, param) for name, param in module.named_parameters()
+            if not getattr(param, "tensor_model_parallel", False)]
+
+
+def synchronize_tp_duplicates(module: torch.nn.Module, groups: ParallelGroups) -> tuple[float, str | None]:
+    """Collective: make every TP rank's copy of each TP-duplicated parameter equal TP rank 0's, bit for
+    bit, in the optimizer's fp32 master (ZeRO partitions or bf16 buffers, through DeepSpeed's
+    safe_get/set_full_fp32_param) and in the model; return (largest |difference| found, its name)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+
+    worst, worst_name = 0.0, None
+    for name, param in tp_duplicated_parameters(module):
+        master = safe_get_full_fp32_param(param)  # collective under ZeRO
+        value = (master if master is not None else param.data).detach().clone()
+        reference = broadcast_from_first_rank(value, groups.process_groups["tp"])
+        difference = float((value.float() - reference.float()).abs().max()) if value.numel() else 0.0
+        if difference > worst:
+            worst, worst_name = difference, name
+        if master is not None:
+            safe_set_full_fp32_param(param, reference)
+        param.data.copy_(reference.to(param.dtype))
+    if max_across_ranks(worst) == 0.0:
+        return 0.0, None
+    return max(gather_objects((worst, worst_name)), key=lambda found: found[0])  # rare: name where it was
+
+
+def synchronize_tp_duplicates_after_each_step(engine, groups: ParallelGroups) -> None:
+    """--sync-tp-duplicated-parameters: after every optimizer step; ``engine.tp_drift`` holds what the
+    last synchronization found (0.0 when the copies were already equal)."""
+    take_step = engine._take_model_step
+
+    def synchronized_step(*args, **kwargs):
+        result = take_step(*args, **kwargs)
+        engine.tp_drift = synchronize_tp_duplicates(engine.module, groups)
+        return result
+
+    engine.tp_drift = (0.0, None)
+    engine._take_model_step = synchronized_step
 
 
 def counts_once(name: str, groups: ParallelGroups) -> bool:

@@ -303,8 +303,17 @@ class Trainer:
             loss = float(self.engine.train_batch(data_iter=self.iterators.train))
         else:
             loss = self._plain_engine_step()
+        self._report_tp_drift()
         return StepResult(loss, self.engine.skipped_steps > skipped_before, _grad_norm(self.engine),
                           getattr(self.engine, "num_zeros_in_grad", None))
+
+    def _report_tp_drift(self):
+        """--sync-tp-duplicated-parameters: name the drift the step's synchronization found, if any."""
+        drift, name = getattr(self.engine, "tp_drift", (0.0, None))
+        if drift > 0.0:
+            dist_utils.print_rank_0(f"> iteration {self.progress.iteration + 1}: TP-duplicated parameters had drifted "
+                                    f"apart (largest |difference| {drift:.3e}, in {name}); synchronized from "
+                                    f"tensor-parallel rank 0")
 
     def _plain_engine_step(self) -> float:
         """Forward, backward and step per micro batch; the optimizer steps at the last one."""

@@ -531,7 +531,8 @@ def tr11_argv(tmp_path, ds_path):
                 "--max-position-embeddings", "64", "--micro-batch-size", "2", "--rampup-batch-size", "16", "16",
                 "2_000", "--global-batch-size", "64", "--train-samples", "220_000_000", "--tokenizer-type",
                 "PretrainedFromHF", "--tokenizer-name-or-path", "/tokenizers/bloom", "--init-method-std", "0.0048",
-                "--embed-layernorm", "--bf16", "--seed", "42", "--position-embedding-type", "alibi",
+                "--embed-layernorm", "--sync-tp-duplicated-parameters", "--bf16", "--seed", "42",
+                "--position-embedding-type", "alibi",
                 "--checkpoint-activations", "--abort-on-unmet-fused-kernel-constraints", "--kill-switch-path",
                 str(tmp_path / "kill-switch"), "--optimizer", "adam", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
                 "--adam-eps", "1e-8", "--lr", "6e-5", "--min-lr", "6e-6", "--lr-decay-style", "cosine",
@@ -565,7 +566,7 @@ def test_tr11_style_arguments_parse(tmp_path, ds_file, capsys):
     assert not any("gradient_clipping" in n for n in notices)
 
 
-@pytest.mark.parametrize("refused", [["--sync-tp-duplicated-parameters"], ["--use-bnb-optimizer"]])
+@pytest.mark.parametrize("refused", [["--use-bnb-optimizer"], ["--universal-checkpoint"]])
 def test_tr11_style_arguments_with_refused_flags(tmp_path, ds_file, refused):
     argv_tr11 = tr11_argv(tmp_path, ds_file(TR11_DS_CONFIG)) + refused
     with pytest.raises(ArgumentError, match="not available yet"):

@@ -148,7 +148,8 @@ def test_effective_values_come_from_the_ds_config(tmp_path):
 def test_parallel_config_from_slurm():
     env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "n[7-8]"}
     parallel = config_of(["--tensor-model-parallel-size", "2", "--zero-stage", "1"], env=env).parallel
-    assert dataclasses.astuple(parallel) == (2, 1, 2, 4, 3, 1, "n7", 6000, "slurm", "gloo", 1, "type:transformer")
+    assert dataclasses.astuple(parallel) == (2, 1, 2, 4, 3, 1, "n7", 6000, "slurm", "gloo", 1, "type:transformer",
+                                             False)
 
 
 def test_data_config_option_1():
@@ -171,6 +172,7 @@ def test_tr11_config(tmp_path):
     assert config.model.position_embedding_type == "alibi" and config.model.params_dtype == torch.bfloat16
     assert config.model.checkpoint_activations and config.abort_on_unmet_fused_kernel_constraints
     assert (config.parallel.pp_partition_method, config.parallel.rank) == ("type:transformer|embedding", 3)
+    assert config.parallel.sync_tp_duplicated_parameters
     assert config.schedule.rampup_batch_size == (16, 16, 2000)
     assert (config.schedule.lr_warmup_steps, config.schedule.lr_decay_steps) == (216_320, 200_000_000)
     assert config.precision.grad_accum_dtype == "fp32" and config.parallel.zero_stage == 1
