@@ -222,6 +222,9 @@ def add_distributed_args(parser):
     group.add_argument("--local_rank", "--local-rank", dest="local_rank", type=parse_int, default=None,
                        help="set by the launcher")
     _bool_value_flag(group, "--lazy-mpu-init", "defer the model-parallel init (only false is supported)")
+    group.add_argument("--deterministic", action="store_true",
+                       help="bitwise-reproducible GPU runs: deterministic kernels only (torch's deterministic "
+                            "algorithms, cuBLAS workspace, attention through the materialized path); slower")
     group.add_argument("--sync-tp-duplicated-parameters", action="store_true",
                        help="after every step, make the parameters every TP rank holds whole (layer norms, "
                             "row-parallel biases) equal to TP rank 0's, bit for bit, and report any drift")

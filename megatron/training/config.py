@@ -52,6 +52,7 @@ class ParallelConfig:
         pp_partition_method: PipelineModule partition method (--pp-partition-method).
         sync_tp_duplicated_parameters: after every step, copy TP rank 0's values of the parameters
             every TP rank holds whole to the others and report any drift (--sync-tp-duplicated-parameters).
+        deterministic: only deterministic kernels, for bitwise-reproducible GPU runs (--deterministic).
     """
 
     tensor_model_parallel_size: int
@@ -67,6 +68,7 @@ class ParallelConfig:
     zero_stage: int
     pp_partition_method: str
     sync_tp_duplicated_parameters: bool
+    deterministic: bool
 
 
 @dataclass(frozen=True)
@@ -338,8 +340,11 @@ class TrainConfig:
 def model_config_from_args(flags, derived: DerivedValues, padded_vocab_size: int) -> GPTModelConfig:
     """GPTModelConfig from the flags: fields matched by name, then the derived and renamed ones;
     checked for the TP degree. Model rules raise ArgumentError naming the flags."""
+    # torch's fused attention kernels accumulate their backward with atomics: --deterministic computes
+    # attention through the materialized path (matmuls and our Triton softmax), the same function.
     renamed = {"padded_vocab_size": padded_vocab_size, "seq_length": derived.seq_length,
                "params_dtype": derived.params_dtype,
+               "attention_impl": "materialized" if flags.deterministic else "sdpa",
                "distribute_checkpointed_activations": bool(flags.distribute_checkpointed_activations
                                                            or flags.partition_activations),
                "use_cpu_initialization": bool(flags.use_cpu_initialization)}
@@ -423,7 +428,7 @@ def _parallel_config(flags, derived: DerivedValues) -> ParallelConfig:
         local_rank=launch.local_rank, master_addr=launch.master_addr, master_port=launch.master_port,
         launcher=launch.source, distributed_backend=derived.distributed_backend, zero_stage=derived.zero_stage,
         pp_partition_method=flags.pp_partition_method or DEFAULT_PP_PARTITION_METHOD,
-        sync_tp_duplicated_parameters=flags.sync_tp_duplicated_parameters)
+        sync_tp_duplicated_parameters=flags.sync_tp_duplicated_parameters, deterministic=flags.deterministic)
 
 
 def _data_config(flags, derived: DerivedValues, tokenizer_vocab_size: int) -> DataConfig:

@@ -106,10 +106,24 @@ def use_current_collective_names() -> None:
             setattr(backend, attribute, current)
 
 
+CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"
+
+
+def use_deterministic_algorithms() -> None:
+    """--deterministic: torch raises on any nondeterministic kernel rather than run it; cuBLAS gets the
+    fixed workspace its deterministic mode needs (before its first call); cuDNN no autotuning."""
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_DETERMINISTIC_WORKSPACE
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
 def initialize_distributed(parallel: ParallelConfig) -> ParallelGroups:
     """torch.cuda.set_device(local rank) on GPU, deepspeed.init_distributed, then our TP/DP/PP groups."""
     import deepspeed
 
+    if parallel.deterministic:
+        use_deterministic_algorithms()
     os.environ.update(_rendezvous_environment(parallel))
     if torch.cuda.is_available():
         device_count = torch.cuda.device_count()

@@ -149,7 +149,7 @@ def test_parallel_config_from_slurm():
     env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "n[7-8]"}
     parallel = config_of(["--tensor-model-parallel-size", "2", "--zero-stage", "1"], env=env).parallel
     assert dataclasses.astuple(parallel) == (2, 1, 2, 4, 3, 1, "n7", 6000, "slurm", "gloo", 1, "type:transformer",
-                                             False)
+                                             False, False)
 
 
 def test_data_config_option_1():
@@ -251,3 +251,9 @@ def test_bad_save_interval_ranges_are_named(values, message):
 def test_retention_flags_need_save():
     with pytest.raises(ArgumentError, match="need --save"):
         config_of(["--keep-last-checkpoints", "3"])
+
+
+def test_deterministic_computes_attention_through_the_materialized_path():
+    config = config_of(["--deterministic"])
+    assert config.parallel.deterministic and config.model.attention_impl == "materialized"
+    assert config_of().model.attention_impl == "sdpa" and not config_of().parallel.deterministic

@@ -249,3 +249,13 @@ def test_bad_flag_exits_with_status_2(preprocessed_corpus):  # noqa: F811
     assert result.returncode == 2
     assert "--global-batch-size 3" in result.stdout and "Traceback" not in result.stdout
     assert time.time() - started < 60
+
+
+def test_deterministic_runs_repeat_bit_for_bit(preprocessed_corpus, tmp_path):  # noqa: F811
+    """--deterministic on CPU: torch's deterministic mode raises on no op of the run, and two runs (dropout
+    on) log the same losses and gradient norms."""
+    args = tiny_run_args(preprocessed_corpus, "--global-batch-size", "4", "--train-iters", "3", "--eval-iters", "0",
+                         "--deterministic")
+    first, second = ([(line["lm loss"], line["grad norm"], line["learning rate"]) for line in
+                      training_lines(run_pretrain(args).stdout)] for _ in range(2))
+    assert len(first) == 3 and first == second
