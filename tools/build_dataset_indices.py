@@ -19,15 +19,17 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.core.data.builders import build_train_valid_test_datasets  # noqa: E402
+from megatron.core.data.builders import TrainValidTestDatasets, build_train_valid_test_datasets  # noqa: E402
 from megatron.training.config import dataset_config_from_args  # noqa: E402
 from megatron.training.data_loading import train_valid_test_num_samples  # noqa: E402
 
 GROUP_FLAGS = ("train", "valid", "test")
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+def run_data_parser(description: str) -> argparse.ArgumentParser:
+    """A parser with the run's data flags and length flags (the trainer's names), for the tools that
+    build or read the run's datasets."""
+    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
     data = parser.add_argument_group("data")
     data.add_argument("--data-path", nargs="*", default=None,
                       help="PREFIX, or a weighted list W1 PREFIX1 W2 PREFIX2 ...")
@@ -49,17 +51,41 @@ def parse_args(argv=None):
     run.add_argument("--global-batch-size", type=int, required=True)
     run.add_argument("--eval-interval", type=int, default=1000)
     run.add_argument("--eval-iters", type=int, default=100)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def check_run_length(parser: argparse.ArgumentParser, args) -> None:
+    """The rules of the length flags (argparse's error and exit status 2)."""
     if (args.train_iters is None) == (args.train_samples is None):
         parser.error("give exactly one of --train-iters and --train-samples")
     if args.split is not None and not args.data_path:
         parser.error("--split applies to --data-path only")
+
+
+def parse_args(argv=None):
+    parser = run_data_parser(__doc__.splitlines()[0])
+    args = parser.parse_args(argv)
+    check_run_length(parser, args)
     return args
 
 
 def train_iterations(args) -> int:
     """--train-iters, or the whole global batches --train-samples makes (without a batch rampup)."""
     return args.train_iters if args.train_iters is not None else args.train_samples // args.global_batch_size
+
+
+def run_datasets(args) -> tuple[TrainValidTestDatasets, tuple[int, int, int]]:
+    """The run's train/valid/test datasets, as the trainer builds them (index caches built or reused),
+    and the requested sample counts; exits with a message naming a bad data flag."""
+    try:
+        config = dataset_config_from_args(args, args.seq_length)
+    except ValueError as exc:
+        sys.exit(f"error: {exc}")
+    if config is None:
+        sys.exit("error: no data: give --data-path or --train-weighted-split-paths[-path]")
+    num_samples = train_valid_test_num_samples(train_iterations(args), args.global_batch_size, args.train_samples,
+                                               args.eval_interval, args.eval_iters)
+    return build_train_valid_test_datasets(config, num_samples), num_samples
 
 
 def describe(kind, name, dataset, seq_length):
@@ -71,16 +97,8 @@ def describe(kind, name, dataset, seq_length):
 def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = parse_args(argv)
-    try:
-        config = dataset_config_from_args(args, args.seq_length)
-    except ValueError as exc:
-        sys.exit(f"error: {exc}")
-    if config is None:
-        sys.exit("error: no data: give --data-path or --train-weighted-split-paths[-path]")
-    num_samples = train_valid_test_num_samples(train_iterations(args), args.global_batch_size, args.train_samples,
-                                               args.eval_interval, args.eval_iters)
     start = time.perf_counter()
-    datasets = build_train_valid_test_datasets(config, num_samples)
+    datasets, num_samples = run_datasets(args)
     elapsed = time.perf_counter() - start
     print(f"dataset indices ready in {elapsed:.2f} s (requested train/valid/test samples: "
           f"{num_samples[0]:,} / {num_samples[1]:,} / {num_samples[2]:,})")
