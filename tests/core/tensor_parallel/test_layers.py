@@ -184,7 +184,7 @@ def test_single_process_layers_equal_torch_modules():
         check(None, 1, 0)
 
 
-def test_device_init_without_seed_names_the_fix():
+def test_device_init_without_seeding_names_the_fix():
     get_rng_tracker().reset()
     with pytest.raises(ValueError, match="model_parallel_seed"):
         ColumnParallelLinear(IN, OUT, tp_group=None, init_method=init_normal)

@@ -56,7 +56,7 @@ def test_output_projections_are_scaled_by_sqrt_2l():
     assert torch.equal(layer.mlp.dense_h_to_4h.bias, torch.zeros(512))
 
 
-def test_cpu_initialization_depends_only_on_the_seed():
+def test_cpu_initialization_depends_only_on_the_random_seed():
     config = tiny_config(use_cpu_initialization=True)
     first, second = GPTModel(config, single_rank_groups()), GPTModel(config, single_rank_groups())
     other_seed = GPTModel(tiny_config(use_cpu_initialization=True, seed=99), single_rank_groups())

@@ -1,0 +1,206 @@
+"""The repository explains itself: no text cites a file outside it, every documentation path it
+names exists, and "seed" only ever means a random seed.
+
+Files checked: every text file git knows of (tracked, or untracked and not ignored) ending in .py,
+.md, .sh, .slurm, .txt, .json, .toml or .cfg, except the recorded GPU logs (tests/gpu/results/),
+the licence text of the sample corpus (examples/data/LICENSE-PSF.txt, not ours) and this file,
+which spells out the patterns it looks for.
+
+Citations of outside files (``test_no_file_outside_the_repository_is_cited``): the reference notes
+the project was started from are not part of the repository, so a line may not contain ``../shared``
+nor ``seed-system``, nor a path ending in one of their names (``DESIGN.md``, ``megatron-deepspeed.md``,
+``reliability.md``, ``performance.md``, ``code-style.md``) unless that path is a file of the repository.
+
+Paths that must exist (``test_documentation_paths_exist``): the target of every relative markdown
+link ``[text](target)`` in a .md file (resolved from that file's directory, without its #anchor;
+URLs and bare anchors are not paths), and every ``docs/NAME.md`` named in any file (from the root).
+
+"seed" (``test_seed_means_a_random_seed``). The system this framework replaces is called
+Megatron-DeepSpeed, never "the seed". Every occurrence of "seed", as a word or a word part, in any
+case, is a random seed unless the line, read with underscores as spaces (so identifiers read as
+words), matches one of these:
+
+1. a possessive: ``seed's``, ``seeds'``;
+2. a compound naming the system: ``seed-system``, ``seed system``, ``seed-compatible``, ``seed §``;
+3. "seed" (not ``--seed``) followed by a noun that names something of the system rather than a
+   number: flag(s), name(s), script(s), example(s), semantics, format, fields, tags, numbering,
+   loop, rule(s), padding, form, tflops, flops, vocabulary, layout, default(s), path, order of
+   operations;
+4. ``the seed`` or ``the seeds`` on a line without a random-seed context: ``--seed``, random, rng,
+   generator, draw(n), dropout, shuffl(e/ing), manual seed, hash, seeded, permutation, ``seed +``,
+   ``seed=``.
+
+The failure lists every offending ``path:line``. PENDING holds the files other work is still
+cleaning; they are skipped, and an entry whose file is already clean fails the suite, so the set
+only shrinks.
+"""
+import os
+import re
+import subprocess
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SELF = os.path.relpath(os.path.abspath(__file__), REPO_ROOT)
+TEXT_SUFFIXES = (".py", ".md", ".sh", ".slurm", ".txt", ".json", ".toml", ".cfg")
+EXCLUDED_PREFIXES = ("tests/gpu/results/",)
+EXCLUDED_FILES = {"examples/data/LICENSE-PSF.txt", SELF}
+IGNORED_DIRECTORIES = {".git", "__pycache__", "build", "dist", "_build", "runs", ".whl", ".pytest_cache"}
+
+# Files whose text is still being rewritten elsewhere (megatron/core's docstrings); skipped until then.
+# Temporary: this set must end empty (test_pending_files_are_still_being_cleaned fails on a clean entry).
+PENDING = {
+    "megatron/core/models/gpt/attention.py",
+    "megatron/core/models/gpt/config.py",
+    "megatron/core/models/gpt/embedding.py",
+    "megatron/core/models/gpt/gpt_model.py",
+    "megatron/core/models/gpt/init.py",
+    "megatron/core/models/gpt/masks.py",
+    "megatron/core/models/gpt/mlp.py",
+    "megatron/core/models/gpt/pipeline.py",
+    "megatron/core/models/gpt/positional.py",
+    "megatron/core/tensor_parallel/random.py",
+    "megatron/core/tokenizer/__init__.py",
+    "megatron/core/tokenizer/gpt2_bpe.py",
+    "megatron/core/tokenizer/hf_pretrained.py",
+    "megatron/core/tokenizer/vocab_padding.py",
+}
+
+OUTSIDE_NAMES = r"(?:DESIGN|megatron-deepspeed|reliability|performance|code-style)\.md"
+OUTSIDE_PATH = re.compile(r"[\w./-]*\b" + OUTSIDE_NAMES, re.IGNORECASE)
+OUTSIDE_ALWAYS = re.compile(r"\.\./shared|seed-system", re.IGNORECASE)
+MARKDOWN_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+DOCS_PATH = re.compile(r"(?<![\w/.-])docs/[\w./-]*?\.md\b")
+URL_SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*:", re.IGNORECASE)
+
+SYSTEM_NOUNS = (r"flags?|names?|scripts?|examples?|semantics|format|fields|tags|numbering|loop|rules?|padding|"
+                r"form|tflops|flops|vocabulary|layout|defaults?|path|order of operations")
+SEED_AS_SYSTEM = (
+    re.compile(r"(?:\bthe )?seeds?'s?", re.IGNORECASE),
+    re.compile(r"\bseed(?:-system|-compatible| system| §)", re.IGNORECASE),
+    re.compile(r"(?<![-\w])seed (?:" + SYSTEM_NOUNS + r")\b", re.IGNORECASE),
+)
+THE_SEED = re.compile(r"\bthe seeds?\b", re.IGNORECASE)
+RANDOM_CONTEXT = re.compile(r"--seed|random|\brng|generator|\bdraw|dropout|shuffl|manual seed|hash|seeded|"
+                            r"permutation|seed \+|seed ?=", re.IGNORECASE)
+SEED = re.compile(r"seed", re.IGNORECASE)
+
+
+def repository_files() -> list[str]:
+    """Paths (relative to the root) of the files git tracks or would track, else of the whole tree."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO_ROOT,
+                                capture_output=True, text=True, check=True).stdout.splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        listed = []
+        for directory, subdirectories, names in os.walk(REPO_ROOT):
+            subdirectories[:] = [d for d in subdirectories
+                                 if d not in IGNORED_DIRECTORIES and not d.endswith(".egg-info")]
+            listed += [os.path.relpath(os.path.join(directory, name), REPO_ROOT) for name in names]
+    return sorted(path for path in listed if os.path.isfile(os.path.join(REPO_ROOT, path)))
+
+
+def checked_files() -> list[str]:
+    return [path for path in repository_files()
+            if path.endswith(TEXT_SUFFIXES) and not path.startswith(EXCLUDED_PREFIXES)
+            and path not in EXCLUDED_FILES and path not in PENDING]
+
+
+def numbered_lines(path: str):
+    with open(os.path.join(REPO_ROOT, path), encoding="utf-8", errors="replace") as f:
+        yield from enumerate(f, start=1)
+
+
+def outside_citations(path: str, line: str) -> list[str]:
+    """The parts of ``line`` (in ``path``) that cite a file outside the repository."""
+    found = [match.group(0) for match in OUTSIDE_ALWAYS.finditer(line)]
+    for match in OUTSIDE_PATH.finditer(line):
+        cited = match.group(0)
+        candidates = (os.path.join(REPO_ROOT, cited), os.path.join(REPO_ROOT, os.path.dirname(path), cited))
+        if not any(os.path.isfile(candidate) for candidate in candidates):
+            found.append(cited)
+    return found
+
+
+def missing_paths(path: str, line: str) -> list[str]:
+    """Relative markdown link targets (in .md files) and docs/NAME.md paths of ``line`` that do not exist."""
+    missing = []
+    if path.endswith(".md"):
+        for target in MARKDOWN_LINK.findall(line):
+            if URL_SCHEME.match(target) or target.startswith("#"):
+                continue
+            resolved = os.path.join(REPO_ROOT, os.path.dirname(path), target.split("#", 1)[0])
+            if not os.path.exists(resolved):
+                missing.append(target)
+    missing += [named for named in DOCS_PATH.findall(line) if not os.path.isfile(os.path.join(REPO_ROOT, named))]
+    return missing
+
+
+def seed_as_system(line: str) -> list[str]:
+    """The phrases of ``line`` in which "seed" names Megatron-DeepSpeed (module docstring, rules 1-4)."""
+    words = line.replace("_", " ")
+    found = [match.group(0) for pattern in SEED_AS_SYSTEM for match in pattern.finditer(words)]
+    if not found and not RANDOM_CONTEXT.search(words):
+        found = [match.group(0) for match in THE_SEED.finditer(words)]
+    return found
+
+
+def violations(finder, files) -> list[str]:
+    """``path:line: found (text)`` for every line of ``files`` where ``finder(path, line)`` finds something."""
+    report = []
+    for path in files:
+        for number, line in numbered_lines(path):
+            found = finder(path, line)
+            if found:
+                report.append(f"{path}:{number}: {', '.join(found)}    | {line.strip()[:120]}")
+    return report
+
+
+def test_no_file_outside_the_repository_is_cited():
+    report = violations(outside_citations, checked_files())
+    assert not report, ("these lines cite files outside the repository (write the fact itself, or cite a "
+                        "file of the repository such as docs/architecture.md):\n" + "\n".join(report))
+
+
+def test_documentation_paths_exist():
+    report = violations(missing_paths, checked_files())
+    assert not report, "these lines name paths that do not exist in the repository:\n" + "\n".join(report)
+
+
+def test_seed_means_a_random_seed():
+    report = violations(lambda path, line: seed_as_system(line) if SEED.search(line) else [], checked_files())
+    assert not report, ("these lines use \"seed\" for the system we follow: say Megatron-DeepSpeed (rules in "
+                        f"{SELF}):\n" + "\n".join(report))
+
+
+def test_pending_files_are_still_being_cleaned():
+    """Each PENDING file exists and still breaks a rule; once clean it leaves the set."""
+    stale = []
+    for path in sorted(PENDING):
+        if not os.path.isfile(os.path.join(REPO_ROOT, path)):
+            stale.append(f"{path} (no such file)")
+            continue
+        finders = (outside_citations, missing_paths, lambda p, line: seed_as_system(line))
+        if not any(violations(finder, [path]) for finder in finders):
+            stale.append(f"{path} (clean now)")
+    assert not stale, f"remove from PENDING in {SELF}: " + ", ".join(stale)
+
+
+def test_seed_rules_on_examples():
+    """The classifier against sentences whose meaning is known."""
+    system = ["as in the seed.", "the seed's log line", "(seed-system.md §5)", "Seed § 4.1",
+              "the seed system", "def seed_tflops(t):", "no seed flag", "with seed semantics",
+              "def test_layer_list_follows_the_seed_numbering():", "the seeds' scripts", "as the seed does"]
+    random_seed = ["--seed 1234", "torch.manual_seed(seed)", "seed + 100 * pp_rank", "seeded with --seed",
+                   "def test_random_sampler_order_depends_on_seed():", "the seed is drawn from a generator",
+                   "PYTHONHASHSEED=0", "random_tokens(2, 16, 64, seed=3)", "the --seed flag",
+                   "model_parallel_seed(SEED, tp_rank=0, pp_rank=0)", "parameter_seed(seed, layer, name)"]
+    assert [text for text in system if not seed_as_system(text)] == []
+    assert [text for text in random_seed if seed_as_system(text)] == []
+
+
+def test_citation_and_path_rules_on_examples():
+    assert outside_citations("x.py", "see ../shared/notes") and outside_citations("x.py", "DESIGN.md principle 3")
+    assert outside_citations("docs/a.md", "performance.md") and not outside_citations("x.py", "docs/architecture.md")
+    assert missing_paths("docs/a.md", "[x](no-such-file.md)") == ["no-such-file.md"]
+    assert missing_paths("docs/a.md", "[x](architecture.md#principles) [y](https://github.com/a/b.md)") == []
+    assert missing_paths("x.py", "see docs/no-such-doc.md") == ["docs/no-such-doc.md"]
+    assert missing_paths("x.py", "a[i](j) and tests/docs/x.md") == []
