@@ -20,6 +20,8 @@ import glob
 import os
 import pickle
 import re
+import time
+from dataclasses import dataclass
 
 import torch
 
@@ -198,23 +200,42 @@ def _read_saved_state(tag_directory: str, manifest: Manifest | None) -> dict:
 def verified_reads(engine, tag_directory: str, manifest: Manifest | None):
     """Inside the block, every file DeepSpeed's checkpoint engine reads is first checked against its
     manifest entry (size, CRC-32); a damaged, missing, truncated or unreadable file raises a
-    CheckpointError that names it."""
+    CheckpointError that names it. Yields the VerifiedReads of this rank (the check's cost)."""
     reader = engine.checkpoint_engine
     original_load = reader.load
+    verified = VerifiedReads()
 
     def load(path, map_location=None):
         try:
             if manifest is not None:
+                started = time.perf_counter()
                 manifest.verify_file(path, tag_directory)
+                verified.add(os.path.getsize(path), time.perf_counter() - started)
             return original_load(path, map_location=map_location)
         except READ_ERRORS as error:
             raise unreadable(path, error, tag_directory) from error
 
     reader.load = load
     try:
-        yield
+        yield verified
     finally:
         reader.load = original_load
+
+
+@dataclass
+class VerifiedReads:
+    """The files one rank checked against the manifest while loading, their bytes and the seconds it took."""
+
+    files: int = 0
+    size: int = 0
+    seconds: float = 0.0
+
+    def add(self, size: int, seconds: float) -> None:
+        self.files, self.size, self.seconds = self.files + 1, self.size + size, self.seconds + seconds
+
+    def line(self) -> str:
+        return (f"  verified {self.files} files ({self.size / 1e9:.3f} GB) against the manifest in "
+                f"{self.seconds:.2f} s")
 
 
 def _manifest(tag_directory: str) -> Manifest | None:

@@ -39,6 +39,7 @@ import dataclasses
 import os
 import random
 import shutil
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -138,14 +139,16 @@ def _commit(directory: str, iteration: int) -> None:
 @contextlib.contextmanager
 def _recorded_writes(engine, tag_directory: str):
     """Inside the block, every file DeepSpeed's checkpoint engine writes is flushed to the disk and
-    described (size, CRC-32); yields {path relative to the tag directory: FileEntry}."""
+    described (size, CRC-32); yields the WrittenFiles, filled as the files are written."""
     writer = engine.checkpoint_engine
     original_save = writer.save
-    written: dict[str, FileEntry] = {}
+    written = WrittenFiles()
 
     def save(state_dict, path):
         result = original_save(state_dict, path)
-        written[os.path.relpath(path, tag_directory)] = describe_file(path)
+        started = time.perf_counter()
+        written.files[os.path.relpath(path, tag_directory)] = describe_file(path)
+        written.seconds += time.perf_counter() - started
         return result
 
     writer.save = save
@@ -155,12 +158,22 @@ def _recorded_writes(engine, tag_directory: str):
         writer.save = original_save
 
 
+@dataclass
+class WrittenFiles:
+    """What one rank wrote in a save: {path relative to the tag directory: FileEntry}, and the seconds
+    spent flushing and checksumming them (the manifest's cost)."""
+
+    files: dict[str, FileEntry] = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+
+
 def save_checkpoint(engine, progress: TrainingProgress, config: TrainConfig) -> None:
     """Collective: every rank writes and records its part through the engine; rank 0 then writes the
     manifest and commits (module docstring)."""
     directory = config.checkpoint.save
     tag = checkpoint_tag(progress.iteration)
     tag_directory = os.path.join(directory, tag)
+    started = time.perf_counter()
     print_rank_0(saving_checkpoint_line(progress.iteration, directory))
     if is_rank_0():
         os.makedirs(tag_directory, exist_ok=True)
@@ -173,16 +186,25 @@ def save_checkpoint(engine, progress: TrainingProgress, config: TrainConfig) -> 
     if is_rank_0():
         if is_pipeline_engine(engine):
             _remove_recovery_scripts(directory)
-        write_manifest(tag_directory, progress.iteration,
-                       {name: entry for files in every_rank_written for name, entry in files.items()})
+        files = {name: entry for record in every_rank_written for name, entry in record.files.items()}
+        write_manifest(tag_directory, progress.iteration, files)
         os.remove(os.path.join(tag_directory, SAVING_MARKER))
         fsync_path(tag_directory)
         _commit(directory, progress.iteration)
         removed = prune_checkpoints(directory, config.checkpoint, tag)
     barrier()
     print_rank_0(saved_checkpoint_line(progress.iteration, directory))
+    if is_rank_0():
+        print_rank_0(manifest_cost_line(files, max(record.seconds for record in every_rank_written),
+                                        time.perf_counter() - started))
     if removed:
         print_rank_0(f"  removed {', '.join(removed)} (--keep-last-checkpoints {config.checkpoint.keep_last_checkpoints})")
+
+
+def manifest_cost_line(files: dict[str, FileEntry], seconds: float, save_seconds: float) -> str:
+    gigabytes = sum(entry.size for entry in files.values()) / 1e9
+    return (f"  manifest: {len(files)} files, {gigabytes:.3f} GB flushed and checksummed in {seconds:.2f} s "
+            f"(slowest rank) of the save's {save_seconds:.2f} s")
 
 
 def _remove_recovery_scripts(directory: str) -> None:
@@ -231,7 +253,7 @@ def load_checkpoint(engine, config: TrainConfig) -> TrainingProgress | None:
                      f"training starts from scratch")
         return None
     tag_directory, manifest = checked
-    with verified_reads(engine, tag_directory, manifest):
+    with verified_reads(engine, tag_directory, manifest) as verified:
         _, state = engine.load_checkpoint(settings.load, load_optimizer_states=not settings.no_load_optim,
                                           load_lr_scheduler_states=not settings.finetune)
     if settings.finetune:
@@ -243,4 +265,6 @@ def load_checkpoint(engine, config: TrainConfig) -> TrainingProgress | None:
             restore_rng_states(state)
     barrier()
     print_rank_0(loaded_checkpoint_line(settings.load, state["iteration"]))
+    if manifest is not None:
+        print_rank_0(verified.line())
     return progress

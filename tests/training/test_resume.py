@@ -7,6 +7,7 @@ same consumed samples/tokens and learning rates, and the same losses (bit-exact 
 allows fp32 noise), and the validation set continues where it stood.
 """
 import os
+import re
 import shutil
 
 import pytest
@@ -39,6 +40,10 @@ def test_resumed_run_continues_counters_lr_data_and_losses(preprocessed_corpus, 
     resumed = run_pretrain(tiny_run_args(preprocessed_corpus, *FLAGS, "--load", str(resume_dir),
                                          "--save", str(resume_dir))).stdout
     assert f"successfully loaded checkpoint from {resume_dir} at iteration 4" in resumed
+    # the manifest's cost, measured at every save and load: 5 files (layers 1, 3, 4 and 6, the model states)
+    assert re.search(r"^  manifest: 5 files, [\d.]+ GB flushed and checksummed in [\d.]+ s \(slowest rank\) of the "
+                     r"save's [\d.]+ s$", output, re.MULTILINE)
+    assert re.search(r"^  verified \d+ files \([\d.]+ GB\) against the manifest in [\d.]+ s$", resumed, re.MULTILINE)
     reference = {line["iteration"]: line for line in training_lines(output)}
     continued = training_lines(resumed)
     assert [line["iteration"] for line in continued] == [5, 6, 7, 8]
