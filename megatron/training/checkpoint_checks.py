@@ -118,7 +118,11 @@ def _check_compatible(state: dict, config: TrainConfig, directory: str) -> None:
     if state.get("checkpoint_version") is None or "iteration" not in state:
         raise CheckpointError(f"{directory}: the checkpoint has no trainer state (checkpoint_version, iteration); "
                               f"it was not written by this trainer")
-    saved = state.get("args", {}).get("model", {})
+    arguments = state.get("args", {})
+    if not isinstance(arguments, dict):  # Megatron-DeepSpeed pickles its argparse Namespace there
+        raise CheckpointError(f"{directory}: the checkpoint was written by Megatron-DeepSpeed (its args entry is "
+                              f"a {type(arguments).__name__}), not by this trainer: resuming it is not supported")
+    saved = arguments.get("model", {})
     configured = plain_value(config.model)
     differing = [f"--{name.replace('_', '-')}: checkpoint {saved[name]!r}, configured {configured[name]!r}"
                  for name in CHECKED_MODEL_FIELDS if name in saved and saved[name] != configured[name]]

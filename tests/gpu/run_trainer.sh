@@ -17,6 +17,10 @@
 #      6p7b_compare_8"
 #   6. the best single-GPU figure at the same width (RUNS="w4096_mbs2 w4096_mbs4"): 16 layers, hidden
 #      4096, bf16, the scaling-efficiency reference for 5
+#   7. long runs (RUNS="rel_bf16 rel_fp16 det_cost offload"): a 350M GPT in bf16 and in fp16 under
+#      --deterministic saves at 10 of 20 iterations, resumes from 10 and must give the same losses,
+#      counters and rates (tolerance 0); the 1.3B GPT in bf16 with and without --deterministic (the
+#      cost of determinism); the 1.3B GPT in bf16 at ZeRO-2 with the optimizer offloaded to the CPU
 # Run from the repository root on the GPU machine with .whl carried; logs go to $OUT.
 #   RUNS="350m_bf16 overflow" bash tests/gpu/run_trainer.sh    (a subset)
 set -o pipefail
@@ -52,8 +56,11 @@ ds_config() {  # precision initial_scale_power hysteresis -> path of a ds_config
     else
         precision='"bf16": {"enabled": true}, "data_types": {"grad_accum_dtype": "fp32"}'
     fi
+    local zero="\"stage\": ${ZERO_STAGE:-1}"
+    [ -n "${OFFLOAD:-}" ] && zero="$zero, \"offload_optimizer\": {\"device\": \"cpu\"}"
+    path=${path%.json}_zero${ZERO_STAGE:-1}${OFFLOAD:+_offload}.json
     echo "{\"train_micro_batch_size_per_gpu\": \"auto\", \"train_batch_size\": \"auto\", \"gradient_clipping\": 1.0,
-  \"zero_optimization\": {\"stage\": 1}, $precision, \"steps_per_print\": 100000}" > "$path"
+  \"zero_optimization\": {$zero}, $precision, \"steps_per_print\": 100000}" > "$path"
     echo "$path"
 }
 
@@ -75,7 +82,7 @@ gpt_run() {  # name layers hidden heads precision mbs gbs [extra flags...]
         --vocab-file "$WORK/tokenizer/vocab.json" --merge-file "$WORK/tokenizer/merges.txt" \
         --data-path "$WORK/data/python-docs_text_document" --split 98,1,1 --data-cache-path "$WORK/cache" \
         --log-interval "${LOG_INTERVAL:-5}" --eval-interval 1000 --eval-iters 0 \
-        --deepspeed --deepspeed_config "$config" --zero-stage 1 --distributed-backend nccl "$@" \
+        --deepspeed --deepspeed_config "$config" --zero-stage "${ZERO_STAGE:-1}" --distributed-backend nccl "$@" \
         2>&1 | tee -a "$OUT/$name.log" || status=1
 }
 
@@ -101,6 +108,18 @@ big_run() {  # name ngpus [flags...]: the 6.7B GPT of issue 5 (bf16, CPU initial
     shift 2
     NGPUS=$ngpus ITERS=${ITERS_6P7B:-60} LOG_INTERVAL=1 gpt_run "$name" 32 4096 32 bf16 2 16 \
         --use-cpu-initialization --lr-warmup-iters 10 "$@"
+}
+
+reliability_runs() {  # precision: save at 10 of 20 deterministic iterations, resume from 10, compare (tolerance 0)
+    local precision=$1 checkpoint=$WORK/checkpoint_rel_$1
+    rm -rf "$checkpoint" "$checkpoint.resumed"
+    ITERS=20 LOG_INTERVAL=1 gpt_run "rel_${precision}_full" 24 1024 16 "$precision" 4 32 --deterministic \
+        --save "$checkpoint" --save-interval 10
+    echo global_step10 > "$checkpoint/latest"
+    ITERS=20 LOG_INTERVAL=1 gpt_run "rel_${precision}_resumed" 24 1024 16 "$precision" 4 32 --deterministic \
+        --load "$checkpoint" --save "$checkpoint.resumed" --save-interval 100
+    $py tests/gpu/compare_logs.py resume --tolerance 0 $(logs_of "rel_${precision}_full" "rel_${precision}_full" \
+        "rel_${precision}_resumed") | tee "$OUT/resume_rel_${precision}.txt" || status=1
 }
 
 prepare_data || exit 1
@@ -146,6 +165,11 @@ for run in $RUNS; do
         6p7b_tp2pp4) big_run 6p7b_tp2pp4 8 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 4 ;;
         6p7b_compare_8) compare_layouts 2e-2 5 6p7b_tp2pp2dp2 6p7b_tp4pp2 6p7b_tp2pp4 \
                             | tee "$OUT/layouts_6p7b_8gpu.txt" || status=1 ;;
+        rel_bf16) reliability_runs bf16 ;;
+        rel_fp16) reliability_runs fp16 ;;
+        det_cost) ITERS=20 gpt_run det_cost_default 24 2048 16 bf16 8 32
+                  ITERS=20 gpt_run det_cost_deterministic 24 2048 16 bf16 8 32 --deterministic ;;
+        offload) ZERO_STAGE=2 OFFLOAD=1 ITERS=12 gpt_run offload_1p3b_bf16 24 2048 16 bf16 8 32 ;;
         w4096_mbs2) ITERS=20 gpt_run w4096_mbs2 16 4096 32 bf16 2 16 ;;
         w4096_mbs4) ITERS=20 gpt_run w4096_mbs4 16 4096 32 bf16 4 16 ;;
         *) echo "unknown run $run" >&2; status=1 ;;

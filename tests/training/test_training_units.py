@@ -254,6 +254,8 @@ def test_client_state_holds_counters_version_vocab_and_rng():
     _check_compatible(state, config, "ckpt")
     with pytest.raises(CheckpointError, match="--hidden-size"):
         _check_compatible({**state, "args": {"model": {**state["args"]["model"], "hidden_size": 32}}}, config, "ckpt")
+    with pytest.raises(CheckpointError, match="written by Megatron-DeepSpeed .* a SimpleNamespace"):
+        _check_compatible({**state, "args": SimpleNamespace(hidden_size=64)}, config, "ckpt")
 
 
 def test_rng_states_round_trip():
