@@ -125,50 +125,87 @@ def build_data_loader(dataset, consumed_samples: int, settings: LoaderSettings) 
                       worker_init_fn=ignore_exit_signals if settings.num_workers > 0 else None)
 
 
-def cycling_iterator(dataset, consumed_samples: int, settings: LoaderSettings, name: str) -> Iterator[dict]:
-    """Batches from ``consumed_samples`` on, forever: a cyclic loader goes on to its next epoch, a single
-    loader starts again at sample 0 (consumed counts beyond the dataset wrap around)."""
-    start = consumed_samples % len(dataset) if settings.dataloader_type == "single" else consumed_samples
-    loader = build_data_loader(dataset, start, settings)
-    while True:
-        served = 0
-        for batch in loader:
-            served += 1
-            yield batch
-        if served == 0:
-            raise DataLoadingError(f"{name} dataset ({len(dataset)} samples) holds less than one micro batch "
-                                   f"per data-parallel rank ({settings.micro_batch_size} x "
-                                   f"{settings.data_parallel_size}); give it more samples")
-        if settings.dataloader_type == "single":
-            loader = build_data_loader(dataset, 0, settings)
+class LoaderBatches:
+    """The batches of one split, from ``consumed_samples`` on, read through DataLoaders this object
+    owns. ``cycle``: a cyclic loader goes on to its next epoch, a single loader starts again at sample
+    0 (consumed counts beyond the dataset wrap around); otherwise the data ends with DataLoadingError.
+
+    ``close()`` drops every loader this object made, which shuts its worker processes down. Nothing
+    else may hold them: the workers ignore the exit signals (signals.py), so a worker left to garbage
+    collection can outlive the interpreter's exit, whose terminate() it ignores, and hang the exit.
+    (A generator kept its closed frame's loader alive on one Python build; hence a plain object.)
+    """
+
+    def __init__(self, dataset, consumed_samples: int, settings: LoaderSettings, name: str, cycle: bool):
+        self.dataset, self.settings, self.name, self.cycle = dataset, settings, name, cycle
+        if cycle and settings.dataloader_type == "single":
+            consumed_samples %= len(dataset)
+        self._loader: DataLoader | None = None
+        self._batches: Iterator[dict] | None = None
+        self._served_this_epoch = 0
+        if consumed_samples < len(dataset) or settings.dataloader_type == "cyclic":
+            self._start_epoch(consumed_samples)
+
+    def __iter__(self) -> "LoaderBatches":
+        return self
+
+    def __next__(self) -> dict:
+        while True:
+            if self._batches is None:
+                raise self._exhausted()
+            batch = next(self._batches, None)
+            if batch is not None:
+                self._served_this_epoch += 1
+                return batch
+            self._end_epoch()
+
+    def _start_epoch(self, start: int) -> None:
+        self._batches = None  # the previous loader's workers end before the next loader starts its own
+        if self._loader is None or self.settings.dataloader_type == "single":
+            self._loader = None
+            self._loader = build_data_loader(self.dataset, start, self.settings)
+        self._batches = iter(self._loader)
+        self._served_this_epoch = 0
+
+    def _end_epoch(self) -> None:
+        if not self.cycle:
+            self.close()
+            return
+        if self._served_this_epoch == 0:
+            raise DataLoadingError(f"{self.name} dataset ({len(self.dataset)} samples) holds less than one micro "
+                                   f"batch per data-parallel rank ({self.settings.micro_batch_size} x "
+                                   f"{self.settings.data_parallel_size}); give it more samples")
+        self._start_epoch(0)
+
+    def _exhausted(self) -> DataLoadingError:
+        return DataLoadingError(f"the {self.name} data is exhausted: {len(self.dataset)} samples, all consumed; the "
+                                f"run asks for more samples than were built (--train-samples / --train-iters)")
+
+    def close(self) -> None:
+        self._batches = None
+        self._loader = None
 
 
-def training_iterator(dataset, consumed_samples: int, settings: LoaderSettings) -> Iterator[dict]:
+def cycling_iterator(dataset, consumed_samples: int, settings: LoaderSettings, name: str) -> LoaderBatches:
+    """Validation and test batches, forever (module docstring)."""
+    return LoaderBatches(dataset, consumed_samples, settings, name, cycle=True)
+
+
+def training_iterator(dataset, consumed_samples: int, settings: LoaderSettings) -> LoaderBatches:
     """Training batches: one ordered pass (single) or every epoch reshuffled (cyclic)."""
-    if settings.dataloader_type == "cyclic":
-        return cycling_iterator(dataset, consumed_samples, settings, "train")
-    return _single_pass(dataset, consumed_samples, settings)
-
-
-def _single_pass(dataset, consumed_samples: int, settings: LoaderSettings) -> Iterator[dict]:
-    if consumed_samples < len(dataset):
-        yield from build_data_loader(dataset, consumed_samples, settings)
-    raise DataLoadingError(f"the training data is exhausted: {len(dataset)} samples, all consumed; the run asks "
-                           f"for more samples than were built (--train-samples / --train-iters)")
+    return LoaderBatches(dataset, consumed_samples, settings, "training", cycle=settings.dataloader_type == "cyclic")
 
 
 @dataclass
 class DataIterators:
     """Iterators of this rank; None where this rank reads no data (middle pipeline stages)."""
 
-    train: Iterator[dict] | None = None
-    valid: list[tuple[str, Iterator[dict] | None]] = field(default_factory=list)
-    test: list[tuple[str, Iterator[dict] | None]] = field(default_factory=list)
+    train: LoaderBatches | None = None
+    valid: list[tuple[str, LoaderBatches | None]] = field(default_factory=list)
+    test: list[tuple[str, LoaderBatches | None]] = field(default_factory=list)
 
     def close(self) -> None:
-        """Close every iterator, which shuts its DataLoader workers down. The workers ignore the exit
-        signals (signals.py), so the terminate() that multiprocessing sends its remaining children at
-        interpreter exit would not end them: they must be shut down before."""
+        """Shut every loader's workers down (LoaderBatches.close) before the interpreter exits."""
         for iterator in [self.train] + [it for _, it in self.valid] + [it for _, it in self.test]:
             if iterator is not None:
                 iterator.close()

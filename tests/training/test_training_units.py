@@ -3,6 +3,7 @@ checkpoint state and stop conditions."""
 import dataclasses
 import importlib.util
 import math
+import multiprocessing
 import pickle
 import os
 import random
@@ -213,6 +214,25 @@ def test_validation_iterator_cycles_from_sample_zero():
     assert _ids([next(iterator) for _ in range(4)]) == [[2, 3], [0, 1], [2, 3], [0, 1]]  # the tail [4] is dropped
     with pytest.raises(DataLoadingError, match="less than one micro batch"):
         next(cycling_iterator(_dataset(1), 0, settings, "valid"))
+
+
+def test_loader_workers_end_at_each_new_epoch_and_at_close():
+    """Workers ignore the exit signals, so no loader may be left to garbage collection: one epoch's
+    workers end when the next epoch's loader starts, and close() ends the last ones."""
+    settings = LoaderSettings("single", micro_batch_size=2, data_parallel_rank=0, data_parallel_size=1,
+                              num_workers=1, seed=1)
+    before = set(multiprocessing.active_children())
+    iterator = cycling_iterator(_dataset(4), 0, settings, "valid")
+    epochs = [_ids([next(iterator), next(iterator)]) for _ in range(3)]
+    assert epochs == [[[0, 1], [2, 3]]] * 3
+    assert len(set(multiprocessing.active_children()) - before) == 1  # this epoch's worker only
+    iterator.close()
+    assert set(multiprocessing.active_children()) == before
+    training = training_iterator(_dataset(4), 0, settings)
+    assert _ids([next(training), next(training)]) == [[0, 1], [2, 3]]
+    with pytest.raises(DataLoadingError, match="exhausted"):
+        next(training)  # the exhausted training data closes its loader itself
+    assert set(multiprocessing.active_children()) == before
 
 
 def test_cyclic_loader_reshuffles_each_epoch_and_keeps_the_default_rng():
