@@ -10,7 +10,8 @@ their stdout and TensorBoard files.
 
 Every subprocess runs without any launcher variable inherited from the calling shell, on CPU
 (``CUDA_VISIBLE_DEVICES`` empty, ``DS_ACCELERATOR=cpu``, one thread per process) unless a GPU test
-asks otherwise, and is killed (with its process group) when it outruns its timeout.
+asks otherwise, and is killed (with its process group) when it outruns its timeout. Every timeout
+is multiplied by MEGATRON_TEST_TIMEOUT_SCALE (default 1; e.g. 3 on a machine shared with other jobs).
 """
 import glob
 import importlib.util
@@ -106,6 +107,18 @@ def tiny_gpt_flags(data: E2EData, *, seq_length: int = 64, split: str = "98,1,1"
 # ---------------------------------------------------------------------------------------- running
 
 
+def scaled_timeout(seconds: float) -> float:
+    """``seconds`` times MEGATRON_TEST_TIMEOUT_SCALE: the same run takes longer on a loaded machine."""
+    text = os.environ.get("MEGATRON_TEST_TIMEOUT_SCALE", "1")
+    try:
+        scale = float(text)
+    except ValueError:
+        raise ValueError(f"MEGATRON_TEST_TIMEOUT_SCALE={text!r}: give a positive number") from None
+    if scale <= 0:
+        raise ValueError(f"MEGATRON_TEST_TIMEOUT_SCALE={text!r}: give a positive number")
+    return seconds * scale
+
+
 def subprocess_env(overrides: dict | None = None, cpu_only: bool = True) -> dict:
     """os.environ for a child: launcher and SLURM variables removed, CUDA hidden and one thread per
     process when ``cpu_only``, then ``overrides``."""
@@ -158,7 +171,7 @@ def run_together(specs: list[ProcessSpec], timeout: float = DEFAULT_TIMEOUT) -> 
         process = subprocess.Popen(spec.command, cwd=spec.cwd, env=subprocess_env(spec.env, spec.cpu_only),
                                    stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
         started.append((spec, process, output))
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled_timeout(timeout)
     results = []
     for spec, process, output in started:
         timed_out = False
@@ -217,7 +230,7 @@ class Job:
     a run while it runs (signals, kills); each process in its own session, killed with it."""
 
     def __init__(self, commands_and_envs, timeout: float = DEFAULT_TIMEOUT):
-        self.timeout = timeout
+        self.timeout = scaled_timeout(timeout)
         self.output = tempfile.NamedTemporaryFile("w+", delete=False)
         self.processes = [subprocess.Popen(command, cwd=REPO_ROOT, env=subprocess_env(env), stdout=self.output,
                                            stderr=subprocess.STDOUT, start_new_session=True)

@@ -15,6 +15,7 @@ import pytest
 
 from tests.conftest import REPO_ROOT, SAMPLE_CORPUS
 from tests.dist_utils import free_port
+from tests.training.e2e_utils import run_command
 
 PRETRAIN = os.path.join(REPO_ROOT, "pretrain_gpt.py")
 TINY_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
@@ -51,19 +52,18 @@ def tiny_run_args(corpus: Corpus, *extra: str) -> list[str]:
 def run_pretrain(args: list[str], nproc: int = 1, timeout: float = 300, check: bool = True,
                  env: dict | None = None, script: str = PRETRAIN) -> subprocess.CompletedProcess:
     """``script`` (pretrain_gpt.py) with ``args`` on ``nproc`` CPU processes; stdout and stderr merged
-    into ``.stdout``."""
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    into ``.stdout``. Started and, past ``timeout``, killed with its whole process group by
+    tests.training.e2e_utils.run_command."""
     if nproc == 1:
-        environment["MASTER_PORT"] = str(free_port())
+        env = {"MASTER_PORT": str(free_port()), **(env or {})}
         command = [sys.executable, script, *args]
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                    "--master_port", str(free_port()), script, *args]
-    result = subprocess.run(command, cwd=REPO_ROOT, env=environment, timeout=timeout, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    if check and result.returncode != 0:
-        raise AssertionError(f"{os.path.basename(script)} exited with {result.returncode}:\n{result.stdout[-6000:]}")
-    return result
+    result = run_command(command, env=env, timeout=timeout)
+    if result.timed_out or (check and result.returncode != 0):
+        result.assert_ok()
+    return subprocess.CompletedProcess(command, result.returncode, stdout=result.output)
 
 
 _ITERATION = re.compile(r"^ iteration +(\d+)/ *(\d+) \|(.*)$")
