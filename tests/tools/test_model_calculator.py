@@ -1,0 +1,211 @@
+"""tools/model_calculator.py: parameter counts against published models and a tensor-by-tensor count,
+memory and FLOPs against hand computations, and the errors of bad layouts."""
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from tools.model_calculator import (CalculatorError, Layout, ModelShape, TrainingBudget, calculate, count_parameters,
+                                    layers_per_stage, main, model_state_bytes, stage_activation_bytes)
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GPT2_MEDIUM = ModelShape(num_layers=24, hidden_size=1024, num_attention_heads=16, seq_length=1024,
+                         make_vocab_size_divisible_by=1)
+GPT3_175B = ModelShape(num_layers=96, hidden_size=12288, num_attention_heads=96, seq_length=2048,
+                       make_vocab_size_divisible_by=1)
+BLOOM_176B = ModelShape(num_layers=70, hidden_size=14336, num_attention_heads=112, seq_length=2048,
+                        vocab_size=250880, position_embedding_type="alibi", embed_layernorm=True)
+# A model small enough to count by hand: V_p = 1000 at TP 1 (a multiple of 8), 1008 at TP 2 (of 16).
+SMALL = ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=1000,
+                   make_vocab_size_divisible_by=8)
+
+
+def gpt_tensors(shape: ModelShape, vocab: int):
+    """(name, shape, TP split dimension or None, owner) of every tensor of the GPT, written out as the
+    layers hold them; owner is "embedding", "layer" or "head". Independent of the tool's formulas."""
+    h, f = shape.hidden_size, shape.ffn
+    yield "word_embeddings.weight", (vocab, h), 0, "embedding"
+    if shape.position_rows:
+        yield "position_embeddings.weight", (shape.position_rows, h), None, "embedding"
+    if shape.embed_layernorm:
+        yield "embed_layernorm.weight", (h,), None, "embedding"
+        yield "embed_layernorm.bias", (h,), None, "embedding"
+    layer = [("input_layernorm.weight", (h,), None), ("input_layernorm.bias", (h,), None),
+             ("query_key_value.weight", (3 * h, h), 0), ("query_key_value.bias", (3 * h,), 0),
+             ("dense.weight", (h, h), 1), ("dense.bias", (h,), None),
+             ("post_attention_layernorm.weight", (h,), None), ("post_attention_layernorm.bias", (h,), None),
+             ("dense_h_to_4h.weight", (f, h), 0), ("dense_h_to_4h.bias", (f,), 0),
+             ("dense_4h_to_h.weight", (h, f), 1), ("dense_4h_to_h.bias", (h,), None)]
+    for number in range(shape.num_layers):
+        for name, dims, split in layer:
+            yield f"layers.{number}.{name}", dims, split, "layer"
+    yield "final_layernorm.weight", (h,), None, "head"
+    yield "final_layernorm.bias", (h,), None, "head"
+    if shape.untie_embeddings_and_output_weights:
+        yield "output_layer.weight", (vocab, h), 0, "head"
+
+
+def tensor_count(dims, split, tensor_parallel=1):
+    count = math.prod(dims)
+    return count // tensor_parallel if split is not None else count
+
+
+def test_gpt2_medium_matches_the_published_count():
+    counts = count_parameters(GPT2_MEDIUM)
+    assert counts.total == 354_823_168  # Hugging Face gpt2-medium (vocabulary 50257, unpadded)
+    padded = count_parameters(ModelShape(num_layers=24, hidden_size=1024, num_attention_heads=16, seq_length=1024))
+    assert padded.total == 354_823_168 + (50304 - 50257) * 1024  # padded to 50304, as the trainer runs it
+    assert padded.total == pytest.approx(354_823_168, rel=0.01)
+    assert counts.without_embeddings == counts.total - 50257 * 1024 - 1024 * 1024
+
+
+def test_gpt3_175b_matches_the_published_count():
+    counts = count_parameters(GPT3_175B)
+    assert counts.total == pytest.approx(175e9, rel=0.01)
+    assert round(counts.total / 1e8) == 1746
+    assert counts.total == sum(math.prod(dims) for _, dims, _, _ in gpt_tensors(GPT3_175B, 50257))
+
+
+def test_bloom_176b_matches_the_published_count():
+    assert count_parameters(BLOOM_176B).total == 176_247_271_424  # the BLOOM model card
+
+
+@pytest.mark.parametrize("shape", [SMALL, ModelShape(num_layers=3, hidden_size=48, num_attention_heads=6,
+                                                     seq_length=16, vocab_size=500, make_vocab_size_divisible_by=4,
+                                                     ffn_hidden_size=96, untie_embeddings_and_output_weights=True,
+                                                     embed_layernorm=True)])
+def test_counts_per_gpu_match_the_split_tensors(shape):
+    tp, pp = 2, 2
+    multiple = shape.make_vocab_size_divisible_by * tp
+    vocab = math.ceil(shape.vocab_size / multiple) * multiple
+    counts = count_parameters(shape, tp, pp)
+    tensors = list(gpt_tensors(shape, vocab))
+    assert counts.total == sum(math.prod(dims) for _, dims, _, _ in tensors)
+    per_layer = sum(tensor_count(dims, split, tp) for name, dims, split, _ in tensors if name.startswith("layers.0."))
+    embedding = sum(tensor_count(dims, split, tp) for _, dims, split, owner in tensors if owner == "embedding")
+    head = sum(tensor_count(dims, split, tp) for _, dims, split, owner in tensors if owner == "head")
+    tied_copy = 0 if shape.untie_embeddings_and_output_weights else embedding  # DeepSpeed's tied module
+    layers = [math.ceil(shape.num_layers / 2), shape.num_layers // 2]
+    assert counts.per_gpu == [layers[0] * per_layer + embedding, layers[1] * per_layer + head + tied_copy]
+
+
+def test_layers_per_stage_follow_deepspeeds_balanced_partition():
+    # DeepSpeed's partition_balanced over the trainer's layer list, weighting transformer layers 1, gave these.
+    assert layers_per_stage(10, 4) == [3, 3, 2, 2]
+    assert layers_per_stage(24, 5) == [5, 5, 5, 5, 4]
+    assert layers_per_stage(70, 12) == [6] * 10 + [5] * 2
+
+
+def test_zero_stages_shrink_the_model_states_when_dp_is_above_one():
+    layout = Layout(num_gpus=8, tensor_parallel=2, precision="bf16", fp32_grad_accumulation=True)
+    totals = [model_state_bytes(1_000_000, layout, zero).total for zero in range(4)]
+    assert totals == sorted(totals, reverse=True) and len(set(totals)) == 4
+    alone = Layout(precision="bf16")
+    assert len({model_state_bytes(1_000_000, alone, zero).total for zero in range(4)}) == 1  # DP 1: nothing to split
+
+
+def test_memory_equals_a_hand_computation():
+    layout = Layout(num_gpus=4, micro_batch_size=2, global_batch_size=16, zero_stage=2, precision="fp16")
+    figures = calculate(SMALL, layout)
+    parameters = 2 * (12 * 64 ** 2 + 13 * 64) + 1000 * 64 + 32 * 64 + 2 * 64  # layers, words, positions, final LN
+    assert figures["parameters"]["per_gpu"] == [parameters]
+    layer = 32 * 2 * 64 * (10 + 24)  # s b h (10 + 24/t) at t = 1
+    logits = 8 * 32 * 2 * 1000  # fp32 logits and their fp32 copy in the cross entropy, s b V_p
+    expected = {"weights": 2 * parameters, "gradients": 2 * parameters / 4, "optimizer": 12 * parameters / 4,
+                "activations": 2 * layer + logits}  # DP 4, ZeRO 2; one micro-batch in flight without a pipeline
+    expected["total"] = sum(expected.values())
+    assert figures["memory_per_gpu"]["stages"][0]["by_zero_stage"]["2"] == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("changes, per_layer, logits", [
+    ({}, 32 * 2 * 64 * 34, 8 * 32 * 2 * 1000),
+    ({"tensor_parallel": 2, "num_gpus": 2}, 32 * 2 * 64 * (10 + 12), 8 * 32 * 2 * 1008 / 2),
+    ({"materialized_attention": True}, 32 * 2 * 64 * 34 + 5 * 4 * 32 ** 2 * 2, 8 * 32 * 2 * 1000),
+    ({"precision": "fp32"}, 32 * 2 * 64 * (4 * 4 + 2 + 4 * 4 + 8 * 4), 8 * 32 * 2 * 1000),
+])
+def test_activations_per_layer_follow_the_papers_terms(changes, per_layer, logits):
+    layout = Layout(**{"micro_batch_size": 2, "precision": "bf16", **changes})
+    plain = stage_activation_bytes(SMALL, layout, 0, layers=2)
+    assert (plain.per_micro_batch, plain.logits, plain.recompute) == pytest.approx((2 * per_layer, logits, 0))
+    checkpointed = stage_activation_bytes(SMALL, replace(layout, checkpoint_activations=True), 0, layers=2)
+    element = 4 if layout.precision == "fp32" else 2
+    assert checkpointed.per_micro_batch == 2 * element * 32 * 2 * 64  # the input of each layer
+    assert checkpointed.recompute == pytest.approx(per_layer)  # one layer rebuilt at a time
+    assert checkpointed.total < plain.total
+
+
+def test_pipeline_stages_hold_the_micro_batches_of_1f1b():
+    shape = ModelShape(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=1000)
+    for global_batch, first_stage in ((8, 4), (2, 2)):
+        layout = Layout(pipeline_parallel=4, num_gpus=4, global_batch_size=global_batch, precision="bf16")
+        stages = calculate(shape, layout)["memory_per_gpu"]["stages"]
+        assert [stage["activations"]["in_flight"] for stage in stages] == [first_stage, min(3, global_batch), 2, 1]
+        assert [stage["activations"]["logits"] > 0 for stage in stages] == [False, False, False, True]
+
+
+def test_flops_and_days_equal_the_closed_forms():
+    layout = Layout(num_gpus=4, micro_batch_size=2, global_batch_size=16)
+    flops = calculate(SMALL, layout, TrainingBudget(train_tokens=1e9, mfu=0.5, peak_tflops=100))["flops"]
+    B, s, L, h, V = 16, 32, 2, 64, 1000
+    model = 72 * B * s * L * h ** 2 * (1 + s / (6 * h) + V / (12 * L * h))  # three passes, logits once each
+    hardware = 96 * B * s * L * h ** 2 * (1 + s / (6 * h) + V / (16 * L * h))  # Narayanan et al. 2021
+    assert flops["model_flops_per_iteration"] == pytest.approx(model, rel=1e-12)
+    assert flops["hardware_flops_per_iteration_with_recompute"] == pytest.approx(hardware, rel=1e-12)
+    assert flops["this_run_hardware_flops_per_iteration"] == flops["model_flops_per_iteration"]
+    days = 1e9 * (model / (B * s)) / (4 * 100e12 * 0.5) / 86400
+    assert flops["training"]["days"] == pytest.approx(days, rel=1e-12)
+    assert flops["training"]["iterations"] == math.ceil(1e9 / (B * s))
+
+
+SMALL_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+               "--vocab-size", "1000", "--make-vocab-size-divisible-by", "8"]
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--num-attention-heads", "5"], "--num-attention-heads 5 does not divide --hidden-size 64"),
+    (["--tensor-model-parallel-size", "3", "--num-gpus", "3"], "--tensor-model-parallel-size 3 does not divide"),
+    (["--tensor-model-parallel-size", "2", "--num-gpus", "3"], "--num-gpus 3 is not a multiple"),
+    (["--num-gpus", "4", "--micro-batch-size", "2", "--global-batch-size", "12"], "--global-batch-size 12"),
+    (["--pipeline-model-parallel-size", "2", "--num-gpus", "2", "--zero-stage", "2"], "--zero-stage 2"),
+    (["--mfu", "1.5"], "--mfu"),
+    (["--fp16", "--grad-accum-dtype", "bf16"], "--grad-accum-dtype"),
+])
+def test_a_bad_flag_exits_2_naming_it(flags, named, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(SMALL_FLAGS + flags)
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_a_bad_layout_raises_from_the_functions_too():
+    with pytest.raises(CalculatorError, match="--tensor-model-parallel-size 8 does not divide --num-attention-heads"):
+        calculate(SMALL, Layout(tensor_parallel=8, num_gpus=8))
+
+
+def test_the_report_prints_the_figures(capsys):
+    figures = main(["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16",
+                    "--seq-length", "1024", "--make-vocab-size-divisible-by", "1", "--bf16", "--num-gpus", "8",
+                    "--zero-stage", "1", "--train-tokens", "300e9"])
+    out = capsys.readouterr().out
+    assert "(354,823,168)" in out and "ZeRO 3" in out and "days" in out
+    assert figures["layout"]["fp32_grad_accumulation"]  # the trainer's bf16 default
+    assert figures["layout"]["data_parallel"] == 8
+
+
+def test_cli_prints_json_without_importing_torch_or_deepspeed():
+    argv = ["--num-layers", "70", "--hidden-size", "14336", "--num-attention-heads", "112", "--seq-length", "2048",
+            "--vocab-size", "250880", "--position-embedding-type", "alibi", "--embed-layernorm",
+            "--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "12", "--num-gpus", "384",
+            "--micro-batch-size", "2", "--global-batch-size", "2048", "--bf16", "--zero-stage", "1", "--json"]
+    result = subprocess.run([sys.executable, "-X", "importtime", os.path.join("tools", "model_calculator.py"), *argv],
+                            cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    figures = json.loads(result.stdout)
+    assert figures["parameters"]["total"] == 176_247_271_424
+    assert figures["layout"]["data_parallel"] == 8
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in result.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "megatron" in imported and not imported & {"torch", "deepspeed", "numpy"}

@@ -1,0 +1,646 @@
+"""Size a GPT pretraining run before launching it: parameters, memory per GPU, FLOPs and training time.
+
+Takes pretrain_gpt.py's model flags and a parallel layout, and prints (docs/model_calculator.md has
+the derivations). Notation: L layers, h hidden, a heads, f = ffn hidden size (default 4h), s
+sequence length, V_p padded vocabulary, t = TP, p = PP, d = DP = GPUs / (t p), b micro batch,
+B global batch, e = bytes of an activation element (2 in fp16/bf16, 4 in fp32).
+
+Parameters (exact for this repository's GPT; V_p = V rounded up to a multiple of
+--make-vocab-size-divisible-by x t):
+    layer     4h^2 + 2hf + 9h + f             (QKV, output projection, two MLP matmuls, their biases,
+                                               two LayerNorms)
+    per GPU   (4h^2 + 2hf + 3h + f)/t + 6h    (row-parallel biases and LayerNorms are replicated)
+    model     L layer + V_p h [+ s_max h learned positions] [+ 2h embedding LayerNorm] + 2h final
+              LayerNorm [+ V_p h untied output layer]
+The first pipeline stage holds the embeddings, the last the final LayerNorm and the output layer
+(tied: a copy of the embedding module, as DeepSpeed's tied layers do); the default partition
+(type:transformer) gives the first L mod p stages one layer more.
+
+Model states per GPU, for P parameters on the GPU (ZeRO, Rajbhandari et al. 2020): weights 2P (4P
+in fp32), gradients 2P (4P in fp32; + 4P with fp32 gradient accumulation), Adam 12P (fp32 master
+copy and two moments; 8P in fp32). ZeRO 1 divides the optimizer states by d, 2 the gradients too, 3
+the weights too.
+
+Activations of one layer and micro-batch (estimate, Korthikanti et al. 2022, no sequence
+parallelism), with e = 2, f = 4h:  s b h (10 + 24/t) bytes, + 5 a s^2 b / t when the attention
+scores are materialized (the trainer's --deterministic; its default fused attention keeps none).
+With full checkpointing a layer keeps only its input (e s b h) and one chunk is recomputed at a
+time. 1F1B keeps min(p - stage, micro-batches per step) micro-batches in flight. The last stage adds
+8 s b V_p / t at the loss (the fp32 logits and the cross entropy's fp32 copy of them).
+
+FLOPs per iteration (Narayanan et al. 2021), matmuls only:
+    model     F = 3 B s [L (8h^2 + 4sh + 4hf) + 2hV_p]   = 72 B s L h^2 (1 + s/6h + V_p/12Lh) at f = 4h
+    hardware  with full recomputation the layers run a second forward:
+              4 B s L (8h^2 + 4sh + 4hf) + 6 B s h V_p   = 96 B s L h^2 (1 + s/6h + V_p/16Lh) at f = 4h
+    days      tokens x (F / B s) / (GPUs x peak x MFU) / 86400
+"""
+import argparse
+import json
+import math
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.core.tokenizer.gpt2_bpe import TokenizerError  # noqa: E402
+from megatron.core.tokenizer.vocab_padding import vocab_size_with_padding  # noqa: E402
+from megatron.training.argument_types import parse_float, parse_int  # noqa: E402
+
+GIB = 2.0 ** 30
+SECONDS_PER_DAY = 86400.0
+# At the loss: the fp32 logits and the cross entropy's fp32 working copy (kept as the softmax for the backward).
+LOGITS_BYTES = 8
+POSITION_EMBEDDING_TYPES = ("absolute", "learned", "rotary", "alibi")  # learned = Megatron's absolute
+PRECISIONS = ("fp32", "fp16", "bf16")
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+class CalculatorError(ValueError):
+    """A model or layout that cannot work; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The network size flags of pretrain_gpt.py."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    seq_length: int
+    max_position_embeddings: int | None = None  # None: the sequence length
+    vocab_size: int = 50257
+    make_vocab_size_divisible_by: int = 128
+    pad_vocab_size_to: int | None = None
+    ffn_hidden_size: int | None = None  # None: 4h
+    position_embedding_type: str = "absolute"
+    untie_embeddings_and_output_weights: bool = False
+    embed_layernorm: bool = False
+
+    @property
+    def ffn(self) -> int:
+        return 4 * self.hidden_size if self.ffn_hidden_size is None else self.ffn_hidden_size
+
+    @property
+    def position_rows(self) -> int:
+        """Rows of the learned position table (0 for rotary and ALiBi, which have none)."""
+        if self.position_embedding_type not in ("absolute", "learned"):
+            return 0
+        return self.seq_length if self.max_position_embeddings is None else self.max_position_embeddings
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the run is spread over GPUs, and its precision, ZeRO stage and recomputation."""
+
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    num_gpus: int = 1
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None  # None: micro batch x DP (one micro-batch per step)
+    zero_stage: int = 0
+    precision: str = "fp32"
+    fp32_grad_accumulation: bool = False
+    checkpoint_activations: bool = False
+    checkpoint_num_layers: int = 1
+    materialized_attention: bool = False
+
+    @property
+    def data_parallel(self) -> int:
+        return self.num_gpus // (self.tensor_parallel * self.pipeline_parallel)
+
+    @property
+    def batch(self) -> int:
+        """The global batch B."""
+        if self.global_batch_size is None:
+            return self.micro_batch_size * self.data_parallel
+        return self.global_batch_size
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """Gradient accumulation steps m = B / (b d)."""
+        return self.batch // (self.micro_batch_size * self.data_parallel)
+
+
+@dataclass(frozen=True)
+class TrainingBudget:
+    """A token budget and the speed assumed for it."""
+
+    train_tokens: float | None = None
+    mfu: float = 0.4
+    peak_tflops: float = 989.0  # H100 SXM, dense bf16
+
+
+# ------------------------------------------------------------------------------------------ checks
+
+
+def _require_positive(values: dict[str, int | None]) -> None:
+    for flag, value in values.items():
+        if value is not None and value < 1:
+            raise CalculatorError(f"{flag} must be a positive integer, got {value}")
+
+
+def check_model(shape: ModelShape) -> None:
+    """Raise CalculatorError naming the flag if ``shape`` describes no valid GPT."""
+    _require_positive({"--num-layers": shape.num_layers, "--hidden-size": shape.hidden_size,
+                       "--num-attention-heads": shape.num_attention_heads, "--seq-length": shape.seq_length,
+                       "--max-position-embeddings": shape.max_position_embeddings,
+                       "--vocab-size": shape.vocab_size, "--ffn-hidden-size": shape.ffn_hidden_size})
+    if shape.hidden_size % shape.num_attention_heads:
+        raise CalculatorError(f"--num-attention-heads {shape.num_attention_heads} does not divide "
+                              f"--hidden-size {shape.hidden_size}")
+    if shape.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+        raise CalculatorError(f"--position-embedding-type {shape.position_embedding_type!r}: use one of "
+                              f"{', '.join(POSITION_EMBEDDING_TYPES)}")
+    if shape.position_rows and shape.position_rows < shape.seq_length:
+        raise CalculatorError(f"--max-position-embeddings {shape.position_rows} is smaller than --seq-length "
+                              f"{shape.seq_length}: the position table needs a row per position")
+
+
+def _check_parallel_sizes(shape: ModelShape, layout: Layout) -> None:
+    t, p = layout.tensor_parallel, layout.pipeline_parallel
+    _require_positive({"--tensor-model-parallel-size": t, "--pipeline-model-parallel-size": p,
+                       "--num-gpus": layout.num_gpus, "--micro-batch-size": layout.micro_batch_size,
+                       "--global-batch-size": layout.global_batch_size,
+                       "--checkpoint-num-layers": layout.checkpoint_num_layers})
+    if shape.num_attention_heads % t:
+        raise CalculatorError(f"--tensor-model-parallel-size {t} does not divide --num-attention-heads "
+                              f"{shape.num_attention_heads}: each TP rank needs whole heads")
+    if shape.ffn % t:
+        raise CalculatorError(f"--tensor-model-parallel-size {t} does not divide the MLP size {shape.ffn} "
+                              f"(--ffn-hidden-size, default 4 x --hidden-size)")
+    if p > shape.num_layers:
+        raise CalculatorError(f"--pipeline-model-parallel-size {p} is more than --num-layers {shape.num_layers}: "
+                              f"every stage needs a layer")
+    if layout.num_gpus % (t * p):
+        raise CalculatorError(f"--num-gpus {layout.num_gpus} is not a multiple of --tensor-model-parallel-size "
+                              f"{t} x --pipeline-model-parallel-size {p} = {t * p}")
+
+
+def check_layout(shape: ModelShape, layout: Layout) -> None:
+    """Raise CalculatorError naming the flag if ``layout`` cannot run ``shape``."""
+    _check_parallel_sizes(shape, layout)
+    per_step = layout.micro_batch_size * layout.data_parallel
+    if layout.batch % per_step:
+        raise CalculatorError(f"--global-batch-size {layout.batch} is not a multiple of --micro-batch-size "
+                              f"{layout.micro_batch_size} x data-parallel size {layout.data_parallel} = {per_step}")
+    if layout.zero_stage not in ZERO_STAGES:
+        raise CalculatorError(f"--zero-stage {layout.zero_stage}: use one of {ZERO_STAGES}")
+    if layout.zero_stage >= 2 and layout.pipeline_parallel > 1:
+        raise CalculatorError(f"--zero-stage {layout.zero_stage} with --pipeline-model-parallel-size "
+                              f"{layout.pipeline_parallel}: DeepSpeed's pipeline engine runs ZeRO stage 0 or 1")
+    if layout.precision not in PRECISIONS:
+        raise CalculatorError(f"precision {layout.precision!r}: use --fp16, --bf16 or neither (fp32)")
+
+
+def check_budget(budget: TrainingBudget) -> None:
+    """Raise CalculatorError naming the flag if the budget's figures are out of range."""
+    if budget.train_tokens is not None and budget.train_tokens <= 0:
+        raise CalculatorError(f"--train-tokens must be positive, got {budget.train_tokens:g}")
+    if not 0 < budget.mfu <= 1:
+        raise CalculatorError(f"--mfu is a fraction in (0, 1], got {budget.mfu:g}")
+    if budget.peak_tflops <= 0:
+        raise CalculatorError(f"--peak-tflops must be positive, got {budget.peak_tflops:g}")
+
+
+# ------------------------------------------------------------------------------------------ parameters
+
+
+def padded_vocab_size(shape: ModelShape, tensor_parallel: int) -> int:
+    """V_p: the embedding's row count, padded as the trainer pads it (depends on TP)."""
+    try:
+        return vocab_size_with_padding(shape.vocab_size, shape.make_vocab_size_divisible_by, tensor_parallel,
+                                       shape.pad_vocab_size_to)
+    except TokenizerError as error:
+        raise CalculatorError(str(error)) from None
+
+
+def layer_parameters(shape: ModelShape) -> int:
+    """4h^2 + 2hf + 9h + f: QKV (3h^2 + 3h), projection (h^2 + h), MLP (hf + f, fh + h), 2 LayerNorms (4h)."""
+    h, f = shape.hidden_size, shape.ffn
+    return 4 * h * h + 2 * h * f + 9 * h + f
+
+
+def layer_parameters_per_gpu(shape: ModelShape, tensor_parallel: int) -> int:
+    """(4h^2 + 2hf + 3h + f)/t + 6h: the projection and second MLP biases and the LayerNorms are replicated."""
+    h, f = shape.hidden_size, shape.ffn
+    return (4 * h * h + 2 * h * f + 3 * h + f) // tensor_parallel + 6 * h
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """Parameter counts; ``per_gpu`` has one entry per pipeline stage (any TP rank of it)."""
+
+    total: int
+    without_embeddings: int
+    word_embeddings: int
+    position_embeddings: int
+    output_layer: int
+    layers_per_stage: list[int]
+    per_gpu: list[int]
+
+
+def layers_per_stage(num_layers: int, pipeline_parallel: int) -> list[int]:
+    """Transformer layers of each stage: balanced, the first L mod p stages get one more."""
+    base, extra = divmod(num_layers, pipeline_parallel)
+    return [base + (1 if stage < extra else 0) for stage in range(pipeline_parallel)]
+
+
+def _embedding_module_per_gpu(shape: ModelShape, tensor_parallel: int) -> int:
+    """Word rows of this TP rank + the position table + the embedding LayerNorm (both replicated)."""
+    h = shape.hidden_size
+    return (padded_vocab_size(shape, tensor_parallel) * h // tensor_parallel + shape.position_rows * h
+            + (2 * h if shape.embed_layernorm else 0))
+
+
+def _stage_parameters_per_gpu(shape: ModelShape, tensor_parallel: int, stage: int, layers: list[int]) -> int:
+    h, last = shape.hidden_size, len(layers) - 1
+    count = layers[stage] * layer_parameters_per_gpu(shape, tensor_parallel)
+    embedding = _embedding_module_per_gpu(shape, tensor_parallel)
+    if stage == 0:
+        count += embedding
+    if stage == last:
+        count += 2 * h  # final LayerNorm
+        if shape.untie_embeddings_and_output_weights:
+            count += padded_vocab_size(shape, tensor_parallel) * h // tensor_parallel
+        elif last > 0:
+            count += embedding  # the tied copy of the embedding module
+    return count
+
+
+def count_parameters(shape: ModelShape, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> ParameterCounts:
+    """Parameters of the model (each counted once) and of one GPU of each pipeline stage."""
+    h = shape.hidden_size
+    word = padded_vocab_size(shape, tensor_parallel) * h
+    position = shape.position_rows * h
+    output = word if shape.untie_embeddings_and_output_weights else 0
+    layernorms = 2 * h + (2 * h if shape.embed_layernorm else 0)
+    total = shape.num_layers * layer_parameters(shape) + word + position + output + layernorms
+    layers = layers_per_stage(shape.num_layers, pipeline_parallel)
+    per_gpu = [_stage_parameters_per_gpu(shape, tensor_parallel, stage, layers) for stage in range(pipeline_parallel)]
+    return ParameterCounts(total=total, without_embeddings=total - word - position - output, word_embeddings=word,
+                           position_embeddings=position, output_layer=output, layers_per_stage=layers,
+                           per_gpu=per_gpu)
+
+
+# ------------------------------------------------------------------------------------------ memory
+
+
+@dataclass(frozen=True)
+class StateMemory:
+    """Bytes of model states on one GPU."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer
+
+
+def bytes_per_parameter(precision: str, fp32_grad_accumulation: bool = False) -> tuple[int, int, int]:
+    """(weights, gradients, Adam states) bytes per parameter before ZeRO partitioning.
+
+    Mixed precision: 2, 2 (+ 4 for an fp32 accumulation buffer), 12 (fp32 master, two fp32 moments).
+    fp32: 4, 4, 8 (the two moments; the weights are already the fp32 copy).
+    """
+    if precision == "fp32":
+        return 4, 4, 8
+    return 2, 2 + (4 if fp32_grad_accumulation else 0), 12
+
+
+def model_state_bytes(parameters: int, layout: Layout, zero_stage: int | None = None) -> StateMemory:
+    """Model states of a GPU holding ``parameters``: ZeRO stage z splits over d the optimizer (z >= 1),
+    the gradients (z >= 2) and the weights (z = 3)."""
+    stage = layout.zero_stage if zero_stage is None else zero_stage
+    d = layout.data_parallel
+    weights, gradients, optimizer = bytes_per_parameter(layout.precision, layout.fp32_grad_accumulation)
+    return StateMemory(weights=weights * parameters / (d if stage >= 3 else 1),
+                       gradients=gradients * parameters / (d if stage >= 2 else 1),
+                       optimizer=optimizer * parameters / (d if stage >= 1 else 1))
+
+
+def activation_element_bytes(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+def layer_activation_bytes(shape: ModelShape, layout: Layout) -> float:
+    """Bytes one layer keeps for the backward, per micro-batch (Korthikanti et al. 2022, no sequence
+    parallelism): s b h (4e + 2) replicated over TP (two LayerNorm inputs, the QKV and MLP inputs, two
+    1-byte dropout masks) + s b h (4e + 2ef/h) / t split (Q, K, V, attention output, GeLU input and
+    output) [+ (2e + 1) a s^2 b / t: softmax output, its dropout mask and output, when materialized].
+    At e = 2, f = 4h: s b h (10 + 24/t + 5as/(ht))."""
+    s, b, h = shape.seq_length, layout.micro_batch_size, shape.hidden_size
+    e, t = activation_element_bytes(layout.precision), layout.tensor_parallel
+    per_sbh = 4 * e + 2 + (4 * e + 2 * e * shape.ffn / h) / t
+    scores = (2 * e + 1) * shape.num_attention_heads * s * s * b / t if layout.materialized_attention else 0.0
+    return s * b * h * per_sbh + scores
+
+
+def logits_activation_bytes(shape: ModelShape, layout: Layout) -> float:
+    """8 s b V_p / t at the loss (last stage): the fp32 logits and the cross entropy's fp32 copy of them."""
+    vocab = padded_vocab_size(shape, layout.tensor_parallel)
+    return LOGITS_BYTES * shape.seq_length * layout.micro_batch_size * vocab / layout.tensor_parallel
+
+
+def micro_batches_in_flight(layout: Layout, stage: int) -> int:
+    """1F1B: stage i has run forward on min(p - i, m) micro-batches before its first backward."""
+    return min(layout.pipeline_parallel - stage, layout.micro_batches_per_step)
+
+
+@dataclass(frozen=True)
+class ActivationMemory:
+    """Activation bytes of one GPU of a pipeline stage (estimate)."""
+
+    per_micro_batch: float  # what one micro-batch leaves for the backward
+    in_flight: int  # micro-batches whose activations are held at once
+    recompute: float  # one checkpointed chunk rebuilt in the backward (0 without checkpointing)
+    logits: float  # the last stage's fp32 logits at the loss (0 elsewhere)
+
+    @property
+    def total(self) -> float:
+        return self.in_flight * self.per_micro_batch + self.recompute + self.logits
+
+
+def stage_activation_bytes(shape: ModelShape, layout: Layout, stage: int, layers: int) -> ActivationMemory:
+    """Activations of a stage with ``layers`` layers; with checkpointing each chunk of
+    --checkpoint-num-layers k layers keeps its e s b h input, and one chunk is rebuilt at a time."""
+    full_layer = layer_activation_bytes(shape, layout)
+    logits = logits_activation_bytes(shape, layout) if stage == layout.pipeline_parallel - 1 else 0.0
+    in_flight = micro_batches_in_flight(layout, stage)
+    if not layout.checkpoint_activations:
+        return ActivationMemory(per_micro_batch=layers * full_layer, in_flight=in_flight, recompute=0.0,
+                                logits=logits)
+    chunk = min(layout.checkpoint_num_layers, layers)
+    layer_input = activation_element_bytes(layout.precision) * shape.seq_length * layout.micro_batch_size \
+        * shape.hidden_size
+    return ActivationMemory(per_micro_batch=math.ceil(layers / chunk) * layer_input, in_flight=in_flight,
+                            recompute=chunk * full_layer, logits=logits)
+
+
+# ------------------------------------------------------------------------------------------ FLOPs and time
+
+
+def forward_flops_per_token_per_layer(shape: ModelShape) -> int:
+    """8h^2 + 4sh + 4hf: QKV 6h^2, scores 2sh, scores x values 2sh, projection 2h^2, MLP 4hf."""
+    h, s = shape.hidden_size, shape.seq_length
+    return 8 * h * h + 4 * s * h + 4 * h * shape.ffn
+
+
+def model_flops_per_iteration(shape: ModelShape, layout: Layout) -> float:
+    """F = 3 B s [L (8h^2 + 4sh + 4hf) + 2hV_p]: forward + backward (twice the forward), no recomputation."""
+    tokens = layout.batch * shape.seq_length
+    logits = 2 * shape.hidden_size * padded_vocab_size(shape, layout.tensor_parallel)
+    return 3.0 * tokens * (shape.num_layers * forward_flops_per_token_per_layer(shape) + logits)
+
+
+def hardware_flops_with_recompute(shape: ModelShape, layout: Layout) -> float:
+    """4 B s L (8h^2 + 4sh + 4hf) + 6 B s h V_p: full recomputation adds one forward of the layers (the
+    output layer is not recomputed); 96 B s L h^2 (1 + s/6h + V_p/16Lh) at f = 4h (Narayanan et al. 2021)."""
+    tokens = layout.batch * shape.seq_length
+    logits = 2 * shape.hidden_size * padded_vocab_size(shape, layout.tensor_parallel)
+    return tokens * (4.0 * shape.num_layers * forward_flops_per_token_per_layer(shape) + 3.0 * logits)
+
+
+def training_days(model_flops_per_token: float, budget: TrainingBudget, num_gpus: int) -> float:
+    """tokens x FLOPs per token / (GPUs x peak x MFU), in days."""
+    cluster_flops_per_second = num_gpus * budget.peak_tflops * 1e12 * budget.mfu
+    return budget.train_tokens * model_flops_per_token / cluster_flops_per_second / SECONDS_PER_DAY
+
+
+# ------------------------------------------------------------------------------------------ the report
+
+
+def _memory_figures(shape: ModelShape, layout: Layout, counts: ParameterCounts) -> list[dict]:
+    """Per pipeline stage: activations and model states at every ZeRO stage, in bytes."""
+    stages = []
+    for stage, (layers, parameters) in enumerate(zip(counts.layers_per_stage, counts.per_gpu)):
+        activations = stage_activation_bytes(shape, layout, stage, layers)
+        by_zero = {}
+        for zero in ZERO_STAGES:
+            states = model_state_bytes(parameters, layout, zero)
+            by_zero[str(zero)] = {**asdict(states), "activations": activations.total,
+                                  "total": states.total + activations.total}
+        stages.append({"stage": stage, "layers": layers, "parameters_per_gpu": parameters,
+                       "activations": {**asdict(activations), "total": activations.total},
+                       "by_zero_stage": by_zero})
+    return stages
+
+
+def _flops_figures(shape: ModelShape, layout: Layout, budget: TrainingBudget) -> dict:
+    model = model_flops_per_iteration(shape, layout)
+    hardware = hardware_flops_with_recompute(shape, layout)
+    tokens = layout.batch * shape.seq_length
+    figures = {"tokens_per_iteration": tokens, "model_flops_per_iteration": model,
+               "hardware_flops_per_iteration_with_recompute": hardware, "model_flops_per_token": model / tokens,
+               "this_run_hardware_flops_per_iteration": hardware if layout.checkpoint_activations else model}
+    if budget.train_tokens is not None:
+        figures["training"] = {"train_tokens": budget.train_tokens, "mfu": budget.mfu,
+                               "peak_tflops": budget.peak_tflops,
+                               "iterations": math.ceil(budget.train_tokens / tokens),
+                               "tokens_per_second": layout.num_gpus * budget.peak_tflops * 1e12 * budget.mfu
+                               / (model / tokens),
+                               "days": training_days(model / tokens, budget, layout.num_gpus)}
+    return figures
+
+
+def calculate(shape: ModelShape, layout: Layout, budget: TrainingBudget = TrainingBudget()) -> dict:
+    """Every figure of the report (bytes, FLOPs, counts), after checking the flags."""
+    check_model(shape)
+    check_layout(shape, layout)
+    check_budget(budget)
+    counts = count_parameters(shape, layout.tensor_parallel, layout.pipeline_parallel)
+    return {"model": {**asdict(shape), "ffn_hidden_size": shape.ffn, "position_table_rows": shape.position_rows,
+                      "padded_vocab_size": padded_vocab_size(shape, layout.tensor_parallel)},
+            "layout": {**asdict(layout), "data_parallel": layout.data_parallel, "global_batch_size": layout.batch,
+                       "micro_batches_per_step": layout.micro_batches_per_step},
+            "parameters": asdict(counts),
+            "memory_per_gpu": {"activation_bytes_per_layer": layer_activation_bytes(shape, layout),
+                               "stages": _memory_figures(shape, layout, counts)},
+            "flops": _flops_figures(shape, layout, budget)}
+
+
+def _giga(count: float) -> str:
+    return f"{count / 1e9:,.3f} B" if count >= 1e9 else f"{count / 1e6:,.2f} M"
+
+
+def _gib(size: float) -> str:
+    return f"{size / GIB:8.2f}"
+
+
+def _format_header(figures: dict) -> list[str]:
+    m, lay = figures["model"], figures["layout"]
+    positions = {"absolute": "learned", "learned": "learned"}.get(m["position_embedding_type"],
+                                                                  m["position_embedding_type"])
+    recompute = (f"full, {lay['checkpoint_num_layers']} layer(s) per chunk" if lay["checkpoint_activations"]
+                 else "off")
+    return [f"model:  {m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_attention_heads']} heads, "
+            f"ffn {m['ffn_hidden_size']}, seq {m['seq_length']}, vocab {m['vocab_size']} -> padded "
+            f"{m['padded_vocab_size']}, {positions} positions"
+            f"{', untied output' if m['untie_embeddings_and_output_weights'] else ''}"
+            f"{', embedding LayerNorm' if m['embed_layernorm'] else ''}",
+            f"layout: {lay['num_gpus']} GPUs = TP {lay['tensor_parallel']} x PP {lay['pipeline_parallel']} x DP "
+            f"{lay['data_parallel']}; micro batch {lay['micro_batch_size']}, global batch {lay['global_batch_size']} "
+            f"({lay['micro_batches_per_step']} micro-batches per step); {lay['precision']}, ZeRO "
+            f"{lay['zero_stage']}, recomputation {recompute}",
+            f"        attention: {'materialized scores' if lay['materialized_attention'] else 'fused (SDPA)'}"
+            f"{', fp32 gradient accumulation' if lay['fp32_grad_accumulation'] else ''}"]
+
+
+def _table_names(parameters: dict) -> str:
+    names = ["word"] + (["position"] if parameters["position_embeddings"] else []) \
+        + (["output"] if parameters["output_layer"] else [])
+    return (", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]) + \
+        (" tables" if len(names) > 1 else " table")
+
+
+def _format_parameters(figures: dict) -> list[str]:
+    p = figures["parameters"]
+    lines = ["", "parameters (exact)",
+             f"  total                 {_giga(p['total']):>14}  ({p['total']:,})",
+             f"  without embeddings    {_giga(p['without_embeddings']):>14}  (less the {_table_names(p)})"]
+    for stage, (layers, count) in enumerate(zip(p["layers_per_stage"], p["per_gpu"])):
+        lines.append(f"  per GPU, stage {stage:<3}    {_giga(count):>14}  ({layers} layers)")
+    return lines
+
+
+def _heaviest_stage(figures: dict) -> dict:
+    zero = str(figures["layout"]["zero_stage"])
+    return max(figures["memory_per_gpu"]["stages"], key=lambda stage: stage["by_zero_stage"][zero]["total"])
+
+
+def _format_memory(figures: dict) -> list[str]:
+    lay, heaviest = figures["layout"], _heaviest_stage(figures)
+    zero = str(lay["zero_stage"])
+    lines = ["", f"memory per GPU, GiB (pipeline stage {heaviest['stage']}, the fullest GPU)",
+             "                              ZeRO 0   ZeRO 1   ZeRO 2   ZeRO 3"]
+    rows = (("weights", "weights"), ("gradients", "gradients"), ("optimizer states", "optimizer"),
+            ("activations (estimate)", "activations"), ("total (estimate)", "total"))
+    for label, key in rows:
+        values = "".join(f" {_gib(heaviest['by_zero_stage'][str(z)][key])}" for z in ZERO_STAGES)
+        lines.append(f"  {label:<26}{values}")
+    if lay["pipeline_parallel"] > 1:
+        lines.append("  (ZeRO 2 and 3 columns: DeepSpeed's pipeline engine runs neither with PP > 1)")
+    lines.append(f"  activations of one layer and micro-batch without recomputation: "
+                 f"{figures['memory_per_gpu']['activation_bytes_per_layer'] / GIB:.3f} GiB")
+    for stage in figures["memory_per_gpu"]["stages"]:
+        act = stage["activations"]
+        lines.append(f"  stage {stage['stage']}: activations {act['total'] / GIB:.2f} GiB = {act['in_flight']} "
+                     f"micro-batch(es) in flight x {act['per_micro_batch'] / GIB:.2f} + recomputed chunk "
+                     f"{act['recompute'] / GIB:.2f} + logits {act['logits'] / GIB:.2f}; total at ZeRO {zero}: "
+                     f"{stage['by_zero_stage'][zero]['total'] / GIB:.2f} GiB")
+    return lines
+
+
+def _format_flops(figures: dict) -> list[str]:
+    f = figures["flops"]
+    lines = ["", f"FLOPs per iteration ({f['tokens_per_iteration']:,} tokens)",
+             f"  model FLOPs (forward + backward, no recomputation)   {f['model_flops_per_iteration']:.4e}",
+             f"  hardware FLOPs with full recomputation               "
+             f"{f['hardware_flops_per_iteration_with_recompute']:.4e}",
+             f"  this run's hardware FLOPs                            "
+             f"{f['this_run_hardware_flops_per_iteration']:.4e}",
+             f"  model FLOPs per token                                {f['model_flops_per_token']:.4e}"]
+    if "training" in f:
+        run = f["training"]
+        lines += ["", f"time to train {run['train_tokens']:,.0f} tokens at MFU {run['mfu']:.0%} of "
+                      f"{run['peak_tflops']:g} TFLOP/s per GPU (estimate)",
+                  f"  {run['iterations']:,} iterations, {run['tokens_per_second']:,.0f} tokens/s on "
+                  f"{figures['layout']['num_gpus']} GPUs: {run['days']:.2f} days"]
+    return lines
+
+
+def format_report(figures: dict) -> str:
+    """The figures of ``calculate`` as a readable report."""
+    return "\n".join(_format_header(figures) + _format_parameters(figures) + _format_memory(figures)
+                     + _format_flops(figures))
+
+
+# ------------------------------------------------------------------------------------------ command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Parameters, memory per GPU, FLOPs and training time of a GPT run "
+                                     "(docs/model_calculator.md).", allow_abbrev=False)
+    model = parser.add_argument_group("model (pretrain_gpt.py's flags)")
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length"):
+        model.add_argument(flag, type=parse_int, required=True)
+    model.add_argument("--max-position-embeddings", type=parse_int, default=None,
+                       help="rows of the learned position table (default --seq-length)")
+    model.add_argument("--vocab-size", type=parse_int, default=50257, help="tokenizer vocabulary (GPT-2: 50257)")
+    model.add_argument("--make-vocab-size-divisible-by", type=parse_int, default=128)
+    model.add_argument("--pad-vocab-size-to", type=parse_int, default=None)
+    model.add_argument("--ffn-hidden-size", type=parse_int, default=None, help="MLP inner size (default 4h)")
+    model.add_argument("--position-embedding-type", choices=POSITION_EMBEDDING_TYPES, default="absolute",
+                       help="absolute (= learned) adds a position table; rotary and alibi have none")
+    model.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    model.add_argument("--embed-layernorm", action="store_true", help="LayerNorm after the word embeddings (BLOOM)")
+    layout = parser.add_argument_group("layout")
+    layout.add_argument("--tensor-model-parallel-size", type=parse_int, default=1)
+    layout.add_argument("--pipeline-model-parallel-size", type=parse_int, default=1)
+    layout.add_argument("--num-gpus", type=parse_int, default=None, help="world size (default TP x PP)")
+    layout.add_argument("--micro-batch-size", type=parse_int, default=1)
+    layout.add_argument("--global-batch-size", type=parse_int, default=None, help="default micro batch x DP")
+    layout.add_argument("--zero-stage", type=parse_int, default=0, help="0, 1, 2 or 3")
+    precision = layout.add_mutually_exclusive_group()
+    precision.add_argument("--fp16", action="store_true")
+    precision.add_argument("--bf16", action="store_true")
+    layout.add_argument("--grad-accum-dtype", choices=PRECISIONS, default=None,
+                        help="ds_config data_types.grad_accum_dtype (the trainer's default: fp32 with --bf16)")
+    layout.add_argument("--checkpoint-activations", action="store_true", help="full activation recomputation")
+    layout.add_argument("--checkpoint-num-layers", type=parse_int, default=1, help="layers per checkpointed chunk")
+    layout.add_argument("--deterministic", action="store_true",
+                        help="the trainer's materialized attention, which keeps the [b, a, s, s] scores")
+    budget = parser.add_argument_group("training time")
+    budget.add_argument("--train-tokens", type=parse_float, default=None, help="token budget, e.g. 300e9")
+    budget.add_argument("--mfu", type=parse_float, default=0.4, help="model FLOPs utilization (default 0.4)")
+    budget.add_argument("--peak-tflops", type=parse_float, default=989.0,
+                        help="peak TFLOP/s per GPU (default 989: H100 SXM dense bf16)")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    return parser
+
+
+def fp32_grad_accumulation(precision: str, grad_accum_dtype: str | None) -> bool:
+    """Whether a 16-bit run adds an fp32 gradient buffer: by default with bf16 (as the trainer sets it)."""
+    accumulate = grad_accum_dtype or ("fp32" if precision == "bf16" else precision)
+    if accumulate not in ("fp32", precision):
+        raise CalculatorError(f"--grad-accum-dtype {accumulate} with {precision} training: use fp32 or {precision}")
+    return precision != "fp32" and accumulate == "fp32"
+
+
+def inputs_from_args(args: argparse.Namespace) -> tuple[ModelShape, Layout, TrainingBudget]:
+    shape = ModelShape(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings, vocab_size=args.vocab_size,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, pad_vocab_size_to=args.pad_vocab_size_to,
+        ffn_hidden_size=args.ffn_hidden_size, position_embedding_type=args.position_embedding_type,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        embed_layernorm=args.embed_layernorm)
+    precision = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    layout = Layout(tensor_parallel=tp, pipeline_parallel=pp,
+                    num_gpus=tp * pp if args.num_gpus is None else args.num_gpus,
+                    micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+                    zero_stage=args.zero_stage, precision=precision,
+                    fp32_grad_accumulation=fp32_grad_accumulation(precision, args.grad_accum_dtype),
+                    checkpoint_activations=args.checkpoint_activations,
+                    checkpoint_num_layers=args.checkpoint_num_layers, materialized_attention=args.deterministic)
+    return shape, layout, TrainingBudget(train_tokens=args.train_tokens, mfu=args.mfu, peak_tflops=args.peak_tflops)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Print the report (or its JSON) and return the figures; a bad flag exits with status 2."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        figures = calculate(*inputs_from_args(args))
+    except CalculatorError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    print(json.dumps(figures, indent=2) if args.json else format_report(figures))
+    return figures
+
+
+if __name__ == "__main__":
+    main()
