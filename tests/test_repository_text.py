@@ -30,9 +30,7 @@ words), matches one of these:
    generator, draw(n), dropout, shuffl(e/ing), manual seed, hash, seeded, permutation, ``seed +``,
    ``seed=``.
 
-The failure lists every offending ``path:line``. PENDING holds the files other work is still
-cleaning; they are skipped, and an entry whose file is already clean fails the suite, so the set
-only shrinks.
+The failure lists every offending ``path:line``.
 """
 import os
 import re
@@ -44,25 +42,6 @@ TEXT_SUFFIXES = (".py", ".md", ".sh", ".slurm", ".txt", ".json", ".toml", ".cfg"
 RECORDED_OUTPUTS = "tests/gpu/results/"  # logs and tables as the GPU runs wrote them
 EXCLUDED_FILES = {"examples/data/LICENSE-PSF.txt", SELF}
 IGNORED_DIRECTORIES = {".git", "__pycache__", "build", "dist", "_build", "runs", ".whl", ".pytest_cache"}
-
-# Files whose text is still being rewritten elsewhere (megatron/core's docstrings); skipped until then.
-# Temporary: this set must end empty (test_pending_files_are_still_being_cleaned fails on a clean entry).
-PENDING = {
-    "megatron/core/models/gpt/attention.py",
-    "megatron/core/models/gpt/config.py",
-    "megatron/core/models/gpt/embedding.py",
-    "megatron/core/models/gpt/gpt_model.py",
-    "megatron/core/models/gpt/init.py",
-    "megatron/core/models/gpt/masks.py",
-    "megatron/core/models/gpt/mlp.py",
-    "megatron/core/models/gpt/pipeline.py",
-    "megatron/core/models/gpt/positional.py",
-    "megatron/core/tensor_parallel/random.py",
-    "megatron/core/tokenizer/__init__.py",
-    "megatron/core/tokenizer/gpt2_bpe.py",
-    "megatron/core/tokenizer/hf_pretrained.py",
-    "megatron/core/tokenizer/vocab_padding.py",
-}
 
 OUTSIDE_NAMES = r"(?:DESIGN|megatron-deepspeed|reliability|performance|code-style)\.md"
 OUTSIDE_PATH = re.compile(r"[\w./-]*\b" + OUTSIDE_NAMES, re.IGNORECASE)
@@ -101,7 +80,7 @@ def repository_files() -> list[str]:
 def checked_files() -> list[str]:
     return [path for path in repository_files()
             if path.endswith(TEXT_SUFFIXES) and not (path.startswith(RECORDED_OUTPUTS) and not path.endswith(".md"))
-            and path not in EXCLUDED_FILES and path not in PENDING]
+            and path not in EXCLUDED_FILES]
 
 
 def numbered_lines(path: str):
@@ -169,19 +148,6 @@ def test_seed_means_a_random_seed():
     report = violations(lambda path, line: seed_as_system(line) if SEED.search(line) else [], checked_files())
     assert not report, ("these lines use \"seed\" for the system we follow: say Megatron-DeepSpeed (rules in "
                         f"{SELF}):\n" + "\n".join(report))
-
-
-def test_pending_files_are_still_being_cleaned():
-    """Each PENDING file exists and still breaks a rule; once clean it leaves the set."""
-    stale = []
-    for path in sorted(PENDING):
-        if not os.path.isfile(os.path.join(REPO_ROOT, path)):
-            stale.append(f"{path} (no such file)")
-            continue
-        finders = (outside_citations, missing_paths, lambda p, line: seed_as_system(line))
-        if not any(violations(finder, [path]) for finder in finders):
-            stale.append(f"{path} (clean now)")
-    assert not stale, f"remove from PENDING in {SELF}: " + ", ".join(stale)
 
 
 def test_seed_rules_on_examples():

@@ -179,7 +179,7 @@ def checkpoint(function: Callable[..., Any], distribute_saved_activations: bool,
                tp_group: ProcessGroup | None = None) -> Any:
     """``function(*args)`` with activation checkpointing (recomputation in backward, RNG replayed).
 
-    ``distribute_saved_activations`` (DeepSpeed's partitioned activations, the seed's
+    ``distribute_saved_activations`` (DeepSpeed's partitioned activations, Megatron-DeepSpeed's
     ``--partition-activations``) keeps only a 1/k share of each floating-point input on each of the k
     ranks of ``tp_group`` and all-gathers it in backward; the inputs must then be replicated across
     the TP group (true of the [s, b, h] hidden states). The full input's memory is released once the

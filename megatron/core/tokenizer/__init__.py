@@ -25,7 +25,7 @@ def build_tokenizer(tokenizer_type, vocab_file=None, merge_file=None,
 
     GPT2BPETokenizer needs ``vocab_file`` and ``merge_file`` (--vocab-file, --merge-file);
     PretrainedFromHF needs ``tokenizer_name_or_path`` (--tokenizer-name-or-path, a local
-    directory). The BERT word-piece types of the seed are not supported.
+    directory). Megatron-DeepSpeed's BERT word-piece types are not supported.
     """
     if tokenizer_type == "GPT2BPETokenizer":
         if not vocab_file or not merge_file:

@@ -27,7 +27,7 @@ GPT2_SPLIT_PATTERN = (
     r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 )
 
-# Distinct pieces whose token ids the reference keeps; the seed's unbounded dict grew with the
+# Distinct pieces whose token ids the reference keeps; Megatron-DeepSpeed's unbounded dict grew with the
 # corpus' vocabulary of words and exhausted memory on large inputs.
 DEFAULT_BPE_CACHE_SIZE = 1 << 17
 

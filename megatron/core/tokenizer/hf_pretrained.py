@@ -6,11 +6,11 @@ _NO_LENGTH_LIMIT = 1 << 62
 
 
 class PretrainedFromHF:
-    """``transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)``, seed semantics.
+    """``transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)``, as Megatron-DeepSpeed uses it.
 
     ``vocab_size = len(tokenizer)`` (added tokens included), ``eod = tokenizer.eos_token_id``;
     ``tokenize(text) = tokenizer.encode(text)``, i.e. with the tokenizer's own special tokens (a BOS
-    for tokenizers that add one), as the seed did. Nothing is downloaded: a hub name that is not
+    for tokenizers that add one), as Megatron-DeepSpeed does. Nothing is downloaded: a hub name that is not
     in the local cache, or a missing directory, raises TokenizerError.
     """
 

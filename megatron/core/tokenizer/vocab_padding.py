@@ -4,7 +4,7 @@ from megatron.core.tokenizer.gpt2_bpe import TokenizerError
 
 def vocab_size_with_padding(orig_vocab_size, make_vocab_size_divisible_by=128,
                             tensor_model_parallel_size=1, pad_vocab_size_to=None):
-    """Padded vocabulary size V_p, as the seed computes it.
+    """Padded vocabulary size V_p, as Megatron-DeepSpeed computes it.
 
     With ``pad_vocab_size_to`` P:  V_p = P, which must satisfy P >= V and P % d == 0
     (d = ``make_vocab_size_divisible_by``; divisibility by TP is checked where the embedding is

@@ -9,7 +9,7 @@ Two ways to compute the same function, chosen by ``GPTModelConfig.attention_impl
   causal mask forbids) otherwise. Its kernels accumulate q.k in fp32, so query-key layer scaling
   (which only protects fp16 score matmuls from overflow) has nothing to do; mathematically
   softmax(q k^T / sqrt(hn) + B) is what both paths compute.
-* "materialized": the seed's order of operations. scores = q k^T / norm_factor with
+* "materialized": Megatron-DeepSpeed's order of operations. scores = q k^T / norm_factor with
   norm_factor = sqrt(hn) * layer_number under query-key layer scaling (sqrt(hn) otherwise), in the
   params dtype; probs = scale_mask_softmax(scores, scale=layer_number) in fp32; dropout; probs v.
   ALiBi enters the scores as B / layer_number so the softmax sees q k^T / sqrt(hn) + B again.
@@ -111,7 +111,7 @@ class ParallelSelfAttention(nn.Module):
                                                   dropout_p=dropout, scale=scale)
 
     def _materialized(self, query, key, value, alibi, attention_mask):
-        """The seed's path: scores in the params dtype, scale-mask-softmax (fp32), dropout, probs v."""
+        """Megatron-DeepSpeed's path: scores in the params dtype, scale-mask-softmax (fp32), dropout, probs v."""
         batch, heads, seq_length, head_dim = query.shape
         coefficient = float(self.layer_number) if self.config.apply_query_key_layer_scaling else 1.0
         norm_factor = math.sqrt(head_dim) * coefficient

@@ -1,9 +1,9 @@
-"""GPTModelConfig: the shape and numerics of the GPT model, with the seed's flag names and defaults.
+"""GPTModelConfig: the shape and numerics of the GPT model, with Megatron-DeepSpeed's flag names and defaults.
 
 Fields carry the names of Megatron-DeepSpeed's flags (``num_layers`` <- ``--num-layers``, ...), so the
 trainer converts its parsed arguments field by field. Three are derived rather than parsed:
 ``padded_vocab_size`` (tokenizer + --make-vocab-size-divisible-by / --pad-vocab-size-to),
-``params_dtype`` (--fp16 / --bf16) and ``attention_impl`` (no seed flag, see the class docstring).
+``params_dtype`` (--fp16 / --bf16) and ``attention_impl`` (no Megatron-DeepSpeed flag, see the class docstring).
 Validation happens at construction and names the flags; ``validate_for_tensor_parallel`` adds the
 checks that depend on the TP degree.
 """
@@ -29,7 +29,7 @@ def _flag(field_name: str) -> str:
 
 @dataclass(frozen=True)
 class GPTModelConfig:
-    """Hyper-parameters of a decoder-only transformer, in the seed's vocabulary.
+    """Hyper-parameters of a decoder-only transformer, in Megatron-DeepSpeed's vocabulary.
 
     h = hidden_size, n = num_attention_heads, hn = kv_channels (default h / n),
     ffn = ffn_hidden_size (default 4h), V = padded_vocab_size, L = num_layers.
@@ -38,7 +38,7 @@ class GPTModelConfig:
 
     ``attention_impl`` chooses how attention is computed:
     "sdpa" (default) runs torch's scaled_dot_product_attention (flash / cuDNN / memory-efficient on
-    GPU); "materialized" forms the [b, n, s, s] scores as the seed does (query-key layer scaling,
+    GPU); "materialized" forms the [b, n, s, s] scores as Megatron-DeepSpeed does (query-key layer scaling,
     fused scale-mask-softmax, dropout, matmul with the values). Both compute the same function.
     """
 
@@ -152,7 +152,7 @@ class GPTModelConfig:
 
     @property
     def softmax_in_fp32(self) -> bool:
-        """Query-key layer scaling forces the softmax into fp32, as in the seed."""
+        """Query-key layer scaling forces the softmax into fp32, as in Megatron-DeepSpeed."""
         return self.attention_softmax_in_fp32 or self.apply_query_key_layer_scaling
 
     def validate_for_tensor_parallel(self, tensor_model_parallel_size: int) -> None:

@@ -17,7 +17,7 @@ class Embedding(nn.Module):
     """e = dropout(LN_e(W[tokens]) + P[positions])  -> [b, s, h]
 
     W: the word embeddings [V, h], split by vocabulary rows over the TP ranks (VocabParallelEmbedding).
-    LN_e: only with --embed-layernorm (the seed applies it to the word embeddings alone).
+    LN_e: only with --embed-layernorm (Megatron-DeepSpeed applies it to the word embeddings alone).
     P: the learned position table, only with --position-embedding-type absolute (rotary and ALiBi act
     inside attention). Dropout is --hidden-dropout, from the default generator (same mask on all TP
     ranks, as e is replicated). The output head reuses W: ``logits(x) = x W^T``.

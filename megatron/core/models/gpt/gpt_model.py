@@ -11,7 +11,7 @@ from megatron.core.tensor_parallel.random import checkpoint
 
 
 def masked_token_mean(losses: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """sum(loss * mask) / sum(mask): the mean loss over the tokens that count (the seed's rule)."""
+    """sum(loss * mask) / sum(mask): the mean loss over the tokens that count (Megatron-DeepSpeed's rule)."""
     loss_mask = loss_mask.to(torch.float32)
     return (losses.float() * loss_mask).sum() / loss_mask.sum()
 

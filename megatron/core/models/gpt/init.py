@@ -1,6 +1,6 @@
-"""Weight initialisation: the seed's normal init, and a draw that does not depend on the parallel layout.
+"""Weight initialisation: Megatron-DeepSpeed's normal init, and a draw that does not depend on the parallel layout.
 
-The seed's rule: every weight matrix ~ N(0, sigma^2) with sigma = --init-method-std, except the
+Megatron-DeepSpeed's rule: every weight matrix ~ N(0, sigma^2) with sigma = --init-method-std, except the
 output projections of each layer (attention ``dense`` and MLP ``dense_4h_to_h``), which use
 sigma / sqrt(2 L) so the residual stream's variance does not grow with depth. Biases are zero,
 LayerNorm weights one.

@@ -2,7 +2,7 @@
 
 A training sample packs several documents, each ending with the end-of-document token (EOD); the
 EOD belongs to the document it closes. Document index of position j = the number of EODs strictly
-before j. With the seed's flags:
+before j. With Megatron-DeepSpeed's flags:
 
 * --eod-mask-loss: the loss mask is 0 on EOD tokens (1 elsewhere);
 * --reset-position-ids: positions restart at 0 after every EOD;
@@ -10,7 +10,7 @@ before j. With the seed's flags:
   the future): the mask is block-diagonal causal. Without it the mask is None and attention is
   plain causal (the model needs no tensor for that).
 
-Masks are boolean with True = masked out, [b, 1, s, s] (broadcast over heads), as in the seed.
+Masks are boolean with True = masked out, [b, 1, s, s] (broadcast over heads), as in Megatron-DeepSpeed.
 """
 from typing import NamedTuple
 

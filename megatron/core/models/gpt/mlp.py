@@ -30,12 +30,12 @@ class ParallelMLP(nn.Module):
     communication. W2 (``dense_4h_to_h``) is row-parallel: partial products are all-reduced, and its
     bias is returned unadded for the fused bias-dropout-add.
 
-    act: the tanh approximation of GeLU fused with the bias (default, the seed's bias-GeLU fusion),
+    act: the tanh approximation of GeLU fused with the bias (default, Megatron-DeepSpeed's bias-GeLU fusion),
     exact erf GeLU with --no-bias-gelu-fusion, tanh GeLU with --openai-gelu. GLU variants (geglu:
     erf GeLU, liglu: identity, reglu: ReLU, swiglu: SiLU) gate one half of a 2 ffn-wide W1 with the
     other. W1 is then split with stride 2: the full weight is [W_a; W_g] and rank r holds
     [W_a,r; W_g,r], so every rank gates its own units and the result does not depend on the TP degree
-    (the seed's per-rank [a | g] checkpoint layout).
+    (Megatron-DeepSpeed's per-rank [a | g] checkpoint layout).
     """
 
     def __init__(self, config: GPTModelConfig, layer_number: int, groups: ParallelGroups, device=None):

@@ -1,6 +1,6 @@
 """GPTModelPipe: the GPT model as a DeepSpeed ``PipelineModule`` list of layers.
 
-Layer list (its indices are the seed's layer numbers, which name the checkpoint files
+Layer list (its indices are Megatron-DeepSpeed's layer numbers, which name the checkpoint files
 ``layer_XX-model_YY-model_states.pt``; "no state" entries are plain functions):
 
     0          check_pipeline_inputs          validates the batch tuple (no state)

@@ -8,7 +8,7 @@ result is cast back, which keeps bf16 and fp16 runs accurate at long positions.
 
 ALiBi (Press et al.): head j adds m_j * (k - q) to the score of query q and key k, with the slopes
 m_j a geometric sequence 2^(-8/n), 2^(-16/n), ...; for n not a power of two the first 2^floor(log2 n)
-slopes are followed by every other slope of the 2 * 2^floor(log2 n) sequence. The seed adds
+slopes are followed by every other slope of the 2 * 2^floor(log2 n) sequence. Megatron-DeepSpeed adds
 m_j * k instead; the two differ by a constant per query row, which the softmax cancels, and
 m_j * (k - q) stays small where it matters (near the diagonal), so it loses less in low precision.
 """
