@@ -23,8 +23,7 @@ import unicodedata
 
 import numpy as np
 
-from megatron.core.tokenizer.gpt2_bpe import (EOD_TOKEN, TokenizerError, byte_token_bytes,
-                                              bytes_to_unicode)
+from megatron.core.tokenizer.bpe_files import EOD_TOKEN, TokenizerError, byte_token_bytes, bytes_to_unicode
 
 # Probe for the HF fallback: contractions, runs of spaces and newlines, digits, non-ASCII, emoji.
 _PROBE_TEXT = (

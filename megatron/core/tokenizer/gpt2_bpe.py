@@ -1,10 +1,10 @@
-"""GPT-2 byte-level BPE: file formats, the regex reference encoder and the public tokenizer.
+"""GPT-2 byte-level BPE: the regex reference encoder and the public tokenizer.
 
 Byte-level BPE works on the UTF-8 bytes of the text. Every byte b is first written as one printable
-character ``bytes_to_unicode()[b]`` (so that ``vocab.json`` and ``merges.txt`` hold plain strings);
-the text is split into pieces by the GPT-2 pre-tokenization pattern, and inside each piece the
-adjacent pair with the lowest merge rank is merged, all of its occurrences left to right, until no
-adjacent pair is a merge. Decoding concatenates the tokens' bytes, so it returns the original text.
+character ``bytes_to_unicode()[b]`` (the alphabet and file formats live in ``bpe_files``); the
+text is split into pieces by the GPT-2 pre-tokenization pattern, and inside each piece the adjacent
+pair with the lowest merge rank is merged, all of its occurrences left to right, until no adjacent
+pair is a merge. Decoding concatenates the tokens' bytes, so it returns the original text.
 
 ``<|endoftext|>`` is the end-of-document id (``eod``) but is never produced by ``tokenize``: a
 literal "<|endoftext|>" inside a document is encoded as ordinary text (``<``, ``|``, ``endoftext``,
@@ -14,12 +14,14 @@ Preprocessing appends ``eod`` explicitly.
 import functools
 import hashlib
 import itertools
-import json
 import os
 
 import regex
 
-EOD_TOKEN = "<|endoftext|>"
+from megatron.core.tokenizer.bpe_files import (EOD_TOKEN, TokenizerError, bytes_to_unicode,
+                                               check_merges_in_vocab, read_merge_file, read_vocab_file,
+                                               token_bytes_by_id)
+from megatron.core.tokenizer.fast_bpe import build_fast_backend
 
 # GPT-2's pre-tokenization: contractions, optional space + letters / digits / other symbols,
 # whitespace not followed by non-space (so a run of spaces leaves its last space to the next word).
@@ -36,116 +38,6 @@ _NOT_A_MERGE = 1 << 62
 
 # MEGATRON_TOKENIZER_FAST=0 forces the regex reference wherever ``use_fast`` is left at None.
 FAST_ENV_VAR = "MEGATRON_TOKENIZER_FAST"
-
-
-class TokenizerError(ValueError):
-    """A tokenizer cannot be built or used: bad files, unsupported type, or unloadable model."""
-
-
-@functools.lru_cache(maxsize=1)
-def bytes_to_unicode():
-    """GPT-2's map byte -> printable character, as a dict of 256 entries.
-
-    Printable Latin-1 bytes (``!``..``~``, ``¡``..``¬``, ``®``..``ÿ``) map to themselves, in that
-    order; the 68 others (control characters, space, DEL, NBSP, soft hyphen) map to ``chr(256 + n)``
-    in increasing byte order. The insertion order of the dict is GPT-2's byte order, which is also
-    the order of ids 0..255 in GPT-2's ``vocab.json``.
-    """
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
-    mapping = {byte: chr(byte) for byte in printable}
-    shifted = 0
-    for byte in range(256):
-        if byte not in mapping:
-            mapping[byte] = chr(256 + shifted)
-            shifted += 1
-    return mapping
-
-
-def read_vocab_file(vocab_file):
-    """Load a GPT-2 ``vocab.json`` (token string -> id); raises TokenizerError naming the file."""
-    try:
-        with open(vocab_file, encoding="utf-8") as handle:
-            vocab = json.load(handle)
-    except FileNotFoundError as err:
-        raise TokenizerError(f"--vocab-file {vocab_file}: no such file") from err
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise TokenizerError(f"--vocab-file {vocab_file}: not a JSON file ({err})") from err
-    if not isinstance(vocab, dict) or not vocab:
-        raise TokenizerError(f"--vocab-file {vocab_file}: expected a non-empty JSON object "
-                             "mapping token strings to ids")
-    for token, token_id in vocab.items():
-        if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
-            raise TokenizerError(f"--vocab-file {vocab_file}: token {token!r} has id {token_id!r}, "
-                                 "expected a non-negative integer")
-    if len(set(vocab.values())) != len(vocab):
-        raise TokenizerError(f"--vocab-file {vocab_file}: several tokens share one id")
-    return vocab
-
-
-def read_merge_file(merge_file):
-    """Load a GPT-2 ``merges.txt`` as a list of (left, right) pairs in rank order.
-
-    An optional first line starting with ``#version`` and blank lines are skipped; every other line
-    must hold exactly two space-separated tokens.
-    """
-    try:
-        with open(merge_file, encoding="utf-8") as handle:
-            lines = handle.read().split("\n")
-    except FileNotFoundError as err:
-        raise TokenizerError(f"--merge-file {merge_file}: no such file") from err
-    except UnicodeDecodeError as err:
-        raise TokenizerError(f"--merge-file {merge_file}: not UTF-8 text ({err})") from err
-    merges = []
-    for line_number, line in enumerate(lines, start=1):
-        line = line.rstrip("\r")
-        if not line or (line_number == 1 and line.startswith("#version")):
-            continue
-        parts = line.split(" ")
-        if len(parts) != 2 or not parts[0] or not parts[1]:
-            raise TokenizerError(f"--merge-file {merge_file}:{line_number}: expected two tokens "
-                                 f"separated by one space, got {line!r}")
-        merges.append((parts[0], parts[1]))
-    return merges
-
-
-@functools.lru_cache(maxsize=1)
-def _byte_char_codec():
-    """(translate table byte char -> Latin-1 char of its byte, regex of a non-byte character)."""
-    to_latin1 = {ord(char): byte for byte, char in bytes_to_unicode().items()}
-    alphabet = "".join(regex.escape(char) for char in bytes_to_unicode().values())
-    return to_latin1, regex.compile(f"[^{alphabet}]")
-
-
-def byte_token_bytes(token):
-    """Bytes of a token written in the byte alphabet, or None if it is not (a special token)."""
-    to_latin1, non_byte_char = _byte_char_codec()
-    if non_byte_char.search(token):
-        return None
-    return token.translate(to_latin1).encode("latin-1")
-
-
-def token_bytes_by_id(vocab):
-    """List id -> bytes of the token (None where no token has that id).
-
-    Tokens written in the byte alphabet stand for their bytes (``<|endoftext|>`` is plain ASCII,
-    so it stands for itself); any other token (an added special token) stands for its UTF-8 text.
-    """
-    table = [None] * (max(vocab.values()) + 1)
-    for token, token_id in vocab.items():
-        token_bytes = byte_token_bytes(token)
-        table[token_id] = token.encode("utf-8") if token_bytes is None else token_bytes
-    return table
-
-
-def check_merges_in_vocab(vocab, merges, merge_file):
-    """Raise TokenizerError unless every merge's parts and result are vocabulary tokens."""
-    for rank, (left, right) in enumerate(merges):
-        for token in (left, right, left + right):
-            if token not in vocab:
-                raise TokenizerError(f"--merge-file {merge_file}: merge {rank} "
-                                     f"({left!r} {right!r}) uses token {token!r}, which is not "
-                                     "in the vocabulary")
 
 
 class ReferenceBPE:
@@ -264,7 +156,6 @@ class GPT2BPETokenizer:
         self._reference = ReferenceBPE(self.vocab, merges)
         self._backend = None
         if fast_path_requested(use_fast):
-            from megatron.core.tokenizer.fast_bpe import build_fast_backend
             self._backend, self.fast_path_reason = build_fast_backend(
                 self.vocab, merges, self._reference, _files_digest(vocab_file, merge_file))
             if self._backend is None and use_fast:

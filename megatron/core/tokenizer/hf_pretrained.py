@@ -1,5 +1,5 @@
 """PretrainedFromHF: a ``transformers`` tokenizer loaded offline from a local directory."""
-from megatron.core.tokenizer.gpt2_bpe import TokenizerError
+from megatron.core.tokenizer.bpe_files import TokenizerError
 
 # transformers warns when a text is longer than the model's context; documents are always longer.
 _NO_LENGTH_LIMIT = 1 << 62

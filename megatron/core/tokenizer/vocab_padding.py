@@ -1,5 +1,5 @@
 """Padded vocabulary size: the embedding's row count, rounded for efficient and even TP splits."""
-from megatron.core.tokenizer.gpt2_bpe import TokenizerError
+from megatron.core.tokenizer.bpe_files import TokenizerError
 
 
 def vocab_size_with_padding(orig_vocab_size, make_vocab_size_divisible_by=128,
