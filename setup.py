@@ -35,10 +35,11 @@ setup(
     python_requires=">=3.10",
     install_requires=read_requirements(),
     extras_require={
-        "test": ["pytest>=7", "transformers>=4.40", "nltk>=3.8"],
+        "test": ["pytest>=7", "transformers>=4.40", "nltk>=3.8", "matplotlib>=3.7"],
         "hf": ["transformers>=4.40"],
         "sentences": ["nltk>=3.8"],
         "bnb": ["bitsandbytes"],
+        "plot": ["matplotlib>=3.7"],
     },
     ext_modules=[helpers],
     cmdclass={"build_ext": build_ext},

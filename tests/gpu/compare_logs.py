@@ -15,7 +15,8 @@ import re
 import sys
 from dataclasses import dataclass
 
-ITERATION = re.compile(r" iteration +(\d+)/ *\d+ \|")
+from megatron.training.log_reader import iteration_records
+
 LOADED = re.compile(r"successfully loaded checkpoint from .* at iteration (\d+)")
 SAVED = re.compile(r"successfully saved checkpoint at iteration +(\d+)")
 
@@ -29,25 +30,12 @@ class Step:
     grad_norm: float
 
 
-def _field(line: str, name: str) -> str:
-    match = re.search(re.escape(name) + r": +([-+.0-9EeNna]+)", line)
-    if match is None:
-        raise ValueError(f"no '{name}' in the log line: {line.strip()}")
-    return match.group(1)
-
-
 def parse_steps(text: str) -> dict[int, Step]:
     """Iteration number -> Step, from every line the trainer logs at --log-interval 1."""
-    steps = {}
-    for line in text.splitlines():
-        match = ITERATION.search(line)
-        if match is None:
-            continue
-        iteration = int(match.group(1))
-        steps[iteration] = Step(iteration, int(_field(line, "consumed samples")),
-                                float(_field(line, "learning rate")), float(_field(line, "lm loss")),
-                                float(_field(line, "grad norm")))
-    return steps
+    return {record.iteration: Step(record.iteration, record.integer("consumed samples"),
+                                   record.number("learning rate"), record.number("lm loss"),
+                                   record.number("grad norm"))
+            for record in iteration_records(text)}
 
 
 def relative(value: float, reference: float) -> float:

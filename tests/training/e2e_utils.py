@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from megatron.training.log_reader import IterationRecord, iteration_records, validation_records
 from tests.conftest import REPO_ROOT, SAMPLE_CORPUS
 from tests.dist_utils import free_port
 
@@ -279,48 +280,18 @@ def start_ranks(flags: list[str], nproc: int = 2, timeout: float = DEFAULT_TIMEO
 
 # ---------------------------------------------------------------------------------------- reading logs
 
-LOG_LINE_START = re.compile(r" iteration\s+(?P<iteration>\d+)/\s*(?P<train_iters>\d+) \|")
-LOG_FIELD = re.compile(r" (?P<name>[A-Za-z][A-Za-z /()%]*?):\s+(?P<value>[^|]+?) \|")
-VALIDATION_LINE = re.compile(r"(?P<prefix>[\w-]+ loss at .+?) \| lm loss value: (?P<loss>\S+) \| "
-                             r"lm loss PPL: (?P<ppl>\S+) \|\s*$")
-
-
-@dataclass(frozen=True)
-class LogLine:
-    """One per-iteration log line: the iteration counter and every `` name: value |`` field, as text."""
-
-    iteration: int
-    train_iters: int
-    fields: dict
-    text: str
-
-    def number(self, name: str) -> float:
-        if name not in self.fields:
-            raise AssertionError(f"log line has no {name!r} field: {self.text}")
-        return float(self.fields[name].rstrip("%"))
+# The trainer's lines are read by megatron.training.log_reader; these keep the tests' names and shapes.
+LogLine = IterationRecord
 
 
 def parse_log_lines(output: str) -> list[LogLine]:
-    """Every log line of ``output`` (launcher prefixes such as ``[default0]:`` are skipped over)."""
-    lines = []
-    for text in output.splitlines():
-        start = LOG_LINE_START.search(text)
-        if start is None or "consumed samples:" not in text:
-            continue
-        body = text[start.end():]
-        fields = {match["name"]: match["value"] for match in LOG_FIELD.finditer(body)}
-        lines.append(LogLine(int(start["iteration"]), int(start["train_iters"]), fields, text[start.start():]))
-    return lines
+    """Every per-iteration line of ``output`` (launcher prefixes such as ``[default0]:`` are skipped over)."""
+    return iteration_records(output)
 
 
 def parse_validation_lines(output: str) -> list[tuple[str, float, float]]:
     """(prefix, loss, ppl) of every ``... loss at ... | lm loss value: X | lm loss PPL: Y |`` line."""
-    found = []
-    for text in output.splitlines():
-        match = VALIDATION_LINE.search(text)
-        if match:
-            found.append((match["prefix"], float(match["loss"]), float(match["ppl"])))
-    return found
+    return [(record.prefix, record.loss, record.ppl) for record in validation_records(output)]
 
 
 def read_scalars(log_dir: str) -> dict:
