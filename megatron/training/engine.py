@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.transformer_layer import LayerNorm
+from megatron.core.models.gpt.layer_norm import LayerNorm
 from megatron.core.parallel_state import DeepSpeedMPU, ParallelGroups
 from megatron.training.config import OptimizerConfig, ScheduleConfig, TrainConfig
 from megatron.training.dist_utils import (broadcast_from_first_rank, gather_objects, max_across_ranks, print_rank_0,

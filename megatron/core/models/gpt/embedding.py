@@ -4,8 +4,8 @@ from torch import nn
 
 from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.models.gpt.init import initialize_replicated_weight, weight_init_method
+from megatron.core.models.gpt.layer_norm import LayerNorm
 from megatron.core.models.gpt.positional import LearnedPositionEmbedding
-from megatron.core.models.gpt.transformer_layer import LayerNorm
 from megatron.core.parallel_state import ParallelGroups
 from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region

@@ -4,7 +4,8 @@ from torch import nn
 
 from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.models.gpt.embedding import Embedding
-from megatron.core.models.gpt.transformer_layer import LayerNorm, ParallelTransformerLayer
+from megatron.core.models.gpt.layer_norm import LayerNorm
+from megatron.core.models.gpt.transformer_layer import ParallelTransformerLayer
 from megatron.core.parallel_state import ParallelConfigError, ParallelGroups
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.random import checkpoint

@@ -35,7 +35,8 @@ from deepspeed.runtime.utils import partition_balanced, partition_uniform
 from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.models.gpt.embedding import Embedding
 from megatron.core.models.gpt.gpt_model import language_model_loss
-from megatron.core.models.gpt.transformer_layer import LayerNorm, ParallelTransformerLayer
+from megatron.core.models.gpt.layer_norm import LayerNorm
+from megatron.core.models.gpt.transformer_layer import ParallelTransformerLayer
 from megatron.core.parallel_state import ParallelGroups
 from megatron.core.tensor_parallel.random import checkpoint
 
