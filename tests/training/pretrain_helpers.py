@@ -3,7 +3,8 @@
 ``preprocessed_corpus`` (a fixture: import it into a test module) tokenizes the sample corpus with
 the session's 4k GPT-2 tokenizer into an indexed dataset, once per module. ``run_pretrain`` starts
 one process (plain ``python``, on a free rendezvous port) or several (``python -m
-torch.distributed.run``). ``training_lines`` / ``validation_lines`` parse Megatron-DeepSpeed's log lines.
+torch.distributed.run``). ``training_lines`` / ``validation_lines`` read the log lines through
+megatron.training.log_reader.
 """
 import os
 import re
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from megatron.training.log_reader import iteration_records, validation_records
 from tests.conftest import REPO_ROOT, SAMPLE_CORPUS
 from tests.dist_utils import free_port
 from tests.training.e2e_utils import run_command
@@ -66,41 +68,28 @@ def run_pretrain(args: list[str], nproc: int = 1, timeout: float = 300, check: b
     return subprocess.CompletedProcess(command, result.returncode, stdout=result.output)
 
 
-_ITERATION = re.compile(r"^ iteration +(\d+)/ *(\d+) \|(.*)$")
+def _value(text: str):
+    return float(text.rstrip("%")) if re.fullmatch(r"[-+0-9.Ee]+%?", text) else text
 
 
 def training_lines(output: str) -> list[dict]:
-    """Each log line as {"iteration", "train_iters", field name: value}; numbers parsed, fields in order."""
+    """Each log line (megatron.training.log_reader) as {"iteration", "train_iters", field name: value};
+    numbers parsed, fields in print order; every `` |`` of a line closes one field."""
     lines = []
-    for line in output.splitlines():
-        match = _ITERATION.match(line)
-        if not match:
-            continue
-        fields = {"iteration": int(match.group(1)), "train_iters": int(match.group(2))}
-        segments = match.group(3).split(" |")
-        if segments[-1] != "":
-            raise AssertionError(f"log line does not end with ' |': {line!r}")
-        for segment in segments[:-1]:
-            if not segment.startswith(" ") or ": " not in segment:
-                raise AssertionError(f"malformed segment {segment!r} in {line!r}")
-            key, value = segment[1:].rsplit(": ", 1)
-            value = value.strip()
-            fields[key] = float(value.rstrip("%")) if re.fullmatch(r"[-+0-9.Ee]+%?", value) else value
-        lines.append(fields)
+    for record in iteration_records(output):
+        assert record.text.count(" |") == len(record.fields) + 1, f"malformed log line: {record.text!r}"
+        lines.append({"iteration": record.iteration, "train_iters": record.train_iters,
+                      **{name: _value(value) for name, value in record.fields.items()}})
     return lines
 
 
-_VALIDATION = re.compile(r"^(.+) loss at (.+) \| lm loss value: (\S+) \| lm loss PPL: (\S+) \| $")
-
-
 def validation_lines(output: str) -> list[tuple[str, str, float, float]]:
-    """(set label, prefix, loss, ppl) of each evaluation; checks the dash lines around it."""
+    """(set label, what the loss is at, loss, ppl) of each evaluation; checks the dash lines around it."""
     lines = output.splitlines()
     found = []
-    for index, line in enumerate(lines):
-        match = _VALIDATION.match(line)
-        if match:
-            dashes = "-" * (len(line) + 1)
-            assert lines[index - 1] == dashes and lines[index + 1] == dashes, line
-            found.append((match.group(1), match.group(2), float(match.group(3)), float(match.group(4))))
+    for record in validation_records(output):
+        line = lines[record.line_number - 1]
+        dashes = "-" * (len(line) + 1)
+        assert lines[record.line_number - 2] == dashes and lines[record.line_number] == dashes, line
+        found.append((record.set_name, record.prefix.split(" loss at ", 1)[1], record.loss, record.ppl))
     return found
