@@ -13,13 +13,15 @@ def _at_least_fp32(dtype):
     return torch.promote_types(dtype, torch.float32)
 
 
-def causal_mask(sq, sk, device=None):
+def causal_mask(sq, sk=None, *, device=None):
     """Bool mask [sq, sk], True where key k is in the future of query q (so masked out).
 
-    Queries are the last ``sq`` positions of a ``sk``-long sequence (bottom-right alignment):
-    query q sits at absolute position ``sk - sq + q`` and sees keys ``k <= sk - sq + q``. For
+    The one causal mask of the code base (the model's attention masks build on it too). Queries are
+    the last ``sq`` positions of a ``sk``-long sequence (bottom-right alignment; ``sk`` defaults to
+    ``sq``): query q sits at absolute position ``sk - sq + q`` and sees keys ``k <= sk - sq + q``. For
     ``sq == sk`` this is the upper triangle above the diagonal, Megatron's ``ScaledUpperTriangMaskedSoftmax``.
     """
+    sk = sq if sk is None else sk
     if sq > sk:
         raise ValueError(f"causal softmax needs sq <= sk (queries are the last sq of sk positions); got sq={sq}, sk={sk}")
     query_position = torch.arange(sk - sq, sk, device=device)[:, None]  # [sq, 1]

@@ -23,7 +23,6 @@ from torch import nn
 from megatron.core import fused_kernels
 from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.models.gpt.init import weight_init_method
-from megatron.core.models.gpt.masks import causal_mask
 from megatron.core.models.gpt.positional import (alibi_bias, alibi_slopes, apply_rotary_embedding,
                                                  rotary_cos_sin)
 from megatron.core.parallel_state import ParallelGroups
@@ -96,7 +95,7 @@ class ParallelSelfAttention(nn.Module):
         if alibi is not None or attention_mask is not None:
             if attention_mask is None:
                 seq_length = query.shape[-2]
-                attention_mask = causal_mask(seq_length, device=query.device)
+                attention_mask = fused_kernels.causal_mask(seq_length, device=query.device)
             if alibi is None:
                 bias = ~attention_mask  # bool: True = may attend
             else:

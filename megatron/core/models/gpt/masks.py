@@ -11,22 +11,19 @@ before j. With Megatron-DeepSpeed's flags:
   plain causal (the model needs no tensor for that).
 
 Masks are boolean with True = masked out, [b, 1, s, s] (broadcast over heads), as in Megatron-DeepSpeed.
+Their causal part is ``fused_kernels.reference.causal_mask``, the one causal mask of the code base.
 """
 from typing import NamedTuple
 
 import torch
+
+from megatron.core.fused_kernels.reference import causal_mask
 
 
 class LtorMasks(NamedTuple):
     attention_mask: torch.Tensor | None  # bool [b, 1, s, s], True = masked; None = plain causal
     loss_mask: torch.Tensor  # float32 [b, s]
     position_ids: torch.Tensor  # int64 [b, s]
-
-
-def causal_mask(seq_length: int, device=None) -> torch.Tensor:
-    """Bool [s, s], True where the key is in the query's future (k > q)."""
-    position = torch.arange(seq_length, device=device)
-    return position[None, :] > position[:, None]
 
 
 def document_ids(tokens: torch.Tensor, eod_token: int) -> torch.Tensor:
@@ -59,5 +56,5 @@ def get_ltor_masks_and_position_ids(tokens: torch.Tensor, eod_token: int, reset_
     if reset_attention_mask:
         document = document_ids(tokens, eod_token)
         other_document = document[:, :, None] != document[:, None, :]  # [b, s (q), s (k)]
-        attention_mask = (other_document | causal_mask(seq_length, tokens.device)).unsqueeze(1)
+        attention_mask = (other_document | causal_mask(seq_length, device=tokens.device)).unsqueeze(1)
     return LtorMasks(attention_mask, loss_mask, position_ids.contiguous())
