@@ -29,6 +29,7 @@ and the LR schedule come from the flags). With --optimizer sgd at ZeRO stage >= 
 import json
 import math
 
+from megatron.core.dtypes import canonical_dtype_name
 from megatron.training.argument_types import ArgumentError
 
 FP16_DEFAULTS = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
@@ -39,7 +40,6 @@ LOSS_SCALE_FLAGS = (("loss_scale", "--loss-scale", "loss_scale"),
                     ("min_loss_scale", "--min-loss-scale", "min_loss_scale"),
                     ("loss_scale_window", "--loss-scale-window", "loss_scale_window"),
                     ("hysteresis", "--hysteresis", "hysteresis"))
-FP32_NAMES = ("fp32", "float32", "float")
 _MISSING = object()
 
 
@@ -247,7 +247,7 @@ class _Resolution:
                 message += ("; DeepSpeed runs it as BF16_Optimizer, which needs zero_optimization.stage 1: "
                             "stage 0 -> 1, as Megatron-DeepSpeed's bf16 + stage 0 ran the same optimizer")
             self.notices.append(message + "); set data_types.grad_accum_dtype in the ds_config to change it")
-        elif str(accum).lower() in FP32_NAMES and stage == 0:
+        elif canonical_dtype_name(accum) == "fp32" and stage == 0:
             raise ArgumentError(f"data_types.grad_accum_dtype {accum!r} with bf16 at zero_optimization.stage 0 "
                                 f"in {self.where}: DeepSpeed cannot run this mix; use stage 1 (its "
                                 f"BF16_Optimizer) or grad_accum_dtype \"bf16\"")

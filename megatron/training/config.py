@@ -22,6 +22,7 @@ import torch
 from megatron.core.data.data_paths import (DEFAULT_SPLIT, parse_data_path, parse_split,
                                            parse_weighted_split_paths, read_weighted_split_paths_file)
 from megatron.core.data.gpt_dataset import GPTDatasetConfig
+from megatron.core.dtypes import canonical_dtype_name, dtype_name
 from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.tokenizer import vocab_size_with_padding
 from megatron.training.argument_types import ArgumentError, parse_interval_ranges, parse_iteration_ranges
@@ -29,8 +30,6 @@ from megatron.training.arguments import ParsedArguments
 from megatron.training.validation import DerivedValues, lr_lengths_in_samples
 
 DEFAULT_PP_PARTITION_METHOD = "type:transformer"
-DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "fp16": "fp16", "float16": "fp16",
-               "half": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
 
 
 @dataclass(frozen=True)
@@ -407,7 +406,7 @@ def _precision_config(derived: DerivedValues) -> PrecisionConfig:
     ds_config = derived.ds_config
     fp16 = ds_config["fp16"]
     accum = ds_config.get("data_types", {}).get("grad_accum_dtype")
-    model_dtype = "fp16" if derived.fp16 else "bf16" if derived.bf16 else "fp32"
+    model_dtype = dtype_name(derived.params_dtype)
     scaled = derived.fp16
     return PrecisionConfig(
         fp16=derived.fp16, bf16=derived.bf16, params_dtype=derived.params_dtype,
@@ -416,7 +415,7 @@ def _precision_config(derived: DerivedValues) -> PrecisionConfig:
         min_loss_scale=fp16["min_loss_scale"] if scaled else None,
         loss_scale_window=fp16["loss_scale_window"] if scaled else None,
         hysteresis=fp16["hysteresis"] if scaled else None,
-        grad_accum_dtype=DTYPE_NAMES.get(str(accum).lower(), model_dtype) if accum else model_dtype)
+        grad_accum_dtype=canonical_dtype_name(accum) or model_dtype)
 
 
 def _parallel_config(flags, derived: DerivedValues) -> ParallelConfig:

@@ -19,6 +19,7 @@ ffn 8192; softmax at micro-batch 4) and each dtype:
 ``--compile`` adds torch.compile of the reference as a third contender.
 """
 import argparse
+import importlib
 import math
 import sys
 import time
@@ -28,9 +29,9 @@ from typing import Callable
 import torch
 
 from megatron.core import fused_kernels
+from megatron.core.dtypes import DTYPES
 from megatron.core.fused_kernels import dispatch, reference
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 SEQ, MICRO_BATCH, HIDDEN, HEADS, FFN = 2048, 8, 2048, 16, 8192
 SOFTMAX_BATCH = 4
 DROPOUT = 0.1
@@ -311,10 +312,8 @@ def _sweep_one(label, launch, configs):
     print(f"{label}: " + ", ".join(f"{config} {ms:.3f}ms" for ms, config in results[:6]), flush=True)
 
 
-def sweep(dtype):
-    """Times of Triton launch configurations at the benchmark shapes (best first)."""
-    from megatron.core.fused_kernels import triton_elementwise as te
-    from megatron.core.fused_kernels import triton_layer_norm as tln
+def _sweep_softmax(dtype):
+    """The causal softmax's launch configurations (its [b, n, s, s] tensors are freed on return)."""
     from megatron.core.fused_kernels import triton_softmax as ts
 
     scores = torch.randn(SOFTMAX_BATCH, HEADS, SEQ, SEQ, device="cuda").to(dtype)
@@ -322,7 +321,14 @@ def sweep(dtype):
     softmax_configs = [(m, w) for m in (1, 2) for w in (2, 4, 8)]
     _sweep_one("softmax fwd causal", lambda c: ts.softmax_forward(scores, None, 0.1, True, *c), softmax_configs)
     _sweep_one("softmax bwd causal", lambda c: ts.softmax_backward(probs, probs, None, 0.1, True, *c), softmax_configs)
-    del scores, probs
+
+
+def sweep(dtype):
+    """Times of Triton launch configurations at the benchmark shapes (best first)."""
+    from megatron.core.fused_kernels import triton_elementwise as te
+    from megatron.core.fused_kernels import triton_layer_norm as tln
+
+    _sweep_softmax(dtype)
     x = torch.randn(SEQ * MICRO_BATCH, HIDDEN, device="cuda").to(dtype)
     w, b = torch.randn(HIDDEN, device="cuda").to(dtype), torch.randn(HIDDEN, device="cuda").to(dtype)
     _, mean, rstd = tln.layer_norm_forward(x, w, b, EPS)
@@ -352,7 +358,8 @@ def main(argv=None):
     import triton
 
     # Imported here so that a broken triton stops the benchmark instead of timing the references twice.
-    from megatron.core.fused_kernels import triton_elementwise, triton_layer_norm, triton_softmax  # noqa: F401
+    for kernels in ("triton_elementwise", "triton_layer_norm", "triton_softmax"):
+        importlib.import_module(f"megatron.core.fused_kernels.{kernels}")
 
     dispatch.set_fused_kernels_enabled(True)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)

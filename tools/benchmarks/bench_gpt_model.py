@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from megatron.core.dtypes import torch_dtype  # noqa: E402
 from megatron.core.models.gpt import GPTModel, GPTModelConfig  # noqa: E402
 from megatron.core.parallel_state import single_rank_groups  # noqa: E402
 from megatron.core.tensor_parallel.random import model_parallel_seed  # noqa: E402
@@ -27,7 +28,6 @@ SETTINGS = (
     ("dropout 0.1 + activation checkpointing",
      dict(hidden_dropout=0.1, attention_dropout=0.1, checkpoint_activations=True)),
 )
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parse_args():
@@ -38,7 +38,7 @@ def parse_args():
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--padded-vocab-size", type=int, default=50304)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     parser.add_argument("--attention-impl", choices=["sdpa", "materialized"], default="sdpa")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
@@ -49,7 +49,7 @@ def model_config(args, **overrides):
     return GPTModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
                           num_attention_heads=args.num_attention_heads,
                           padded_vocab_size=args.padded_vocab_size, seq_length=args.seq_length,
-                          max_position_embeddings=args.seq_length, params_dtype=DTYPES[args.dtype],
+                          max_position_embeddings=args.seq_length, params_dtype=torch_dtype(args.dtype, "--dtype"),
                           attention_impl=args.attention_impl, **overrides)
 
 

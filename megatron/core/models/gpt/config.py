@@ -11,12 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron.core.dtypes import DTYPES
 from megatron.core.parallel_state import TP_FLAG, check_divisible
 
 POSITION_EMBEDDING_TYPES = ("absolute", "rotary", "alibi")
 GLU_ACTIVATIONS = ("geglu", "liglu", "reglu", "swiglu")
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "materialized")
-PARAMS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+PARAMS_DTYPES = tuple(DTYPES.values())
 
 
 class GPTConfigError(ValueError):
