@@ -14,8 +14,9 @@ A split asked for 0 samples, or whose document range is empty, is not built.
 import logging
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 import numpy as np
 
@@ -35,9 +36,9 @@ BLEND_OVERSAMPLING = 1.005
 class TrainValidTestDatasets:
     """train: one dataset or None; valid/test: (name, dataset) pairs, one per named set."""
 
-    train: Optional[Any] = None
-    valid: List[Tuple[str, Any]] = field(default_factory=list)
-    test: List[Tuple[str, Any]] = field(default_factory=list)
+    train: Any | None = None
+    valid: list[tuple[str, Any]] = field(default_factory=list)
+    test: list[tuple[str, Any]] = field(default_factory=list)
 
 
 class _DatasetFactory:
@@ -46,7 +47,7 @@ class _DatasetFactory:
     def __init__(self, config: GPTDatasetConfig, group):
         self.config = config
         self.group = group
-        self._opened: Dict[str, Any] = {}
+        self._opened: dict[str, Any] = {}
 
     def open(self, prefix):
         if prefix not in self._opened:

@@ -15,8 +15,8 @@ Errors raise DataPathError naming the flag (or file) and the offending token.
 """
 import math
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
 
 DEFAULT_SPLIT = "969, 30, 1"
 
@@ -48,7 +48,7 @@ class DatasetGroup:
     """An Option-2 named group: its datasets are blended by weight under the group's name."""
 
     name: str
-    entries: Tuple[GroupEntry, ...]
+    entries: tuple[GroupEntry, ...]
 
 
 def _parse_weight(token, flag):
@@ -61,7 +61,7 @@ def _parse_weight(token, flag):
     return weight
 
 
-def parse_data_path(values: Sequence[str], flag: str = "--data-path") -> Tuple[WeightedPrefix, ...]:
+def parse_data_path(values: Sequence[str], flag: str = "--data-path") -> tuple[WeightedPrefix, ...]:
     """``[PREFIX]`` -> one prefix of weight 1; ``[W1, P1, W2, P2, ...]`` -> weighted prefixes."""
     values = list(values)
     if not values:
@@ -75,7 +75,7 @@ def parse_data_path(values: Sequence[str], flag: str = "--data-path") -> Tuple[W
     return tuple(WeightedPrefix(_parse_weight(w, flag), p) for w, p in zip(values[::2], values[1::2]))
 
 
-def parse_split(text: str = DEFAULT_SPLIT, flag: str = "--split") -> Tuple[float, float, float]:
+def parse_split(text: str = DEFAULT_SPLIT, flag: str = "--split") -> tuple[float, float, float]:
     """``"a, b, c"`` or ``"a/b/c"`` -> (a, b, c) / (a + b + c); missing entries are 0."""
     separator = "/" if "/" in text else ","
     tokens = [t.strip() for t in text.split(separator)]
@@ -97,7 +97,7 @@ def parse_split(text: str = DEFAULT_SPLIT, flag: str = "--split") -> Tuple[float
     return tuple(p / total for p in proportions)
 
 
-def split_document_boundaries(split: Sequence[float], num_documents: int) -> List[int]:
+def split_document_boundaries(split: Sequence[float], num_documents: int) -> list[int]:
     """Boundaries [0, b1, b2, num_documents] of the train/valid/test documents, as Megatron.
 
     b_i accumulates round(fraction_i * num_documents); any rounding excess is taken off every
@@ -110,7 +110,7 @@ def split_document_boundaries(split: Sequence[float], num_documents: int) -> Lis
     return [boundaries[0]] + [b - excess for b in boundaries[1:]]
 
 
-def range_document_boundaries(start: float, end: float, num_documents: int) -> Tuple[int, int]:
+def range_document_boundaries(start: float, end: float, num_documents: int) -> tuple[int, int]:
     """Document range [round(start * n), round(end * n)) of an Option-2 entry."""
     return round(start * float(num_documents)), round(end * float(num_documents))
 
@@ -147,7 +147,7 @@ def parse_weighted_split_group(text: str, flag: str) -> DatasetGroup:
     return DatasetGroup(name, tuple(entries))
 
 
-def parse_weighted_split_paths(values: Sequence[str], flag: str) -> Tuple[DatasetGroup, ...]:
+def parse_weighted_split_paths(values: Sequence[str], flag: str) -> tuple[DatasetGroup, ...]:
     """One group per value; the train flag takes exactly one group, group names must be unique."""
     values = list(values)
     if not values:
@@ -162,7 +162,7 @@ def parse_weighted_split_paths(values: Sequence[str], flag: str) -> Tuple[Datase
     return groups
 
 
-def read_weighted_split_paths_file(path: str, flag: str) -> Tuple[DatasetGroup, ...]:
+def read_weighted_split_paths_file(path: str, flag: str) -> tuple[DatasetGroup, ...]:
     """The ``-path`` variants: a file of double-quoted groups ``"GROUP1" "GROUP2"`` (any spacing)."""
     try:
         with open(path) as f:

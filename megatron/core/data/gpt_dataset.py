@@ -29,8 +29,8 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -66,14 +66,14 @@ class GPTDatasetConfig:
 
     seq_length: int
     seed: int
-    data_path: Tuple[WeightedPrefix, ...] = ()
-    split: Tuple[float, float, float] = parse_split(DEFAULT_SPLIT)
-    train_groups: Tuple[DatasetGroup, ...] = ()
-    valid_groups: Tuple[DatasetGroup, ...] = ()
-    test_groups: Tuple[DatasetGroup, ...] = ()
+    data_path: tuple[WeightedPrefix, ...] = ()
+    split: tuple[float, float, float] = parse_split(DEFAULT_SPLIT)
+    train_groups: tuple[DatasetGroup, ...] = ()
+    valid_groups: tuple[DatasetGroup, ...] = ()
+    test_groups: tuple[DatasetGroup, ...] = ()
     data_impl: str = "mmap"
     mmap_warmup: bool = False
-    data_cache_path: Optional[str] = None
+    data_cache_path: str | None = None
 
     def __post_init__(self):
         _check_positive_int("seq_length", self.seq_length)
@@ -216,8 +216,8 @@ def _write_cache(paths, build):
         _save_atomically(path, arrays[kind])
 
 
-def load_or_build_cached_arrays(paths: Dict[str, str], build: Callable[[], Dict[str, np.ndarray]],
-                                group=None) -> Dict[str, np.ndarray]:
+def load_or_build_cached_arrays(paths: dict[str, str], build: Callable[[], dict[str, np.ndarray]],
+                                group=None) -> dict[str, np.ndarray]:
     """Memory-map the arrays cached at `paths` ({kind: .npy path}), building them if missing.
 
     Without torch.distributed the caller builds. With it, every rank of `group` (default: the
