@@ -4,12 +4,10 @@
 as ``megatron.core.data._helpers``; failing that (a plain checkout on ``PYTHONPATH``) it builds
 ``helpers.cpp`` on first use into ``megatron/core/data/_build/<python tag>/<source hash>/`` with
 the system C++ compiler and pybind11's headers. Concurrent processes (ranks, DataLoader workers,
-several jobs on one checkout) build once: one holds a lock file while compiling, the others wait
-for the library to appear. The wait is bounded, and a lock left behind by a dead process is
-detected and removed, so a crashed build never hangs later runs.
-
-This module imports only the standard library at import time, so ``setup.py`` can load it by
-path and call ``build_helpers_extension(output_dir)``.
+several jobs on one checkout) build once: one holds ``filelock.FileLock`` on ``build.lock`` while
+compiling, the others wait for it and then load the library it wrote. The operating system drops
+the lock of a process that dies (``flock``), so a crashed build never hangs later runs, and the
+wait is bounded.
 """
 import hashlib
 import importlib
@@ -21,7 +19,8 @@ import socket
 import subprocess
 import sys
 import sysconfig
-import time
+
+import filelock
 
 MODULE_NAME = "megatron.core.data._helpers"
 HELPERS_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers.cpp")
@@ -128,11 +127,11 @@ def _import_from(path):
     return module
 
 
-def build_on_first_use(build_root, timeout_s=900.0, stale_after_s=600.0):
-    """Build (once, under a lock) and import the helpers from `build_root/<tag>/<source hash>/`.
+def build_on_first_use(build_root, timeout_s=900.0):
+    """Build (once, under a file lock) and import the helpers from `build_root/<tag>/<source hash>/`.
 
-    Waits at most `timeout_s` for another process's build; a lock older than `stale_after_s`
-    or owned by a dead process on this host is taken over.
+    The first process to take the lock compiles; the others wait at most `timeout_s` for it, then
+    find the library there and load it without compiling.
     """
     build_dir = os.path.join(build_root, python_tag(), source_digest())
     target = os.path.join(build_dir, extension_filename())
@@ -143,94 +142,13 @@ def build_on_first_use(build_root, timeout_s=900.0, stale_after_s=600.0):
             raise HelpersBuildError(
                 f"cannot create the helpers build directory {build_dir} ({exc}); install the "
                 f"package with `pip install .` to build the helpers at install time") from exc
-        lock = BuildLock(os.path.join(build_dir, "build.lock"), timeout_s, stale_after_s)
-        if lock.acquire(done=lambda: os.path.exists(target)):
-            try:
+        lock_path = os.path.join(build_dir, "build.lock")
+        try:
+            with filelock.FileLock(lock_path, timeout=timeout_s):
                 if not os.path.exists(target):
                     build_helpers_extension(build_dir)
-            finally:
-                lock.release()
+        except filelock.Timeout as exc:
+            raise HelpersBuildError(
+                f"timed out after {timeout_s:g} s waiting for the lock {lock_path}, held by another "
+                f"process building the data helpers") from exc
     return _import_from(target)
-
-
-class BuildLock:
-    """An exclusive lock file created with O_CREAT | O_EXCL, holding "pid host time" of its owner.
-
-    ``acquire(done)`` polls until it creates the file (returns True), ``done()`` becomes true
-    (returns False: the work was finished by the owner), or `timeout_s` passes (raises).
-    The lock is stale, and removed, when its owner is a dead process on this host or when it is
-    older than `stale_after_s` (an owner on another host, or a reused pid).
-    """
-
-    def __init__(self, path, timeout_s, stale_after_s, poll_s=0.1):
-        self.path = path
-        self.timeout_s = timeout_s
-        self.stale_after_s = stale_after_s
-        self.poll_s = poll_s
-        self._owned = False
-
-    def acquire(self, done=lambda: False):
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            if self._try_create():
-                return True
-            if done():
-                return False
-            self._remove_if_stale()
-            if time.monotonic() > deadline:
-                raise HelpersBuildError(
-                    f"timed out after {self.timeout_s:g} s waiting for the lock {self.path} "
-                    f"(owner: {self._read_owner() or 'unknown'}); if no build is running, delete it")
-            time.sleep(self.poll_s)
-
-    def release(self):
-        if self._owned:
-            self._owned = False
-            try:
-                os.remove(self.path)
-            except FileNotFoundError:
-                pass
-
-    def _try_create(self):
-        try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "w") as f:
-            f.write(f"{os.getpid()} {socket.gethostname()} {time.time():.3f}\n")
-        self._owned = True
-        return True
-
-    def _read_owner(self):
-        try:
-            with open(self.path) as f:
-                return f.read().strip()
-        except FileNotFoundError:
-            return ""
-
-    def _remove_if_stale(self):
-        owner = self._read_owner()
-        try:
-            age = time.time() - os.path.getmtime(self.path)
-        except FileNotFoundError:
-            return
-        if age > self.stale_after_s or _owner_is_dead(owner):
-            # Remove only the lock we judged; a fresh one created meanwhile stays.
-            if self._read_owner() == owner:
-                try:
-                    os.remove(self.path)
-                except FileNotFoundError:
-                    pass
-
-
-def _owner_is_dead(owner):
-    fields = owner.split()
-    if len(fields) < 2 or fields[1] != socket.gethostname() or not fields[0].isdigit():
-        return False
-    try:
-        os.kill(int(fields[0]), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False

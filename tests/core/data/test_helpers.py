@@ -4,13 +4,15 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
+import filelock
 import numpy as np
 import pytest
 
 from megatron.core.data import helpers
-from megatron.core.data.helpers import BuildLock, HelpersBuildError, load_helpers
+from megatron.core.data.helpers import HelpersBuildError, load_helpers
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -125,35 +127,66 @@ def _dead_pid():
     return process.pid
 
 
-def test_lock_of_a_dead_process_is_taken_over(tmp_path):
-    path = tmp_path / "build.lock"
-    path.write_text(f"{_dead_pid()} {socket.gethostname()} {time.time()}\n")
-    lock = BuildLock(str(path), timeout_s=5, stale_after_s=3600, poll_s=0.01)
+class FakeBuild:
+    """Stands in for the compiler: writes the target file and counts the builds; loading returns the path."""
+
+    def __init__(self, monkeypatch):
+        self.builds = 0
+        monkeypatch.setattr(helpers, "build_helpers_extension", self.build)
+        monkeypatch.setattr(helpers, "_import_from", lambda path: path)
+
+    def build(self, output_dir):
+        self.builds += 1
+        target = os.path.join(output_dir, helpers.extension_filename())
+        with open(target, "w") as f:
+            f.write("library")
+        return target
+
+
+def _lock_path(root):
+    return root / helpers.python_tag() / helpers.source_digest() / "build.lock"
+
+
+def test_lock_file_left_by_a_dead_process_does_not_block(monkeypatch, tmp_path):
+    fake = FakeBuild(monkeypatch)
+    lock_path = _lock_path(tmp_path)
+    lock_path.parent.mkdir(parents=True)
+    lock_path.write_text(f"{_dead_pid()} {socket.gethostname()} {time.time()}\n")
     start = time.monotonic()
-    assert lock.acquire()
+    target = helpers.build_on_first_use(str(tmp_path), timeout_s=5)
     assert time.monotonic() - start < 2
-    assert path.read_text().split()[0] == str(os.getpid())
-    lock.release()
-    assert not path.exists()
+    assert fake.builds == 1 and open(target).read() == "library"
+    assert helpers.build_on_first_use(str(tmp_path), timeout_s=5) == target and fake.builds == 1
 
 
-def test_old_lock_of_another_host_is_taken_over(tmp_path):
-    path = tmp_path / "build.lock"
-    path.write_text("12345 some-other-host 0\n")
-    old = time.time() - 100
-    os.utime(path, (old, old))
-    lock = BuildLock(str(path), timeout_s=5, stale_after_s=60, poll_s=0.01)
-    assert lock.acquire()
-    lock.release()
+def test_held_lock_times_out_instead_of_hanging(monkeypatch, tmp_path):
+    fake = FakeBuild(monkeypatch)
+    lock_path = _lock_path(tmp_path)
+    lock_path.parent.mkdir(parents=True)
+    with filelock.FileLock(str(lock_path)):
+        with pytest.raises(HelpersBuildError, match="timed out after 0.3 s .*build.lock"):
+            helpers.build_on_first_use(str(tmp_path), timeout_s=0.3)
+    assert fake.builds == 0
 
 
-def test_live_lock_times_out_instead_of_hanging(tmp_path):
-    path = tmp_path / "build.lock"
-    path.write_text(f"{os.getpid()} {socket.gethostname()} {time.time()}\n")
-    lock = BuildLock(str(path), timeout_s=0.3, stale_after_s=3600, poll_s=0.01)
-    with pytest.raises(HelpersBuildError, match="timed out .*build.lock"):
-        lock.acquire()
-    assert lock.acquire(done=lambda: True) is False  # the owner finished the work meanwhile
+def test_waiting_process_loads_the_owner_build(monkeypatch, tmp_path):
+    """The lock's owner builds while we wait; once it releases, we load its library without building."""
+    fake = FakeBuild(monkeypatch)
+    lock_path = _lock_path(tmp_path)
+    lock_path.parent.mkdir(parents=True)
+    owner = filelock.FileLock(str(lock_path), thread_local=False)
+    owner.acquire()
+
+    def owner_builds_then_releases():
+        time.sleep(0.3)
+        fake.build(str(lock_path.parent))
+        owner.release()
+
+    thread = threading.Thread(target=owner_builds_then_releases)
+    thread.start()
+    target = helpers.build_on_first_use(str(tmp_path), timeout_s=10)
+    thread.join()
+    assert fake.builds == 1 and open(target).read() == "library"
 
 
 _RACER = textwrap.dedent("""
@@ -169,7 +202,8 @@ _RACER = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_two_processes_build_once_despite_a_stale_lock(tmp_path):
-    """Two racing processes: one compiles (logged by a CXX wrapper), both load the module."""
+    """Two racing processes over a lock file a crashed build left: one compiles (logged by a CXX wrapper),
+    both load the module."""
     root = tmp_path / "build"
     build_dir = root / helpers.python_tag() / helpers.source_digest()
     build_dir.mkdir(parents=True)
@@ -188,4 +222,3 @@ def test_two_processes_build_once_despite_a_stale_lock(tmp_path):
         assert stdout.split()[0] == str(build_dir / helpers.extension_filename())
         assert stdout.strip().endswith("[0, 1, 0, 1]")
     assert len(log.read_text().split()) == 1
-    assert not (build_dir / "build.lock").exists()
