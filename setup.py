@@ -38,7 +38,7 @@ setup(
         "test": ["pytest>=7", "transformers>=4.40", "nltk>=3.8", "matplotlib>=3.7"],
         "hf": ["transformers>=4.40"],
         "sentences": ["nltk>=3.8"],
-        "bnb": ["bitsandbytes"],
+        "triton": ["triton"],
         "plot": ["matplotlib>=3.7"],
     },
     ext_modules=[helpers],

@@ -6,7 +6,7 @@ The fast kernel runs when all of these hold, else the reference (same math, same
   variable ``MEGATRON_FUSED_KERNELS`` (``0``/``false``/``off`` disables; default on);
 - every input tensor is on one CUDA device (CPU always runs the reference);
 - the call is not being traced by ``torch.compile`` (inductor fuses the reference by itself);
-- triton can be imported (if not, one warning, then references);
+- triton can be imported (if not, one warning saying what to install, then references);
 - the kernel's own constraints (``*_constraint_violation`` below): floating dtypes fp16/bf16/fp32,
   rows short enough to sit in registers, int32-indexable element counts.
 
@@ -130,9 +130,17 @@ def _kernels(module_name):
         try:
             _kernel_modules[module_name] = importlib.import_module(f"megatron.core.fused_kernels.{module_name}")
         except ImportError as error:
-            warnings.warn(f"fused kernels: {module_name} unavailable ({error}); using the torch references")
+            warnings.warn(f"fused kernels: {_import_problem(module_name, error)}; using the torch references")
             _kernel_modules[module_name] = None
     return _kernel_modules[module_name]
+
+
+def _import_problem(module_name, error):
+    """Why the Triton module could not be imported, with what to install when triton is missing."""
+    if isinstance(error, ModuleNotFoundError) and (error.name or "").split(".")[0] == "triton":
+        return ("triton is not installed (torch's CUDA builds ship it; otherwise `pip install triton`, "
+                "the package's [triton] extra)")
+    return f"{module_name} failed to import ({error})"
 
 
 def _broadcasts_to(shape, target):

@@ -1,4 +1,7 @@
 """Dispatch rules: the on/off switch, CPU always on the references, kernel constraints, bad arguments."""
+import types
+import warnings
+
 import pytest
 import torch
 
@@ -67,6 +70,24 @@ def test_cpu_calls_return_the_references_exactly_and_never_ask_for_triton(monkey
     torch.manual_seed(1)
     assert torch.equal(fused, fused_kernels.bias_dropout_add_reference(x, bias, residual, 0.1, True))
     assert requested == {}
+
+
+@pytest.mark.parametrize("error, expected", [
+    (ModuleNotFoundError("No module named 'triton'", name="triton"), r"triton is not installed .*pip install triton"),
+    (ModuleNotFoundError("No module named 'triton.language'", name="triton.language"), r"triton is not installed"),
+    (ImportError("libcuda.so.1: cannot open shared object file"), r"triton_softmax failed to import \(libcuda"),
+])
+def test_missing_triton_warns_once_with_what_to_install(monkeypatch, error, expected):
+    def failing_import(name):
+        raise error
+
+    monkeypatch.setattr(dispatch, "_kernel_modules", {})
+    monkeypatch.setattr(dispatch, "importlib", types.SimpleNamespace(import_module=failing_import))
+    with pytest.warns(UserWarning, match=expected):
+        assert dispatch._kernels("triton_softmax") is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dispatch._kernels("triton_softmax") is None
 
 
 def test_cpu_autograd_flows_through_the_public_ops():
