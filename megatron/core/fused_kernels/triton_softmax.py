@@ -27,12 +27,16 @@ _MAX_ROWS_PER_TILE = 64
 
 
 @triton.jit
-def _tile_visibility(
-    rows, cols, n_rows, n_cols, sq, n_heads, causal_offset,
+def _program_tile(
+    n_rows, n_cols, sq, n_heads, causal_offset,
     mask_ptr, mask_stride_b, mask_stride_h, mask_stride_q, mask_stride_k,
-    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """(in_bounds, visible) for a [BLOCK_M, BLOCK_N] tile of rows r = (b * np + h) * sq + q."""
+    """(offsets, cols, in_bounds, visible) of this program's [BLOCK_M, BLOCK_N] tile of rows
+    r = (b * np + h) * sq + q: element offsets into the [n_rows, n_cols] scores, the key index of each
+    column, which elements exist, and which of those a query may attend to."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
     in_bounds = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
     visible = in_bounds
     query = rows % sq
@@ -48,7 +52,8 @@ def _tile_visibility(
         mask_offsets = row_offsets[:, None] + cols[None, :].to(tl.int64) * mask_stride_k
         masked = tl.load(mask_ptr + mask_offsets, mask=visible, other=1)
         visible = visible & (masked == 0)
-    return in_bounds, visible
+    offsets = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
+    return offsets, cols, in_bounds, visible
 
 
 @triton.jit
@@ -58,13 +63,10 @@ def _softmax_forward_kernel(
     mask_stride_b, mask_stride_h, mask_stride_q, mask_stride_k,
     HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    in_bounds, visible = _tile_visibility(
-        rows, cols, n_rows, n_cols, sq, n_heads, causal_offset,
-        mask_ptr, mask_stride_b, mask_stride_h, mask_stride_q, mask_stride_k, HAS_MASK, CAUSAL,
+    offsets, cols, in_bounds, visible = _program_tile(
+        n_rows, n_cols, sq, n_heads, causal_offset,
+        mask_ptr, mask_stride_b, mask_stride_h, mask_stride_q, mask_stride_k, HAS_MASK, CAUSAL, BLOCK_M, BLOCK_N,
     )
-    offsets = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
     x = tl.load(scores_ptr + offsets, mask=visible, other=0.0).to(tl.float32) * scale
     x = tl.where(visible, x, _MASKED_SCORE)
     # Padding columns must weigh nothing even in a fully masked row, hence -inf, not the finite min.
@@ -82,13 +84,10 @@ def _softmax_backward_kernel(
     mask_stride_b, mask_stride_h, mask_stride_q, mask_stride_k,
     HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    in_bounds, visible = _tile_visibility(
-        rows, cols, n_rows, n_cols, sq, n_heads, causal_offset,
-        mask_ptr, mask_stride_b, mask_stride_h, mask_stride_q, mask_stride_k, HAS_MASK, CAUSAL,
+    offsets, _, in_bounds, visible = _program_tile(
+        n_rows, n_cols, sq, n_heads, causal_offset,
+        mask_ptr, mask_stride_b, mask_stride_h, mask_stride_q, mask_stride_k, HAS_MASK, CAUSAL, BLOCK_M, BLOCK_N,
     )
-    offsets = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
     # Masked keys of a row with any visible key have p == 0 exactly, so skipping them leaves the
     # dot product unchanged; a fully masked row gets no gradient at all.
     probs = tl.load(probs_ptr + offsets, mask=visible, other=0.0).to(tl.float32)
