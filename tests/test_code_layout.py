@@ -1,6 +1,18 @@
-"""Structural rules of the codebase (docs/architecture.md: layering and size budgets), checked on the source tree."""
+"""Structural rules of the codebase (docs/architecture.md: layering and size budgets), checked on the source tree.
+
+- layering: megatron.core <- megatron.training <- tools/ and pretrain_gpt.py; core reads no argparse;
+  nothing under megatron/ imports tools/, pretrain_gpt or the tests;
+- no import circle between the modules of megatron/ (imports inside functions count too: a lazy
+  import that closes a circle only hides it);
+- size budgets: files and functions;
+- no block of code written twice: DUPLICATE_WINDOW significant lines (blank lines, comments, imports
+  and lone brackets skipped, white space stripped) may not stand in two places of megatron/, tools/
+  and pretrain_gpt.py.
+"""
 import ast
+import collections
 import os
+import re
 
 import pytest
 
@@ -29,6 +41,98 @@ def imported_modules(tree):
             yield node.module
 
 
+def module_name(path: str) -> str:
+    """megatron/core/models/gpt/__init__.py -> megatron.core.models.gpt."""
+    name = os.path.relpath(path, REPO_ROOT)[:-len(".py")].replace(os.sep, ".")
+    return name.removesuffix(".__init__")
+
+
+def imported_names(tree, module: str, is_package: bool):
+    """Every dotted name an import statement of ``module`` names (``from a import b`` gives a.b);
+    relative imports resolved against ``module``."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = module if is_package else module.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    package = package.rpartition(".")[0]
+                base = f"{package}.{base}" if base else package
+            yield from (f"{base}.{alias.name}" for alias in node.names)
+
+
+def megatron_import_graph() -> dict[str, set[str]]:
+    """module -> the modules of megatron/ it imports (a name resolves to its longest module prefix)."""
+    paths = {module_name(path): path for path in python_files(os.path.join(REPO_ROOT, "megatron"))}
+
+    def resolve(name):
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph = {}
+    for module, path in paths.items():
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        names = imported_names(tree, module, path.endswith("__init__.py"))
+        graph[module] = {target for target in map(resolve, names) if target and target != module}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(module):
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for target in graph[module]:
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in on_stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while not component or component[-1] != module:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return circles
+
+
+def test_import_circles_are_found():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert import_circles(graph) == [["a", "b", "c"]]
+    assert import_circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle_inside_megatron():
+    circles = import_circles(megatron_import_graph())
+    assert not circles, "import circles (move what both sides need into a module of its own): " + \
+        "; ".join(" <-> ".join(circle) for circle in circles)
+
+
+def test_megatron_never_imports_tools_the_entry_point_or_tests():
+    upward = {"tools", "pretrain_gpt", "tests"}
+    bad = []
+    for path in python_files(os.path.join(REPO_ROOT, "megatron")):
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        names = imported_names(tree, module_name(path), path.endswith("__init__.py"))
+        bad += [f"{os.path.relpath(path, REPO_ROOT)} imports {name}" for name in names
+                if name.split(".")[0] in upward]
+    assert not bad, "megatron/ is imported by tools/ and pretrain_gpt.py, never the reverse: " + "; ".join(bad)
+
+
 @pytest.mark.parametrize("path", sorted(python_files(CORE)), ids=lambda p: os.path.relpath(p, REPO_ROOT))
 def test_core_never_imports_training_or_argparse(path):
     with open(path) as f:
@@ -54,3 +158,48 @@ def test_size_budgets(path):
             name = f"{rel}::{node.name}"
             if length > MAX_FUNCTION_LINES and name not in LONG_FUNCTION_EXCEPTIONS:
                 pytest.fail(f"{name} is {length} lines (budget {MAX_FUNCTION_LINES}): split it")
+
+
+DUPLICATE_WINDOW = 8
+_INSIGNIFICANT = re.compile(r"^(#.*|import .*|from \S+ import .*|[()\[\]{}:,]*)$")
+
+
+def significant_lines(path: str) -> list[tuple[int, str]]:
+    """(line number, stripped text) of the lines that carry code (see the module docstring)."""
+    with open(path) as f:
+        numbered = [(number, line.strip()) for number, line in enumerate(f, start=1)]
+    return [(number, text) for number, text in numbered if text and not _INSIGNIFICANT.match(text)]
+
+
+def duplicate_blocks(paths: list[str], window: int = DUPLICATE_WINDOW) -> list[str]:
+    """``a.py:10 ~ b.py:40`` for every run of ``window`` significant lines that stands twice (one row
+    per pair of places, at the first line of the longest run)."""
+    seen = collections.defaultdict(list)
+    for path in paths:
+        lines = significant_lines(path)
+        for start in range(len(lines) - window + 1):
+            key = tuple(text for _, text in lines[start:start + window])
+            seen[key].append((os.path.relpath(path, REPO_ROOT), lines[start][0]))
+    pairs = {}
+    for places in seen.values():
+        for first, second in zip(places, places[1:]):
+            pairs.setdefault((first[0], second[0]), (first, second))  # the earliest window of a run
+    return sorted(f"{a[0]}:{a[1]} ~ {b[0]}:{b[1]}" for a, b in pairs.values())
+
+
+def test_duplicate_blocks_are_found(tmp_path):
+    block = "\n".join(f"value_{i} = compute({i})" for i in range(DUPLICATE_WINDOW))
+    (tmp_path / "a.py").write_text(f"import os\n{block}\n")
+    (tmp_path / "b.py").write_text(f"x = 1\n\n# a comment\n{block}\n")
+    (tmp_path / "c.py").write_text(block.replace("value_3", "other") + "\n")
+    found = duplicate_blocks([str(tmp_path / name) for name in ("a.py", "b.py", "c.py")])
+    assert len(found) == 1, found  # c.py differs in one line
+    first, second = found[0].split(" ~ ")
+    assert first.endswith("a.py:2") and second.endswith("b.py:4")
+
+
+def test_no_block_of_code_written_twice():
+    paths = sorted(python_files(os.path.join(REPO_ROOT, "megatron"), os.path.join(REPO_ROOT, "tools")))
+    paths.append(os.path.join(REPO_ROOT, "pretrain_gpt.py"))
+    found = duplicate_blocks(paths)
+    assert not found, f"blocks of {DUPLICATE_WINDOW} lines written twice (make one serve both): " + "; ".join(found)
