@@ -21,7 +21,6 @@ import regex
 from megatron.core.tokenizer.bpe_files import (EOD_TOKEN, TokenizerError, bytes_to_unicode,
                                                check_merges_in_vocab, read_merge_file, read_vocab_file,
                                                token_bytes_by_id)
-from megatron.core.tokenizer.fast_bpe import build_fast_backend
 
 # GPT-2's pre-tokenization: contractions, optional space + letters / digits / other symbols,
 # whitespace not followed by non-space (so a run of spaces leaves its last space to the next word).
@@ -156,6 +155,9 @@ class GPT2BPETokenizer:
         self._reference = ReferenceBPE(self.vocab, merges)
         self._backend = None
         if fast_path_requested(use_fast):
+            # Imported on demand: fast_bpe needs numpy, and importing the tokenizer package must
+            # not (tools/model_calculator.py runs without numpy or torch).
+            from megatron.core.tokenizer.fast_bpe import build_fast_backend
             self._backend, self.fast_path_reason = build_fast_backend(
                 self.vocab, merges, self._reference, _files_digest(vocab_file, merge_file))
             if self._backend is None and use_fast:
