@@ -4,8 +4,9 @@ Each input line is a JSON object; for every ``--json-keys`` key the tool writes
 ``<output-prefix>_<key>_document.bin/.idx`` (``_sentence`` with ``--split-sentences``), one
 document per good line, in input order. Bad lines (malformed JSON, a missing key, non-string or
 empty text, invalid UTF-8, a truncated last line) are skipped, counted and listed with file:line
-in the final summary; ``--strict`` stops at the first one instead. Outputs are written under
-temporary names and renamed when complete.
+in the final summary; ``--strict`` stops at the first one instead. A run in which no line is usable
+(a wrong ``--json-keys``, or a key that no line has) fails naming the keys the input does have, and
+writes nothing. Outputs are written under temporary names and renamed when complete.
 
 With ``--workers N > 1`` the parent reads chunks of ``--chunk-size`` lines, N processes encode
 them, and the parent writes the results in input order (byte-identical to ``--workers 1``).
@@ -37,6 +38,7 @@ from megatron.core.data.preprocessing import (  # noqa: E402
     TokenizerSpec,
     encode_in_process,
     expand_input_paths,
+    no_documents_error,
     init_process_encoder,
     map_in_order,
     output_prefix_for,
@@ -153,14 +155,18 @@ def account_for_chunk(chunk, report, progress, strict):
 
 
 @contextlib.contextmanager
-def output_builders(prefixes, dtype):
-    """One dataset builder per output prefix; all are finalized when the block completes, and all
-    are aborted (their temporary files removed) if it raises, so no output looks complete."""
+def output_builders(prefixes, dtype, paths, json_keys, progress, report):
+    """One dataset builder per output prefix; all are finalized when the block completes with
+    documents written, and all are aborted (their temporary files removed; an earlier dataset of the
+    same prefix stays as it was) if it raises or wrote none, so no output looks complete."""
     builders = []
     try:
         for prefix in prefixes:
             builders.append(IndexedDatasetBuilder(data_file_path(prefix), dtype))
         yield builders
+        if progress.documents == 0:
+            print("\n".join(report.summary_lines()), file=sys.stderr)
+            raise no_documents_error(paths, json_keys)
         for builder, prefix in zip(builders, prefixes):
             builder.finalize(index_file_path(prefix))
     except BaseException:
@@ -180,7 +186,7 @@ def preprocess(args):
     keys = encoder.config.json_keys
     report = BadLineReport()
     progress = ProgressReporter(args.log_interval)
-    with output_builders(prefixes, encoder.dtype) as builders:
+    with output_builders(prefixes, encoder.dtype, paths, keys, progress, report) as builders:
         for encoded in encoded_chunks(encoder, paths, args):
             account_for_chunk(encoded, report, progress, args.strict)
             for key, builder in zip(keys, builders):

@@ -94,7 +94,7 @@ def preprocess_many_cores(args):
     parts_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(args.output_prefix)}.parts.", suffix=".tmp",
                                  dir=output_dir)
     try:
-        with output_builders(prefixes, encoder.dtype) as builders:
+        with output_builders(prefixes, encoder.dtype, paths, keys, progress, report) as builders:
             set_process_encoder(encoder)
             tasks = ((chunk, parts_dir) for chunk in read_line_chunks(paths, args.chunk_size))
             with pool_context().Pool(args.workers, initializer=init_process_encoder,

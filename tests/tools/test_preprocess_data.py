@@ -17,6 +17,7 @@ from megatron.core.data.indexed_dataset import IndexedDatasetError, MMapIndexedD
 from megatron.core.tokenizer import build_tokenizer
 from tests.conftest import REPO_ROOT
 from tests.core.data.test_preprocessing import punkt_data_dir, use_punkt  # noqa: F401
+from tests.training.e2e_utils import run_command
 from tools.preprocess_data import preprocess, run_tool
 
 TOOL = os.path.join(REPO_ROOT, "tools", "preprocess_data.py")
@@ -353,3 +354,31 @@ def test_killed_run_leaves_no_complete_output(tmp_path, sample_corpus, gpt2_toke
     assert not MMapIndexedDataset.exists(prefix + "_text_document")
     with pytest.raises(IndexedDatasetError, match="index file not found"):
         make_dataset(prefix + "_text_document", impl="infer")
+
+
+@pytest.mark.parametrize("tool", ["preprocess_data.py", "preprocess_data_many_cores.py"])
+@pytest.mark.parametrize("json_keys", [["text"], ["content", "title"]])
+def test_no_usable_line_fails_naming_the_keys_and_leaves_no_dataset(tmp_path, gpt2_tokenizer_files, tool,
+                                                                     json_keys):  # noqa: F811
+    """Every line lacks a --json-keys key (a wrong key, or one key that no line has): exit 1 with the
+    keys the input does have, no output and no temporary file; an earlier dataset of the same prefix
+    stays byte for byte."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"content": f"document {i}", "id": i}) + "\n" for i in range(40)))
+    prefix = str(tmp_path / "out")
+    earlier_prefix = f"{prefix}_content_document"
+    command = [sys.executable, os.path.join(REPO_ROOT, "tools", tool), "--input", str(corpus), "--output-prefix",
+               prefix, "--workers", "2", "--chunk-size", "8"] + tokenizer_flags(gpt2_tokenizer_files)
+    run_command(command + ["--json-keys", "content"], timeout=120).assert_ok()
+    earlier = read_bytes(earlier_prefix)
+    before = sorted(os.listdir(tmp_path))
+
+    result = run_command(command + ["--json-keys", *json_keys], timeout=120)
+
+    assert result.returncode == 1, result.output
+    asked = ", ".join(repr(key) for key in json_keys)
+    assert (f"error: {corpus}: no line was usable with --json-keys {asked}, so no dataset was written; "
+            f"the lines' keys are 'content', 'id'") in result.output
+    assert "missing_key: 40" in result.output
+    assert sorted(os.listdir(tmp_path)) == before
+    assert read_bytes(earlier_prefix) == earlier

@@ -212,6 +212,34 @@ def parse_line(raw, json_keys):
     return texts
 
 
+def top_level_keys(paths, max_lines=1000):
+    """The sorted keys of the JSON objects among the first ``max_lines`` lines of each input file
+    (what the input offers, for an error that says why no line had the ``--json-keys``)."""
+    keys = set()
+    for path in paths:
+        with open_jsonl(path) as source:
+            for raw in itertools.islice(source, max_lines):
+                try:
+                    record = json.loads(raw.decode("utf-8").lstrip("\ufeff"))
+                except (UnicodeDecodeError, ValueError, RecursionError):
+                    continue
+                if isinstance(record, dict):
+                    keys.update(map(str, record))
+    return sorted(keys)
+
+
+def no_documents_error(paths, json_keys, max_keys=20):
+    """The PreprocessingError of a run whose every line was skipped: it names the input, the keys
+    asked for and the keys found."""
+    found = top_level_keys(paths)
+    shown = ", ".join(repr(key) for key in found[:max_keys]) + (", ..." if len(found) > max_keys else "")
+    asked = ", ".join(repr(key) for key in json_keys)
+    return PreprocessingError(
+        f"{', '.join(paths)}: no line was usable with --json-keys {asked}, so no dataset was written; "
+        + (f"the lines' keys are {shown}" if found else "no line is a JSON object")
+        + " (the summary above counts the skipped lines by kind)")
+
+
 class _KeepWhitespaceSplitter:
     """Punkt sentences where the whitespace after a sentence (newlines included) stays with it.
 
