@@ -356,29 +356,58 @@ def test_killed_run_leaves_no_complete_output(tmp_path, sample_corpus, gpt2_toke
         make_dataset(prefix + "_text_document", impl="infer")
 
 
-@pytest.mark.parametrize("tool", ["preprocess_data.py", "preprocess_data_many_cores.py"])
-@pytest.mark.parametrize("json_keys", [["text"], ["content", "title"]])
-def test_no_usable_line_fails_naming_the_keys_and_leaves_no_dataset(tmp_path, gpt2_tokenizer_files, tool,
-                                                                     json_keys):  # noqa: F811
-    """Every line lacks a --json-keys key (a wrong key, or one key that no line has): exit 1 with the
-    keys the input does have, no output and no temporary file; an earlier dataset of the same prefix
-    stays byte for byte."""
+@pytest.mark.parametrize("tool, workers", [("preprocess_data.py", "1"), ("preprocess_data.py", "2"),
+                                           ("preprocess_data_many_cores.py", "2")])
+@pytest.mark.parametrize("json_keys, absent", [(["text"], "'text'"), (["content", "title"], "'title'")])
+def test_no_usable_line_fails_naming_the_keys_and_leaves_no_dataset(tmp_path, gpt2_tokenizer_files, tool, workers,
+                                                                     json_keys, absent):
+    """Every line lacks a --json-keys key (a wrong key, or one key that no line has): exit 1 naming the
+    input, the key no line has and the keys the lines do have; no output of any key and no temporary
+    file is left, and an earlier dataset of the same prefix stays byte for byte."""
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"content": f"document {i}", "id": i}) + "\n" for i in range(40)))
     prefix = str(tmp_path / "out")
     earlier_prefix = f"{prefix}_content_document"
     command = [sys.executable, os.path.join(REPO_ROOT, "tools", tool), "--input", str(corpus), "--output-prefix",
-               prefix, "--workers", "2", "--chunk-size", "8"] + tokenizer_flags(gpt2_tokenizer_files)
+               prefix, "--workers", workers, "--chunk-size", "8"] + tokenizer_flags(gpt2_tokenizer_files)
     run_command(command + ["--json-keys", "content"], timeout=120).assert_ok()
     earlier = read_bytes(earlier_prefix)
     before = sorted(os.listdir(tmp_path))
+    assert before == ["corpus.jsonl", "out_content_document.bin", "out_content_document.idx"]
 
     result = run_command(command + ["--json-keys", *json_keys], timeout=120)
 
     assert result.returncode == 1, result.output
     asked = ", ".join(repr(key) for key in json_keys)
-    assert (f"error: {corpus}: no line was usable with --json-keys {asked}, so no dataset was written; "
-            f"the lines' keys are 'content', 'id'") in result.output
+    assert (f"error: {corpus}: no line has usable text under --json-keys {asked}, so no dataset was written; "
+            f"its first 40 lines have the keys 'content', 'id', and none has {absent}") in result.output
     assert "missing_key: 40" in result.output
     assert sorted(os.listdir(tmp_path)) == before
     assert read_bytes(earlier_prefix) == earlier
+
+
+def numbered_keys_line(count):
+    return json.dumps({f"k{i:02d}": "x" for i in range(count)}) + "\n"
+
+
+@pytest.mark.parametrize("lines, message", [
+    ([], "the input has no lines, so no dataset was written"),
+    (["{not json\n", "[1, 2]\n", "\n"], "so no dataset was written; none of its first 3 lines is a JSON object"),
+    (['{"text": ""}\n', '{"text": " ", "id": 2}\n'],
+     "so no dataset was written; its first 2 lines have the keys 'id', 'text' (the summary above"),
+    ([numbered_keys_line(25)], "its first 1 lines have the keys "
+     + ", ".join(f"'k{i:02d}'" for i in range(20)) + ", ..., and none has 'text'"),
+    (['{"a": "x"}\n'] * 1000 + ['{"late": "x"}\n'],
+     "its first 1000 lines have the keys 'a', and none has 'text' (the summary above"),
+])
+def test_no_usable_line_message_describes_the_input(tmp_path, gpt2_tokenizer_files, capsys, lines,
+                                                    message):
+    """Empty input, lines that are no JSON object, empty texts, more than 20 keys (the first 20 are
+    named), and a key past the first 1000 lines (not read again): each fails and writes nothing."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(lines))
+    argv = ["--input", str(corpus), "--output-prefix", str(tmp_path / "out")] + tokenizer_flags(gpt2_tokenizer_files)
+    status, err = run_in_process(preprocess, argv, capsys)
+    assert status == 1, err
+    assert f"error: {corpus}: " in err and message in err, err
+    assert os.listdir(tmp_path) == ["corpus.jsonl"]

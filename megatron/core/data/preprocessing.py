@@ -213,31 +213,49 @@ def parse_line(raw, json_keys):
 
 
 def top_level_keys(paths, max_lines=1000):
-    """The sorted keys of the JSON objects among the first ``max_lines`` lines of each input file
-    (what the input offers, for an error that says why no line had the ``--json-keys``)."""
+    """(sorted keys of the JSON objects, lines read) over the first ``max_lines`` lines of the
+    input, files taken in order: what the input offers, for an error that says why no line had the
+    ``--json-keys``."""
     keys = set()
+    lines_read = 0
     for path in paths:
         with open_jsonl(path) as source:
-            for raw in itertools.islice(source, max_lines):
+            for raw in itertools.islice(source, max_lines - lines_read):
+                lines_read += 1
                 try:
                     record = json.loads(raw.decode("utf-8").lstrip("\ufeff"))
                 except (UnicodeDecodeError, ValueError, RecursionError):
                     continue
                 if isinstance(record, dict):
                     keys.update(map(str, record))
-    return sorted(keys)
+        if lines_read == max_lines:
+            break
+    return sorted(keys), lines_read
 
 
-def no_documents_error(paths, json_keys, max_keys=20):
-    """The PreprocessingError of a run whose every line was skipped: it names the input, the keys
-    asked for and the keys found."""
-    found = top_level_keys(paths)
-    shown = ", ".join(repr(key) for key in found[:max_keys]) + (", ..." if len(found) > max_keys else "")
-    asked = ", ".join(repr(key) for key in json_keys)
+def _listing(items, most=None):
+    """``items`` joined by commas, the first ``most`` of them and "..." when there are more."""
+    return ", ".join(items[:most]) + (", ..." if most is not None and len(items) > most else "")
+
+
+def no_documents_error(paths, json_keys, max_keys=20, max_paths=3):
+    """The PreprocessingError of a run whose every line was skipped. It names the input, the
+    ``--json-keys`` asked for, the keys that the first lines do have, and those of ``json_keys``
+    that none of them has."""
+    inputs = _listing(paths, max_paths)
+    found, lines_read = top_level_keys(paths)
+    if lines_read == 0:
+        return PreprocessingError(f"{inputs}: the input has no lines, so no dataset was written")
+    asked = _listing([repr(key) for key in json_keys])
+    absent = _listing([repr(key) for key in json_keys if key not in found])
+    if not found:
+        detail = f"none of its first {lines_read} lines is a JSON object"
+    else:
+        detail = f"its first {lines_read} lines have the keys {_listing([repr(key) for key in found], max_keys)}"
+        detail += f", and none has {absent}" if absent else ""
     return PreprocessingError(
-        f"{', '.join(paths)}: no line was usable with --json-keys {asked}, so no dataset was written; "
-        + (f"the lines' keys are {shown}" if found else "no line is a JSON object")
-        + " (the summary above counts the skipped lines by kind)")
+        f"{inputs}: no line has usable text under --json-keys {asked}, so no dataset was written; "
+        f"{detail} (the summary above counts the skipped lines by kind)")
 
 
 class _KeepWhitespaceSplitter:
