@@ -74,5 +74,5 @@ echo "   dataset       $run_dir/data/python-docs_text_document.{bin,idx} (+ inde
 echo "   checkpoints   $run_dir/checkpoints (latest: $(cat "$run_dir/checkpoints/latest"))"
 echo "   tensorboard   $run_dir/tensorboard   ->  tensorboard --logdir $run_dir/tensorboard"
 echo "   training log  $log_file (arguments and layers: $run_dir/logs/{args,model}_*.txt)"
-echo "   plots         python tools/plot_logs.py $run_dir/tensorboard --output-dir $run_dir/plots  (needs matplotlib)"
+echo "   plots         python tools/plot_logs.py $run_dir/tensorboard --out $run_dir/plots  (needs pip install -e .[plot])"
 grep "training summary" "$log_file" | sed 's/^/   /'
