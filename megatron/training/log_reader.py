@@ -42,20 +42,17 @@ class IterationRecord:
 
     def number(self, name: str) -> float:
         """The field ``name`` as a float (a trailing ``%`` is dropped: ``MFU: 13.25%`` -> 13.25)."""
-        value = self._value(name).rstrip("%")
-        try:
-            return float(value)
-        except ValueError:
-            raise ValueError(f"line {self.line_number}: field {name!r} is not a number ({value!r}): "
-                             f"{self.text}") from None
+        return self._converted(name, float, "a number", self._value(name).rstrip("%"))
 
     def integer(self, name: str) -> int:
         """The field ``name`` as an int (counters: consumed samples, skipped iterations, ...)."""
-        value = self._value(name)
+        return self._converted(name, int, "an integer", self._value(name))
+
+    def _converted(self, name: str, convert, kind: str, value: str):
         try:
-            return int(value)
+            return convert(value)
         except ValueError:
-            raise ValueError(f"line {self.line_number}: field {name!r} is not an integer ({value!r}): "
+            raise ValueError(f"line {self.line_number}: field {name!r} is not {kind} ({value!r}): "
                              f"{self.text}") from None
 
     def _value(self, name: str) -> str:
