@@ -1,0 +1,58 @@
+"""Layer files: found per layer and TP rank, incomplete sets refused by name, a layer read back whole
+from partitions written by split_partitions."""
+import pytest
+import torch
+
+from megatron.core.checkpoint.layer_files import LayerFilesError, find_layer_files, read_full_layer
+from megatron.core.checkpoint.partitions import split_partitions, tensor_split
+
+FULL_LAYER = {
+    "input_layernorm.weight": torch.randn(8),
+    "self_attention.query_key_value.weight": torch.randn(24, 8),
+    "self_attention.dense.weight": torch.randn(8, 8),
+    "self_attention.dense.bias": torch.randn(8),
+    "mlp.dense_h_to_4h.weight": torch.randn(32, 8),
+    "mlp.dense_4h_to_h.weight": torch.randn(8, 16),
+}
+
+
+def write_layer(directory, layer, full, tp_size, glu=False):
+    parts = {name: split_partitions(value, tensor_split(name, glu), tp_size) for name, value in full.items()}
+    for rank in range(tp_size):
+        torch.save({name: parts[name][rank] for name in full},
+                   directory / f"layer_{layer:02d}-model_{rank:02d}-model_states.pt")
+
+
+@pytest.mark.parametrize("tp_size,glu", [(1, False), (2, False), (4, False), (2, True)])
+def test_a_layer_is_read_back_whole(tmp_path, tp_size, glu):
+    write_layer(tmp_path, 3, FULL_LAYER, tp_size, glu)
+    write_layer(tmp_path, 4, FULL_LAYER, tp_size, glu)
+    (tmp_path / "mp_rank_00_model_states.pt").write_bytes(b"not a layer file")
+    files = find_layer_files(str(tmp_path))
+    assert files.layers == [3, 4] and files.tp_size == tp_size
+    read = read_full_layer(files, 3, glu)
+    assert list(read) == list(FULL_LAYER)
+    for name, value in FULL_LAYER.items():
+        torch.testing.assert_close(read[name], value, rtol=0, atol=0)
+
+
+def test_a_missing_rank_is_named(tmp_path):
+    write_layer(tmp_path, 3, FULL_LAYER, 2)
+    write_layer(tmp_path, 4, FULL_LAYER, 2)
+    (tmp_path / "layer_04-model_01-model_states.pt").unlink()
+    with pytest.raises(LayerFilesError, match="layer_04-model_01-model_states.pt missing"):
+        find_layer_files(str(tmp_path))
+
+
+def test_no_layer_file_or_no_directory_is_refused(tmp_path):
+    with pytest.raises(LayerFilesError, match="no layer_XX-model_TT-model_states.pt file"):
+        find_layer_files(str(tmp_path))
+    with pytest.raises(LayerFilesError, match="no such checkpoint directory"):
+        find_layer_files(str(tmp_path / "global_step9"))
+
+
+def test_ranks_with_different_parameters_are_refused(tmp_path):
+    write_layer(tmp_path, 3, FULL_LAYER, 2)
+    torch.save({"input_layernorm.weight": torch.zeros(8)}, tmp_path / "layer_03-model_01-model_states.pt")
+    with pytest.raises(LayerFilesError, match="layer_03-model_01-model_states.pt: parameters"):
+        read_full_layer(find_layer_files(str(tmp_path)), 3)
