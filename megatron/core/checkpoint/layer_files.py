@@ -1,6 +1,7 @@
 """The per-layer weight files of a checkpoint directory (``layer_XX-model_TT-model_states.pt``: layer
 XX of the pipeline module's layer list, on tensor-parallel rank TT; docs/checkpoint-format.md), found,
-checked for completeness and read back one layer at a time as full, unpartitioned tensors.
+checked for completeness and read back one layer at a time as full, unpartitioned tensors; and
+written at another TP size.
 
 Whatever the pipeline split, the files are named by the global layer index, so a checkpoint holds
 every layer once per TP rank: the TP size is the number of ranks found, and every layer must have
@@ -8,11 +9,12 @@ the same ranks 0 .. k - 1.
 """
 import os
 import re
+import tempfile
 from dataclasses import dataclass
 
 import torch
 
-from megatron.core.checkpoint.partitions import merge_partitions, tensor_split
+from megatron.core.checkpoint.partitions import merge_partitions, split_partitions, tensor_split
 
 LAYER_FILE = re.compile(r"^layer_(?P<layer>\d+)-model_(?P<rank>\d+)-model_states\.pt$")
 
@@ -53,7 +55,7 @@ def find_layer_files(directory: str) -> LayerFiles:
     for layer, found in sorted(ranks.items()):
         missing = sorted(set(range(tp_size)) - set(found))
         if missing:
-            names = ", ".join(f"layer_{layer:02d}-model_{rank:02d}-model_states.pt" for rank in missing)
+            names = ", ".join(layer_file_name(layer, rank) for rank in missing)
             raise LayerFilesError(f"{directory}: {names} missing (the other layers have {tp_size} TP ranks)")
     return LayerFiles(directory, {layer: [found[rank] for rank in range(tp_size)] for layer, found in ranks.items()})
 
@@ -67,3 +69,28 @@ def read_full_layer(files: LayerFiles, layer: int, glu: bool = False) -> dict[st
         if list(state) != names:
             raise LayerFilesError(f"{path}: parameters {sorted(state)} differ from rank 0's {sorted(names)}")
     return {name: merge_partitions([state[name] for state in states], tensor_split(name, glu)) for name in names}
+
+
+def layer_file_name(layer: int, tp_rank: int) -> str:
+    return f"layer_{layer:02d}-model_{tp_rank:02d}-model_states.pt"
+
+
+def write_layer(directory: str, layer: int, full_state: dict[str, torch.Tensor], tp_size: int,
+                glu: bool = False) -> list[str]:
+    """Write layer ``layer`` of ``full_state`` (full tensors) as its ``tp_size`` partition files in
+    ``directory``, each under a temporary name renamed when written; returns the paths in rank order.
+    Vocabulary rows must already be padded to a multiple of ``tp_size``."""
+    parts = {name: split_partitions(value, tensor_split(name, glu), tp_size) for name, value in full_state.items()}
+    paths = []
+    for rank in range(tp_size):
+        path = os.path.join(directory, layer_file_name(layer, rank))
+        handle, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+        try:
+            with os.fdopen(handle, "wb") as f:
+                torch.save({name: parts[name][rank] for name in full_state}, f)
+            os.replace(temporary, path)
+        except BaseException:
+            os.unlink(temporary)
+            raise
+        paths.append(path)
+    return paths
