@@ -44,6 +44,8 @@ from dataclasses import asdict, dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.core.flops import layer_forward_flops_per_token  # noqa: E402
+from megatron.core.flops import model_flops_per_iteration as core_model_flops  # noqa: E402
 from megatron.core.tokenizer.gpt2_bpe import TokenizerError  # noqa: E402
 from megatron.core.tokenizer.vocab_padding import vocab_size_with_padding  # noqa: E402
 from megatron.training.argument_types import parse_float, parse_int  # noqa: E402
@@ -385,15 +387,16 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, stage: int, layers
 
 def forward_flops_per_token_per_layer(shape: ModelShape) -> int:
     """8h^2 + 4sh + 4hf: QKV 6h^2, scores 2sh, scores x values 2sh, projection 2h^2, MLP 4hf."""
-    h, s = shape.hidden_size, shape.seq_length
-    return 8 * h * h + 4 * s * h + 4 * h * shape.ffn
+    return layer_forward_flops_per_token(shape.hidden_size, shape.seq_length, shape.ffn)
 
 
 def model_flops_per_iteration(shape: ModelShape, layout: Layout) -> float:
-    """F = 3 B s [L (8h^2 + 4sh + 4hf) + 2hV_p]: forward + backward (twice the forward), no recomputation."""
-    tokens = layout.batch * shape.seq_length
-    logits = 2 * shape.hidden_size * padded_vocab_size(shape, layout.tensor_parallel)
-    return 3.0 * tokens * (shape.num_layers * forward_flops_per_token_per_layer(shape) + logits)
+    """F = 3 B s [L (8h^2 + 4sh + 4hf) + 2hV_p]: forward + backward (twice the forward), no recomputation;
+    the trainer's count (megatron.core.flops), which its model TFLOP/s and MFU use."""
+    return core_model_flops(global_batch_size=layout.batch, seq_length=shape.seq_length,
+                            num_layers=shape.num_layers, hidden_size=shape.hidden_size,
+                            padded_vocab_size=padded_vocab_size(shape, layout.tensor_parallel),
+                            ffn_hidden_size=shape.ffn)
 
 
 def hardware_flops_with_recompute(shape: ModelShape, layout: Layout) -> float:

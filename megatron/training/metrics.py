@@ -28,6 +28,7 @@ from typing import Mapping
 
 import torch
 
+from megatron.core.flops import model_flops_per_iteration
 from megatron.core.models.gpt.config import GPTModelConfig
 
 VALIDATION_END_PREFIX = "the end of training for val data"
@@ -49,23 +50,6 @@ def megatron_deepspeed_tflops(*, global_batch_size: int, seq_length: int, num_la
     b, s, n, h, v = global_batch_size, seq_length, num_layers, hidden_size, padded_vocab_size
     flops = coefficient * passes * b * s * n * h ** 2 * (1.0 + s / (6.0 * h) + v / (16.0 * n * h))
     return flops / (iteration_time * world_size * 1e12)
-
-
-def model_flops_per_iteration(*, global_batch_size: int, seq_length: int, num_layers: int, hidden_size: int,
-                              padded_vocab_size: int, ffn_hidden_size: int | None = None,
-                              projection_size: int | None = None, glu: bool = False) -> float:
-    """F = 3·B·s·[L·(8hp + 4sp + 2hf(g + 1)) + 2hV]: forward + backward matmul FLOPs of one iteration.
-
-    ``ffn_hidden_size`` defaults to 4h, ``projection_size`` (heads x kv channels) to h; ``glu``
-    doubles the first MLP matmul (g = 2).
-    """
-    h, s = hidden_size, seq_length
-    f = 4 * h if ffn_hidden_size is None else ffn_hidden_size
-    p = h if projection_size is None else projection_size
-    gate = 2 if glu else 1
-    per_token_per_layer = 8 * h * p + 4 * s * p + 2 * h * f * (gate + 1)
-    per_token = num_layers * per_token_per_layer + 2 * h * padded_vocab_size
-    return 3.0 * global_batch_size * s * per_token
 
 
 def model_flops(config: GPTModelConfig, global_batch_size: int, seq_length: int) -> float:
