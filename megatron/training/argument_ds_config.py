@@ -22,7 +22,8 @@ gradient skips the step at every ZeRO stage.) DeepSpeed 0.19 runs bf16 + fp32 ac
 only allows at ZeRO stage 1 (stage 0 raises "unsupported mix"); Megatron-DeepSpeed's "bf16 needs
 stage 0" was that same optimizer, so stage 0 becomes 1 in that case (said in the notice). Refused: ZeRO
 stage 3, stage >= 2 with pipeline parallelism, fp16 without CUDA, enabled ``curriculum_learning``,
-``checkpoint.load_universal`` (long-run work), and ``optimizer``/``scheduler`` blocks (the optimizer
+a universal checkpoint (--universal-checkpoint, which sets ``checkpoint.load_universal``; the key
+alone counts as the flag) at ZeRO stage 0, and ``optimizer``/``scheduler`` blocks (the optimizer
 and the LR schedule come from the flags). With --optimizer sgd at ZeRO stage >= 1,
 ``zero_allow_untested_optimizer`` is set (as in the BigScience configs) unless the config sets it.
 """
@@ -114,10 +115,6 @@ class _Resolution:
         if isinstance(curriculum, dict) and curriculum.get("enabled"):
             raise ArgumentError(f"curriculum_learning in {self.where}: curriculum learning is not available "
                                 f"yet (it comes with the long-run work); set enabled to false or remove it")
-        checkpoint = config.get("checkpoint")
-        if isinstance(checkpoint, dict) and checkpoint.get("load_universal"):
-            raise ArgumentError(f"checkpoint.load_universal in {self.where}: loading universal checkpoints is "
-                                f"not available yet (it comes with the long-run work); remove it")
 
     def batch(self):
         args, config = self.args, self.config
@@ -229,6 +226,23 @@ class _Resolution:
                                 f"pipeline engine cannot run ZeRO stage 2 or more; use stage 0 or 1, or PP 1")
         block["stage"] = stage
 
+    def universal_checkpoint(self):
+        """--universal-checkpoint sets checkpoint.load_universal, as in Megatron-DeepSpeed; the key alone
+        counts as the flag. DeepSpeed restores a universal checkpoint through the ZeRO optimizer only."""
+        block = _block(self.config, "checkpoint", self.where)
+        key = _given(block, "load_universal")
+        if key is not _MISSING and not isinstance(key, bool):
+            raise ArgumentError(f"checkpoint.load_universal in {self.where} must be true or false, got {key!r}")
+        if not (self.args.universal_checkpoint or key is True):
+            return
+        block["load_universal"] = True
+        if self.config["zero_optimization"]["stage"] == 0:
+            named = ("--universal-checkpoint" if self.args.universal_checkpoint
+                     else f"checkpoint.load_universal in {self.where}")
+            raise ArgumentError(f"{named} needs ZeRO stage 1 or 2: DeepSpeed restores a universal checkpoint "
+                                f"through the ZeRO optimizer (--zero-stage 1 costs no memory over stage 0 at "
+                                f"data-parallel size 1)")
+
     def grad_accumulation(self):
         types = _block(self.config, "data_types", self.where)
         accum = _given(types, "grad_accum_dtype")
@@ -301,6 +315,7 @@ def resolve_ds_config(args, explicit, data_parallel_size, pipeline_parallel_size
     resolution.clipping()
     resolution.zero_stage()
     resolution.grad_accumulation()
+    resolution.universal_checkpoint()
     resolution.fp16_stage()
     resolution.offload()
     resolution.optimizer_support()

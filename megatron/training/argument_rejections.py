@@ -6,7 +6,7 @@ at parse time with a message that says why and what to do instead. The flags are
 
 | Flags | Why refused |
 |---|---|
-| --use-bnb-optimizer, --universal-checkpoint, --reset-progress | the feature comes with the long-run work (8-bit Adam, universal checkpoints, progress reset); ds_config ``curriculum_learning`` is refused likewise (argument_ds_config.py) |
+| --use-bnb-optimizer, --reset-progress | the feature comes with the long-run work (8-bit Adam, progress reset); ds_config ``curriculum_learning`` is refused likewise (argument_ds_config.py) |
 | --inference | builds a model without optimizer for the generation tools; pretraining always trains |
 | --batch-size, --warmup, --model-parallel-size | deprecated in Megatron-DeepSpeed, which asserted with these messages |
 | --cpu-optimizer, --cpu_torch_adam | Megatron-DeepSpeed raised NotImplementedError / ignored it; offload is a ds_config matter |
@@ -46,7 +46,6 @@ def _zero_block(key):
 
 _SPECIFIC_REASONS = {
     "--use-bnb-optimizer": f"8-bit Adam (bitsandbytes) {_LONG_RUN}",
-    "--universal-checkpoint": f"loading universal checkpoints {_LONG_RUN}; resume with the same TP/PP layout",
     "--reset-progress": f"resetting the progress counters on load {_LONG_RUN}",
     "--inference": ("builds a model without optimizer for the text-generation tools; pretraining "
                     "always trains; remove the flag"),

@@ -25,15 +25,18 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.core.checkpoint.manifest import Manifest, ManifestError, read_manifest
+from megatron.core.checkpoint.manifest import SAVING_MARKER, Manifest, ManifestError, read_manifest
+from megatron.core.checkpoint.names import PIPELINE_EMBEDDING_PREFIX
 from megatron.training.config import CheckpointConfig, TrainConfig, plain_value
 from megatron.training.dist_utils import print_rank_0
 from megatron.training.engine import is_pipeline_engine
 
 LATEST_FILENAME = "latest"  # DeepSpeed's name; engine.load_checkpoint reads it
+UNIVERSAL_LATEST_FILENAME = "latest_universal"  # read instead with --universal-checkpoint
+UNIVERSAL_ADVICE = ("convert it with tools/convert_checkpoint/ds_to_universal.py and resume with "
+                    "--universal-checkpoint")
 TAG_PATTERN = re.compile(r"global_step\d+")
 MAX_LATEST_BYTES = 4096
-SAVING_MARKER = "saving.incomplete"  # in a tag directory from the start of its save until its manifest is written
 # Model fields whose change between save and load is an error (not a shape mismatch DeepSpeed reports).
 CHECKED_MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
                         "padded_vocab_size", "position_embedding_type", "max_position_embeddings",
@@ -70,10 +73,15 @@ def _read_latest(latest: str) -> str:
     return tag
 
 
-def resume_directory(directory: str) -> str | None:
-    """The directory ``latest`` names; None when there is nothing to resume (no ``latest``, and no
-    global_stepN that a missing ``latest`` would leave behind)."""
-    latest = os.path.join(directory, LATEST_FILENAME)
+def resume_directory(directory: str, universal: bool = False) -> str | None:
+    """The directory ``latest`` (``latest_universal`` when ``universal``) names; None when there is
+    nothing to resume (no ``latest``, and no global_stepN that a missing ``latest`` would leave behind)."""
+    if universal:
+        latest = os.path.join(directory, UNIVERSAL_LATEST_FILENAME)
+        if not os.path.lexists(latest):
+            raise CheckpointError(f"--universal-checkpoint: {latest} does not exist; convert a checkpoint of "
+                                  f"--load {directory} with tools/convert_checkpoint/ds_to_universal.py first")
+    latest = os.path.join(directory, UNIVERSAL_LATEST_FILENAME if universal else LATEST_FILENAME)
     if not os.path.lexists(latest):
         tags = checkpoint_tags(directory)
         if tags:
@@ -86,14 +94,14 @@ def resume_directory(directory: str) -> str | None:
     named = os.path.join(directory, _read_latest(latest))
     if not os.path.isdir(named):
         what = "a file" if os.path.exists(named) else "nothing"
-        raise CheckpointError(f"{latest} names {named}, which is {what}: write the tag of a global_stepN "
+        raise CheckpointError(f"{latest} names {named}, which is {what}: write the tag of a checkpoint "
                               f"directory there")
     return named
 
 
 def check_checkpoint_directories(settings: CheckpointConfig) -> None:
     """The filesystem checks of the module docstring that need no process group."""
-    resumes = settings.load is not None and resume_directory(settings.load) is not None
+    resumes = settings.load is not None and resume_directory(settings.load, settings.universal_checkpoint) is not None
     starts_at_zero = not resumes or settings.finetune
     if settings.save is None or not starts_at_zero or settings.overwrite_checkpoints:
         return
@@ -114,7 +122,9 @@ def unreadable(path: str, error: Exception, tag_path: str) -> CheckpointError:
     return CheckpointError(f"{reason}; {earlier_tag_advice(tag_path)} or restore the file")
 
 
-def _check_compatible(state: dict, config: TrainConfig, directory: str) -> None:
+def _check_compatible(state: dict, config: TrainConfig, directory: str, universal: bool) -> None:
+    """Same model (CHECKED_MODEL_FIELDS); a universal checkpoint re-pads the vocabulary for the new TP
+    size, so its padded size may differ."""
     if state.get("checkpoint_version") is None or "iteration" not in state:
         raise CheckpointError(f"{directory}: the checkpoint has no trainer state (checkpoint_version, iteration); "
                               f"it was not written by this trainer")
@@ -124,8 +134,9 @@ def _check_compatible(state: dict, config: TrainConfig, directory: str) -> None:
                               f"a {type(arguments).__name__}), not by this trainer: resuming it is not supported")
     saved = arguments.get("model", {})
     configured = plain_value(config.model)
+    fields = [name for name in CHECKED_MODEL_FIELDS if not (universal and name == "padded_vocab_size")]
     differing = [f"--{name.replace('_', '-')}: checkpoint {saved[name]!r}, configured {configured[name]!r}"
-                 for name in CHECKED_MODEL_FIELDS if name in saved and saved[name] != configured[name]]
+                 for name in fields if name in saved and saved[name] != configured[name]]
     if differing:
         raise CheckpointError(f"{directory}: the checkpoint's model differs from the configured one: "
                               + "; ".join(differing))
@@ -154,16 +165,16 @@ def _check_parallel_layout(saved: dict, config: TrainConfig, tag_directory: str)
     if None not in saved_layout and saved_layout != layout:
         raise CheckpointError(
             f"{tag_directory} was saved with --tensor-model-parallel-size {saved_layout[0]} and "
-            f"--pipeline-model-parallel-size {saved_layout[1]}; this run has {layout[0]} and {layout[1]}. Resuming "
-            f"under another tensor or pipeline layout is not supported: resume with the saved sizes")
+            f"--pipeline-model-parallel-size {saved_layout[1]}; this run has {layout[0]} and {layout[1]}. To resume "
+            f"under another tensor or pipeline layout, {UNIVERSAL_ADVICE}; or resume with the saved sizes")
     saved_dp = saved.get("data_parallel_size")
     partitioned = glob.glob(os.path.join(tag_directory, "*zero_pp_rank_*_optim_states.pt"))
     if partitioned and saved_dp not in (None, parallel.data_parallel_size) and not config.checkpoint.no_load_optim:
         raise CheckpointError(
             f"{tag_directory} was saved with data-parallel size {saved_dp} and ZeRO-partitioned optimizer states; "
             f"this run has data-parallel size {parallel.data_parallel_size}, and DeepSpeed cannot repartition "
-            f"them: resume on {saved_dp * layout[0] * layout[1]} processes, or add --no-load-optim to keep the "
-            f"weights, schedule and counters and rebuild the optimizer states")
+            f"them: resume on {saved_dp * layout[0] * layout[1]} processes, {UNIVERSAL_ADVICE}, or add "
+            f"--no-load-optim to keep the weights, schedule and counters and rebuild the optimizer states")
 
 
 def _check_layer_files(module, tag_directory: str, tp_size: int) -> None:
@@ -178,6 +189,20 @@ def _check_layer_files(module, tag_directory: str, tp_size: int) -> None:
             raise CheckpointError(f"{tag_directory} is incomplete: {os.path.basename(own)} or another TP rank's file "
                                   f"of that layer is missing ({len(found)} of {tp_size} found); "
                                   + earlier_tag_advice(tag_directory))
+
+
+def _check_universal_vocabulary(directory: str, padded_vocab_size: int) -> None:
+    """DeepSpeed pads a universal checkpoint's word embeddings with zero rows up to this run's padded
+    vocabulary but cannot cut them: a smaller padded vocabulary is refused with the flag that keeps
+    the saved rows (they are trained padding, seen by the softmax)."""
+    path = os.path.join(directory, "zero", PIPELINE_EMBEDDING_PREFIX + "word_embeddings.weight", "fp32.pt")
+    try:
+        rows = torch.load(path, map_location="cpu", weights_only=False, mmap=True)["param"].shape[0]
+    except READ_ERRORS + (KeyError, TypeError) as error:
+        raise unreadable(path, error, directory) from error
+    if rows > padded_vocab_size:
+        raise CheckpointError(f"{path} holds {rows} vocabulary rows, more than this run's padded vocabulary "
+                              f"({padded_vocab_size}): add --pad-vocab-size-to {rows}")
 
 
 def _read_saved_state(tag_directory: str, manifest: Manifest | None) -> dict:
@@ -258,14 +283,20 @@ def _manifest(tag_directory: str) -> Manifest | None:
 
 def check_before_loading(engine, config: TrainConfig) -> tuple[str, Manifest | None] | None:
     """(the tag directory --load will read, its manifest) after the checks of the module docstring;
-    None when there is nothing to resume."""
-    directory = resume_directory(config.checkpoint.load)
+    None when there is nothing to resume. A universal checkpoint fits any layout and engine: only
+    its manifest and model are checked."""
+    universal = config.checkpoint.universal_checkpoint
+    directory = resume_directory(config.checkpoint.load, universal)
     if directory is None:
         return None
     manifest = _manifest(directory)
-    _check_engine_layout(engine, directory)
+    if not universal:
+        _check_engine_layout(engine, directory)
     saved = _read_saved_state(directory, manifest)
-    _check_compatible(saved, config, config.checkpoint.load)
+    _check_compatible(saved, config, config.checkpoint.load, universal)
+    if universal:
+        _check_universal_vocabulary(directory, config.model.padded_vocab_size)
+        return directory, manifest
     _check_parallel_layout(saved.get("args", {}), config, directory)
     if is_pipeline_engine(engine):
         _check_layer_files(engine.module, directory, config.parallel.tensor_model_parallel_size)

@@ -46,6 +46,9 @@ import numpy as np
 import torch
 
 from megatron.core.checkpoint.manifest import FileEntry, describe_file, fsync_path, write_manifest
+from megatron.core.checkpoint.names import pipeline_name
+from megatron.core.checkpoint.output import write_pointer
+from megatron.core.checkpoint.universal import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info
 from megatron.core.tensor_parallel import get_rng_tracker
 from megatron.training.checkpoint_checks import (LATEST_FILENAME, SAVING_MARKER, CheckpointError,
                                                  check_before_loading, checkpoint_tags, verified_reads)
@@ -108,31 +111,26 @@ def restore_rng_states(state: dict) -> None:
     get_rng_tracker().set_states(state["rng_tracker_states"])
 
 
-def client_state(progress: TrainingProgress, config: TrainConfig) -> dict:
-    """What the trainer adds to DeepSpeed's mp_rank file (module docstring)."""
+def client_state(progress: TrainingProgress, config: TrainConfig, pipeline: bool) -> dict:
+    """What the trainer adds to DeepSpeed's mp_rank file (module docstring); ``pipeline``: saved by
+    the pipeline engine."""
+    model = config.model
     state = dataclasses.asdict(progress)
     state.update(tokens=progress.consumed_train_tokens, checkpoint_version=CHECKPOINT_VERSION,
-                 checkpoint_info={"padded_vocab_size": config.model.padded_vocab_size,
+                 checkpoint_info={"padded_vocab_size": model.padded_vocab_size,
                                   "original_vocab_size": config.data.orig_vocab_size},
                  args=configuration_summary(config))
+    state[UNIVERSAL_CHECKPOINT_INFO] = universal_checkpoint_info(
+        glu=model.glu_activation is not None, learned_positions=model.position_embedding_type == "absolute",
+        pipeline=pipeline, padded_vocab_size=model.padded_vocab_size, original_vocab_size=config.data.orig_vocab_size)
     if not config.checkpoint.no_save_rng:
         state.update(rng_states())
     return state
 
 
-def _replace_file(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` so that a reader sees the old content or the new, never a part."""
-    temporary = f"{path}.tmp{os.getpid()}"
-    with open(temporary, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
-
-
 def _commit(directory: str, iteration: int) -> None:
-    _replace_file(os.path.join(directory, LATEST_FILENAME), checkpoint_tag(iteration))
-    _replace_file(os.path.join(directory, TRACKER_FILENAME), f"{iteration}\n")
+    write_pointer(os.path.join(directory, LATEST_FILENAME), checkpoint_tag(iteration))
+    write_pointer(os.path.join(directory, TRACKER_FILENAME), f"{iteration}\n")
     fsync_path(directory)
 
 
@@ -177,10 +175,11 @@ def save_checkpoint(engine, progress: TrainingProgress, config: TrainConfig) -> 
     print_rank_0(saving_checkpoint_line(progress.iteration, directory))
     if is_rank_0():
         os.makedirs(tag_directory, exist_ok=True)
-        _replace_file(os.path.join(tag_directory, SAVING_MARKER), "")
+        write_pointer(os.path.join(tag_directory, SAVING_MARKER), "")
     barrier()
     with _recorded_writes(engine, tag_directory) as written:
-        engine.save_checkpoint(directory, tag=tag, client_state=client_state(progress, config), save_latest=False)
+        state = client_state(progress, config, is_pipeline_engine(engine))
+        engine.save_checkpoint(directory, tag=tag, client_state=state, save_latest=False)
     every_rank_written = gather_objects(written)  # collective: every rank has finished writing
     removed = []
     if is_rank_0():
@@ -242,6 +241,23 @@ def _restart_engine_counters(engine) -> None:
     engine.skipped_steps = 0
 
 
+@contextlib.contextmanager
+def _universal_parameter_names(engine, num_layers: int, universal: bool):
+    """Inside the block, the plain engine's ZeRO optimizer names its parameters as the pipeline module
+    does, the names a universal checkpoint's folders have (megatron.core.checkpoint.names); its own
+    names come back after, so its next save keeps them."""
+    if not universal or is_pipeline_engine(engine):
+        yield
+        return
+    optimizer = engine.optimizer
+    own_names = optimizer.param_names
+    optimizer.param_names = {param: pipeline_name(name, num_layers) for param, name in own_names.items()}
+    try:
+        yield
+    finally:
+        optimizer.param_names = own_names
+
+
 def load_checkpoint(engine, config: TrainConfig) -> TrainingProgress | None:
     """Restore from --load (module docstring); None when there is nothing to load (start from scratch)."""
     settings: CheckpointConfig = config.checkpoint
@@ -253,7 +269,9 @@ def load_checkpoint(engine, config: TrainConfig) -> TrainingProgress | None:
                      f"training starts from scratch")
         return None
     tag_directory, manifest = checked
-    with verified_reads(engine, tag_directory, manifest) as verified:
+    universal = settings.universal_checkpoint
+    with verified_reads(engine, tag_directory, manifest) as verified, \
+            _universal_parameter_names(engine, config.model.num_layers, universal):
         _, state = engine.load_checkpoint(settings.load, load_optimizer_states=not settings.no_load_optim,
                                           load_lr_scheduler_states=not settings.finetune)
     if settings.finetune:
@@ -261,7 +279,10 @@ def load_checkpoint(engine, config: TrainConfig) -> TrainingProgress | None:
         progress = TrainingProgress()
     else:
         progress = TrainingProgress(**{f.name: state[f.name] for f in dataclasses.fields(TrainingProgress)})
-        if not settings.no_load_rng:
+        if universal:
+            print_rank_0("  RNG states not restored from the universal checkpoint (they belong to the saved layout's "
+                         "ranks): each rank starts from its seeded state")
+        elif not settings.no_load_rng:
             restore_rng_states(state)
     barrier()
     print_rank_0(loaded_checkpoint_line(settings.load, state["iteration"]))

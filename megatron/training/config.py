@@ -195,6 +195,8 @@ class CheckpointConfig:
         no_load_rng: do not load the RNG states.
         no_save_rng: do not save the RNG states.
         finetune: load the weights and restart at iteration 0.
+        universal_checkpoint: --load is resumed from the universal checkpoint ``latest_universal`` names
+            (--universal-checkpoint, or the ds_config's checkpoint.load_universal).
         overwrite_checkpoints: a run starting at iteration 0 may save into a --save that holds checkpoints.
         save_interval_ranges: (start, end, interval) of --save-interval-ranges: another interval within
             an inclusive iteration range; save_interval applies outside them.
@@ -209,6 +211,7 @@ class CheckpointConfig:
     no_load_rng: bool
     no_save_rng: bool
     finetune: bool
+    universal_checkpoint: bool
     overwrite_checkpoints: bool
     save_interval_ranges: tuple[tuple[int, int, int], ...]
     keep_last_checkpoints: int | None
@@ -465,6 +468,7 @@ def build_config(parsed: ParsedArguments, tokenizer_vocab_size: int) -> TrainCon
         checkpoint=_fields_from_args(
             CheckpointConfig, flags, no_load_optim=bool(flags.no_load_optim), no_load_rng=bool(flags.no_load_rng),
             no_save_rng=bool(flags.no_save_rng),
+            universal_checkpoint=bool(derived.ds_config.get("checkpoint", {}).get("load_universal")),
             save_interval_ranges=parse_interval_ranges(flags.save_interval_ranges or (), "--save-interval-ranges"),
             pinned_checkpoints=tuple(sorted(set(flags.pin_checkpoints or ())))),
         logging=_fields_from_args(LoggingConfig, flags),

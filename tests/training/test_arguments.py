@@ -5,6 +5,7 @@ import os
 import pytest
 
 from megatron.training.argument_rejections import REJECTED_FLAGS
+from megatron.training.config import build_config
 from megatron.training.arguments import (ArgumentError, build_parser, format_args, parse_args, parse_args_or_exit,
                                          write_args_listing)
 
@@ -87,8 +88,7 @@ def test_refused_flag_gives_its_reason(flag):
     assert message == f"{flag}: {REJECTED_FLAGS[flag]}"
 
 
-@pytest.mark.parametrize("extra", [["--use-bnb-optimizer"],
-                                   ["--universal-checkpoint"], ["--reset-progress"]])
+@pytest.mark.parametrize("extra", [["--use-bnb-optimizer"], ["--reset-progress"]])
 def test_long_run_features_are_not_available_yet(extra):
     assert "not available yet" in error(extra)
 
@@ -457,7 +457,8 @@ def test_fp32_training_has_no_data_types():
 
 @pytest.mark.parametrize("config, words", [
     ({"curriculum_learning": {"enabled": True, "curriculum_type": "seqlen"}}, ["curriculum", "not available yet"]),
-    ({"checkpoint": {"load_universal": True}}, ["load_universal", "not available yet"]),
+    ({"checkpoint": {"load_universal": True}}, ["load_universal", "needs ZeRO stage 1 or 2"]),
+    ({"checkpoint": {"load_universal": "yes"}}, ["load_universal", "true or false"]),
     ({"optimizer": {"type": "Adam"}}, ["optimizer", "--optimizer"]),
     ({"scheduler": {"type": "WarmupLR"}}, ["scheduler", "--lr-decay-style"]),
 ])
@@ -465,6 +466,17 @@ def test_unsupported_config_blocks_are_refused(ds_file, config, words):
     message = error(with_ds(ds_file(config)))
     for word in words:
         assert word in message
+
+
+def test_universal_checkpoint_flag_sets_load_universal(ds_file):
+    """--universal-checkpoint and the ds_config key are one setting; ZeRO stage 0 cannot restore it."""
+    assert "needs ZeRO stage 1 or 2" in error(["--universal-checkpoint"])
+    by_flag = parse(["--universal-checkpoint", "--zero-stage", "1"])
+    by_key = parse(with_ds(ds_file({"checkpoint": {"load_universal": True}, "zero_optimization": {"stage": 2}})))
+    for parsed in (by_flag, by_key):
+        assert parsed.derived.ds_config["checkpoint"] == {"load_universal": True}
+        assert build_config(parsed, tokenizer_vocab_size=1000).checkpoint.universal_checkpoint
+    assert not build_config(parse(["--zero-stage", "1"]), tokenizer_vocab_size=1000).checkpoint.universal_checkpoint
 
 
 def test_disabled_curriculum_is_accepted(ds_file):
@@ -566,11 +578,18 @@ def test_tr11_style_arguments_parse(tmp_path, ds_file, capsys):
     assert not any("gradient_clipping" in n for n in notices)
 
 
-@pytest.mark.parametrize("refused", [["--use-bnb-optimizer"], ["--universal-checkpoint"]])
+@pytest.mark.parametrize("refused", [["--use-bnb-optimizer"]])
 def test_tr11_style_arguments_with_refused_flags(tmp_path, ds_file, refused):
     argv_tr11 = tr11_argv(tmp_path, ds_file(TR11_DS_CONFIG)) + refused
     with pytest.raises(ArgumentError, match="not available yet"):
         parse_args(argv_tr11, env=world(8), cuda_available=False)
+
+
+def test_tr11_style_arguments_resume_universal_checkpoints(tmp_path, ds_file):
+    """tr11's bf16 at ZeRO stage 0 runs at stage 1, where a universal checkpoint can be restored."""
+    argv_tr11 = tr11_argv(tmp_path, ds_file(TR11_DS_CONFIG)) + ["--universal-checkpoint"]
+    derived = parse_args(argv_tr11, env=world(8), cuda_available=False).derived
+    assert derived.ds_config["checkpoint"] == {"load_universal": True} and derived.zero_stage == 1
 
 
 # ---- --help --------------------------------------------------------------------------------------

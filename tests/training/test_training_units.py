@@ -262,7 +262,7 @@ def test_client_state_holds_counters_version_vocab_and_rng():
     config = _train_config()
     progress = TrainingProgress(iteration=7, consumed_train_samples=28, consumed_train_tokens=224,
                                 consumed_valid_samples=8)
-    state = client_state(progress, config)
+    state = client_state(progress, config, pipeline=True)
     assert state["iteration"] == 7 and state["tokens"] == 224 and state["consumed_valid_samples"] == 8
     assert state["checkpoint_version"] == 3.0
     assert state["checkpoint_info"] == {"padded_vocab_size": 64, "original_vocab_size": 50}
@@ -271,11 +271,17 @@ def test_client_state_holds_counters_version_vocab_and_rng():
     assert saved["schedule"]["global_batch_size"] == config.schedule.global_batch_size
     assert pickle.loads(pickle.dumps(saved)) == saved  # plain values only
     assert "rng_tracker_states" in state
-    _check_compatible(state, config, "ckpt")
+    assert state["universal_checkpoint_info"]["original_vocab_size"] == 50
+    _check_compatible(state, config, "ckpt", universal=False)
     with pytest.raises(CheckpointError, match="--hidden-size"):
-        _check_compatible({**state, "args": {"model": {**state["args"]["model"], "hidden_size": 32}}}, config, "ckpt")
+        _check_compatible({**state, "args": {"model": {**state["args"]["model"], "hidden_size": 32}}}, config, "ckpt",
+                          universal=False)
     with pytest.raises(CheckpointError, match="written by Megatron-DeepSpeed .* a SimpleNamespace"):
-        _check_compatible({**state, "args": SimpleNamespace(hidden_size=64)}, config, "ckpt")
+        _check_compatible({**state, "args": SimpleNamespace(hidden_size=64)}, config, "ckpt", universal=False)
+    repadded = {**state, "args": {"model": {**state["args"]["model"], "padded_vocab_size": 128}}}
+    with pytest.raises(CheckpointError, match="--padded-vocab-size"):
+        _check_compatible(repadded, config, "ckpt", universal=False)
+    _check_compatible(repadded, config, "ckpt", universal=True)  # re-padded for the new TP size
 
 
 def test_rng_states_round_trip():
@@ -401,7 +407,7 @@ def test_a_run_from_iteration_0_never_overwrites_saved_checkpoints(tmp_path, loa
     (save / "global_step4").mkdir(parents=True)
     (save / "latest").write_text("global_step4")
     settings = CheckpointConfig(save=str(save), load=str(tmp_path / load) if load else None, save_interval=2,
-                                no_load_optim=False, no_load_rng=False, no_save_rng=False, finetune=finetune,
+                                no_load_optim=False, no_load_rng=False, no_save_rng=False, finetune=finetune, universal_checkpoint=False,
                                 overwrite_checkpoints=overwrite, save_interval_ranges=(), keep_last_checkpoints=None,
                                 pinned_checkpoints=())
     if not refused:

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 MANIFEST_NAME = "manifest.json"
+SAVING_MARKER = "saving.incomplete"  # in a tag directory from the start of its save until its manifest is written
 FORMAT = "megatron-deepspeed-3d checkpoint manifest"
 VERSION = 1
 _CHUNK_BYTES = 64 * 1024 * 1024

@@ -1,0 +1,168 @@
+"""A saved checkpoint opened for conversion: located, validated, described.
+
+``open_checkpoint(path)`` takes a tag directory (``global_stepN``) or a --save directory whose
+``latest`` names one, and refuses, naming the file, anything the trainer would refuse to resume: a
+save that never finished (its ``saving.incomplete`` marker), a file the manifest lists that is
+missing, truncated or fails its CRC-32, a directory without model-states files or trainer state.
+It then describes the checkpoint from its first model-states file: the model configuration, the
+TP / PP / DP sizes, the engine (pipeline: weights in layer files; plain: in the model-states
+files), the optimizer files, and the trainer's counters.
+
+``iter_full_layers`` streams the weights one pipeline layer at a time as full tensors (TP
+partitions merged, names of the layer's own state dict), whichever engine wrote them.
+"""
+import glob
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from megatron.core.checkpoint.layer_files import find_layer_files, read_full_layer
+from megatron.core.checkpoint.manifest import SAVING_MARKER, ManifestError, read_manifest
+from megatron.core.checkpoint.names import EMBEDDING_LAYER, pipeline_name
+from megatron.core.checkpoint.partitions import merge_partitions, tensor_split
+
+MODEL_STATES = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+OPTIMIZER_FILES = "*zero_pp_rank_*_mp_rank_*_optim_states.pt"
+
+
+class CheckpointInputError(ValueError):
+    """The checkpoint cannot be converted; the message names the file or flag."""
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """What open_checkpoint found.
+
+    Attributes:
+        directory: the tag directory.
+        state: the trainer state of mp_rank_00 (counters, ``args``, ``checkpoint_info``, the LR schedule).
+        model: the model configuration as saved (``args.model``: plain values).
+        tp, pp, dp: the parallel sizes it was saved with.
+        pipeline: saved by the pipeline engine (weights in layer files).
+        optimizer_files: the ZeRO optimizer partitions (empty at ZeRO stage 0).
+    """
+
+    directory: str
+    state: dict = field(repr=False)
+    model: dict
+    tp: int
+    pp: int
+    dp: int
+    pipeline: bool
+    optimizer_files: tuple[str, ...]
+
+    @property
+    def iteration(self) -> int:
+        return int(self.state["iteration"])
+
+    @property
+    def glu(self) -> bool:
+        return self.model.get("glu_activation") is not None
+
+    @property
+    def original_vocab_size(self) -> int:
+        return int(self.state["checkpoint_info"]["original_vocab_size"])
+
+
+def resolve_tag_directory(path: str, flag: str = "--input_folder") -> str:
+    """``path`` itself if it holds model-states files, else the tag its ``latest`` names."""
+    if not os.path.isdir(path):
+        raise CheckpointInputError(f"{flag} {path}: no such directory")
+    if glob.glob(os.path.join(path, "mp_rank_*_model_states.pt")):
+        return path
+    latest = os.path.join(path, "latest")
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            tag = f.read().strip()
+        if tag and os.path.isdir(os.path.join(path, tag)):
+            return os.path.join(path, tag)
+        raise CheckpointInputError(f"{latest} names {tag!r}, which is not a directory of {path}")
+    raise CheckpointInputError(f"{flag} {path} is not a checkpoint: it holds no mp_rank_*_model_states.pt file "
+                               f"and no 'latest' file (give a global_stepN directory or the --save directory)")
+
+
+def verify_files(directory: str) -> int:
+    """Every file of the manifest present with its size and CRC-32; returns how many were checked
+    (0 without a manifest: an older trainer's checkpoint, read unverified)."""
+    if os.path.exists(os.path.join(directory, SAVING_MARKER)):
+        raise CheckpointInputError(f"{directory} is a save that never finished ({SAVING_MARKER} is still there): "
+                                   f"convert an earlier checkpoint")
+    try:
+        manifest = read_manifest(directory)
+        if manifest is None:
+            return 0
+        manifest.check_present(directory)
+        for name in sorted(manifest.files):
+            manifest.verify_file(os.path.join(directory, name), directory)
+    except ManifestError as error:
+        raise CheckpointInputError(str(error)) from None
+    return len(manifest.files)
+
+
+def _model_states_files(directory: str) -> list[str]:
+    found = sorted((int(m[1]), name) for name in os.listdir(directory) if (m := MODEL_STATES.match(name)))
+    if not found:
+        raise CheckpointInputError(f"{directory} holds no mp_rank_*_model_states.pt: the checkpoint is incomplete")
+    missing = sorted(set(range(found[-1][0] + 1)) - {rank for rank, _ in found})
+    if missing:
+        raise CheckpointInputError(f"{directory}: mp_rank_{missing[0]:02d}_model_states.pt is missing")
+    return [os.path.join(directory, name) for _, name in found]
+
+
+def load_file(path: str) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except (OSError, RuntimeError, EOFError, ValueError) as error:
+        raise CheckpointInputError(f"cannot read {path} ({type(error).__name__}: {error})") from None
+
+
+def open_checkpoint(path: str, flag: str = "--input_folder") -> SavedCheckpoint:
+    """The checkpoint at ``path`` (module docstring); CheckpointInputError names what is wrong."""
+    directory = resolve_tag_directory(path, flag)
+    verify_files(directory)
+    model_files = _model_states_files(directory)
+    state = load_file(model_files[0])
+    arguments = state.get("args")
+    if not isinstance(arguments, dict) or "model" not in arguments or "iteration" not in state:
+        raise CheckpointInputError(f"{model_files[0]} holds no trainer state (args.model, iteration): the checkpoint "
+                                   f"was not written by this trainer")
+    tp, pp = arguments["tensor_model_parallel_size"], arguments["pipeline_model_parallel_size"]
+    if len(model_files) != tp * pp:
+        raise CheckpointInputError(f"{directory}: {len(model_files)} mp_rank files for TP {tp} x PP {pp}: the "
+                                   f"checkpoint is incomplete")
+    pipeline = bool(glob.glob(os.path.join(directory, "layer_*-model_*-model_states.pt")))
+    return SavedCheckpoint(directory, {k: v for k, v in state.items() if k != "module"}, arguments["model"], tp, pp,
+                           arguments["data_parallel_size"], pipeline,
+                           tuple(sorted(glob.glob(os.path.join(directory, OPTIMIZER_FILES)))))
+
+
+def iter_full_layers(checkpoint: SavedCheckpoint) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    """(pipeline layer index, its full state dict), layer by layer (module docstring)."""
+    if checkpoint.pipeline:
+        files = find_layer_files(checkpoint.directory)
+        if files.tp_size != checkpoint.tp:
+            raise CheckpointInputError(f"{checkpoint.directory}: layer files of {files.tp_size} TP ranks, the "
+                                       f"checkpoint says TP {checkpoint.tp}")
+        for layer in files.layers:
+            yield layer, read_full_layer(files, layer, checkpoint.glu)
+        return
+    yield from _plain_engine_layers(checkpoint)
+
+
+def _plain_engine_layers(checkpoint: SavedCheckpoint):
+    """The plain engine (PP 1) keeps each TP rank's whole module in mp_rank_TT: read them all (one
+    model's weights, split TP ways) and regroup by pipeline layer."""
+    modules = [load_file(path)["module"] for path in _model_states_files(checkpoint.directory)]
+    layers: dict[int, dict[str, torch.Tensor]] = {}
+    num_layers = checkpoint.model["num_layers"]
+    for name in modules[0]:
+        layer, _, local = pipeline_name(name, num_layers).partition(".")
+        index = EMBEDDING_LAYER if layer == "tied_modules" else int(layer)
+        local = local.removeprefix("embed.")
+        layers.setdefault(index, {})[local] = merge_partitions([module[name] for module in modules],
+                                                               tensor_split(local, checkpoint.glu))
+    for index in sorted(layers):
+        yield index, layers.pop(index)
