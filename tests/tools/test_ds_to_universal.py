@@ -1,0 +1,112 @@
+"""A run saved under one layout, converted by tools/convert_checkpoint/ds_to_universal.py and resumed
+with --universal-checkpoint under another, continues the uninterrupted run: the losses of the four
+iterations after the save equal the source run's (fp32: 1e-5 relative, the tolerance of
+test_layout_equivalence.py, which explains it; bf16: 2e-3), with the same learning rates and
+consumed samples. Losses after a resume depend on the weights, the Adam moments and step, the LR
+schedule and the data position, so this checks that the optimizer state moved, not only that the
+run started.
+
+Set-up: test_layout_equivalence's flags (fp32, dropout 0, weight decay 1.0, clipping that triggers),
+4 layers, 4 heads, hidden 64, sequence 32, global batch 8, 6 iterations, a save at iteration 2.
+Layouts are TP_PP_DP; the source runs once per source layout (it is the uninterrupted reference),
+each target resumes from its own copy of the conversion.
+"""
+import os
+import shutil
+import sys
+
+import pytest
+
+from megatron.training.log_reader import iteration_records
+from tests.conftest import REPO_ROOT
+from tests.training.e2e_utils import e2e_data, read_scalars, run_command, run_pretrain  # noqa: F401
+from tests.training.test_layout_equivalence import common_flags, series
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+NUM_LAYERS, SEQ_LENGTH, GLOBAL_BATCH, TRAIN_ITERS, SAVE_ITERATION = 4, 32, 8, 6, 2
+RESUMED = list(range(SAVE_ITERATION + 1, TRAIN_ITERS + 1))
+LOSS_TAG, LR_TAG = "lm-loss-training/lm loss", "learning-rate/learning-rate"
+CONVERTER = os.path.join(REPO_ROOT, "tools", "convert_checkpoint", "ds_to_universal.py")
+BF16 = ["--bf16"]
+# (source layout, target layout, ZeRO stage of the source, of the target, precision flags)
+PAIRS = [
+    ("1_1_1", "2_2_2", 1, 1, []),
+    ("2_2_2", "1_1_1", 1, 1, []),
+    ("2_1_2", "1_2_2", 1, 1, []),
+    ("1_2_2", "4_1_1", 1, 1, []),
+    ("1_1_4", "1_1_2", 1, 1, []),
+    ("1_1_1", "1_1_2", 1, 2, []),
+    ("1_1_2", "1_1_1", 2, 1, []),
+    ("1_1_1", "2_1_1", 1, 1, BF16),
+]
+
+
+def layout_flags(layout: str, zero_stage: int) -> tuple[int, list[str]]:
+    """(processes, flags) of a TP_PP_DP layout."""
+    tp, pp, dp = (int(size) for size in layout.split("_"))
+    return tp * pp * dp, ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+                          "--zero-stage", str(zero_stage)]
+
+
+def train(data, layout: str, zero_stage: int, precision: list[str], tensorboard: str, extra: list[str]) -> dict:
+    processes, flags = layout_flags(layout, zero_stage)
+    flags = common_flags(data, seq_length=SEQ_LENGTH, num_layers=NUM_LAYERS, global_batch=GLOBAL_BATCH,
+                         train_iters=TRAIN_ITERS) + flags + precision + extra + ["--tensorboard-dir", tensorboard]
+    result = run_pretrain(flags, nproc=processes, timeout=600)
+    result.assert_ok()
+    return {"scalars": read_scalars(tensorboard), "output": result.output}
+
+
+@pytest.fixture(scope="module")
+def sources(e2e_data, tmp_path_factory):  # noqa: F811
+    """(layout, ZeRO stage, precision) -> {"scalars", "output", "save"} of each source run, run once."""
+    found = {}
+
+    def source(layout, zero_stage, precision):
+        key = (layout, zero_stage, tuple(precision))
+        if key not in found:
+            directory = tmp_path_factory.mktemp(f"source_{layout}_z{zero_stage}")
+            save = str(directory / "checkpoints")
+            found[key] = train(e2e_data, layout, zero_stage, precision, str(directory / "tb"),
+                               ["--save", save, "--save-interval", str(SAVE_ITERATION)])
+            found[key]["save"] = save
+        return found[key]
+
+    return source
+
+
+def convert(save: str, destination: str) -> str:
+    """ds_to_universal.py on the source's global_step2, in a fresh --load directory; returns it."""
+    load = os.path.join(destination, "load")
+    os.makedirs(load)
+    result = run_command([sys.executable, CONVERTER, "--input_folder", os.path.join(save, f"global_step{SAVE_ITERATION}"),
+                          "--output_folder", os.path.join(load, f"global_step{SAVE_ITERATION}_universal"),
+                          "--num_extract_workers", "1", "--num_merge_workers", "1"], timeout=300)
+    result.assert_ok()
+    assert "universal checkpoint of iteration 2" in result.output
+    return load
+
+
+def counters(output: str, iterations: list[int]) -> list[tuple[str, str]]:
+    """(consumed samples, consumed tokens) as logged at ``iterations``."""
+    records = {record.iteration: record.fields for record in iteration_records(output)}
+    return [(records[i]["consumed samples"], records[i]["consumed tokens"]) for i in iterations]
+
+
+@pytest.mark.parametrize("source_layout, target_layout, source_zero, target_zero, precision", PAIRS,
+                         ids=[f"{s}_z{a}-to-{t}_z{b}{'-bf16' if p else ''}" for s, t, a, b, p in PAIRS])
+def test_universal_resume_continues_the_source_run(sources, e2e_data, tmp_path, source_layout,  # noqa: F811
+                                                   target_layout, source_zero, target_zero, precision):
+    source = sources(source_layout, source_zero, precision)
+    load = convert(source["save"], str(tmp_path))
+    resumed = train(e2e_data, target_layout, target_zero, precision, str(tmp_path / "tb"),
+                    ["--load", load, "--universal-checkpoint"])
+    assert f"successfully loaded checkpoint from {load} at iteration {SAVE_ITERATION}" in resumed["output"]
+    expected, found = source["scalars"], resumed["scalars"]
+    rtol = 2e-3 if precision else 1e-5
+    expected_losses = series(expected, LOSS_TAG, range(1, TRAIN_ITERS + 1))[SAVE_ITERATION:]
+    assert series(found, LOSS_TAG, RESUMED) == pytest.approx(expected_losses, rel=rtol)
+    assert series(found, LR_TAG, RESUMED) == series(expected, LR_TAG, range(1, TRAIN_ITERS + 1))[SAVE_ITERATION:]
+    assert counters(resumed["output"], RESUMED) == counters(source["output"], RESUMED)
+    shutil.rmtree(load)
