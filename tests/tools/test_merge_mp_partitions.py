@@ -1,0 +1,122 @@
+"""Model-only conversions (tools/merge_mp_partitions.py, tools/convert_checkpoint/deepspeed_to_deepspeed.py,
+ds_to_universal.py's checks): a TP=2 x PP=2 checkpoint merged to TP=1, or reshaped to TP=4, gives
+the source run's loss on the same batch; damaged inputs are refused by name and leave no output.
+
+The source: test_layout_equivalence's flags (fp32, dropout 0), 4 layers, 4 heads, 3 iterations
+under TP=2 x PP=2 (4 gloo processes), saved at iteration 2. Iteration 3's loss is computed from the
+weights of iteration 2 before any update, so a run resumed from the converted weights with
+--no-load-optim must log the same loss: 1e-6 relative (the layouts only reorder fp32 sums, which
+moves a loss of ~7 by a few ulps; test_layout_equivalence.py says more), with the same learning
+rate, since the LR schedule and the counters are carried.
+"""
+import os
+import shutil
+
+import pytest
+
+from megatron.core.checkpoint.manifest import read_manifest
+from tests.training.e2e_utils import e2e_data, read_scalars, run_pretrain  # noqa: F401
+from tests.training.test_layout_equivalence import common_flags, series
+from tools import merge_mp_partitions
+from tools.convert_checkpoint import deepspeed_to_deepspeed, ds_to_universal
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+NUM_LAYERS, SEQ_LENGTH, GLOBAL_BATCH, TRAIN_ITERS, SAVE_ITERATION = 4, 32, 8, 3, 2
+LOSS_TAG, LR_TAG = "lm-loss-training/lm loss", "learning-rate/learning-rate"
+TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+
+
+def train(data, processes: int, flags: list[str], tensorboard: str) -> dict:
+    flags = common_flags(data, seq_length=SEQ_LENGTH, num_layers=NUM_LAYERS, global_batch=GLOBAL_BATCH,
+                         train_iters=TRAIN_ITERS) + flags + ["--tensorboard-dir", tensorboard]
+    result = run_pretrain(flags, nproc=processes, timeout=600)
+    result.assert_ok()
+    return read_scalars(tensorboard)
+
+
+@pytest.fixture(scope="module")
+def source(e2e_data, tmp_path_factory):  # noqa: F811
+    """(the TP=2 x PP=2 run's global_step2 directory, its TensorBoard scalars)."""
+    directory = tmp_path_factory.mktemp("source")
+    save = str(directory / "checkpoints")
+    scalars = train(e2e_data, 4, TP2_PP2 + ["--zero-stage", "1", "--save", save, "--save-interval",
+                                            str(SAVE_ITERATION)], str(directory / "tb"))
+    return os.path.join(save, f"global_step{SAVE_ITERATION}"), scalars
+
+
+def assert_resumes_with_source_loss(data, source, load: str, processes: int, layout: list[str], tensorboard: str):
+    _, expected = source
+    found = train(data, processes, layout + ["--load", load, "--no-load-optim", "--no-load-rng"], tensorboard)
+    assert series(found, LOSS_TAG, [3]) == pytest.approx(series(expected, LOSS_TAG, [1, 2, 3])[2:], rel=1e-6)
+    assert series(found, LR_TAG, [3]) == series(expected, LR_TAG, [1, 2, 3])[2:]
+
+
+def test_merged_to_tp1_gives_the_source_loss(e2e_data, source, tmp_path):  # noqa: F811
+    merged = str(tmp_path / "merged")
+    status = merge_mp_partitions.main(["--model-type", "GPT", "--tensor-model-parallel-size", "2", "--load", source[0],
+                                       "--save", merged, "--num-layers", str(NUM_LAYERS), "--micro-batch-size", "1"])
+    assert status == 0
+    assert sorted(name for name in os.listdir(os.path.join(merged, "global_step2")) if name.startswith("layer_")) == [
+        f"layer_{layer:02d}-model_00-model_states.pt" for layer in (1, 3, 4, 5, 6, 8)]
+    assert read_manifest(os.path.join(merged, "global_step2")) is not None
+    assert_resumes_with_source_loss(e2e_data, source, merged, 1, [], str(tmp_path / "tb"))
+
+
+def test_reshaped_to_tp4_gives_the_source_loss(e2e_data, source, tmp_path):  # noqa: F811
+    reshaped = str(tmp_path / "tp4")
+    assert deepspeed_to_deepspeed.main(["--input_folder", source[0], "--output_folder", reshaped,
+                                        "--target_tp", "4", "--target_pp", "1"]) == 0
+    assert_resumes_with_source_loss(e2e_data, source, reshaped, 4, ["--tensor-model-parallel-size", "4"],
+                                    str(tmp_path / "tb"))
+
+
+def damaged_copy(source_directory: str, tmp_path, damage) -> str:
+    """A copy of the source's global_step2 with ``damage(directory)`` applied."""
+    copy = str(tmp_path / "damaged" / "global_step2")
+    shutil.copytree(source_directory, copy)
+    damage(copy)
+    return copy
+
+
+def remove(name):
+    return lambda directory: os.remove(os.path.join(directory, name))
+
+
+def truncate(name):
+    def damage(directory):
+        path = os.path.join(directory, name)
+        os.truncate(path, os.path.getsize(path) // 2)
+    return damage
+
+
+@pytest.mark.parametrize("damage, named", [
+    (remove("layer_04-model_01-model_states.pt"), "layer_04-model_01-model_states.pt is missing"),
+    (truncate("layer_05-model_00-model_states.pt"), "layer_05-model_00-model_states.pt has"),
+    (remove("mp_rank_03_model_states.pt"), "mp_rank_03_model_states.pt is missing"),
+    (truncate("zero_pp_rank_0_mp_rank_02_optim_states.pt"), "zero_pp_rank_0_mp_rank_02_optim_states.pt has"),
+], ids=["missing-shard", "truncated-layer", "missing-model-states", "truncated-optimizer"])
+def test_damaged_inputs_are_named_and_leave_no_output(source, tmp_path, capsys, damage, named):
+    damaged = damaged_copy(source[0], tmp_path, damage)
+    outputs = {"reshape": str(tmp_path / "reshaped"), "universal": str(tmp_path / "universal")}
+    assert deepspeed_to_deepspeed.main(["--input_folder", damaged, "--output_folder", outputs["reshape"],
+                                        "--target_tp", "1"]) == 1
+    assert ds_to_universal.main(["--input_folder", damaged, "--output_folder", outputs["universal"]]) == 1
+    errors = capsys.readouterr().err
+    assert errors.count(named) == 2, errors
+    assert not any(os.path.exists(path) for path in outputs.values())
+    assert not [name for name in os.listdir(tmp_path) if name.startswith(".")]  # no partial directory left
+
+
+def test_wrong_input_folder_and_unsplittable_layout_are_refused(source, tmp_path, capsys):
+    output = str(tmp_path / "out")
+    assert deepspeed_to_deepspeed.main(["--input_folder", str(tmp_path), "--output_folder", output]) == 1
+    assert deepspeed_to_deepspeed.main(["--input_folder", source[0], "--output_folder", output,
+                                        "--target_tp", "3"]) == 1
+    assert merge_mp_partitions.main(["--model-type", "GPT", "--tensor-model-parallel-size", "4", "--load", source[0],
+                                     "--save", output]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert f"--input_folder {tmp_path} is not a checkpoint" in errors[0]
+    assert "--target_tp 3: the model's 4 attention heads" in errors[1]
+    assert "--tensor-model-parallel-size 4" in errors[2] and "saved with TP 2" in errors[2]
+    assert not os.path.exists(output)

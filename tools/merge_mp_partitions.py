@@ -1,0 +1,64 @@
+"""Merge the tensor-parallel partitions of a checkpoint into TP = 1, at a target pipeline size.
+
+    python tools/merge_mp_partitions.py --model-type GPT --tensor-model-parallel-size 2 \\
+        --target-pipeline-model-parallel-size 1 --load CKPT --save MERGED [model flags]
+
+Megatron-DeepSpeed's flags: --load is the checkpoint (its ``latest`` or a global_stepN directory),
+--tensor-model-parallel-size its TP size (checked against the checkpoint), --save the new --save
+directory, written at TP 1 and --target-pipeline-model-parallel-size (default 1). Model flags
+scripts pass along (--num-layers, --hidden-size, --num-attention-heads, ...) are checked against
+the model the checkpoint records; other training flags are ignored, since the checkpoint decides.
+The weights only (megatron.core.checkpoint.writer): resume with --no-load-optim --no-load-rng or
+--finetune.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.core.checkpoint.reader import CheckpointInputError, open_checkpoint  # noqa: E402
+from tools.convert_checkpoint.reshape import report, reshape_with_progress  # noqa: E402
+
+CHECKED_MODEL_FLAGS = {"--num-layers": "num_layers", "--hidden-size": "hidden_size",
+                       "--num-attention-heads": "num_attention_heads", "--ffn-hidden-size": "ffn_hidden_size",
+                       "--max-position-embeddings": "max_position_embeddings", "--seq-length": "seq_length"}
+
+
+def parse_arguments(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model-type", required=True, choices=["GPT"], help="GPT (the only model trained here)")
+    parser.add_argument("--tensor-model-parallel-size", type=int, required=True,
+                        help="the TP size the checkpoint was saved with")
+    parser.add_argument("--target-pipeline-model-parallel-size", type=int, default=1,
+                        help="pipeline-parallel size of the merged checkpoint")
+    parser.add_argument("--load", required=True, help="the checkpoint to merge")
+    parser.add_argument("--save", required=True, help="the new --save directory (must not exist)")
+    for flag in CHECKED_MODEL_FLAGS:
+        parser.add_argument(flag, type=int, default=None, help="checked against the checkpoint's model")
+    arguments, ignored = parser.parse_known_args(argv)
+    if ignored:
+        print(f"note: ignored (the checkpoint records the model and the run): {' '.join(ignored)}", file=sys.stderr)
+    return arguments
+
+
+def merge(arguments) -> str:
+    checkpoint = open_checkpoint(arguments.load, "--load")
+    if checkpoint.tp != arguments.tensor_model_parallel_size:
+        raise CheckpointInputError(f"--tensor-model-parallel-size {arguments.tensor_model_parallel_size}: {arguments.load} "
+                                   f"was saved with TP {checkpoint.tp}")
+    for flag, field in CHECKED_MODEL_FLAGS.items():
+        given = getattr(arguments, flag[2:].replace("-", "_"))
+        if given is not None and given != checkpoint.model[field]:
+            raise CheckpointInputError(f"{flag} {given}: the checkpoint's model has {checkpoint.model[field]}")
+    return reshape_with_progress(checkpoint, arguments.save, 1, arguments.target_pipeline_model_parallel_size,
+                                 flag="--save")
+
+
+def main(argv=None) -> int:
+    arguments = parse_arguments(argv)
+    return report(lambda: merge(arguments))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
