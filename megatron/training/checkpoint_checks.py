@@ -14,6 +14,9 @@ model, engine kind, TP and PP sizes, and DP size when ZeRO partitioned the optim
 --no-load-optim); every layer file of this stage is present. While DeepSpeed reads
 (``verified_reads``): each file is checked against its manifest entry (size and CRC-32) first, and
 any file that cannot be read is named. Each refusal is a CheckpointError.
+With --universal-checkpoint, ``latest_universal`` is read instead of ``latest``; the manifest and
+the model are checked, the layout is not (a universal checkpoint fits any), and the word
+embeddings it holds must fit this run's padded vocabulary (docs/checkpoint-tools.md).
 """
 import contextlib
 import glob
