@@ -40,6 +40,7 @@ setup(
         "sentences": ["nltk>=3.8"],
         "triton": ["triton"],
         "plot": ["matplotlib>=3.7"],
+        "eval": ["lm-eval>=0.4.13", "accelerate>=0.26"],
     },
     ext_modules=[helpers],
     cmdclass={"build_ext": build_ext},
