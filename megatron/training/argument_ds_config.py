@@ -21,11 +21,12 @@ sets it, with a notice. (DeepSpeed's ``bf16.check_grad_overflow`` defaults to tr
 gradient skips the step at every ZeRO stage.) DeepSpeed 0.19 runs bf16 + fp32 accumulation as its BF16_Optimizer, which it
 only allows at ZeRO stage 1 (stage 0 raises "unsupported mix"); Megatron-DeepSpeed's "bf16 needs
 stage 0" was that same optimizer, so stage 0 becomes 1 in that case (said in the notice). Refused: ZeRO
-stage 3, stage >= 2 with pipeline parallelism, fp16 without CUDA, enabled ``curriculum_learning``,
+stage 3, stage >= 2 with pipeline parallelism, fp16 without CUDA,
 a universal checkpoint (--universal-checkpoint, which sets ``checkpoint.load_universal``; the key
 alone counts as the flag) at ZeRO stage 0, and ``optimizer``/``scheduler`` blocks (the optimizer
 and the LR schedule come from the flags). With --optimizer sgd at ZeRO stage >= 1,
 ``zero_allow_untested_optimizer`` is set (as in the BigScience configs) unless the config sets it.
+The ``curriculum_learning`` block is checked against the flags by validation.py (curriculum.py).
 """
 import json
 import math
@@ -111,10 +112,6 @@ class _Resolution:
                 raise ArgumentError(f"{key} in {self.where} is not supported: the optimizer and the LR "
                                     f"schedule come from the flags (--optimizer, --lr, --lr-decay-style, ...); "
                                     f"remove the {key} block")
-        curriculum = config.get("curriculum_learning")
-        if isinstance(curriculum, dict) and curriculum.get("enabled"):
-            raise ArgumentError(f"curriculum_learning in {self.where}: curriculum learning is not available "
-                                f"yet (it comes with the long-run work); set enabled to false or remove it")
 
     def batch(self):
         args, config = self.args, self.config

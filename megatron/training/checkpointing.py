@@ -9,7 +9,8 @@ engine), the optimizer partitions and ``mp_rank_MM_model_states.pt`` with the en
 client state adds:
 
     iteration, consumed_train_samples, consumed_train_tokens, consumed_valid_samples,
-    gigaflos_no_embeddings, tokens (= consumed_train_tokens, Megatron-DeepSpeed's key), checkpoint_version
+    gigaflos_no_embeddings, curriculum_seqlen (the last training length; None without curriculum
+    learning), tokens (= consumed_train_tokens, Megatron-DeepSpeed's key), checkpoint_version
     3.0, checkpoint_info {padded_vocab_size, original_vocab_size}, args (the model, the layout and the
     whole typed configuration, as plain values), and unless --no-save-rng the RNG states:
     random_rng_state, np_rng_state, torch_rng_state, cuda_rng_state, rng_tracker_states.
@@ -73,6 +74,10 @@ class TrainingProgress:
     consumed_train_tokens: int = 0
     consumed_valid_samples: int = 0
     gigaflos_no_embeddings: float = 0.0
+    curriculum_seqlen: int | None = None  # the last training length with curriculum learning
+
+
+OPTIONAL_PROGRESS_KEYS = ("curriculum_seqlen",)  # absent from checkpoints of runs without a curriculum
 
 
 def checkpoint_tag(iteration: int) -> str:
@@ -278,7 +283,8 @@ def load_checkpoint(engine, config: TrainConfig) -> TrainingProgress | None:
         _restart_engine_counters(engine)
         progress = TrainingProgress()
     else:
-        progress = TrainingProgress(**{f.name: state[f.name] for f in dataclasses.fields(TrainingProgress)})
+        progress = TrainingProgress(**{f.name: state[f.name] for f in dataclasses.fields(TrainingProgress)
+                                       if f.name in state or f.name not in OPTIONAL_PROGRESS_KEYS})
         if universal:
             print_rank_0("  RNG states not restored from the universal checkpoint (they belong to the saved layout's "
                          "ranks): each rank starts from its seeded state")

@@ -27,6 +27,8 @@ from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.tokenizer import vocab_size_with_padding
 from megatron.training.argument_types import ArgumentError, parse_interval_ranges, parse_iteration_ranges
 from megatron.training.arguments import ParsedArguments
+from megatron.training.curriculum import BLOCK as CURRICULUM_BLOCK
+from megatron.training.curriculum import CurriculumConfig, curriculum_config
 from megatron.training.validation import DerivedValues, lr_lengths_in_samples
 
 DEFAULT_PP_PARTITION_METHOD = "type:transformer"
@@ -158,6 +160,7 @@ class ScheduleConfig:
         skip_train_iteration_ranges: inclusive iteration ranges whose batches are drawn and discarded
             (--skip-train-iteration-range), sorted and merged.
         max_consecutive_nan_iterations: save and stop after this many NaN/Inf iterations in a row; 0 never.
+        curriculum: the sequence-length curriculum (the ds_config's curriculum_learning block), or None.
     """
 
     micro_batch_size: int
@@ -181,6 +184,7 @@ class ScheduleConfig:
     lr_scheduler_source: str
     skip_train_iteration_ranges: tuple[tuple[int, int], ...]
     max_consecutive_nan_iterations: int
+    curriculum: CurriculumConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -309,8 +313,11 @@ class DeepSpeedSettings:
         return offload.get("device", "none") == "cpu"
 
     def config_for_initialize(self) -> dict:
-        """A private copy for ``deepspeed.initialize(config=...)``, which may modify what it gets."""
-        return copy.deepcopy(self.config)
+        """A private copy for ``deepspeed.initialize(config=...)``, which may modify what it gets; without
+        the curriculum_learning block, which the trainer runs and DeepSpeed 0.19 refuses (curriculum.py)."""
+        config = copy.deepcopy(self.config)
+        config.pop(CURRICULUM_BLOCK, None)
+        return config
 
 
 @dataclass(frozen=True)
@@ -402,7 +409,9 @@ def _schedule_config(flags, derived: DerivedValues) -> ScheduleConfig:
         "checkpoint" if flags.use_checkpoint_lr_scheduler else "check",
         skip_train_iteration_ranges=parse_iteration_ranges(flags.skip_train_iteration_range or (),
                                                            "--skip-train-iteration-range"),
-        max_consecutive_nan_iterations=flags.max_consecutive_nan_iterations)
+        max_consecutive_nan_iterations=flags.max_consecutive_nan_iterations,
+        curriculum=curriculum_config(derived.ds_config, flags.deepspeed_config or flags.deepscale_config,
+                                     derived.seq_length))
 
 
 def _precision_config(derived: DerivedValues) -> PrecisionConfig:

@@ -75,6 +75,17 @@ def get_batch(data: dict, eod_token: int, data_config: DataConfig, device: torch
     return LMBatch(tokens, labels, masks.loss_mask, masks.position_ids, masks.attention_mask)
 
 
+def truncate_batch(batch: LMBatch, seq_length: int) -> LMBatch:
+    """The batch cut to its first ``seq_length`` positions (curriculum learning): [b, s] -> [b, L],
+    the attention mask [b, 1, s, s] -> [b, 1, L, L]. Causal masks, labels and position ids of the
+    first L positions depend on those positions only, so the cut equals a batch of L tokens."""
+    if seq_length >= batch.tokens.shape[1]:
+        return batch
+    mask = batch.attention_mask
+    return LMBatch(*(tensor[:, :seq_length].contiguous() for tensor in batch[:4]),
+                   None if mask is None else mask[:, :, :seq_length, :seq_length].contiguous())
+
+
 def pipeline_batch(batch: LMBatch) -> tuple[tuple, tuple]:
     """The GPTModelPipe layout: inputs (tokens, position_ids[, attention_mask]), labels (labels, loss_mask)."""
     inputs = (batch.tokens, batch.position_ids)

@@ -19,7 +19,8 @@ One iteration (Trainer.train):
   3. train_step: the pipeline engine's train_batch, or forward/backward/step per micro batch on the
      plain engine; DeepSpeed reduces gradients, clips, steps the optimizer and the LR schedule (not
      on an fp16 overflow, which counts as a skipped iteration);
-  4. counters advance by the global batch (samples) and global batch x seq length (tokens);
+  4. counters advance by the global batch (samples) and global batch x seq length (tokens; with
+     curriculum learning, the iteration's length, set before step 3: curriculum.py);
   5. TensorBoard scalars, the log line every --log-interval, evaluation every --eval-interval,
      a checkpoint every --save-interval;
   6. --exit-duration-in-mins (the maximum over ranks of the elapsed time) and --exit-interval stop
@@ -42,8 +43,10 @@ import torch
 from megatron.training import dist_utils
 from megatron.training.checkpointing import TrainingProgress, load_checkpoint, save_checkpoint
 from megatron.training.config import TrainConfig, flat_config
-from megatron.training.data_loading import (DataLoadingError, LoaderSettings, batch_function, build_datasets, build_iterators,
-                                            pipeline_batch, train_valid_test_num_samples)
+from megatron.training.curriculum import SequenceLengthCurriculum
+from megatron.training.data_loading import (DataLoadingError, LMBatch, LoaderSettings, batch_function, build_datasets,
+                                            build_iterators, pipeline_batch, train_valid_test_num_samples,
+                                            truncate_batch)
 from megatron.training.engine import (build_lr_scheduler, build_model, build_optimizer, counts_once,
                                       current_device, initialize_engine, parameter_counts, uses_pipeline_engine)
 from megatron.training.initialize import check_fused_kernel_constraints, initialize_megatron
@@ -158,6 +161,8 @@ class Trainer:
         self.pipeline = uses_pipeline_engine(groups.pp_size, config.parallel.zero_stage)
         self.device = current_device()
         self.make_batch = batch_function(tokenizer.eod, config.data, self.device)
+        self.curriculum = SequenceLengthCurriculum(self.schedule.curriculum) if self.schedule.curriculum else None
+        self.active_seq_length = config.model.seq_length  # what the batches are cut to (curriculum.py)
         self.last_saved_iteration = None
         self.memory_reported = False
         self.accumulator = LossAccumulator()
@@ -174,6 +179,8 @@ class Trainer:
             # The loaded iteration is on disk already: saving it again would rewrite the files ``latest`` names.
             self.progress = loaded
             self.last_saved_iteration = None if config.checkpoint.finetune else loaded.iteration
+            if self.curriculum is not None and loaded.curriculum_seqlen is not None:
+                self.curriculum.restore(loaded.curriculum_seqlen)
         self.calculator.update(self.progress.consumed_train_samples)
         self.first_iteration = self.progress.iteration + 1
         dist_utils.print_rank_0(datetime_line("after model, optimizer, and learning rate scheduler are built"))
@@ -218,7 +225,7 @@ class Trainer:
                                           lambda: self.progress.consumed_train_tokens)
         engine = initialize_engine(self.config, self.groups, model, optimizer, lr_scheduler)
         if self.pipeline:
-            engine.set_batch_fn(lambda data: pipeline_batch(self.make_batch(data)))
+            engine.set_batch_fn(lambda data: pipeline_batch(self._batch(data)))
         return lr_scheduler, engine
 
     def _build_data(self):
@@ -315,12 +322,23 @@ class Trainer:
                                     f"apart (largest |difference| {drift:.3e}, in {name}); synchronized from "
                                     f"tensor-parallel rank 0")
 
+    def _batch(self, data: dict) -> LMBatch:
+        """A loader item as a batch on the device, cut to the active length (curriculum.py)."""
+        return truncate_batch(self.make_batch(data), self.active_seq_length)
+
+    def _use_length(self, seq_length: int) -> None:
+        """Cut the next batches to ``seq_length``; the pipeline engine re-learns its activation shapes."""
+        if seq_length != self.active_seq_length:
+            self.active_seq_length = seq_length
+            if self.pipeline:
+                self.engine.reset_activation_shape()
+
     def _plain_engine_step(self) -> float:
         """Forward, backward and step per micro batch; the optimizer steps at the last one."""
         num_micro_batches = self.calculator.get()
         losses = []
         for index in range(num_micro_batches):
-            batch = self.make_batch(next(self.iterators.train))
+            batch = self._batch(next(self.iterators.train))
             self.engine.set_gradient_accumulation_boundary(index == num_micro_batches - 1)
             loss = self.engine(batch.tokens, batch.position_ids, batch.attention_mask, batch.labels, batch.loss_mask)
             self.engine.backward(loss)
@@ -337,20 +355,22 @@ class Trainer:
         losses = []
         with torch.no_grad():
             for _ in range(self.calculator.get()):
-                batch = self.make_batch(next(iterator))
+                batch = self._batch(next(iterator))
                 losses.append(self.engine(batch.tokens, batch.position_ids, batch.attention_mask, batch.labels,
                                           batch.loss_mask))
         self.engine.train()
         return dist_utils.average_across_group([float(torch.stack(losses).mean())], self.dp_group)[0]
 
     def _advance(self):
+        """Counters after an iteration: tokens at the curriculum's length, Megatron-DeepSpeed's gigaflos at
+        the full length."""
         batch = self.calculator.get_current_global_batch_size()
-        seq_length = self.config.model.seq_length
+        seq_length = self.active_seq_length
         progress = self.progress
         progress.iteration += 1
         progress.consumed_train_samples += batch
         progress.consumed_train_tokens += batch * seq_length
-        progress.gigaflos_no_embeddings += gigaflos_no_embeddings(batch, seq_length,
+        progress.gigaflos_no_embeddings += gigaflos_no_embeddings(batch, self.config.model.seq_length,
                                                                   self.parameters_without_embeddings_billions)
         self.totals.add_iteration(batch, batch * seq_length, model_flops(self.config.model, batch, seq_length))
 
@@ -380,6 +400,9 @@ class Trainer:
             if stop.kill_switch or stop.signal_number:
                 self._save_before_exit()
                 return self._stop_line(stop)
+            if self.curriculum is not None:
+                self._use_length(self.curriculum.length_for(self.progress.iteration + 1))
+                self.progress.curriculum_seqlen = self.active_seq_length
             self.timers("train-step").start()
             result = self._next_step()
             self.timers("train-step").stop()
@@ -446,7 +469,8 @@ class Trainer:
         scalars = IterationScalars(learning_rate=self.lr_scheduler.get_lr(),
                                    global_batch_size=self.calculator.get_current_global_batch_size(),
                                    losses=losses, loss_scale=loss_scale, grad_norm=result.grad_norm,
-                                   num_zeros=result.num_zeros, params_norm=params_norm)
+                                   num_zeros=result.num_zeros, params_norm=params_norm,
+                                   curriculum_seqlen=self.active_seq_length if self.curriculum else None)
         self.tensorboard.write_iteration(self._tensorboard_progress(), scalars)
         if self.progress.iteration % self.schedule.log_interval == 0:
             self._log_interval(scalars)
@@ -460,7 +484,7 @@ class Trainer:
         interval_seconds = self.timers("interval-time").elapsed()
         self.totals.seconds += interval_seconds
         iteration_time = interval_seconds / iterations
-        seq_length = self.config.model.seq_length
+        seq_length = self.active_seq_length
         throughput = compute_throughput(self.config.model, global_batch_size=scalars.global_batch_size,
                                         seq_length=seq_length, iteration_time=iteration_time,
                                         world_size=dist_utils.world_size(), data_parallel_size=self.groups.dp_size,
@@ -477,7 +501,7 @@ class Trainer:
             skipped_iterations=self.accumulator.skipped_iterations, nan_iterations=self.accumulator.nan_iterations,
             samples_per_second=throughput.samples_per_second, tflops=throughput.tflops, losses=losses,
             loss_scale=scalars.loss_scale, grad_norm=scalars.grad_norm, num_zeros=scalars.num_zeros,
-            params_norm=scalars.params_norm,
+            params_norm=scalars.params_norm, curriculum_seqlen=scalars.curriculum_seqlen,
             model_tflops=throughput.model_tflops, mfu=throughput.mfu, eta_seconds=eta)
         dist_utils.print_rank_last(training_log_line(fields))
         self.tensorboard.write_throughput(self._tensorboard_progress(), throughput)
@@ -490,8 +514,12 @@ class Trainer:
                 dist_utils.print_line(memory_report_line(dist_utils.rank(), p.iteration, self.device))
 
     def evaluate(self, iterator) -> float:
-        """Mean loss over --eval-iters global batches at the full sequence length."""
+        """Mean loss over --eval-iters global batches at the full sequence length (the curriculum's
+        length is back for the next training iteration)."""
+        training_length = self.active_seq_length
+        self._use_length(self.config.model.seq_length)
         losses = [self._eval_step(iterator) for _ in range(self.schedule.eval_iters)]
+        self._use_length(training_length)
         return sum(losses) / len(losses)
 
     def evaluate_and_print(self, named_iterators, prefix: str, split: str):

@@ -19,6 +19,7 @@ from megatron.core.parallel_state import validate_parallel_sizes
 from megatron.core.tokenizer import REJECTED_TOKENIZER_TYPES
 from megatron.training.argument_ds_config import resolve_ds_config
 from megatron.training.argument_types import ArgumentError
+from megatron.training.curriculum import CurriculumConfigError, curriculum_config
 from megatron.training.launch_env import LaunchEnv, effective_backend
 from megatron.training.microbatches import BatchSizeError, check_batch_sizes
 from megatron.training.lr_schedule import AnnealingLR
@@ -229,6 +230,20 @@ def _check_lr_schedule(args, global_batch_size: int):
         raise ArgumentError(str(exc)) from None
 
 
+def _check_curriculum(args, derived: DerivedValues):
+    """The ds_config's curriculum_learning block (curriculum.py), and the token-based LR decay it needs:
+    a decay in samples would run on while the early, short batches hold few tokens."""
+    where = args.deepspeed_config or args.deepscale_config
+    try:
+        curriculum = curriculum_config(derived.ds_config, where, derived.seq_length)
+    except CurriculumConfigError as exc:
+        raise ArgumentError(str(exc)) from None
+    if curriculum is not None and args.lr_decay_style != "constant" and args.lr_decay_tokens is None:
+        raise ArgumentError(f"curriculum_learning in {where} needs a token-based learning-rate decay: give "
+                            f"--lr-decay-tokens (Megatron-DeepSpeed's recipe: the decay samples x --seq-length "
+                            f"{derived.seq_length}), or --lr-decay-style constant")
+
+
 def _check_data(args):
     weighted = [f"--{split}-weighted-split-paths{suffix}" for split in ("train", "valid", "test")
                 for suffix in ("", "-path") if getattr(args, f"{split}_weighted_split_paths{suffix.replace('-', '_')}")]
@@ -297,6 +312,7 @@ def validate_args(args: argparse.Namespace, explicit: set[str], launch: LaunchEn
                             seq_length=seq_length, ds_config=ds_config, notices=tuple(notices + ds_notices))
     _check_batch(args, explicit, derived)
     _check_lr_schedule(args, derived.global_batch_size)
+    _check_curriculum(args, derived)
     _check_data(args)
     _check_tokenizer_and_tools(args)
     return derived

@@ -456,7 +456,7 @@ def test_fp32_training_has_no_data_types():
 
 
 @pytest.mark.parametrize("config, words", [
-    ({"curriculum_learning": {"enabled": True, "curriculum_type": "seqlen"}}, ["curriculum", "not available yet"]),
+    ({"curriculum_learning": {"enabled": True, "curriculum_type": "seqlen"}}, ["min_difficulty", "positive integer"]),
     ({"checkpoint": {"load_universal": True}}, ["load_universal", "needs ZeRO stage 1 or 2"]),
     ({"checkpoint": {"load_universal": "yes"}}, ["load_universal", "true or false"]),
     ({"optimizer": {"type": "Adam"}}, ["optimizer", "--optimizer"]),
