@@ -1,0 +1,66 @@
+"""Zero-shot evaluation of a GPT checkpoint, Megatron-DeepSpeed's ``tasks/main.py``:
+
+    torchrun --nproc_per_node 4 tasks/main.py --task WIKITEXT103 --valid-data wiki.test.tokens \\
+        --overlapping-eval 32 --load checkpoints/gpt --no-load-optim --no-load-rng \\
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --micro-batch-size 8 <model flags>
+
+``--task WIKITEXT103`` prints the perplexity, its word-level adjustment and the token ratio;
+``--task LAMBADA`` (``--strict-lambada`` for whole-word targets) the cloze accuracy. The model runs
+under the TP and PP it was saved with, one process per rank, launched like training; data-parallel
+replicas share the samples. The formulas are in megatron/core/evaluation/zeroshot.py and
+docs/evaluation.md.
+"""
+import os
+import sys
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.core.evaluation.zeroshot import (ACCURACY, LOSS, AccuracyReport, EvaluationInputError, evaluate_samples,
+                                               perplexity_report, read_lambada, read_wikitext)
+
+TASK_METRICS = {"WIKITEXT103": LOSS, "LAMBADA": ACCURACY}
+# Megatron-DeepSpeed's fine-tuning and retrieval tasks: recognised, not built here.
+FINETUNING_TASKS = ("RACE", "MNLI", "QQP", "ICT-ZEROSHOT-NQ", "RET-FINETUNE-NQ", "MSDP-PROMPT", "MSDP-EVAL-F1")
+
+
+def add_task_flags(parser) -> None:
+    """Megatron-DeepSpeed's "tasks" flags that the zero-shot GPT tasks read."""
+    group = parser.add_argument_group("tasks")
+    group.add_argument("--task", required=True, help="WIKITEXT103 (perplexity) or LAMBADA (cloze accuracy)")
+    group.add_argument("--valid-data", nargs="*", default=None,
+                       help="the evaluation file: WikiText-103 text (wiki.test.tokens) or LAMBADA jsonl")
+    group.add_argument("--overlapping-eval", type=int, default=32,
+                       help="WIKITEXT103: a window starts every N tokens and scores only its last N predictions "
+                            "(1 <= N <= --seq-length; N = --seq-length means no overlap)")
+    group.add_argument("--strict-lambada", action="store_true",
+                       help="LAMBADA: the target is the whole last word, not only its last token")
+
+
+def check_task_flags(flags) -> str:
+    """The evaluation file; raises EvaluationInputError naming the flag."""
+    if flags.task in FINETUNING_TASKS:
+        raise EvaluationInputError(f"--task {flags.task}: fine-tuning tasks are not built here; the zero-shot "
+                                   f"tasks are {', '.join(TASK_METRICS)}")
+    if flags.task not in TASK_METRICS:
+        raise EvaluationInputError(f"--task {flags.task!r} is unknown; use one of {', '.join(TASK_METRICS)}")
+    if not flags.valid_data or len(flags.valid_data) != 1:
+        raise EvaluationInputError(f"--task {flags.task} reads exactly one file: give --valid-data PATH")
+    return flags.valid_data[0]
+
+
+def evaluate_task(flags, logits_fn, tokenizer, seq_length: int, dp_rank: int = 0, dp_size: int = 1,
+                  sum_over_replicas=lambda values: values) -> AccuracyReport:
+    """The report of ``flags.task`` on ``flags.valid_data``: this data-parallel replica scores samples
+    dp_rank, dp_rank + dp_size, ...; ``sum_over_replicas`` adds the replicas' totals."""
+    path = check_task_flags(flags)
+    if flags.task == "WIKITEXT103":
+        samples = read_wikitext(path, tokenizer, seq_length, flags.overlapping_eval)
+    else:
+        samples = read_lambada(path, tokenizer, seq_length, flags.strict_lambada)
+    metric = TASK_METRICS[flags.task]
+    mine = range(dp_rank, len(samples), dp_size)
+    total, = sum_over_replicas([evaluate_samples(logits_fn, samples, flags.micro_batch_size, metric, mine)])
+    if metric == LOSS:
+        return perplexity_report(total, samples)
+    return AccuracyReport(round(total), len(samples))
