@@ -1,14 +1,12 @@
 """Zero-shot evaluation of a GPT checkpoint, Megatron-DeepSpeed's ``tasks/main.py``:
 
-    torchrun --nproc_per_node 4 tasks/main.py --task WIKITEXT103 --valid-data wiki.test.tokens \\
-        --overlapping-eval 32 --load checkpoints/gpt --no-load-optim --no-load-rng \\
-        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --micro-batch-size 8 <model flags>
+    python tasks/main.py --task WIKITEXT103 --valid-data wiki.test.tokens --overlapping-eval 32 \\
+        --load checkpoints/gpt --no-load-optim --no-load-rng --micro-batch-size 8 <model and tokenizer flags>
 
 ``--task WIKITEXT103`` prints the perplexity, its word-level adjustment and the token ratio;
-``--task LAMBADA`` (``--strict-lambada`` for whole-word targets) the cloze accuracy. The model runs
-under the TP and PP it was saved with, one process per rank, launched like training; data-parallel
-replicas share the samples. The formulas are in megatron/core/evaluation/zeroshot.py and
-docs/evaluation.md.
+``--task LAMBADA`` (``--strict-lambada`` for whole-word targets) the cloze accuracy. The model is
+the checkpoint's, whatever TP and PP saved it, run in this one process (tasks/checkpoint_model.py).
+The formulas are in megatron/core/evaluation/zeroshot.py and docs/evaluation.md.
 """
 import os
 import sys
@@ -16,8 +14,12 @@ import sys
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.core.checkpoint.reader import CheckpointInputError
 from megatron.core.evaluation.zeroshot import (ACCURACY, LOSS, AccuracyReport, EvaluationInputError, evaluate_samples,
                                                perplexity_report, read_lambada, read_wikitext)
+from megatron.core.tokenizer import TokenizerError
+from megatron.training.argument_types import ArgumentError
+from tasks.checkpoint_model import load_checkpoint_model
 
 TASK_METRICS = {"WIKITEXT103": LOSS, "LAMBADA": ACCURACY}
 # Megatron-DeepSpeed's fine-tuning and retrieval tasks: recognised, not built here.
@@ -64,3 +66,19 @@ def evaluate_task(flags, logits_fn, tokenizer, seq_length: int, dp_rank: int = 0
     if metric == LOSS:
         return perplexity_report(total, samples)
     return AccuracyReport(round(total), len(samples))
+
+
+def main(argv=None) -> int:
+    """Run the task; print Megatron's result line. Exit status 2 on a bad flag or input file."""
+    try:
+        loaded = load_checkpoint_model(argv, add_task_flags)
+        report = evaluate_task(loaded.flags, loaded.model, loaded.tokenizer, loaded.seq_length)
+    except (EvaluationInputError, CheckpointInputError, TokenizerError, ArgumentError) as exc:
+        print(f"tasks/main.py: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    print(report.line(loaded.flags.task), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -18,7 +18,7 @@ from megatron.core.checkpoint.model_loading import load_gpt_model
 from megatron.core.checkpoint.reader import open_checkpoint
 from megatron.core.evaluation.detokenizer import wikitext_detokenize
 from megatron.core.tokenizer import GPT2BPETokenizer
-from tasks.main import evaluate_task
+from tasks.main import evaluate_task, main
 from tests.conftest import SAMPLE_CORPUS
 from tests.core.evaluation.test_zeroshot import WIKITEXT, next_token_log_prob
 from tests.tasks.trained_checkpoint import SEQ_LENGTH, checkpoint_path, trained  # noqa: F401
@@ -105,3 +105,20 @@ def test_figures_equal_the_recomputation_from_logits(files):
         expected = expected_lambada(model, tokenizer, passages, strict)
         assert (accuracy.correct, accuracy.total) == (expected, len(passages))
         assert 0 < expected < len(passages)
+
+
+def test_command_line_prints_the_figures_and_names_bad_flags(trained, files, capsys, monkeypatch):  # noqa: F811
+    data, save = trained
+    model, tokenizer, _, paths = files
+    common = ["--load", save, "--no-load-optim", "--no-load-rng", "--micro-batch-size", "3", "--vocab-file",
+              data.vocab_file, "--merge-file", data.merge_file, "--num-layers", "2", "--seq-length", str(SEQ_LENGTH)]
+    for task, path, extra in (("WIKITEXT103", paths["wiki.test.tokens"], ["--overlapping-eval", str(OVERLAP)]),
+                              ("LAMBADA", paths["lambada.jsonl"], ["--strict-lambada"])):
+        assert main(["--task", task, "--valid-data", path, *common, *extra]) == 0
+        expected = evaluate_task(task_flags(task, path, strict=True), model, tokenizer, SEQ_LENGTH).line(task)
+        assert capsys.readouterr().out.strip() == expected.strip()
+    assert main(["--task", "LAMBADA", "--valid-data", paths["lambada.jsonl"], *common, "--hidden-size", "32"]) == 2
+    assert "--hidden-size 32: the checkpoint at --load" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert main(["--task", "LAMBADA", "--valid-data", paths["lambada.jsonl"], *common]) == 2
+    assert "launch the evaluation as one process" in capsys.readouterr().err
