@@ -39,6 +39,7 @@ setup(
         "hf": ["transformers>=4.40"],
         "sentences": ["nltk>=3.8"],
         "triton": ["triton"],
+        "bnb": ["bitsandbytes>=0.45"],
         "plot": ["matplotlib>=3.7"],
         "eval": ["lm-eval>=0.4.13", "accelerate>=0.26"],
     },

@@ -24,7 +24,7 @@ stage 0" was that same optimizer, so stage 0 becomes 1 in that case (said in the
 stage 3, stage >= 2 with pipeline parallelism, fp16 without CUDA,
 a universal checkpoint (--universal-checkpoint, which sets ``checkpoint.load_universal``; the key
 alone counts as the flag) at ZeRO stage 0, and ``optimizer``/``scheduler`` blocks (the optimizer
-and the LR schedule come from the flags). With --optimizer sgd at ZeRO stage >= 1,
+and the LR schedule come from the flags). With --optimizer sgd or --use-bnb-optimizer at ZeRO stage >= 1,
 ``zero_allow_untested_optimizer`` is set (as in the BigScience configs) unless the config sets it.
 The ``curriculum_learning`` block is checked against the flags by validation.py (curriculum.py).
 """
@@ -291,8 +291,10 @@ class _Resolution:
                                 f"stage 3 is not supported; remove it")
 
     def optimizer_support(self):
-        """DeepSpeed refuses optimizers outside its ZeRO list (SGD) at stage >= 1 unless told otherwise."""
-        if self.args.optimizer == "sgd" and self.config["zero_optimization"]["stage"] >= 1:
+        """DeepSpeed refuses optimizers outside its ZeRO list (SGD, bitsandbytes' AdamW8bit) at stage >= 1
+        unless told otherwise."""
+        untested = self.args.optimizer == "sgd" or self.args.use_bnb_optimizer
+        if untested and self.config["zero_optimization"]["stage"] >= 1:
             self.config.setdefault("zero_allow_untested_optimizer", True)
 
 

@@ -124,6 +124,9 @@ def add_training_args(parser):
                        help="do not fuse bias, dropout and residual add")
     group.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
                        help="adam (with decoupled weight decay) or sgd")
+    group.add_argument("--use-bnb-optimizer", action="store_true",
+                       help="adam as bitsandbytes' 8-bit AdamW, with a stable embedding (LayerNorm, Xavier "
+                            "init, 32-bit optimizer state); needs the 'bnb' extra")
     group.add_argument("--dataloader-type", choices=("single", "cyclic"), default=None,
                        help="single (resumable, sequential) or cyclic (reshuffled every epoch); default single")
     group.add_argument("--codecarbon-dir", default=None, help="record energy and emissions with codecarbon here")

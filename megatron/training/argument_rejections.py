@@ -6,7 +6,7 @@ at parse time with a message that says why and what to do instead. The flags are
 
 | Flags | Why refused |
 |---|---|
-| --use-bnb-optimizer, --reset-progress | the feature comes with the long-run work (8-bit Adam, progress reset) |
+| --reset-progress | the feature comes with the long-run work (progress reset) |
 | --inference | builds a model without optimizer for the generation tools; pretraining always trains |
 | --batch-size, --warmup, --model-parallel-size | deprecated in Megatron-DeepSpeed, which asserted with these messages |
 | --cpu-optimizer, --cpu_torch_adam | Megatron-DeepSpeed raised NotImplementedError / ignored it; offload is a ds_config matter |
@@ -45,7 +45,6 @@ def _zero_block(key):
 
 
 _SPECIFIC_REASONS = {
-    "--use-bnb-optimizer": f"8-bit Adam (bitsandbytes) {_LONG_RUN}",
     "--reset-progress": f"resetting the progress counters on load {_LONG_RUN}",
     "--inference": ("builds a model without optimizer for the text-generation tools; pretraining "
                     "always trains; remove the flag"),

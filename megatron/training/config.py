@@ -117,6 +117,7 @@ class OptimizerConfig:
         weight_decay: decoupled weight decay, not applied to biases and norm weights (--weight-decay).
         adam_beta1, adam_beta2, adam_eps: Adam's beta1, beta2 and epsilon.
         sgd_momentum: SGD momentum (--sgd-momentum).
+        use_bnb_optimizer: Adam as bitsandbytes' AdamW8bit, the embedding's state in 32 bits (--use-bnb-optimizer).
         clip_grad: global L2 clipping DeepSpeed applies: ds_config gradient_clipping, else --clip-grad.
     """
 
@@ -128,6 +129,7 @@ class OptimizerConfig:
     adam_beta2: float
     adam_eps: float
     sgd_momentum: float
+    use_bnb_optimizer: bool
     clip_grad: float
 
 
@@ -354,6 +356,8 @@ def model_config_from_args(flags, derived: DerivedValues, padded_vocab_size: int
     renamed = {"padded_vocab_size": padded_vocab_size, "seq_length": derived.seq_length,
                "params_dtype": derived.params_dtype,
                "attention_impl": "materialized" if flags.deterministic else "sdpa",
+               "embed_layernorm": bool(flags.embed_layernorm or flags.use_bnb_optimizer),
+               "stable_embedding": bool(flags.use_bnb_optimizer),
                "distribute_checkpointed_activations": bool(flags.distribute_checkpointed_activations
                                                            or flags.partition_activations),
                "use_cpu_initialization": bool(flags.use_cpu_initialization)}

@@ -14,7 +14,8 @@ rank after ``deepspeed.initialize``. The plain module gets ``mpu=DeepSpeedMPU(gr
 
 Optimizer: ``--optimizer adam`` is Adam with decoupled weight decay (torch.optim.AdamW, fused on
 CUDA): p <- p - lr * (m_hat / (sqrt(v_hat) + eps) + wd * p), with wd = 0 for biases and norm
-weights; ``sgd`` is torch.optim.SGD with --sgd-momentum. DeepSpeed wraps it (ZeRO, BF16_Optimizer,
+weights; with --use-bnb-optimizer the same update by bitsandbytes' AdamW8bit (8-bit moments, 32-bit
+for the word embedding); ``sgd`` is torch.optim.SGD with --sgd-momentum. DeepSpeed wraps it (ZeRO, BF16_Optimizer,
 fp16 loss scaling) and clips gradients to the ds_config's gradient_clipping.
 
 The learning rate follows AnnealingLR (lr_schedule.py), handed to ``deepspeed.initialize`` as the
@@ -31,6 +32,7 @@ import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.layer_norm import LayerNorm
 from megatron.core.parallel_state import DeepSpeedMPU, ParallelGroups
+from megatron.core.tensor_parallel import VocabParallelEmbedding
 from megatron.training.config import OptimizerConfig, ScheduleConfig, TrainConfig
 from megatron.training.dist_utils import (broadcast_from_first_rank, gather_objects, max_across_ranks, print_rank_0,
                                          sum_across_group)
@@ -90,10 +92,18 @@ def build_optimizer(model: torch.nn.Module, optimizer: OptimizerConfig,
 
     With ZeRO's optimizer offload (``offload_to_cpu``) Adam is DeepSpeed's DeepSpeedCPUAdam in AdamW
     mode, the same update run by DeepSpeed's vectorised CPU kernel (compiled on first use): DeepSpeed
-    refuses another optimizer there.
+    refuses another optimizer there. With --use-bnb-optimizer it is bitsandbytes' AdamW8bit, the
+    word embedding in a group of its own with 32-bit state (bnb_optimizer.py).
     """
-    groups = [group for group in weight_decay_groups(model, optimizer.weight_decay) if group["params"]]
+    groups = weight_decay_groups(model, optimizer.weight_decay)
     betas = (optimizer.adam_beta1, optimizer.adam_beta2)
+    if optimizer.use_bnb_optimizer:
+        from megatron.training.bnb_optimizer import adamw_8bit, with_embedding_in_32_bits
+
+        embeddings = [module.weight for module in model.modules() if isinstance(module, VocabParallelEmbedding)]
+        groups = [group for group in with_embedding_in_32_bits(groups, embeddings) if group["params"]]
+        return adamw_8bit(groups, lr=optimizer.lr, betas=betas, eps=optimizer.adam_eps, device=current_device())
+    groups = [group for group in groups if group["params"]]
     if optimizer.optimizer == "adam" and offload_to_cpu:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
         return DeepSpeedCPUAdam(groups, lr=optimizer.lr, betas=betas, eps=optimizer.adam_eps, adamw_mode=True)

@@ -19,6 +19,7 @@ from megatron.core.parallel_state import validate_parallel_sizes
 from megatron.core.tokenizer import REJECTED_TOKENIZER_TYPES
 from megatron.training.argument_ds_config import resolve_ds_config
 from megatron.training.argument_types import ArgumentError
+from megatron.training.bnb_optimizer import INSTALL_HINT
 from megatron.training.curriculum import CurriculumConfigError, curriculum_config
 from megatron.training.launch_env import LaunchEnv, effective_backend
 from megatron.training.microbatches import BatchSizeError, check_batch_sizes
@@ -244,6 +245,24 @@ def _check_curriculum(args, derived: DerivedValues):
                             f"{derived.seq_length}), or --lr-decay-style constant")
 
 
+def _check_bnb_optimizer(args, derived: DerivedValues):
+    """--use-bnb-optimizer: Adam, ZeRO stage 0 or 1, no offload, and bitsandbytes installed (whether it
+    runs on this machine is tried when the optimizer is built: bnb_optimizer.check_runs_on)."""
+    if not args.use_bnb_optimizer:
+        return
+    stage = derived.zero_stage
+    if args.optimizer != "adam":
+        raise ArgumentError(f"--use-bnb-optimizer is 8-bit Adam: it needs --optimizer adam, not {args.optimizer}")
+    if stage > 1:
+        raise ArgumentError(f"--use-bnb-optimizer runs at ZeRO stage 0 or 1 (the stages the 104B runs used), "
+                            f"not {stage}: set --zero-stage / zero_optimization.stage to 0 or 1")
+    if (derived.ds_config["zero_optimization"].get("offload_optimizer") or {}).get("device", "none") != "none":
+        raise ArgumentError("--use-bnb-optimizer and zero_optimization.offload_optimizer exclude each other: the "
+                            "offloaded step is DeepSpeed's CPU Adam; drop one")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ArgumentError(f"--use-bnb-optimizer needs bitsandbytes, which is not installed: {INSTALL_HINT}")
+
+
 def _check_data(args):
     weighted = [f"--{split}-weighted-split-paths{suffix}" for split in ("train", "valid", "test")
                 for suffix in ("", "-path") if getattr(args, f"{split}_weighted_split_paths{suffix.replace('-', '_')}")]
@@ -313,6 +332,7 @@ def validate_args(args: argparse.Namespace, explicit: set[str], launch: LaunchEn
     _check_batch(args, explicit, derived)
     _check_lr_schedule(args, derived.global_batch_size)
     _check_curriculum(args, derived)
+    _check_bnb_optimizer(args, derived)
     _check_data(args)
     _check_tokenizer_and_tools(args)
     return derived

@@ -88,9 +88,8 @@ def test_refused_flag_gives_its_reason(flag):
     assert message == f"{flag}: {REJECTED_FLAGS[flag]}"
 
 
-@pytest.mark.parametrize("extra", [["--use-bnb-optimizer"], ["--reset-progress"]])
-def test_long_run_features_are_not_available_yet(extra):
-    assert "not available yet" in error(extra)
+def test_long_run_features_are_not_available_yet():
+    assert "not available yet" in error(["--reset-progress"])
 
 
 @pytest.mark.parametrize("flag, message", [
@@ -578,7 +577,7 @@ def test_tr11_style_arguments_parse(tmp_path, ds_file, capsys):
     assert not any("gradient_clipping" in n for n in notices)
 
 
-@pytest.mark.parametrize("refused", [["--use-bnb-optimizer"]])
+@pytest.mark.parametrize("refused", [["--reset-progress"]])
 def test_tr11_style_arguments_with_refused_flags(tmp_path, ds_file, refused):
     argv_tr11 = tr11_argv(tmp_path, ds_file(TR11_DS_CONFIG)) + refused
     with pytest.raises(ArgumentError, match="not available yet"):

@@ -107,7 +107,7 @@ def test_weight_decay_skips_biases_and_norm_weights():
 def test_adamw_is_decoupled_weight_decay():
     model = tiny_model()
     optimizer = build_optimizer(model, SimpleNamespace(optimizer="adam", lr=0.1, weight_decay=0.5, adam_beta1=0.9,
-                                                       adam_beta2=0.95, adam_eps=1e-8))
+                                                       adam_beta2=0.95, adam_eps=1e-8, use_bnb_optimizer=False))
     assert isinstance(optimizer, torch.optim.AdamW)
     weight = model.final_layernorm.weight
     matrix = model.layers[0].mlp.dense_h_to_4h.weight

@@ -1,9 +1,10 @@
 """GPTModelConfig: the shape and numerics of the GPT model, with Megatron-DeepSpeed's flag names and defaults.
 
 Fields carry the names of Megatron-DeepSpeed's flags (``num_layers`` <- ``--num-layers``, ...), so the
-trainer converts its parsed arguments field by field. Three are derived rather than parsed:
+trainer converts its parsed arguments field by field. Four are derived rather than parsed:
 ``padded_vocab_size`` (tokenizer + --make-vocab-size-divisible-by / --pad-vocab-size-to),
-``params_dtype`` (--fp16 / --bf16) and ``attention_impl`` (no Megatron-DeepSpeed flag, see the class docstring).
+``params_dtype`` (--fp16 / --bf16), ``attention_impl`` (no Megatron-DeepSpeed flag, see the class docstring)
+and ``stable_embedding`` (--use-bnb-optimizer: bitsandbytes' StableEmbedding, see the class docstring).
 Validation happens at construction and names the flags; ``validate_for_tensor_parallel`` adds the
 checks that depend on the TP degree.
 """
@@ -37,6 +38,10 @@ class GPTModelConfig:
     ``padded_vocab_size`` is the vocabulary after padding (--make-vocab-size-divisible-by /
     --pad-vocab-size-to); the padding rows are ordinary classes that targets never hit.
 
+    ``stable_embedding`` (with ``embed_layernorm``) is bitsandbytes' StableEmbedding as Megatron-DeepSpeed
+    builds it with --use-bnb-optimizer: the word table drawn Xavier-uniform from its full [V, h] shape
+    and a LayerNorm after the lookup (the trainer adds 32-bit optimizer state for the table).
+
     ``attention_impl`` chooses how attention is computed:
     "sdpa" (default) runs torch's scaled_dot_product_attention (flash / cuDNN / memory-efficient on
     GPU); "materialized" forms the [b, n, s, s] scores as Megatron-DeepSpeed does (query-key layer scaling,
@@ -55,6 +60,7 @@ class GPTModelConfig:
     layernorm_epsilon: float = 1e-5
     apply_residual_connection_post_layernorm: bool = False
     embed_layernorm: bool = False
+    stable_embedding: bool = False
     glu_activation: str | None = None
     openai_gelu: bool = False
     bias_gelu_fusion: bool = True
@@ -142,6 +148,9 @@ class GPTModelConfig:
         if self.distribute_checkpointed_activations and not self.checkpoint_activations:
             raise GPTConfigError("--distribute-checkpointed-activations / --partition-activations require "
                                  "--checkpoint-activations")
+        if self.stable_embedding and not self.embed_layernorm:
+            raise GPTConfigError("a stable embedding (--use-bnb-optimizer) has a LayerNorm after the word embedding: "
+                                 "it needs embed_layernorm")
         if self.attention_impl not in ATTENTION_IMPLEMENTATIONS:
             raise GPTConfigError(f"attention implementation must be one of {ATTENTION_IMPLEMENTATIONS}, "
                                  f"got {self.attention_impl!r}")

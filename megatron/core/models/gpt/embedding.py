@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from megatron.core.models.gpt.config import GPTModelConfig
-from megatron.core.models.gpt.init import initialize_replicated_weight, weight_init_method
+from megatron.core.models.gpt.init import initialize_replicated_weight, stable_embedding_init_method, weight_init_method
 from megatron.core.models.gpt.layer_norm import LayerNorm
 from megatron.core.models.gpt.positional import LearnedPositionEmbedding
 from megatron.core.parallel_state import ParallelGroups
@@ -17,7 +17,10 @@ class Embedding(nn.Module):
     """e = dropout(LN_e(W[tokens]) + P[positions])  -> [b, s, h]
 
     W: the word embeddings [V, h], split by vocabulary rows over the TP ranks (VocabParallelEmbedding).
-    LN_e: only with --embed-layernorm (Megatron-DeepSpeed applies it to the word embeddings alone).
+    LN_e: only with --embed-layernorm (Megatron-DeepSpeed applies it to the word embeddings alone), on
+    the full [b, s, h] lookup that VocabParallelEmbedding has summed over the TP ranks, never on one
+    vocabulary partition's share. A stable embedding (config.stable_embedding) has it and draws W
+    Xavier-uniform (init.stable_embedding_init_method).
     P: the learned position table, only with --position-embedding-type absolute (rotary and ALiBi act
     inside attention). Dropout is --hidden-dropout, from the default generator (same mask on all TP
     ranks, as e is replicated). The output head reuses W: ``logits(x) = x W^T``.
@@ -27,9 +30,10 @@ class Embedding(nn.Module):
         super().__init__()
         self.config = config
         self.tp_group = groups.tp
+        word_init = stable_embedding_init_method if config.stable_embedding else weight_init_method
         self.word_embeddings = VocabParallelEmbedding(
             config.padded_vocab_size, config.hidden_size, tp_group=groups.tp,
-            init_method=weight_init_method(config, EMBEDDING_LAYER_NUMBER, "word_embeddings.weight"),
+            init_method=word_init(config, EMBEDDING_LAYER_NUMBER, "word_embeddings.weight"),
             use_cpu_initialization=config.use_cpu_initialization, params_dtype=config.params_dtype, device=device)
         self.embed_layernorm = None
         if config.embed_layernorm:

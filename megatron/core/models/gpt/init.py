@@ -45,8 +45,9 @@ def parameter_seed(seed: int, layer_number: int, param_name: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def seeded_init_method_normal(sigma: float, seed: int, layer_number: int, param_name: str) -> InitMethod:
-    """N(0, sigma^2) drawn from a generator seeded by ``parameter_seed``: the same tensor on every call.
+def seeded_init_method(draw: Callable[[torch.Tensor, torch.Generator], None], seed: int, layer_number: int,
+                       param_name: str) -> InitMethod:
+    """``draw(tensor, generator)`` from a generator seeded by ``parameter_seed``: the same tensor on every call.
 
     The draw happens on CPU in fp32 and is copied into the tensor (any device, any dtype); the TP
     layers' ``use_cpu_initialization`` path calls it on the full master weight.
@@ -54,9 +55,32 @@ def seeded_init_method_normal(sigma: float, seed: int, layer_number: int, param_
 
     def init_(tensor: torch.Tensor) -> None:
         generator = torch.Generator(device="cpu").manual_seed(parameter_seed(seed, layer_number, param_name))
-        draw = torch.empty(tensor.shape, dtype=torch.float32).normal_(0.0, sigma, generator=generator)
+        values = torch.empty(tensor.shape, dtype=torch.float32)
+        draw(values, generator)
         with torch.no_grad():
-            tensor.copy_(draw)
+            tensor.copy_(values)
+
+    return init_
+
+
+def seeded_init_method_normal(sigma: float, seed: int, layer_number: int, param_name: str) -> InitMethod:
+    """N(0, sigma^2) through ``seeded_init_method``."""
+    return seeded_init_method(lambda values, generator: values.normal_(0.0, sigma, generator=generator),
+                              seed, layer_number, param_name)
+
+
+def stable_embedding_init_method(config: GPTModelConfig, layer_number: int, param_name: str) -> InitMethod:
+    """bitsandbytes' StableEmbedding init: U(-a, a) with a = sqrt(6 / (V + h)) (Xavier uniform), where V and
+    h are the FULL table's rows and columns whatever slice a TP rank initialises; layout-independent under
+    CPU init, as ``weight_init_method``."""
+    bound = math.sqrt(6.0 / (config.padded_vocab_size + config.hidden_size))
+    if config.use_cpu_initialization:
+        return seeded_init_method(lambda values, generator: values.uniform_(-bound, bound, generator=generator),
+                                  config.seed, layer_number, param_name)
+
+    def init_(tensor: torch.Tensor) -> None:
+        with torch.no_grad():
+            tensor.uniform_(-bound, bound)
 
     return init_
 

@@ -1,10 +1,13 @@
-"""Embedding: word (+ LN) + position, dropout, and the tied output head."""
+"""Embedding: word (+ LN) + position, dropout, the tied output head, and the stable embedding (TP = 2 = TP = 1)."""
+import pytest
 import torch
 import torch.nn.functional as F
 
 from megatron.core.models.gpt.embedding import Embedding
-from megatron.core.parallel_state import single_rank_groups
-from tests.core.models.gpt.gpt_test_utils import random_tokens, randomize_parameters, tiny_config
+from megatron.core.parallel_state import initialize_model_parallel, single_rank_groups
+from tests.core.models.gpt.gpt_test_utils import (copy_full_weights, full_grads, full_weights, random_tokens,
+                                                  randomize_parameters, tiny_config)
+from tests.dist_utils import run_distributed
 
 TOKENS = random_tokens(2, 16, 64, seed=1)
 POSITIONS = torch.tensor([list(range(16)), list(range(8)) * 2])
@@ -43,3 +46,41 @@ def test_embedding_dropout_and_fp32_residual():
     torch.testing.assert_close(dropped[~zeroed], 2 * kept[~zeroed])
     low = Embedding(tiny_config(params_dtype=torch.bfloat16, fp32_residual_connection=True), single_rank_groups())
     assert low(TOKENS, POSITIONS).dtype == torch.float32
+
+
+def test_stable_embedding_draws_xavier_uniform_from_the_full_table():
+    """U(-a, a) with a = sqrt(6 / (V + h)) = sqrt(6 / 96) = 0.25 for V = 64, h = 32: bounded, and with the
+    uniform's standard deviation a / sqrt(3) (2048 draws: within 5 %)."""
+    config = tiny_config(embed_layernorm=True, stable_embedding=True)
+    weight = Embedding(config, single_rank_groups()).word_embeddings.weight.detach()
+    assert float(weight.abs().max()) <= 0.25
+    assert abs(float(weight.std()) - 0.25 / 3 ** 0.5) < 0.05 * 0.25 / 3 ** 0.5
+
+
+def _stable_embedding_worker(rank, world_size):
+    groups = initialize_model_parallel(tensor_model_parallel_size=2)
+    config = tiny_config(embed_layernorm=True, stable_embedding=True)
+    reference, model = Embedding(config, single_rank_groups()).eval(), Embedding(config, groups).eval()
+    gathered = full_weights(model.named_parameters(), groups.tp)
+    for name, param in reference.named_parameters():
+        assert torch.equal(gathered[name], param.detach()), f"TP=2 init differs: {name}"
+    randomize_parameters(reference, seed=5, scale=0.5)
+    copy_full_weights(model, {name: param.detach() for name, param in reference.named_parameters()},
+                      groups.tp_rank, groups.tp_size)
+    upstream = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(6))  # d loss / d output
+    outputs = []
+    for net in (reference, model):
+        output = net(TOKENS, POSITIONS)
+        (output * upstream).sum().backward()
+        outputs.append(output.detach())
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-6, atol=1e-6)
+    grads = full_grads(model.named_parameters(), groups.tp)
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, rtol=1e-6, atol=1e-6, msg=f"gradient of {name}")
+
+
+@pytest.mark.distributed
+def test_stable_embedding_under_tp2_equals_tp1():
+    """The LayerNorm normalizes the full lookup (summed over the vocabulary partitions), so TP = 2 gives the
+    TP = 1 output and gradients in fp32; a norm per partition would not."""
+    run_distributed(_stable_embedding_worker, 2)
