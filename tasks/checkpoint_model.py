@@ -51,9 +51,9 @@ def check_model_flags(parser, flags, checkpoint: SavedCheckpoint) -> None:
                                        f"{checkpoint.directory} was trained with {saved}")
 
 
-def precision(flags, force_fp32: bool) -> dict:
-    """The model's dtype override: fp32 when forced, else --bf16 / --fp16, else the checkpoint's."""
-    if force_fp32:
+def precision(flags) -> dict:
+    """The model's dtype override: fp32 with --eval_fp32, else --bf16 / --fp16, else the checkpoint's."""
+    if getattr(flags, "eval_fp32", False):
         return {"params_dtype": torch.float32}
     if flags.bf16:
         return {"params_dtype": torch.bfloat16}
@@ -62,7 +62,7 @@ def precision(flags, force_fp32: bool) -> dict:
     return {}
 
 
-def load_checkpoint_model(argv, add_flags, force_fp32: bool = False) -> CheckpointModel:
+def load_checkpoint_model(argv, add_flags) -> CheckpointModel:
     """Parse ``argv`` (the trainer's flags plus those ``add_flags(parser)`` adds) and load the model
     of ``--load``; raises EvaluationInputError naming the flag."""
     parser, flags = parse_flags(argv, add_flags)
@@ -84,5 +84,5 @@ def load_checkpoint_model(argv, add_flags, force_fp32: bool = False) -> Checkpoi
     if tokenizer.vocab_size > checkpoint.model["padded_vocab_size"]:
         raise EvaluationInputError(f"the tokenizer has {tokenizer.vocab_size} tokens, the checkpoint's model "
                                    f"{checkpoint.model['padded_vocab_size']}: not the tokenizer it was trained with")
-    model = load_gpt_model(checkpoint, **precision(flags, force_fp32))
+    model = load_gpt_model(checkpoint, **precision(flags))
     return CheckpointModel(flags, model, tokenizer, seq_length)
