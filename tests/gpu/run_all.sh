@@ -24,5 +24,8 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     runs="$runs layout_single layout_dp2 layout_tp2 layout_pp2 layout_compare"
 fi
 RUNS=$runs OUT=$OUT/trainer bash tests/gpu/run_trainer.sh > "$OUT/trainer.log" 2>&1 || status=1
+if [ -f runs/bnb_gpu/data/python-docs_text_document.idx ]; then  # 8-bit against 32-bit AdamW (run_bnb_adam.sh)
+    OUT=$OUT/bnb bash tests/gpu/run_bnb_adam.sh > "$OUT/bnb.log" 2>&1 || status=1
+fi
 cat "$OUT/trainer/summary.txt" "$OUT/trainer/layouts.txt" 2>/dev/null
 exit $status
