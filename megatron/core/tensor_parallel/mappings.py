@@ -107,3 +107,29 @@ def gather_from_tensor_model_parallel_region(tensor: torch.Tensor, group: Proces
     if group_size(group) == 1:
         return tensor
     return _GatherFromTensorModelParallelRegion.apply(tensor, group)
+
+
+# Plain transfers for inference (no autograd): activations between pipeline stages, and a tensor
+# shared from one rank. Ranks are global; ``group=None`` in broadcast_from_rank is the identity.
+
+
+def send_to_rank(tensor: torch.Tensor, destination: int) -> None:
+    """Blocking point-to-point send of ``tensor`` to global rank ``destination``."""
+    dist.send(tensor.contiguous(), destination)
+
+
+def receive_from_rank(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, source: int) -> torch.Tensor:
+    """The tensor of ``shape`` and ``dtype`` that global rank ``source`` sends (send_to_rank)."""
+    received = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(received, source)
+    return received
+
+
+def broadcast_from_rank(tensor: torch.Tensor, source: int, group: ProcessGroup | None) -> torch.Tensor:
+    """Global rank ``source``'s ``tensor`` on every rank of ``group`` (in place; returned). The tensor
+    must be contiguous: a strided view would travel in storage order and land permuted."""
+    if not tensor.is_contiguous():
+        raise ValueError("broadcast_from_rank needs a contiguous tensor")
+    if group_size(group) > 1:
+        dist.broadcast(tensor, src=source, group=group)
+    return tensor

@@ -63,9 +63,14 @@ class ParallelSelfAttention(nn.Module):
             self.register_buffer("alibi_slopes", slopes.to(device), persistent=False)
 
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                attention_mask: torch.Tensor | None = None, kv_cache=None) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden_states [s, b, h], position_ids [b, s], attention_mask bool [b, 1, s, s] (True = masked,
-        causality included) or None for plain causal attention -> (output [s, b, h], bias [h])."""
+        causality included) or None for plain causal attention -> (output [s, b, h], bias [h]).
+
+        ``kv_cache`` (inference): an object whose ``extend(key, value)`` stores this call's keys and
+        values [b, np, s, hn] after those of earlier calls and returns all of them [b, np, t + s, hn];
+        the s queries are then the last s positions (causal, bottom-right) and run through sdpa.
+        """
         seq_length, batch = hidden_states.shape[:2]
         mixed, _ = self.query_key_value(hidden_states)  # [s, b, np * 3 * hn]
         mixed = mixed.view(seq_length, batch, self.heads_per_partition, 3 * self.head_dim)
@@ -75,10 +80,12 @@ class ParallelSelfAttention(nn.Module):
             query, key = apply_rotary_embedding(query, cos, sin), apply_rotary_embedding(key, cos, sin)
         # [s, b, np, hn] -> [b, np, s, hn]
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if kv_cache is not None:
+            key, value = kv_cache.extend(key, value)  # [b, np, t + s, hn]
         alibi = None
         if self.config.position_embedding_type == "alibi":
-            alibi = alibi_bias(self.alibi_slopes, seq_length).to(query.dtype)  # [np, s, s]
-        if self.config.attention_impl == "sdpa":
+            alibi = alibi_bias(self.alibi_slopes, seq_length, key.shape[-2]).to(query.dtype)  # [np, s, t + s]
+        if self.config.attention_impl == "sdpa" or kv_cache is not None:
             context = self._sdpa(query, key, value, alibi, attention_mask)
         else:
             context = self._materialized(query, key, value, alibi, attention_mask)
@@ -90,12 +97,13 @@ class ParallelSelfAttention(nn.Module):
         return self.config.attention_dropout if self.training else 0.0
 
     def _sdpa(self, query, key, value, alibi, attention_mask):
-        """scaled_dot_product_attention with is_causal, or with the additive bias B + mask."""
+        """scaled_dot_product_attention with is_causal, or with the additive bias B + mask (queries
+        the last of the key positions when there are fewer of them: a cached decode step)."""
         bias = None
-        if alibi is not None or attention_mask is not None:
+        seq_length, key_length = query.shape[-2], key.shape[-2]
+        if alibi is not None or attention_mask is not None or seq_length != key_length:
             if attention_mask is None:
-                seq_length = query.shape[-2]
-                attention_mask = fused_kernels.causal_mask(seq_length, device=query.device)
+                attention_mask = fused_kernels.causal_mask(seq_length, key_length, device=query.device)
             if alibi is None:
                 bias = ~attention_mask  # bool: True = may attend
             else:

@@ -76,8 +76,14 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
-def alibi_bias(slopes: torch.Tensor, seq_length: int) -> torch.Tensor:
-    """m_j * (k - q) for each head j: fp32 [len(slopes), s, s] (add the causal mask separately)."""
-    position = torch.arange(seq_length, dtype=torch.float32, device=slopes.device)
-    distance = position[None, :] - position[:, None]  # [s (q), s (k)]
+def alibi_bias(slopes: torch.Tensor, seq_length: int, key_length: int | None = None) -> torch.Tensor:
+    """m_j * (k - q) for each head j: fp32 [len(slopes), sq, sk] (add the causal mask separately).
+
+    The queries are the last ``seq_length`` of ``key_length`` positions (default: as many as the
+    queries), as when new tokens attend to a key/value cache: query q sits at sk - sq + q.
+    """
+    key_length = seq_length if key_length is None else key_length
+    key_position = torch.arange(key_length, dtype=torch.float32, device=slopes.device)
+    query_position = key_position[key_length - seq_length:]
+    distance = key_position[None, :] - query_position[:, None]  # [sq, sk]
     return slopes.to(torch.float32)[:, None, None] * distance

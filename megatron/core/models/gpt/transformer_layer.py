@@ -34,10 +34,11 @@ class ParallelTransformerLayer(nn.Module):
         self.residual_dtype = torch.float32 if config.fp32_residual_connection else config.params_dtype
 
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden_states [s, b, h], position_ids [b, s], attention_mask bool [b, 1, s, s] or None -> [s, b, h]."""
+                attention_mask: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
+        """hidden_states [s, b, h], position_ids [b, s], attention_mask bool [b, 1, s, s] or None -> [s, b, h];
+        ``kv_cache``: the layer's key/value cache during inference (ParallelSelfAttention.forward)."""
         normed = self.input_layernorm(hidden_states).to(self.config.params_dtype)
-        attention_output, attention_bias = self.self_attention(normed, position_ids, attention_mask)
+        attention_output, attention_bias = self.self_attention(normed, position_ids, attention_mask, kv_cache)
         residual = normed if self.config.apply_residual_connection_post_layernorm else hidden_states
         hidden_states = self._bias_dropout_add(attention_output, attention_bias, residual)
         normed = self.post_attention_layernorm(hidden_states).to(self.config.params_dtype)

@@ -1,0 +1,193 @@
+"""The model of a training checkpoint, run for inference with one process per rank, as training runs.
+
+What the generation tools and the evaluation commands call (every rank of the launch, together):
+
+    from megatron.training.initialize import select_accelerator
+    select_accelerator()                                     # before anything imports deepspeed
+    from megatron.training.inference_model import InferenceSetupError, load_inference_model
+
+    model = load_inference_model(argv, add_flags)            # collective; add_flags(parser) adds yours
+    logits = model.logits(tokens)                            # tokens [b, s] int, the same on every rank,
+                                                             # s <= model.seq_length -> [b, s, padded V]
+                                                             # fp32, the same on every rank of the replica
+    model.tokenizer, model.seq_length, model.flags, model.config (GPTModelConfig)
+    model.groups                                             # ParallelGroups: dp_rank, dp_size, dp group
+    model.forward                                            # PipelineForward (cached generation)
+    model.shutdown()                                         # collective: tear the process group down
+
+The command line is the trainer's parser (model, tokenizer, checkpoint, precision and parallel
+flags; training-only flags are accepted and ignored, none is required) plus ``add_flags``. The model
+configuration is the checkpoint's; a model flag given with another value is refused by name.
+``--load`` is a --save directory (its ``latest``) or a ``global_stepN`` directory; only the model's
+weights are read (``--no-load-optim`` / ``--no-load-rng`` are what happens anyway).
+
+Layout: launched like training (python for one process; deepspeed, torchrun or srun for several),
+TP and PP are --tensor-model-parallel-size / --pipeline-model-parallel-size when given, else the
+checkpoint's; any other layout works as well (its weights are re-cut on load, stage_model.py). The
+world size must be a multiple of TP x PP; the rest are data-parallel replicas, each a whole model.
+
+Precision: ``params_dtype`` when given (e.g. fp32 for an evaluation of a bf16 checkpoint), else
+--fp16 / --bf16, else the dtype the checkpoint was trained in. CPU (gloo) or GPU (NCCL, one GPU a rank).
+"""
+import dataclasses
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron.core.checkpoint.model_loading import gpt_model_config
+from megatron.core.checkpoint.reader import SavedCheckpoint, open_checkpoint
+from megatron.core.models.gpt.config import GPTModelConfig
+from megatron.core.parallel_state import ParallelGroups
+from megatron.core.text_generation.forward import PipelineForward
+from megatron.core.text_generation.stage_model import InferenceStage, load_stage_weights
+from megatron.core.tokenizer import build_tokenizer
+from megatron.training.arguments import build_parser
+from megatron.training.config import ParallelConfig
+from megatron.training.dist_utils import shutdown
+from megatron.training.engine import current_device
+from megatron.training.initialize import initialize_distributed, set_random_seeds
+from megatron.training.launch_env import effective_backend, read_launch_env
+
+# Flags whose value, when given, must be the checkpoint's (dest = the saved configuration's key).
+MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
+               "max_position_embeddings", "position_embedding_type", "glu_activation", "embed_layernorm",
+               "apply_residual_connection_post_layernorm", "openai_gelu", "layernorm_epsilon")
+
+
+class InferenceSetupError(ValueError):
+    """The command line, launch or checkpoint cannot give a model; the message names the flag or file."""
+
+
+@dataclass
+class InferenceModel:
+    """A checkpoint's model on this rank's stage (module docstring)."""
+
+    flags: object
+    checkpoint: SavedCheckpoint
+    config: GPTModelConfig
+    groups: ParallelGroups
+    tokenizer: object
+    seq_length: int
+    forward: PipelineForward
+    device: torch.device
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [b, s] (s <= seq_length) -> logits [b, s, padded V] fp32; collective over the replica."""
+        if tokens.shape[-1] > self.seq_length:
+            raise InferenceSetupError(f"{tokens.shape[-1]} tokens: the model takes at most --seq-length "
+                                      f"{self.seq_length}")
+        return self.forward.logits(tokens.to(self.device))
+
+    def shutdown(self) -> None:
+        shutdown()
+
+
+def parse_inference_flags(argv: Sequence[str] | None, add_flags: Callable | None = None):
+    """(parser, flags): the trainer's parser plus ``add_flags(parser)``; no validation of training flags."""
+    parser = build_parser()
+    if add_flags is not None:
+        add_flags(parser)
+    return parser, parser.parse_args(argv)
+
+
+def check_model_flags(parser, flags, checkpoint: SavedCheckpoint) -> None:
+    """Every model flag given (not at its default) must have the checkpoint's value."""
+    for dest in MODEL_FLAGS:
+        given, saved = getattr(flags, dest), checkpoint.model.get(dest)
+        if given != parser.get_default(dest) and given != saved:
+            raise InferenceSetupError(f"--{dest.replace('_', '-')} {given}: the checkpoint at --load "
+                                      f"{checkpoint.directory} was trained with {saved}")
+
+
+def model_dtype(flags, params_dtype: torch.dtype | None) -> dict:
+    """The params_dtype override: ``params_dtype``, else --bf16 / --fp16, else none (the checkpoint's)."""
+    if params_dtype is not None:
+        return {"params_dtype": params_dtype}
+    if flags.bf16:
+        return {"params_dtype": torch.bfloat16}
+    if flags.fp16:
+        return {"params_dtype": torch.float16}
+    return {}
+
+
+def inference_config(flags, checkpoint: SavedCheckpoint, params_dtype: torch.dtype | None) -> GPTModelConfig:
+    """The checkpoint's model configuration for inference: no dropout, sdpa attention, no activation
+    checkpointing; tensors built directly on the device (their values are overwritten on load)."""
+    return gpt_model_config(checkpoint, hidden_dropout=0.0, attention_dropout=0.0, attention_impl="sdpa",
+                            checkpoint_activations=False, use_cpu_initialization=False,
+                            **model_dtype(flags, params_dtype))
+
+
+def parallel_config(flags, checkpoint: SavedCheckpoint, explicit: set[str]) -> ParallelConfig:
+    """The run's layout: the launcher's ranks, TP and PP from the flags when given, else the checkpoint's."""
+    launch = read_launch_env(os.environ, flags.local_rank)
+    tp = flags.tensor_model_parallel_size if "tensor_model_parallel_size" in explicit else checkpoint.tp
+    pp = flags.pipeline_model_parallel_size if "pipeline_model_parallel_size" in explicit else checkpoint.pp
+    if launch.world_size % (tp * pp):
+        raise InferenceSetupError(f"{launch.world_size} processes cannot hold TP {tp} x PP {pp} (the checkpoint was "
+                                  f"saved with TP {checkpoint.tp} x PP {checkpoint.pp}): launch a multiple of "
+                                  f"{tp * pp} processes or give --tensor-model-parallel-size and "
+                                  f"--pipeline-model-parallel-size")
+    backend, _ = effective_backend(flags.distributed_backend, torch.cuda.is_available(), explicit=False)
+    return ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                          data_parallel_size=launch.world_size // (tp * pp), world_size=launch.world_size,
+                          rank=launch.rank, local_rank=launch.local_rank, master_addr=launch.master_addr,
+                          master_port=launch.master_port, launcher=launch.source, distributed_backend=backend,
+                          zero_stage=0, pp_partition_method="type:transformer", sync_tp_duplicated_parameters=False,
+                          deterministic=False)
+
+
+def _explicit_layout_flags(parser, argv: Sequence[str]) -> set[str]:
+    """The dests of the TP / PP flags present in ``argv`` (as --flag N or --flag=N)."""
+    given = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
+    return {action.dest for action in parser._actions
+            if action.dest in ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+            and given & set(action.option_strings)}
+
+
+def _checked_seq_length(flags, checkpoint: SavedCheckpoint) -> int:
+    seq_length = flags.seq_length or checkpoint.model["seq_length"]
+    positions = checkpoint.model.get("max_position_embeddings")
+    if positions and seq_length > positions:
+        raise InferenceSetupError(f"--seq-length {seq_length}: the model has {positions} positions")
+    return seq_length
+
+
+def _checked_tokenizer(flags, checkpoint: SavedCheckpoint):
+    tokenizer = build_tokenizer(flags.tokenizer_type, vocab_file=flags.vocab_file, merge_file=flags.merge_file,
+                                tokenizer_name_or_path=flags.tokenizer_name_or_path)
+    if tokenizer.vocab_size > checkpoint.model["padded_vocab_size"]:
+        raise InferenceSetupError(f"the tokenizer has {tokenizer.vocab_size} tokens, the checkpoint's model "
+                                  f"{checkpoint.model['padded_vocab_size']}: not the tokenizer it was trained with")
+    return tokenizer
+
+
+def load_inference_model(argv: Sequence[str] | None = None, add_flags: Callable | None = None, *,
+                         params_dtype: torch.dtype | None = None) -> InferenceModel:
+    """Parse, check, start the process group, build this rank's stage and load its weights (module
+    docstring). Raises InferenceSetupError (or the checkpoint reader's / tokenizer's error) before
+    any process group exists when the flags or the checkpoint are wrong."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser, flags = parse_inference_flags(argv, add_flags)
+    if not flags.load:
+        raise InferenceSetupError("give --load, the checkpoint directory")
+    checkpoint = open_checkpoint(flags.load, "--load")
+    check_model_flags(parser, flags, checkpoint)
+    seq_length = _checked_seq_length(flags, checkpoint)
+    tokenizer = _checked_tokenizer(flags, checkpoint)
+    config = inference_config(flags, checkpoint, params_dtype)
+    parallel = parallel_config(flags, checkpoint, _explicit_layout_flags(parser, argv))
+    try:
+        config.validate_for_tensor_parallel(parallel.tensor_model_parallel_size)
+    except ValueError as error:
+        raise InferenceSetupError(str(error)) from None
+    groups = initialize_distributed(parallel)
+    set_random_seeds(flags.seed, groups)  # the stage's throw-away initial values draw from the model-parallel RNG
+    device = current_device()
+    stage = InferenceStage(config, groups, device=device)
+    load_stage_weights(stage, checkpoint)
+    return InferenceModel(flags, checkpoint, dataclasses.replace(config, seq_length=seq_length), groups, tokenizer,
+                          seq_length, PipelineForward(stage, groups), device)
