@@ -1,0 +1,71 @@
+"""Choosing the next token from the logits: greedy, or a draw from the filtered, tempered softmax.
+
+For logits z over the vocabulary (the tokenizer's tokens only: the vocabulary padding rows are
+never chosen):
+
+    greedy:       argmax_i z_i
+    sampling:     p = softmax(filter(z / T)),  next ~ p
+    top-k (k>0):  filter keeps the k largest z / T (ties with the k-th largest kept too), -inf elsewhere
+    top-p (p>0):  then keeps the smallest prefix of the tokens sorted by probability whose mass
+                  exceeds p (a token goes when the tokens before it already hold more than p)
+
+the order of Megatron-DeepSpeed's ``top_k_logits`` (top-k first, then top-p on what is left). The
+draws come from an explicit torch.Generator, so a run under the same --seed repeats.
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+class SamplingError(ValueError):
+    """Sampling parameters out of range; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """--greedy, --temperature, --top_k, --top_p (0 = off for both)."""
+
+    greedy: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 0.0
+
+    def __post_init__(self):
+        if not self.temperature > 0.0:
+            raise SamplingError(f"--temperature {self.temperature}: must be > 0")
+        if self.top_k < 0:
+            raise SamplingError(f"--top_k {self.top_k}: must be >= 0 (0 = off)")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise SamplingError(f"--top_p {self.top_p}: must be in [0, 1] (0 = off)")
+
+
+def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [b, V] fp32 -> z / T with the tokens top-k and top-p drop set to -inf (module docstring)."""
+    logits = logits / params.temperature
+    if params.top_k > 0:
+        top_k = min(params.top_k, logits.shape[-1])
+        kth_largest = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # [b, 1]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    if params.top_p > 0.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        mass_before = torch.cumsum(torch.softmax(sorted_logits, dim=-1), dim=-1)
+        mass_before = torch.cat((torch.zeros_like(mass_before[..., :1]), mass_before[..., :-1]), dim=-1)
+        drop_sorted = mass_before > params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sampling_probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a draw follows: softmax of ``filtered_logits``, [b, V]."""
+    return torch.softmax(filtered_logits(logits, params), dim=-1)
+
+
+def next_tokens(logits: torch.Tensor, params: SamplingParams, vocab_size: int,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits [b, V_padded] of the last position -> the next token of each row [b] (int64)."""
+    logits = logits[:, :vocab_size].float()
+    if params.greedy:
+        return torch.argmax(logits, dim=-1)
+    probabilities = sampling_probabilities(logits, params)
+    return torch.multinomial(probabilities, num_samples=1, generator=generator).squeeze(-1)

@@ -1,0 +1,137 @@
+"""Generation with and without the key/value cache, against transformers' ``generate`` and the
+training model.
+
+* Greedy, 32 new tokens for 5 prompts of different lengths in one batch: token for token what
+  transformers' GPT2LMHeadModel (learned positions) and BloomForCausalLM (ALiBi, embedding LayerNorm)
+  generate from the same weights, one prompt at a time; with the cache and without (--recompute).
+* For every position option we train (learned, rotary, ALiBi) with a GLU, an embedding LayerNorm and
+  fp32 residuals: the logits of a cached run, fed in chunks, equal GPTModel's logits of the whole
+  sequence; the batched greedy output equals GPTModel's step-by-step argmax of each prompt alone.
+* Sampling under a seed repeats, and the cache does not change which tokens a seed draws.
+"""
+import dataclasses
+
+import pytest
+import torch
+
+from megatron.core.checkpoint.names import pipeline_name
+from megatron.core.checkpoint.transformers_export import exported_layer, transformers_config
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.parallel_state import single_rank_groups
+from megatron.core.text_generation.forward import PipelineForward
+from megatron.core.text_generation.generation import GenerationInputError, generate
+from megatron.core.text_generation.sampling import SamplingParams
+from megatron.core.text_generation.stage_model import InferenceStage
+from tests.core.models.gpt.gpt_test_utils import randomize_parameters, tiny_config
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, PADDED_VOCAB, EOD, MAX_LENGTH = 100, 128, 99, 64
+PROMPTS = [[5, 17, 42], [8], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70], [3, 3, 3, 3, 3], [90, 12, 7, 33, 21, 50]]
+NEW_TOKENS = 32
+GREEDY = SamplingParams(greedy=True)
+OPTIONS = {"learned": dict(),
+           "rotary + swiglu": dict(position_embedding_type="rotary", glu_activation="swiglu", bias_gelu_fusion=False),
+           "alibi + embedding LN + fp32 residual": dict(position_embedding_type="alibi", embed_layernorm=True,
+                                                          fp32_residual_connection=True)}
+
+
+def tiny_model(seed: int = 1, **options) -> GPTModel:
+    config = tiny_config(padded_vocab_size=PADDED_VOCAB, seq_length=MAX_LENGTH, max_position_embeddings=MAX_LENGTH,
+                         num_layers=3, **options)
+    model = GPTModel(config, single_rank_groups())
+    randomize_parameters(model, seed=seed, scale=0.3)
+    return model.eval()
+
+
+def inference_of(model: GPTModel) -> PipelineForward:
+    stage = InferenceStage(model.config, single_rank_groups())
+    stage.load_state_dict(model.state_dict())
+    return PipelineForward(stage, single_rank_groups())
+
+
+def run(model: PipelineForward, params=GREEDY, use_cache=True, generator=None, prompts=PROMPTS):
+    return generate(model, prompts, NEW_TOKENS, params, eod=EOD, vocab_size=VOCAB, max_length=MAX_LENGTH,
+                    use_cache=use_cache, generator=generator)
+
+
+def transformers_model(model: GPTModel):
+    """transformers' model of our weights (the exporter's per-layer mapping), the vocabulary unpadded."""
+    config = dataclasses.asdict(model.config)
+    layers = {}
+    for name, tensor in model.state_dict().items():
+        layer, _, rest = pipeline_name(name, config["num_layers"]).partition(".")
+        index, local = (1, name.removeprefix("embedding.")) if layer == "tied_modules" else (int(layer), rest)
+        layers.setdefault(index, {})[local] = tensor
+    state = {}
+    for layer, layer_state in layers.items():
+        state.update(exported_layer(config, layer, layer_state, VOCAB))
+    hf_config = transformers_config(config, VOCAB, torch.float32)
+    kind = hf_config.pop("architectures")[0]
+    hf_class = getattr(transformers, kind)
+    hf_model = hf_class(hf_class.config_class(**hf_config, bos_token_id=EOD, eos_token_id=EOD)).eval()
+    missing, unexpected = hf_model.load_state_dict(state, strict=False)
+    assert not unexpected and all("attn.bias" in name or "lm_head" in name for name in missing), missing
+    return hf_model
+
+
+@pytest.mark.parametrize("options", [dict(), dict(position_embedding_type="alibi", embed_layernorm=True)],
+                         ids=["GPT2LMHeadModel", "BloomForCausalLM"])
+def test_greedy_equals_transformers_generate(options):
+    model = tiny_model(**options)
+    hf_model = transformers_model(model)
+    expected = []
+    for prompt in PROMPTS:
+        output = hf_model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                   eos_token_id=EOD, pad_token_id=EOD, attention_mask=torch.ones(1, len(prompt)))
+        expected.append(output[0, len(prompt):].tolist())
+    inference = inference_of(model)
+    for use_cache in (True, False):
+        found = run(inference, use_cache=use_cache)
+        assert [found.continuation(row) for row in range(len(PROMPTS))] == expected
+    assert sum(len(tokens) for tokens in expected) > 4 * NEW_TOKENS  # not all stopped at once
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+def test_cached_logits_equal_the_training_model(name):
+    model = tiny_model(seed=3, **OPTIONS[name])
+    inference = inference_of(model)
+    tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(tokens).float()
+    caches, chunks = inference.new_caches(40), []
+    for start, end in ((0, 7), (7, 8), (8, 9), (9, 25), (25, 40)):
+        chunks.append(inference.last_stage_logits(tokens[:, start:end], start, caches))
+    torch.testing.assert_close(torch.cat(chunks, dim=1), expected, rtol=1e-5, atol=1e-5)
+
+    found = run(inference)
+    for row, prompt in enumerate(PROMPTS):
+        sequence = list(prompt)
+        while len(sequence) < len(prompt) + NEW_TOKENS and (len(sequence) == len(prompt) or sequence[-1] != EOD):
+            with torch.no_grad():
+                sequence.append(int(model(torch.tensor([sequence]))[0, -1, :VOCAB].argmax()))
+        assert found.sequence(row) == sequence
+
+
+def test_sampling_repeats_under_a_seed_with_or_without_the_cache():
+    inference = inference_of(tiny_model(seed=4))
+    params = SamplingParams(temperature=0.9, top_k=20, top_p=0.95)
+    draws = [run(inference, params, use_cache, torch.Generator().manual_seed(seed)).tokens
+             for seed, use_cache in ((7, True), (7, True), (7, False), (8, True))]
+    assert torch.equal(draws[0], draws[1]) and torch.equal(draws[0], draws[2])
+    assert not torch.equal(draws[0], draws[3])
+    assert int(draws[0].max()) < VOCAB  # the vocabulary padding is never drawn
+
+
+def test_lengths_stop_and_bad_prompts():
+    inference = inference_of(tiny_model(seed=5))
+    long_prompt = list(range(1, MAX_LENGTH - 3))
+    found = run(inference, prompts=[long_prompt, [4, 5]])
+    for row, limit in ((0, MAX_LENGTH), (1, 2 + NEW_TOKENS)):  # the model's length, --out-seq-length
+        continuation = found.continuation(row)
+        assert found.lengths[row] == limit or continuation[-1] == EOD
+        assert EOD not in continuation[:-1]
+    with pytest.raises(GenerationInputError, match="prompt 1 has 64 tokens; a prompt needs 1 to 63"):
+        run(inference, prompts=[[1], list(range(MAX_LENGTH))])
+    with pytest.raises(GenerationInputError, match="prompt 0 has 0 tokens"):
+        run(inference, prompts=[[]])
