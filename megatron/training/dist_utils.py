@@ -107,6 +107,16 @@ def gather_objects(value, group=None) -> list:
     return values
 
 
+def broadcast_object_from_rank_0(value):
+    """Global rank 0's ``value`` (picklable; ignored elsewhere) on every rank: what rank 0 alone read
+    (a prompt typed in, a request received) handed to all."""
+    if not distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def broadcast_from_first_rank(tensor: torch.Tensor, group=None) -> torch.Tensor:
     """The first rank of ``group``'s ``tensor`` on every rank of it (a new tensor; ``tensor`` is kept)."""
     if not distributed():

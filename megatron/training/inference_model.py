@@ -13,6 +13,7 @@ What the generation tools and the evaluation commands call (every rank of the la
     model.tokenizer, model.seq_length, model.flags, model.config (GPTModelConfig)
     model.groups                                             # ParallelGroups: dp_rank, dp_size, dp group
     model.forward                                            # PipelineForward (cached generation)
+    model.generate_text(prompts, max_new_tokens, SamplingParams(...), generator)   # collective
     model.shutdown()                                         # collective: tear the process group down
 
 The command line is the trainer's parser (model, tokenizer, checkpoint, precision and parallel
@@ -42,6 +43,8 @@ from megatron.core.checkpoint.reader import SavedCheckpoint, open_checkpoint
 from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.parallel_state import ParallelGroups
 from megatron.core.text_generation.forward import PipelineForward
+from megatron.core.text_generation.generation import generate
+from megatron.core.text_generation.sampling import SamplingParams
 from megatron.core.text_generation.stage_model import InferenceStage, load_stage_weights
 from megatron.core.tokenizer import build_tokenizer
 from megatron.training.arguments import build_parser
@@ -81,8 +84,38 @@ class InferenceModel:
                                       f"{self.seq_length}")
         return self.forward.logits(tokens.to(self.device))
 
+    def generate_text(self, prompts: Sequence[str], max_new_tokens: int, params: SamplingParams,
+                      generator: torch.Generator | None = None, use_cache: bool = True) -> list["GeneratedText"]:
+        """Continue each prompt (text; "" starts from the end-of-document token, an unconditional
+        sample) by up to ``max_new_tokens`` tokens; collective, the same prompts on every rank.
+        GenerationInputError names a prompt that is too long for --seq-length."""
+        tokenizer = self.tokenizer
+        token_lists = [tokenizer.tokenize(prompt) if prompt else [tokenizer.eod] for prompt in prompts]
+        output = generate(self.forward, token_lists, max_new_tokens, params, eod=tokenizer.eod,
+                          vocab_size=tokenizer.vocab_size, max_length=self.seq_length, use_cache=use_cache,
+                          generator=generator, device=self.device)
+        samples = []
+        for row, prompt in enumerate(prompts):
+            tokens = output.continuation(row)
+            finished = bool(tokens) and tokens[-1] == tokenizer.eod
+            text = tokenizer.detokenize(tokens[:-1] if finished else tokens)
+            samples.append(GeneratedText(prompt, text, tokens, token_lists[row], finished))
+        return samples
+
     def shutdown(self) -> None:
         shutdown()
+
+
+@dataclass(frozen=True)
+class GeneratedText:
+    """prompt and its continuation ``text`` (decoded ``tokens``, the end-of-document token left out of
+    the text); ``finished``: the model ended the document (else a length limit stopped it)."""
+
+    prompt: str
+    text: str
+    tokens: list[int]
+    prompt_tokens: list[int]
+    finished: bool
 
 
 def parse_inference_flags(argv: Sequence[str] | None, add_flags: Callable | None = None):

@@ -55,8 +55,9 @@ def run(model: PipelineForward, params=GREEDY, use_cache=True, generator=None, p
                     use_cache=use_cache, generator=generator)
 
 
-def transformers_model(model: GPTModel):
-    """transformers' model of our weights (the exporter's per-layer mapping), the vocabulary unpadded."""
+def transformers_model(model: GPTModel, vocab_size: int = VOCAB, eod: int = EOD):
+    """transformers' model of our weights (the exporter's per-layer mapping), the vocabulary cut to
+    ``vocab_size`` (the padding rows dropped); ``eod`` ends a generation."""
     config = dataclasses.asdict(model.config)
     layers = {}
     for name, tensor in model.state_dict().items():
@@ -65,11 +66,11 @@ def transformers_model(model: GPTModel):
         layers.setdefault(index, {})[local] = tensor
     state = {}
     for layer, layer_state in layers.items():
-        state.update(exported_layer(config, layer, layer_state, VOCAB))
-    hf_config = transformers_config(config, VOCAB, torch.float32)
+        state.update(exported_layer(config, layer, layer_state, vocab_size))
+    hf_config = transformers_config(config, vocab_size, torch.float32)
     kind = hf_config.pop("architectures")[0]
     hf_class = getattr(transformers, kind)
-    hf_model = hf_class(hf_class.config_class(**hf_config, bos_token_id=EOD, eos_token_id=EOD)).eval()
+    hf_model = hf_class(hf_class.config_class(**hf_config, bos_token_id=eod, eos_token_id=eod)).eval()
     missing, unexpected = hf_model.load_state_dict(state, strict=False)
     assert not unexpected and all("attn.bias" in name or "lm_head" in name for name in missing), missing
     return hf_model
