@@ -102,6 +102,18 @@ class InferenceModel:
             samples.append(GeneratedText(prompt, text, tokens, token_lists[row], finished))
         return samples
 
+    def token_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """log p(x_t | x_<t) for t >= 1 of each token sequence (each <= seq_length), the softmax over
+        the tokenizer's vocabulary; one forward of the batch, collective."""
+        longest = max(len(sequence) for sequence in sequences)
+        tokens = torch.full((len(sequences), longest), self.tokenizer.eod, dtype=torch.long)
+        for row, sequence in enumerate(sequences):
+            tokens[row, :len(sequence)] = torch.tensor(sequence, dtype=torch.long)
+        logits = self.logits(tokens)[:, :-1, :self.tokenizer.vocab_size]  # [b, s - 1, V]: predicts 1 .. s - 1
+        targets = tokens[:, 1:].to(logits.device)
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+        return [logprobs[row, :len(sequence) - 1].tolist() for row, sequence in enumerate(sequences)]
+
     def shutdown(self) -> None:
         shutdown()
 

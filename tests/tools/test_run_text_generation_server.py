@@ -1,0 +1,103 @@
+"""tools/run_text_generation_server.py on 2 gloo ranks (TP=1 x PP=2, the session's TP2xPP2-trained
+checkpoint re-cut) and tools/text_generation_cli.py, over HTTP on the loopback address.
+
+One server start checks: 6 concurrent greedy requests (threads) each get the continuation computed
+here from the merged model step by step, with log-probabilities equal to the model's; bad requests
+and a prompt past the model's 32 positions get 400 with the reason while the server keeps serving;
+seeded sampling repeats; the CLI client prints an answer; SIGTERM to both ranks stops them with status 0.
+"""
+import json
+import os
+import re
+import signal
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from megatron.core.checkpoint.model_loading import load_gpt_model
+from megatron.core.checkpoint.reader import open_checkpoint
+from megatron.core.tokenizer import GPT2BPETokenizer
+from tests.conftest import REPO_ROOT
+from tests.dist_utils import free_port
+from tests.tasks.trained_checkpoint import SEQ_LENGTH, checkpoint_path, model_flags, trained  # noqa: F401
+from tests.training.e2e_utils import Job, run_command
+from tools.text_generation_cli import put
+
+pytest.importorskip("flask")
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+SERVER = os.path.join(REPO_ROOT, "tools", "run_text_generation_server.py")
+CLIENT = os.path.join(REPO_ROOT, "tools", "text_generation_cli.py")
+PROMPTS = ["The history of the", "In 1990, a new", "Valkyria", "It was not until", "Rome", "A"]
+NEW_TOKENS = 6
+
+
+def greedy_text(model, tokenizer, prompt: str) -> tuple[str, list[float]]:
+    """prompt + its greedy continuation (step by step on the merged model), and the log-probability
+    of every token after the first."""
+    tokens = tokenizer.tokenize(prompt)
+    for _ in range(NEW_TOKENS):
+        with torch.no_grad():
+            logits = model(torch.tensor([tokens]))[0, -1, :tokenizer.vocab_size]
+        tokens.append(int(logits.argmax()))
+        if tokens[-1] == tokenizer.eod:
+            break
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens]))[0, :-1, :tokenizer.vocab_size]
+    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(tokens[1:])[:, None]).squeeze(-1)
+    text_tokens = tokens[:-1] if tokens[-1] == tokenizer.eod else tokens
+    return tokenizer.detokenize(text_tokens), logprobs.tolist()
+
+
+def test_server_answers_refuses_and_stops(trained):  # noqa: F811
+    data, save = trained
+    flags = [SERVER, "--load", save, *model_flags(data), "--tensor-model-parallel-size", "1",
+             "--pipeline-model-parallel-size", "2", "--port", "0", "--host", "127.0.0.1"]
+    base = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    job = Job([([sys.executable, *flags], {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}) for rank in (0, 1)],
+              timeout=180)
+    try:
+        job.wait_for(r"listening on http://127\.0\.0\.1:\d+/api")
+        url = re.search(r"listening on (http://127\.0\.0\.1:\d+/api)", job.text())[1]
+        model = load_gpt_model(open_checkpoint(checkpoint_path(save)))
+        tokenizer = GPT2BPETokenizer(data.vocab_file, data.merge_file)
+
+        def greedy(prompt):
+            return put(url, {"prompts": [prompt], "tokens_to_generate": NEW_TOKENS, "top_k": 1, "logprobs": True})
+
+        with ThreadPoolExecutor(max_workers=len(PROMPTS)) as pool:
+            answers = list(pool.map(greedy, PROMPTS))
+        for prompt, (status, body) in zip(PROMPTS, answers):
+            assert status == 200, body
+            answer = json.loads(body)
+            text, logprobs = greedy_text(model, tokenizer, prompt)
+            assert answer["text"] == [text]
+            assert answer["logprobs"][0] == pytest.approx(logprobs, abs=1e-4)
+            assert len(answer["segments"][0]) == len(logprobs) + 1  # one segment a token
+
+        refusals = {"prompts argument required": {"tokens_to_generate": 4},
+                    "prompts is not a list of strings": {"prompts": "just text"},
+                    "cannot set both top_k and top_p": {"prompts": ["a"], "top_k": 5, "top_p": 0.5},
+                    "temperature must be a number in (0, 100]": {"prompts": ["a"], "temperature": 0},
+                    "tokens_to_generate must be an integer >= 0": {"prompts": ["a"], "tokens_to_generate": "8"},
+                    "longer than the model's 32 positions": {"prompts": ["word " * SEQ_LENGTH],
+                                                             "tokens_to_generate": 1}}
+        for reason, body in refusals.items():
+            status, text = put(url, body)
+            assert status == 400 and reason in text, (reason, status, text)
+
+        sampled = {"prompts": ["The", "In"], "tokens_to_generate": 5, "top_p": 0.9, "random_seed": 7}
+        first, again = put(url, sampled), put(url, sampled)
+        assert first[0] == 200 and first == again
+        client = run_command([sys.executable, CLIENT, url.removeprefix("http://").removesuffix("/api"),
+                              "--prompt", "Rome", "--tokens", str(NEW_TOKENS), "--top_k", "1"], timeout=60)
+        client.assert_ok()
+        assert f"Megatron Response: {greedy_text(model, tokenizer, 'Rome')[0]}" in client.output
+    except BaseException:
+        job.kill()
+        raise
+    for process in job.processes:
+        os.kill(process.pid, signal.SIGTERM)
+    assert job.wait() == [0, 0], job.text()[-3000:]
+    assert "> text generation server stopped" in job.text()
