@@ -29,6 +29,8 @@ world size must be a multiple of TP x PP; the rest are data-parallel replicas, e
 
 Precision: ``params_dtype`` when given (e.g. fp32 for an evaluation of a bf16 checkpoint), else
 --fp16 / --bf16, else the dtype the checkpoint was trained in. CPU (gloo) or GPU (NCCL, one GPU a rank).
+On one GPU (TP = PP = 1) generation uses the fixed-size cache and replays its decoding steps from
+CUDA graphs (megatron/core/text_generation/forward.py).
 """
 import dataclasses
 import os
@@ -234,5 +236,7 @@ def load_inference_model(argv: Sequence[str] | None = None, add_flags: Callable 
     device = current_device()
     stage = InferenceStage(config, groups, device=device)
     load_stage_weights(stage, checkpoint)
+    single_gpu = device.type == "cuda" and groups.pp_size == 1 and groups.tp_size == 1
+    forward = PipelineForward(stage, groups, static_cache=single_gpu, cuda_graphs=single_gpu)
     return InferenceModel(flags, checkpoint, dataclasses.replace(config, seq_length=seq_length), groups, tokenizer,
-                          seq_length, PipelineForward(stage, groups), device)
+                          seq_length, forward, device)

@@ -19,6 +19,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee 
 python3 -m pytest -q -rfs -m gpu --continue-on-collection-errors tests 2>&1 | tee "$OUT/gpu_tests.log" || status=1
 python3 tools/benchmarks/bench_fused_kernels.py 2>&1 | tee "$OUT/fused_kernels_bench.log" || status=1
 python3 tools/benchmarks/bench_gpt_model.py 2>&1 | tee "$OUT/gpt_1p3b_bench.log" || status=1
+python3 tools/benchmarks/bench_text_generation.py 2>&1 | tee "$OUT/text_generation_bench.log" || status=1
 runs="example overflow 350m_bf16 350m_fp16 1p3b_bf16 1p3b_fp16"
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     runs="$runs layout_single layout_dp2 layout_tp2 layout_pp2 layout_compare"

@@ -184,7 +184,10 @@ class VocabParallelEmbedding(nn.Module):
                      tp_group)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if ids.numel() > 0 and bool((ids < 0).any() | (ids >= self.num_embeddings).any()):
+        # the range check reads a value back to the host, which a CUDA graph being captured cannot do
+        # (generation captures its decoding step; its tokens come from the model's own choices)
+        checked = ids.numel() > 0 and not (ids.is_cuda and torch.cuda.is_current_stream_capturing())
+        if checked and bool((ids < 0).any() | (ids >= self.num_embeddings).any()):
             raise ValueError(f"VocabParallelEmbedding: token ids must lie in [0, {self.num_embeddings}) "
                              f"(the padded vocabulary), got min {int(ids.min())}, max {int(ids.max())}")
         if group_size(self.tp_group) == 1:

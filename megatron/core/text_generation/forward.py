@@ -9,29 +9,40 @@ the same gathered logits and draws the same tokens from the same generator.
 
 With key/value caches (one per layer of the stage, kv_cache.py) a call feeds the positions
 ``start .. start + s - 1`` only; without, the tokens are the whole sequence from position 0.
+``static_cache`` makes the caches fixed-size (StaticKVCaches), and ``cuda_graphs`` (one stage, one
+TP rank, on a GPU) then replays every one-token step from a CUDA graph captured at the first one
+(cuda_graph.py).
 """
 import torch
 
 from megatron.core.parallel_state import ParallelGroups
 from megatron.core.tensor_parallel.mappings import (broadcast_from_rank, gather_from_tensor_model_parallel_region,
                                                     receive_from_rank, send_to_rank)
-from megatron.core.text_generation.kv_cache import LayerKVCache, new_caches
+from megatron.core.text_generation.cuda_graph import CapturedStep
+from megatron.core.text_generation.kv_cache import LayerKVCache, StaticKVCaches, new_caches
 from megatron.core.text_generation.stage_model import InferenceStage
 
 
 class PipelineForward:
     """The model of one replica split over its TP x PP ranks, called alike on each of them."""
 
-    def __init__(self, stage: InferenceStage, groups: ParallelGroups):
+    def __init__(self, stage: InferenceStage, groups: ParallelGroups, static_cache: bool = False,
+                 cuda_graphs: bool = False):
+        if cuda_graphs and not (static_cache and groups.pp_size == 1 and groups.tp_size == 1):
+            raise ValueError("CUDA graphs need the static cache, one pipeline stage and one TP rank")
         self.stage = stage.eval()
         self.groups = groups
+        self.static_cache = static_cache
+        self.cuda_graphs = cuda_graphs
 
     @property
     def config(self):
         return self.stage.config
 
-    def new_caches(self, capacity: int) -> list[LayerKVCache]:
+    def new_caches(self, capacity: int, device=None) -> list[LayerKVCache]:
         """Empty key/value caches for this stage's layers, ``capacity`` positions each."""
+        if self.static_cache:
+            return StaticKVCaches(len(self.stage.layers), capacity, device)
         return new_caches(len(self.stage.layers), capacity)
 
     @torch.no_grad()
@@ -39,9 +50,20 @@ class PipelineForward:
                           kv_caches: list[LayerKVCache] | None = None) -> torch.Tensor | None:
         """tokens [b, s] at positions start .. start + s - 1 -> full logits [b, s, V] fp32 on the last
         stage, None on the others."""
+        if isinstance(kv_caches, StaticKVCaches):
+            kv_caches.position.fill_(start)
+            if self.cuda_graphs and tokens.shape[1] == 1:
+                if kv_caches.decode_graph is None:
+                    kv_caches.decode_graph = CapturedStep(lambda step: self._forward(step, kv_caches), tokens)
+                return kv_caches.decode_graph(tokens)
+        return self._forward(tokens, kv_caches, start)
+
+    def _forward(self, tokens: torch.Tensor, kv_caches, start: int = 0) -> torch.Tensor | None:
         groups = self.groups
         batch, length = tokens.shape
-        position_ids = torch.arange(start, start + length, device=tokens.device).expand(batch, length)
+        offsets = torch.arange(length, device=tokens.device)
+        first = kv_caches.position if isinstance(kv_caches, StaticKVCaches) else start  # a device tensor there
+        position_ids = (first + offsets).expand(batch, length)
         inputs = tokens
         if not groups.is_first_stage:
             inputs = receive_from_rank((length, batch, self.config.hidden_size), self.stage.hidden_dtype,

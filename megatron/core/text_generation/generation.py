@@ -77,7 +77,7 @@ def generate(model: PipelineForward, prompts: list[list[int]], max_new_tokens: i
     limits = torch.clamp(prompt_lengths + max_new_tokens, max=total)  # one past each row's last position
     lengths = limits.clone()
     done = prompt_lengths >= limits
-    caches = model.new_caches(total) if use_cache else None
+    caches = model.new_caches(total, tokens.device) if use_cache else None
     fed = 0
     for position in range(min(lengths_list), total):
         if done.all():

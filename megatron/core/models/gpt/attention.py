@@ -67,9 +67,11 @@ class ParallelSelfAttention(nn.Module):
         """hidden_states [s, b, h], position_ids [b, s], attention_mask bool [b, 1, s, s] (True = masked,
         causality included) or None for plain causal attention -> (output [s, b, h], bias [h]).
 
-        ``kv_cache`` (inference): an object whose ``extend(key, value)`` stores this call's keys and
-        values [b, np, s, hn] after those of earlier calls and returns all of them [b, np, t + s, hn];
-        the s queries are then the last s positions (causal, bottom-right) and run through sdpa.
+        ``kv_cache`` (inference, text_generation/kv_cache.py): ``extend(key, value)`` stores this
+        call's keys and values [b, np, s, hn] after those of earlier calls and returns the keys and
+        values to attend over [b, np, T, hn], a mask [.., s, T] (True = hidden) and the queries'
+        positions [s]; or None for both, then the queries are the last s of the T positions (causal,
+        bottom-right). Attention then runs through sdpa.
         """
         seq_length, batch = hidden_states.shape[:2]
         mixed, _ = self.query_key_value(hidden_states)  # [s, b, np * 3 * hn]
@@ -80,11 +82,14 @@ class ParallelSelfAttention(nn.Module):
             query, key = apply_rotary_embedding(query, cos, sin), apply_rotary_embedding(key, cos, sin)
         # [s, b, np, hn] -> [b, np, s, hn]
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        query_positions = None
         if kv_cache is not None:
-            key, value = kv_cache.extend(key, value)  # [b, np, t + s, hn]
+            key, value, cache_mask, query_positions = kv_cache.extend(key, value)  # [b, np, T, hn]
+            if cache_mask is not None:
+                attention_mask = cache_mask if attention_mask is None else attention_mask | cache_mask
         alibi = None
         if self.config.position_embedding_type == "alibi":
-            alibi = alibi_bias(self.alibi_slopes, seq_length, key.shape[-2]).to(query.dtype)  # [np, s, t + s]
+            alibi = alibi_bias(self.alibi_slopes, seq_length, key.shape[-2], query_positions).to(query.dtype)
         if self.config.attention_impl == "sdpa" or kv_cache is not None:
             context = self._sdpa(query, key, value, alibi, attention_mask)
         else:

@@ -76,14 +76,17 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
-def alibi_bias(slopes: torch.Tensor, seq_length: int, key_length: int | None = None) -> torch.Tensor:
+def alibi_bias(slopes: torch.Tensor, seq_length: int, key_length: int | None = None,
+               query_positions: torch.Tensor | None = None) -> torch.Tensor:
     """m_j * (k - q) for each head j: fp32 [len(slopes), sq, sk] (add the causal mask separately).
 
     The queries are the last ``seq_length`` of ``key_length`` positions (default: as many as the
-    queries), as when new tokens attend to a key/value cache: query q sits at sk - sq + q.
+    queries), as when new tokens attend to a key/value cache: query q sits at sk - sq + q; or they
+    sit at ``query_positions`` [sq] (a fixed-size cache longer than what it holds).
     """
     key_length = seq_length if key_length is None else key_length
     key_position = torch.arange(key_length, dtype=torch.float32, device=slopes.device)
-    query_position = key_position[key_length - seq_length:]
-    distance = key_position[None, :] - query_position[:, None]  # [sq, sk]
+    if query_positions is None:
+        query_positions = key_position[key_length - seq_length:]
+    distance = key_position[None, :] - query_positions.to(torch.float32)[:, None]  # [sq, sk]
     return slopes.to(torch.float32)[:, None, None] * distance
