@@ -1,9 +1,11 @@
 """megatron/training/inference_model.py on the session's checkpoint trained under TP=2 x PP=2
-(tests/tasks/trained_checkpoint.py).
+(tests/tasks/trained_checkpoint.py), and on one of the plain engine (ZeRO-2, TP=2) with ALiBi, an
+embedding LayerNorm and a SwiGLU MLP (trained here for one iteration).
 
 Launched like training (torchrun, gloo), the logits of two token rows equal, on every rank, those of
 the checkpoint merged into one GPTModel (megatron.core.checkpoint.model_loading): under the saved
-layout (each rank reads its own partition files) and re-cut to TP=1 x PP=1 and TP=1 x PP=2. Wrong
+layout (each rank reads its own partition files) and re-cut to TP=1 x PP=1 and TP=1 x PP=2; the
+plain-engine checkpoint under TP=2 and TP=1 x PP=2, with only --load and the tokenizer given. Wrong
 flags are refused by name before any process group starts.
 """
 import json
@@ -17,7 +19,8 @@ from megatron.core.checkpoint.reader import open_checkpoint
 from megatron.training.inference_model import InferenceSetupError, load_inference_model
 from tests.conftest import REPO_ROOT
 from tests.tasks.trained_checkpoint import checkpoint_path, model_flags, trained  # noqa: F401
-from tests.training.e2e_utils import run_command, torchrun_command
+from tests.training.e2e_utils import run_command, run_pretrain, shared_corpus, torchrun_command
+from tests.training.test_layout_equivalence import common_flags
 
 WORKER = os.path.join(REPO_ROOT, "tests", "training", "inference_worker.py")
 TOKENS = [[5, 17, 300, 2, 999, 41, 8, 8, 120], [900, 3, 3, 64, 1, 0, 77, 512, 6]]
@@ -26,12 +29,48 @@ LAYOUTS = {"saved TP2 x PP2": (4, []),
            "TP1 x PP2": (2, ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"])}
 
 
-@pytest.fixture(scope="module")
-def merged_logits(trained):  # noqa: F811
-    _, save = trained
-    model = load_gpt_model(open_checkpoint(checkpoint_path(save)))
+PLAIN_ENGINE_LAYOUTS = {"TP2 (saved)": (2, []),
+                        "TP1 x PP2": (2, ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"])}
+PLAIN_ENGINE_MODEL = ["--position-embedding-type", "alibi", "--embed-layernorm", "--glu-activation", "swiglu",
+                      "--no-bias-gelu-fusion"]
+
+
+def merged_logits_of(save: str) -> torch.Tensor:
+    model = load_gpt_model(open_checkpoint(save))
     with torch.no_grad():
         return model(torch.tensor(TOKENS)).float()
+
+
+@pytest.fixture(scope="module")
+def merged_logits(trained):  # noqa: F811
+    return merged_logits_of(checkpoint_path(trained[1]))
+
+
+@pytest.fixture(scope="module")
+def plain_engine_checkpoint(tmp_path_factory):
+    """(corpus, --save) of one ZeRO-2 iteration under TP=2: ALiBi, embedding LayerNorm, SwiGLU."""
+    data = shared_corpus(tmp_path_factory)
+    save = str(tmp_path_factory.mktemp("zero2") / "checkpoints")
+    flags = common_flags(data, seq_length=32, num_layers=2, global_batch=2, train_iters=1)
+    run_pretrain(flags + PLAIN_ENGINE_MODEL + ["--tensor-model-parallel-size", "2", "--zero-stage", "2",
+                                               "--save", save, "--save-interval", "1"], nproc=2, timeout=300).assert_ok()
+    return data, save
+
+
+def run_worker(processes: int, flags: list[str], tmp_path) -> list[dict]:
+    """The worker on ``processes`` ranks; what each rank wrote."""
+    tokens_file = tmp_path / "tokens.json"
+    tokens_file.write_text(json.dumps(TOKENS))
+    output = str(tmp_path / "logits")
+    command = torchrun_command(processes) + [WORKER, *flags, "--tokens-json", str(tokens_file), "--output", output]
+    run_command(command, timeout=180).assert_ok()
+    return [torch.load(f"{output}.{rank}") for rank in range(processes)]
+
+
+def check_ranks(saved: list[dict], expected: torch.Tensor, stages: int) -> None:
+    for rank_output in saved:
+        torch.testing.assert_close(rank_output["logits"], expected, rtol=0, atol=1e-5)
+    assert len({tuple(rank_output["stage_layers"]) for rank_output in saved}) == stages
 
 
 @pytest.mark.slow
@@ -40,18 +79,19 @@ def merged_logits(trained):  # noqa: F811
 def test_logits_on_every_rank_equal_the_merged_model(layout, trained, merged_logits, tmp_path):  # noqa: F811
     data, save = trained
     processes, flags = LAYOUTS[layout]
-    tokens_file = tmp_path / "tokens.json"
-    tokens_file.write_text(json.dumps(TOKENS))
-    output = str(tmp_path / "logits")
-    command = torchrun_command(processes) + [WORKER, "--load", save, *model_flags(data), *flags,
-                                             "--tokens-json", str(tokens_file), "--output", output]
-    run_command(command, timeout=180).assert_ok()
-    stages = set()
-    for rank in range(processes):
-        saved = torch.load(f"{output}.{rank}")
-        torch.testing.assert_close(saved["logits"], merged_logits, rtol=0, atol=1e-5)
-        stages.add(tuple(saved["stage_layers"]))
-    assert len(stages) == (2 if "PP2" in layout else 1)
+    saved = run_worker(processes, ["--load", save, *model_flags(data), *flags], tmp_path)
+    check_ranks(saved, merged_logits, 2 if "PP2" in layout else 1)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", PLAIN_ENGINE_LAYOUTS)
+def test_plain_engine_alibi_glu_checkpoint(layout, plain_engine_checkpoint, tmp_path):
+    data, save = plain_engine_checkpoint
+    processes, flags = PLAIN_ENGINE_LAYOUTS[layout]
+    tokenizer = ["--vocab-file", data.vocab_file, "--merge-file", data.merge_file]
+    saved = run_worker(processes, ["--load", save, *tokenizer, *flags], tmp_path)
+    check_ranks(saved, merged_logits_of(save), 2 if "PP2" in layout else 1)
 
 
 @pytest.mark.slow
