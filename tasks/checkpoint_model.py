@@ -14,15 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from megatron.core.checkpoint.model_loading import load_gpt_model
-from megatron.core.checkpoint.reader import SavedCheckpoint, open_checkpoint, resolve_tag_directory
+from megatron.core.checkpoint.reader import open_checkpoint
 from megatron.core.evaluation.zeroshot import EvaluationInputError
-from megatron.core.tokenizer import build_tokenizer
-from megatron.training.arguments import build_parser
+from megatron.training.inference_model import (check_model_flags, checked_seq_length, checked_tokenizer, model_dtype,
+                                               parse_inference_flags)
 
-# Flags whose value must be the checkpoint's when given (dest = the saved configuration's key).
-MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
-               "max_position_embeddings", "position_embedding_type", "glu_activation", "embed_layernorm",
-               "apply_residual_connection_post_layernorm", "openai_gelu", "layernorm_epsilon")
 LAUNCH_VARIABLES = ("WORLD_SIZE", "SLURM_NTASKS")
 
 
@@ -37,35 +33,11 @@ class CheckpointModel:
     seq_length: int
 
 
-def parse_flags(argv, add_flags):
-    parser = build_parser()
-    add_flags(parser)
-    return parser, parser.parse_args(argv)
-
-
-def check_model_flags(parser, flags, checkpoint: SavedCheckpoint) -> None:
-    for dest in MODEL_FLAGS:
-        given, saved = getattr(flags, dest), checkpoint.model.get(dest)
-        if given != parser.get_default(dest) and given != saved:
-            raise EvaluationInputError(f"--{dest.replace('_', '-')} {given}: the checkpoint at --load "
-                                       f"{checkpoint.directory} was trained with {saved}")
-
-
-def precision(flags) -> dict:
-    """The model's dtype override: fp32 with --eval_fp32, else --bf16 / --fp16, else the checkpoint's."""
-    if getattr(flags, "eval_fp32", False):
-        return {"params_dtype": torch.float32}
-    if flags.bf16:
-        return {"params_dtype": torch.bfloat16}
-    if flags.fp16:
-        return {"params_dtype": torch.float16}
-    return {}
-
-
 def load_checkpoint_model(argv, add_flags) -> CheckpointModel:
     """Parse ``argv`` (the trainer's flags plus those ``add_flags(parser)`` adds) and load the model
-    of ``--load``; raises EvaluationInputError naming the flag."""
-    parser, flags = parse_flags(argv, add_flags)
+    of ``--load``; raises EvaluationInputError or inference_model's InferenceSetupError naming the
+    flag. The flag, sequence-length and tokenizer checks are the generation tools' (inference_model.py)."""
+    parser, flags = parse_inference_flags(argv, add_flags)
     if any(int(os.environ.get(name, "1")) > 1 for name in LAUNCH_VARIABLES):
         raise EvaluationInputError("launch the evaluation as one process (python, not torchrun or srun): it "
                                    "reads every TP and PP partition of the checkpoint into one model")
@@ -73,16 +45,10 @@ def load_checkpoint_model(argv, add_flags) -> CheckpointModel:
         raise EvaluationInputError("give --load, the checkpoint directory")
     if not flags.micro_batch_size:
         raise EvaluationInputError("give --micro-batch-size, the samples of one forward")
-    checkpoint = open_checkpoint(resolve_tag_directory(flags.load, "--load"))
+    checkpoint = open_checkpoint(flags.load, "--load")
     check_model_flags(parser, flags, checkpoint)
-    seq_length = flags.seq_length or checkpoint.model["seq_length"]
-    positions = checkpoint.model.get("max_position_embeddings")
-    if positions and seq_length > positions:
-        raise EvaluationInputError(f"--seq-length {seq_length}: the model has {positions} positions")
-    tokenizer = build_tokenizer(flags.tokenizer_type, vocab_file=flags.vocab_file, merge_file=flags.merge_file,
-                                tokenizer_name_or_path=flags.tokenizer_name_or_path)
-    if tokenizer.vocab_size > checkpoint.model["padded_vocab_size"]:
-        raise EvaluationInputError(f"the tokenizer has {tokenizer.vocab_size} tokens, the checkpoint's model "
-                                   f"{checkpoint.model['padded_vocab_size']}: not the tokenizer it was trained with")
-    model = load_gpt_model(checkpoint, **precision(flags))
+    seq_length = checked_seq_length(flags, checkpoint)
+    tokenizer = checked_tokenizer(flags, checkpoint)
+    eval_fp32 = torch.float32 if getattr(flags, "eval_fp32", False) else None  # the harness's --eval_fp32
+    model = load_gpt_model(checkpoint, **model_dtype(flags, eval_fp32))
     return CheckpointModel(flags, model, tokenizer, seq_length)

@@ -19,6 +19,7 @@ from megatron.core.evaluation.zeroshot import (ACCURACY, LOSS, AccuracyReport, E
                                                perplexity_report, read_lambada, read_wikitext)
 from megatron.core.tokenizer import TokenizerError
 from megatron.training.argument_types import ArgumentError
+from megatron.training.inference_model import InferenceSetupError
 from tasks.checkpoint_model import load_checkpoint_model
 
 TASK_METRICS = {"WIKITEXT103": LOSS, "LAMBADA": ACCURACY}
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
     try:
         loaded = load_checkpoint_model(argv, add_task_flags)
         report = evaluate_task(loaded.flags, loaded.model, loaded.tokenizer, loaded.seq_length)
-    except (EvaluationInputError, CheckpointInputError, TokenizerError, ArgumentError) as exc:
+    except (EvaluationInputError, InferenceSetupError, CheckpointInputError, TokenizerError, ArgumentError) as exc:
         print(f"tasks/main.py: error: {exc}", file=sys.stderr, flush=True)
         return 2
     print(report.line(loaded.flags.task), flush=True)

@@ -195,7 +195,8 @@ def _explicit_layout_flags(parser, argv: Sequence[str]) -> set[str]:
             and given & set(action.option_strings)}
 
 
-def _checked_seq_length(flags, checkpoint: SavedCheckpoint) -> int:
+def checked_seq_length(flags, checkpoint: SavedCheckpoint) -> int:
+    """--seq-length, else the checkpoint's; never more than the model's positions."""
     seq_length = flags.seq_length or checkpoint.model["seq_length"]
     positions = checkpoint.model.get("max_position_embeddings")
     if positions and seq_length > positions:
@@ -203,7 +204,8 @@ def _checked_seq_length(flags, checkpoint: SavedCheckpoint) -> int:
     return seq_length
 
 
-def _checked_tokenizer(flags, checkpoint: SavedCheckpoint):
+def checked_tokenizer(flags, checkpoint: SavedCheckpoint):
+    """The flags' tokenizer, refused when it has more tokens than the checkpoint's vocabulary."""
     tokenizer = build_tokenizer(flags.tokenizer_type, vocab_file=flags.vocab_file, merge_file=flags.merge_file,
                                 tokenizer_name_or_path=flags.tokenizer_name_or_path)
     if tokenizer.vocab_size > checkpoint.model["padded_vocab_size"]:
@@ -223,8 +225,8 @@ def load_inference_model(argv: Sequence[str] | None = None, add_flags: Callable 
         raise InferenceSetupError("give --load, the checkpoint directory")
     checkpoint = open_checkpoint(flags.load, "--load")
     check_model_flags(parser, flags, checkpoint)
-    seq_length = _checked_seq_length(flags, checkpoint)
-    tokenizer = _checked_tokenizer(flags, checkpoint)
+    seq_length = checked_seq_length(flags, checkpoint)
+    tokenizer = checked_tokenizer(flags, checkpoint)
     config = inference_config(flags, checkpoint, params_dtype)
     parallel = parallel_config(flags, checkpoint, _explicit_layout_flags(parser, argv))
     try:

@@ -20,6 +20,7 @@ from megatron.core.checkpoint.reader import CheckpointInputError
 from megatron.core.evaluation.zeroshot import EvaluationInputError
 from megatron.core.tokenizer import TokenizerError
 from megatron.training.argument_types import ArgumentError
+from megatron.training.inference_model import InferenceSetupError
 from tasks.checkpoint_model import load_checkpoint_model
 
 
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
                         batch_size=flags.micro_batch_size * flags.micro_bs_multiplier,
                         adaptive_seq_len=flags.adaptive_seq_len)
         run_harness(lm, flags)
-    except (EvaluationInputError, CheckpointInputError, TokenizerError, ArgumentError) as exc:
+    except (EvaluationInputError, InferenceSetupError, CheckpointInputError, TokenizerError, ArgumentError) as exc:
         print(f"tasks/eval_harness/evaluate.py: error: {exc}", file=sys.stderr, flush=True)
         return 2
     return 0
