@@ -37,6 +37,7 @@ from megatron.core.checkpoint.output import (staged_directory, tree_size, write_
                                              write_tree_manifest)
 from megatron.core.checkpoint.reader import CheckpointInputError, open_checkpoint  # noqa: E402
 from megatron.core.checkpoint.universal import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info  # noqa: E402
+from tools.convert_checkpoint.reshape import report  # noqa: E402
 
 UNIVERSAL_LATEST = "latest_universal"
 
@@ -90,7 +91,7 @@ def run_deepspeed_conversion(input_folder: str, output_folder: str, arguments) -
 def convert(arguments) -> str:
     """The whole conversion; returns the summary line."""
     started = time.perf_counter()
-    checkpoint = open_checkpoint(arguments.input_folder)
+    checkpoint = open_checkpoint(arguments.input_folder, read_optimizer=True)
     if not checkpoint.optimizer_files:
         raise CheckpointInputError(
             f"{checkpoint.directory} has no ZeRO optimizer partitions (*zero_pp_rank_*_optim_states.pt): it was saved "
@@ -120,12 +121,7 @@ def convert(arguments) -> str:
 
 def main(argv=None) -> int:
     arguments = parse_arguments(argv)
-    try:
-        print(convert(arguments))
-    except (CheckpointInputError, FileExistsError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    return 0
+    return report(lambda: convert(arguments))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""What the model-only conversion tools share: a per-layer progress bar around
-megatron.core.checkpoint.writer, and their summary and error reporting."""
+"""What the conversion tools share: a per-layer progress bar around megatron.core.checkpoint.writer
+(the model-only tools), and the summary and error reporting (all of them)."""
 import sys
 import time
 
