@@ -4,6 +4,8 @@
 ``latest`` names one, and refuses, naming the file, anything the trainer would refuse to resume: a
 save that never finished (its ``saving.incomplete`` marker), a file the manifest lists that is
 missing, truncated or fails its CRC-32, a directory without model-states files or trainer state.
+The optimizer partitions, several times the weights' size, are read for their CRC-32 only by a
+caller that reads them (``read_optimizer``); for the others their presence and size are checked.
 It then describes the checkpoint from its first model-states file: the model configuration, the
 TP / PP / DP sizes, the engine (pipeline: weights in layer files; plain: in the model-states
 files), the optimizer files, and the trainer's counters.
@@ -11,6 +13,7 @@ files), the optimizer files, and the trainer's counters.
 ``iter_full_layers`` streams the weights one pipeline layer at a time as full tensors (TP
 partitions merged, names of the layer's own state dict), whichever engine wrote them.
 """
+import fnmatch
 import glob
 import os
 import re
@@ -84,9 +87,10 @@ def resolve_tag_directory(path: str, flag: str = "--input_folder") -> str:
                                f"and no 'latest' file (give a global_stepN directory or the --save directory)")
 
 
-def verify_files(directory: str) -> int:
-    """Every file of the manifest present with its size and CRC-32; returns how many were checked
-    (0 without a manifest: an older trainer's checkpoint, read unverified)."""
+def verify_files(directory: str, read_optimizer: bool = True) -> int:
+    """Every file of the manifest present with its size, and its CRC-32 unless it is an optimizer
+    partition and not ``read_optimizer``; returns how many CRCs were checked (0 without a manifest:
+    an older trainer's checkpoint, read unverified)."""
     if os.path.exists(os.path.join(directory, SAVING_MARKER)):
         raise CheckpointInputError(f"{directory} is a save that never finished ({SAVING_MARKER} is still there): "
                                    f"convert an earlier checkpoint")
@@ -95,11 +99,13 @@ def verify_files(directory: str) -> int:
         if manifest is None:
             return 0
         manifest.check_present(directory)
-        for name in sorted(manifest.files):
+        names = [name for name in sorted(manifest.files)
+                 if read_optimizer or not fnmatch.fnmatch(os.path.basename(name), OPTIMIZER_FILES)]
+        for name in names:
             manifest.verify_file(os.path.join(directory, name), directory)
     except ManifestError as error:
         raise CheckpointInputError(str(error)) from None
-    return len(manifest.files)
+    return len(names)
 
 
 def _model_states_files(directory: str) -> list[str]:
@@ -119,10 +125,10 @@ def load_file(path: str) -> dict:
         raise CheckpointInputError(f"cannot read {path} ({type(error).__name__}: {error})") from None
 
 
-def open_checkpoint(path: str, flag: str = "--input_folder") -> SavedCheckpoint:
+def open_checkpoint(path: str, flag: str = "--input_folder", read_optimizer: bool = False) -> SavedCheckpoint:
     """The checkpoint at ``path`` (module docstring); CheckpointInputError names what is wrong."""
     directory = resolve_tag_directory(path, flag)
-    verify_files(directory)
+    verify_files(directory, read_optimizer)
     model_files = _model_states_files(directory)
     state = load_file(model_files[0])
     arguments = state.get("args")
