@@ -70,6 +70,7 @@ def test_a_bitsandbytes_that_cannot_run_here_is_refused_naming_the_extra(monkeyp
     assert "cannot run its 8-bit AdamW" in message and "no kernel for this device" in message and "[bnb]" in message
 
 
+@needs_bnb  # without bitsandbytes the flag is refused at parse time (tested above)
 def test_the_flag_makes_the_embedding_stable_and_lets_zero_run_the_optimizer():
     parsed = parse("--use-bnb-optimizer", "--zero-stage", "1")
     config = build_config(parsed, tokenizer_vocab_size=100)
