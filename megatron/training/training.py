@@ -388,7 +388,10 @@ class Trainer:
             return self._iterate()
         finally:
             timer = self.timers("interval-time")
-            self.totals.seconds += timer.elapsed()
+            seconds = timer.elapsed()
+            # After the last log line only logging, evaluation and saving ran: not iteration time.
+            if self.accumulator.total_iterations:
+                self.totals.seconds += seconds
             if timer.running:
                 timer.stop()
 
