@@ -4,8 +4,11 @@
         --load checkpoints/gpt --no-load-optim --no-load-rng --micro-batch-size 8 <model and tokenizer flags>
 
 ``--task WIKITEXT103`` prints the perplexity, its word-level adjustment and the token ratio;
-``--task LAMBADA`` (``--strict-lambada`` for whole-word targets) the cloze accuracy. The model is
-the checkpoint's, whatever TP and PP saved it, run in this one process (tasks/checkpoint_model.py).
+``--task LAMBADA`` (``--strict-lambada`` for whole-word targets) the cloze accuracy. Launched like
+training (python for one process; torchrun, deepspeed or srun for several), one process per rank:
+the model is the checkpoint's (megatron/training/inference_model.py), under the saved TP and PP
+unless --tensor-model-parallel-size / --pipeline-model-parallel-size say otherwise; further processes
+are data-parallel replicas, each scoring its share of the samples. The last rank prints the result.
 The formulas are in megatron/core/evaluation/zeroshot.py and docs/evaluation.md.
 """
 import os
@@ -14,13 +17,22 @@ import sys
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.core.checkpoint.reader import CheckpointInputError
-from megatron.core.evaluation.zeroshot import (ACCURACY, LOSS, AccuracyReport, EvaluationInputError, evaluate_samples,
-                                               perplexity_report, read_lambada, read_wikitext)
-from megatron.core.tokenizer import TokenizerError
-from megatron.training.argument_types import ArgumentError
-from megatron.training.inference_model import InferenceSetupError
-from tasks.checkpoint_model import load_checkpoint_model
+from megatron.training.initialize import select_accelerator  # noqa: E402
+
+select_accelerator()
+
+from megatron.core.checkpoint.reader import CheckpointInputError  # noqa: E402
+from megatron.core.evaluation.zeroshot import (ACCURACY, LOSS, AccuracyReport, EvaluationInputError,  # noqa: E402
+                                               evaluate_samples, perplexity_report, read_lambada, read_wikitext)
+from megatron.core.tokenizer import TokenizerError  # noqa: E402
+from megatron.training.argument_types import ArgumentError  # noqa: E402
+from megatron.training.arguments import report_error_and_exit  # noqa: E402
+from megatron.training.dist_utils import print_rank_last, sum_across_group  # noqa: E402
+from megatron.training.inference_model import (InferenceModel, InferenceSetupError, load_inference_model,  # noqa: E402
+                                               parse_inference_flags)
+
+INPUT_ERRORS = (EvaluationInputError, InferenceSetupError, CheckpointInputError, TokenizerError, ArgumentError,
+                OSError)
 
 TASK_METRICS = {"WIKITEXT103": LOSS, "LAMBADA": ACCURACY}
 # Megatron-DeepSpeed's fine-tuning and retrieval tasks: recognised, not built here.
@@ -41,7 +53,7 @@ def add_task_flags(parser) -> None:
 
 
 def check_task_flags(flags) -> str:
-    """The evaluation file; raises EvaluationInputError naming the flag."""
+    """The evaluation file; raises EvaluationInputError naming the flag (before any process group starts)."""
     if flags.task in FINETUNING_TASKS:
         raise EvaluationInputError(f"--task {flags.task}: fine-tuning tasks are not built here; the zero-shot "
                                    f"tasks are {', '.join(TASK_METRICS)}")
@@ -49,6 +61,8 @@ def check_task_flags(flags) -> str:
         raise EvaluationInputError(f"--task {flags.task!r} is unknown; use one of {', '.join(TASK_METRICS)}")
     if not flags.valid_data or len(flags.valid_data) != 1:
         raise EvaluationInputError(f"--task {flags.task} reads exactly one file: give --valid-data PATH")
+    if not flags.micro_batch_size:
+        raise EvaluationInputError("give --micro-batch-size, the samples of one forward")
     return flags.valid_data[0]
 
 
@@ -69,15 +83,28 @@ def evaluate_task(flags, logits_fn, tokenizer, seq_length: int, dp_rank: int = 0
     return AccuracyReport(round(total), len(samples))
 
 
+def evaluate_loaded(model: InferenceModel, flags) -> AccuracyReport:
+    """``flags.task`` on the loaded model, the samples split over its data-parallel replicas; collective."""
+    groups = model.groups
+
+    def sum_over_replicas(values):
+        return sum_across_group(values, group=groups.dp) if groups.dp_size > 1 else values
+
+    return evaluate_task(flags, model.logits, model.tokenizer, model.seq_length, groups.dp_rank, groups.dp_size,
+                         sum_over_replicas)
+
+
 def main(argv=None) -> int:
-    """Run the task; print Megatron's result line. Exit status 2 on a bad flag or input file."""
+    """Run the task; the last rank prints Megatron's result line. Exit status 2 on a bad flag or input file."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        loaded = load_checkpoint_model(argv, add_task_flags)
-        report = evaluate_task(loaded.flags, loaded.model, loaded.tokenizer, loaded.seq_length)
-    except (EvaluationInputError, InferenceSetupError, CheckpointInputError, TokenizerError, ArgumentError) as exc:
-        print(f"tasks/main.py: error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    print(report.line(loaded.flags.task), flush=True)
+        check_task_flags(parse_inference_flags(argv, add_task_flags)[1])
+        model = load_inference_model(argv, add_task_flags)
+        report = evaluate_loaded(model, model.flags)
+    except INPUT_ERRORS as error:
+        report_error_and_exit(error, 2)
+    print_rank_last(report.line(model.flags.task))
+    model.shutdown()
     return 0
 
 

@@ -3,11 +3,14 @@
     python tasks/eval_harness/evaluate.py --load checkpoints/gpt --micro-batch-size 4 <model and tokenizer flags> \\
         --task_list my_task,lambada_local --include_path my_tasks/ --results_path results.json
 
-The model is the checkpoint's, whatever TP and PP saved it, run in this one process
-(tasks/checkpoint_model.py); the adapter is megatron_lm.py. The tables are printed and the results
-written as JSON. Offline use: define the tasks in local YAML files whose data are
-local files (``dataset_path: json`` with ``dataset_kwargs.data_files``) and name their directory
-with ``--include_path``; set HF_DATASETS_OFFLINE=1. Needs the ``[eval]`` extra (lm-eval).
+Launched like training (python for one process; torchrun, deepspeed or srun for several), one
+process per rank: the model is the checkpoint's (megatron/training/inference_model.py), under the
+saved TP and PP unless --tensor-model-parallel-size / --pipeline-model-parallel-size say otherwise;
+further processes are data-parallel replicas sharing the requests. The adapter is megatron_lm.py.
+Global rank 0 prints the tables and writes the results as JSON. Offline use: define the tasks in
+local YAML files whose data are local files (``dataset_path: json`` with
+``dataset_kwargs.data_files``) and name their directory with ``--include_path``; set
+HF_DATASETS_OFFLINE=1. Needs the ``[eval]`` extra (lm-eval).
 """
 import json
 import os
@@ -16,12 +19,17 @@ import sys
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megatron.core.checkpoint.reader import CheckpointInputError
-from megatron.core.evaluation.zeroshot import EvaluationInputError
-from megatron.core.tokenizer import TokenizerError
-from megatron.training.argument_types import ArgumentError
-from megatron.training.inference_model import InferenceSetupError
-from tasks.checkpoint_model import load_checkpoint_model
+from megatron.training.initialize import select_accelerator  # noqa: E402
+
+select_accelerator()
+
+import torch  # noqa: E402
+
+from megatron.core.evaluation.zeroshot import EvaluationInputError  # noqa: E402
+from megatron.training.arguments import report_error_and_exit  # noqa: E402
+from megatron.training.dist_utils import gather_objects, is_rank_0  # noqa: E402
+from megatron.training.inference_model import InferenceModel, load_inference_model, parse_inference_flags  # noqa: E402
+from tasks.main import INPUT_ERRORS  # noqa: E402
 
 
 def add_harness_flags(parser) -> None:
@@ -52,25 +60,44 @@ def task_names(task_list: str) -> list[str]:
     return names
 
 
-def run_harness(lm, flags) -> dict:
-    """simple_evaluate over ``flags.task_list`` (one task at a time with --intermed_results), the
-    tables printed and ``flags.results_path`` written after each; returns the merged results."""
-    from lm_eval import simple_evaluate
+def task_manager(flags):
+    """The harness's task index (its own tasks and --include_path's); every --task_list name must be in it."""
     from lm_eval.tasks import TaskManager
-    from lm_eval.utils import make_table
 
     manager = TaskManager(include_path=flags.include_path)
-    names = task_names(flags.task_list)
-    unknown = [name for name in names if name not in manager.all_tasks]
+    unknown = [name for name in task_names(flags.task_list) if name not in manager.all_tasks]
     if unknown:
         where = f" nor under --include_path {flags.include_path}" if flags.include_path else ""
         raise EvaluationInputError(f"--task_list: {', '.join(unknown)}: no such task in the harness{where}")
+    return manager
+
+
+def harness_model(model: InferenceModel, flags):
+    """The adapter on the loaded model, its data-parallel replicas sharing the requests."""
+    from tasks.eval_harness.megatron_lm import MegatronLM, Replicas
+
+    groups = model.groups
+    replicas = Replicas(groups.dp_rank, groups.dp_size, lambda value: gather_objects(value, group=groups.dp))
+    return MegatronLM(model.forward, model.tokenizer, model.seq_length,
+                      batch_size=flags.micro_batch_size * flags.micro_bs_multiplier,
+                      adaptive_seq_len=flags.adaptive_seq_len, device=model.device,
+                      replicas=replicas if groups.dp_size > 1 else Replicas())
+
+
+def run_harness(lm, flags, manager) -> dict:
+    """simple_evaluate over ``flags.task_list`` (one task at a time with --intermed_results); global
+    rank 0 prints the tables and writes ``flags.results_path`` after each; returns the merged results
+    there (empty elsewhere)."""
+    from lm_eval import simple_evaluate
+    from lm_eval.utils import make_table
+
     merged = {"results": {}, "versions": {}, "n-shot": {}, "configs": {}}
+    names = task_names(flags.task_list)
     batches = [[name] for name in names] if flags.intermed_results else [names]
     for batch in batches:
         results = simple_evaluate(model=lm, tasks=batch, task_manager=manager, num_fewshot=flags.num_fewshot,
                                   bootstrap_iters=flags.bootstrap_iters, log_samples=False)
-        if results is None:  # the harness aggregates only where LOCAL_RANK is 0
+        if results is None or not is_rank_0():  # the harness aggregates only where LOCAL_RANK is 0
             continue
         for key in merged:
             merged[key].update(results.get(key, {}))
@@ -90,19 +117,18 @@ def write_results(results: dict, path: str) -> None:
 
 
 def main(argv=None) -> int:
-    """Evaluate; exit status 2 on a bad flag, task or checkpoint."""
+    """Evaluate; exit status 2 on a bad flag, task or checkpoint (named before any process group starts)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        loaded = load_checkpoint_model(argv, add_harness_flags)
-        from tasks.eval_harness.megatron_lm import MegatronLM
-
-        flags = loaded.flags
-        lm = MegatronLM(loaded.model, loaded.tokenizer, loaded.seq_length,
-                        batch_size=flags.micro_batch_size * flags.micro_bs_multiplier,
-                        adaptive_seq_len=flags.adaptive_seq_len)
-        run_harness(lm, flags)
-    except (EvaluationInputError, InferenceSetupError, CheckpointInputError, TokenizerError, ArgumentError) as exc:
-        print(f"tasks/eval_harness/evaluate.py: error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        _, flags = parse_inference_flags(argv, add_harness_flags)
+        if not flags.micro_batch_size:
+            raise EvaluationInputError("give --micro-batch-size, the requests of one forward")
+        manager = task_manager(flags)
+        model = load_inference_model(argv, add_harness_flags, params_dtype=torch.float32 if flags.eval_fp32 else None)
+        run_harness(harness_model(model, model.flags), model.flags, manager)
+    except INPUT_ERRORS as error:
+        report_error_and_exit(error, 2)
+    model.shutdown()
     return 0
 
 

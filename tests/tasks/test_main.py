@@ -4,9 +4,13 @@ WikiText-103 perplexity and LAMBADA accuracy (plain and strict) of the checkpoin
 in this process, equal the figures recomputed here from its logits without the windows or the
 samples (one forward per target over the context the windowing promises it; the argmax check of
 each passage on its own tokens). Half the LAMBADA passages end with the model's greedy next word,
-so both outcomes occur.
+so both outcomes occur. Launched on 4 gloo ranks (torchrun) under the saved TP=2 x PP=2, the three
+figures equal those of the one-process model (rel 1e-6); re-cut to TP=1 x PP=2 with two data-parallel
+replicas, the command prints the one-process line once. Bad flags are named before any process group.
 """
 import argparse
+import dataclasses
+import os
 import gzip
 import json
 import math
@@ -19,12 +23,20 @@ from megatron.core.checkpoint.reader import open_checkpoint
 from megatron.core.evaluation.detokenizer import wikitext_detokenize
 from megatron.core.tokenizer import GPT2BPETokenizer
 from tasks.main import evaluate_task, main
-from tests.conftest import SAMPLE_CORPUS
+from tests.conftest import REPO_ROOT, SAMPLE_CORPUS
 from tests.core.evaluation.test_zeroshot import WIKITEXT, next_token_log_prob
-from tests.tasks.trained_checkpoint import SEQ_LENGTH, checkpoint_path, trained  # noqa: F401
+from tests.tasks.trained_checkpoint import SEQ_LENGTH, checkpoint_path, model_flags, trained  # noqa: F401
+from tests.training.e2e_utils import run_command, torchrun_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 OVERLAP = 8
+MAIN = os.path.join(REPO_ROOT, "tasks", "main.py")
+WORKER = os.path.join(REPO_ROOT, "tests", "tasks", "evaluation_worker.py")
+
+
+def task_arguments(task: str, paths: dict[str, str]) -> list[str]:
+    path = paths["wiki.test.tokens" if task == "WIKITEXT103" else "lambada.jsonl"]
+    return ["--task", task, "--valid-data", path, "--overlapping-eval", str(OVERLAP), "--micro-batch-size", "3"]
 
 
 def task_flags(task: str, path: str, strict: bool = False) -> argparse.Namespace:
@@ -107,18 +119,48 @@ def test_figures_equal_the_recomputation_from_logits(files):
         assert 0 < expected < len(passages)
 
 
-def test_command_line_prints_the_figures_and_names_bad_flags(trained, files, capsys, monkeypatch):  # noqa: F811
+def test_tp2_pp2_launch_equals_one_process(trained, files, tmp_path):  # noqa: F811
+    """4 ranks under the saved layout (one replica): the figures of the model run whole in one process."""
     data, save = trained
     model, tokenizer, _, paths = files
-    common = ["--load", save, "--no-load-optim", "--no-load-rng", "--micro-batch-size", "3", "--vocab-file",
-              data.vocab_file, "--merge-file", data.merge_file, "--num-layers", "2", "--seq-length", str(SEQ_LENGTH)]
-    for task, path, extra in (("WIKITEXT103", paths["wiki.test.tokens"], ["--overlapping-eval", str(OVERLAP)]),
-                              ("LAMBADA", paths["lambada.jsonl"], ["--strict-lambada"])):
-        assert main(["--task", task, "--valid-data", path, *common, *extra]) == 0
-        expected = evaluate_task(task_flags(task, path, strict=True), model, tokenizer, SEQ_LENGTH).line(task)
-        assert capsys.readouterr().out.strip() == expected.strip()
-    assert main(["--task", "LAMBADA", "--valid-data", paths["lambada.jsonl"], *common, "--hidden-size", "32"]) == 2
-    assert "--hidden-size 32: the checkpoint at --load" in capsys.readouterr().err
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    assert main(["--task", "LAMBADA", "--valid-data", paths["lambada.jsonl"], *common]) == 2
-    assert "launch the evaluation as one process" in capsys.readouterr().err
+    output = tmp_path / "figures.json"
+    arguments = ["--load", save, *model_flags(data), *task_arguments("WIKITEXT103", paths),
+                 "--lambada-data", paths["lambada.jsonl"], "--output", str(output)]
+    run_command(torchrun_command(4) + [WORKER, *arguments], timeout=240).assert_ok()
+    found = json.loads(output.read_text())
+    for name, task, strict in (("WIKITEXT103", "WIKITEXT103", False), ("LAMBADA", "LAMBADA", False),
+                               ("LAMBADA strict", "LAMBADA", True)):
+        path = paths["wiki.test.tokens" if task == "WIKITEXT103" else "lambada.jsonl"]
+        expected = dataclasses.asdict(evaluate_task(task_flags(task, path, strict), model, tokenizer, SEQ_LENGTH))
+        assert found[name] == pytest.approx(expected, rel=1e-6)
+    print(found)
+
+
+def test_command_line_under_data_parallel_replicas(trained, files):  # noqa: F811
+    """tasks/main.py on 4 ranks re-cut to TP=1 x PP=2, two replicas sharing the windows: the last rank
+    prints the line of the model run whole in one process."""
+    data, save = trained
+    model, tokenizer, _, paths = files
+    layout = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"]
+    result = run_command(torchrun_command(4) + [MAIN, "--load", save, "--no-load-optim", "--no-load-rng",
+                                                *model_flags(data), *task_arguments("WIKITEXT103", paths), *layout],
+                         timeout=240)
+    result.assert_ok()
+    flags = task_flags("WIKITEXT103", paths["wiki.test.tokens"])
+    expected = evaluate_task(flags, model, tokenizer, SEQ_LENGTH).line("WIKITEXT103")
+    assert result.output.count(" validation results on WIKITEXT103") == 1
+    assert expected in result.output
+
+
+def test_bad_flags_are_named_before_starting(trained, files, capsys):  # noqa: F811
+    data, save = trained
+    _, _, _, paths = files
+    common = ["--load", save, *model_flags(data), *task_arguments("LAMBADA", paths)]
+    for extra, message in ((["--hidden-size", "32"], "--hidden-size 32: the checkpoint at --load"),
+                           ([], "1 processes cannot hold TP 2 x PP 2"),
+                           (["--task", "RACE"], "--task RACE: fine-tuning tasks are not built here")):
+        with pytest.raises(SystemExit) as exit_status:
+            main(common + extra)
+        assert exit_status.value.code == 2
+        assert message in capsys.readouterr().err
+    assert not torch.distributed.is_initialized()
