@@ -180,6 +180,22 @@ def _check_parallel_layout(saved: dict, config: TrainConfig, tag_directory: str)
             f"--no-load-optim to keep the weights, schedule and counters and rebuild the optimizer states")
 
 
+def _check_weights_only(saved: dict, config: TrainConfig, tag_directory: str) -> None:
+    """A conversion tool's output (model-only reshape, merge, transformers import) holds the weights
+    and the trainer state but no optimizer and no RNG states: name the flags that load it, rather than
+    fail on the first file DeepSpeed looks for."""
+    settings = config.checkpoint
+    weights_only = saved.get("optimizer") is None and not glob.glob(os.path.join(tag_directory, "*optim_states.pt"))
+    if not weights_only:
+        return
+    needed = [] if settings.no_load_optim else ["--no-load-optim"]
+    if not (settings.finetune or settings.no_load_rng or "random_rng_state" in saved):
+        needed.append("--no-load-rng")
+    if needed:
+        raise CheckpointError(f"{tag_directory} holds weights only (no optimizer state: a conversion tool wrote it): "
+                              f"load it with {' '.join(needed)} (or --finetune --no-load-optim to restart the schedule)")
+
+
 def _check_layer_files(module, tag_directory: str, tp_size: int) -> None:
     """Every layer of this pipeline stage needs one layer_XX-model_TT file per TP rank; with one
     missing, DeepSpeed fails on a bare assertion or re-splits the others."""
@@ -284,9 +300,9 @@ def _manifest(tag_directory: str) -> Manifest | None:
     return manifest
 
 
-def check_before_loading(engine, config: TrainConfig) -> tuple[str, Manifest | None] | None:
-    """(the tag directory --load will read, its manifest) after the checks of the module docstring;
-    None when there is nothing to resume. A universal checkpoint fits any layout and engine: only
+def check_before_loading(engine, config: TrainConfig) -> tuple[str, Manifest | None, dict] | None:
+    """(the tag directory --load will read, its manifest, its trainer state) after the checks of the
+    module docstring; None when there is nothing to resume. A universal checkpoint fits any layout and engine: only
     its manifest and model are checked."""
     universal = config.checkpoint.universal_checkpoint
     directory = resume_directory(config.checkpoint.load, universal)
@@ -299,8 +315,9 @@ def check_before_loading(engine, config: TrainConfig) -> tuple[str, Manifest | N
     _check_compatible(saved, config, config.checkpoint.load, universal)
     if universal:
         _check_universal_vocabulary(directory, config.model.padded_vocab_size)
-        return directory, manifest
+        return directory, manifest, saved
+    _check_weights_only(saved, config, directory)
     _check_parallel_layout(saved.get("args", {}), config, directory)
     if is_pipeline_engine(engine):
         _check_layer_files(engine.module, directory, config.parallel.tensor_model_parallel_size)
-    return directory, manifest
+    return directory, manifest, saved

@@ -50,6 +50,7 @@ from megatron.core.checkpoint.manifest import FileEntry, describe_file, fsync_pa
 from megatron.core.checkpoint.names import pipeline_name
 from megatron.core.checkpoint.output import write_pointer
 from megatron.core.checkpoint.universal import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info
+from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.tensor_parallel import get_rng_tracker
 from megatron.training.checkpoint_checks import (LATEST_FILENAME, SAVING_MARKER, CheckpointError,
                                                  check_before_loading, checkpoint_tags, verified_reads)
@@ -119,17 +120,42 @@ def restore_rng_states(state: dict) -> None:
 def client_state(progress: TrainingProgress, config: TrainConfig, pipeline: bool) -> dict:
     """What the trainer adds to DeepSpeed's mp_rank file (module docstring); ``pipeline``: saved by
     the pipeline engine."""
-    model = config.model
+    state = _trainer_entries(progress, config.model, config.data.orig_vocab_size, configuration_summary(config),
+                             pipeline)
+    if not config.checkpoint.no_save_rng:
+        state.update(rng_states())
+    return state
+
+
+def _trainer_entries(progress: TrainingProgress, model: GPTModelConfig, original_vocab_size: int, arguments: dict,
+                     pipeline: bool) -> dict:
+    """The client state without the RNG states; ``arguments``: the ``args`` entry."""
     state = dataclasses.asdict(progress)
     state.update(tokens=progress.consumed_train_tokens, checkpoint_version=CHECKPOINT_VERSION,
                  checkpoint_info={"padded_vocab_size": model.padded_vocab_size,
-                                  "original_vocab_size": config.data.orig_vocab_size},
-                 args=configuration_summary(config))
+                                  "original_vocab_size": original_vocab_size},
+                 args=arguments)
     state[UNIVERSAL_CHECKPOINT_INFO] = universal_checkpoint_info(
         glu=model.glu_activation is not None, learned_positions=model.position_embedding_type == "absolute",
-        pipeline=pipeline, padded_vocab_size=model.padded_vocab_size, original_vocab_size=config.data.orig_vocab_size)
-    if not config.checkpoint.no_save_rng:
-        state.update(rng_states())
+        pipeline=pipeline, padded_vocab_size=model.padded_vocab_size, original_vocab_size=original_vocab_size)
+    return state
+
+
+def imported_checkpoint_state(model: GPTModelConfig, original_vocab_size: int, tp: int, pp: int,
+                              data: dict) -> dict:
+    """The model-states entries of a checkpoint that no engine saved (an imported model), at iteration 0:
+    the client state without RNG states, whose ``args`` hold the model, the layout and ``data`` (the
+    tokenizer's settings), and DeepSpeed's own entries, empty. No LR schedule (``lr_scheduler`` None):
+    a run that loads it starts the configured one."""
+    import deepspeed
+
+    arguments = {"model": plain_value(model), "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                 "data_parallel_size": 1, "config": {"model": plain_value(model), "data": data}}
+    state = {"module": None, "buffer_names": [], "optimizer": None, "param_shapes": None, "frozen_param_shapes": None,
+             "shared_params": None, "frozen_param_fragments": None, "lr_scheduler": None, "data_sampler": None,
+             "random_ltd": None, "skipped_steps": 0, "global_steps": 0, "global_samples": 0, "dp_world_size": 1,
+             "mp_world_size": tp * pp, "ds_config": {}, "ds_version": deepspeed.__version__}
+    state.update(_trainer_entries(TrainingProgress(), model, original_vocab_size, arguments, pipeline=True))
     return state
 
 
@@ -273,12 +299,14 @@ def load_checkpoint(engine, config: TrainConfig) -> TrainingProgress | None:
         print_rank_0(f"WARNING: no checkpoint found in --load {settings.load} (no 'latest' file): "
                      f"training starts from scratch")
         return None
-    tag_directory, manifest = checked
+    tag_directory, manifest, saved = checked
     universal = settings.universal_checkpoint
+    # An imported model has no schedule to restore: the configured one starts.
     with verified_reads(engine, tag_directory, manifest) as verified, \
             _universal_parameter_names(engine, config.model.num_layers, universal):
         _, state = engine.load_checkpoint(settings.load, load_optimizer_states=not settings.no_load_optim,
-                                          load_lr_scheduler_states=not settings.finetune)
+                                          load_lr_scheduler_states=not settings.finetune
+                                          and saved.get("lr_scheduler") is not None)
     if settings.finetune:
         _restart_engine_counters(engine)
         progress = TrainingProgress()

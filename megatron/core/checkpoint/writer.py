@@ -15,7 +15,7 @@ to the next multiple, and the resumed run needs ``--pad-vocab-size-to`` that siz
 """
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -56,7 +56,7 @@ def target_padded_vocab_size(padded: int, tp: int) -> int:
     return -(-padded // tp) * tp
 
 
-def _padded_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
+def padded_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
     if weight.shape[0] == rows:
         return weight
     return torch.cat([weight, weight.new_zeros(rows - weight.shape[0], *weight.shape[1:])])
@@ -76,6 +76,33 @@ def _trainer_state(checkpoint: SavedCheckpoint, tp: int, pp: int, dp: int, padde
     return state
 
 
+def write_checkpoint(output: str, iteration: int, layers: Iterable[tuple[int, dict[str, torch.Tensor]]],
+                     trainer_state: dict, tp: int, pp: int, glu: bool,
+                     on_layer: Callable[[int], None] = lambda layer: None, flag: str = "--output_folder",
+                     before_commit: Callable[[str], None] = lambda staging: None) -> int:
+    """The pipeline engine's files of ``layers`` ((pipeline layer index, full state dict), vocabulary
+    already padded) at TP ``tp``, with ``trainer_state`` as every (stage, TP rank)'s model-states
+    file, under ``output`` (a --save directory, ``global_step{iteration}`` inside); staged, with a
+    manifest, then ``latest``; ``before_commit(staging directory)`` may add files beside the tag.
+    Returns the number of layers written."""
+    tag = f"global_step{iteration}"
+    with staged_directory(output, flag) as staging:
+        tag_directory = os.path.join(staging, tag)
+        os.makedirs(tag_directory)
+        written = 0
+        for layer, state in layers:
+            write_layer(tag_directory, layer, state, tp, glu)
+            written += 1
+            on_layer(layer)
+        for rank in range(tp * pp):
+            torch.save(trainer_state, os.path.join(tag_directory, f"mp_rank_{rank:02d}_model_states.pt"))
+        write_tree_manifest(tag_directory, iteration)
+        before_commit(staging)
+        write_pointer(os.path.join(staging, "latest"), tag)
+        write_pointer(os.path.join(staging, "latest_checkpointed_iteration.txt"), f"{iteration}\n")
+    return written
+
+
 def write_model_checkpoint(checkpoint: SavedCheckpoint, output: str, tp: int, pp: int, dp: int = 1,
                            on_layer: Callable[[int], None] = lambda layer: None,
                            flag: str = "--output_folder") -> WrittenCheckpoint:
@@ -83,24 +110,17 @@ def write_model_checkpoint(checkpoint: SavedCheckpoint, output: str, tp: int, pp
     TP ``tp`` and PP ``pp`` (module docstring); ``on_layer`` is called after each layer is written."""
     check_target_layout(checkpoint.model, tp, pp)
     padded = target_padded_vocab_size(checkpoint.model["padded_vocab_size"], tp)
-    tag = f"global_step{checkpoint.iteration}"
-    with staged_directory(output, flag) as staging:
-        tag_directory = os.path.join(staging, tag)
-        os.makedirs(tag_directory)
-        layers = 0
+
+    def padded_layers():
         for layer, state in iter_full_layers(checkpoint):
             if layer == EMBEDDING_LAYER:
-                state["word_embeddings.weight"] = _padded_rows(state["word_embeddings.weight"], padded)
-            write_layer(tag_directory, layer, state, tp, checkpoint.glu)
-            layers += 1
-            on_layer(layer)
-        trainer_state = _trainer_state(checkpoint, tp, pp, dp, padded)
-        for rank in range(tp * pp):
-            torch.save(trainer_state, os.path.join(tag_directory, f"mp_rank_{rank:02d}_model_states.pt"))
-        write_tree_manifest(tag_directory, checkpoint.iteration)
-        write_pointer(os.path.join(staging, "latest"), tag)
-        write_pointer(os.path.join(staging, "latest_checkpointed_iteration.txt"), f"{checkpoint.iteration}\n")
-    return WrittenCheckpoint(os.path.normpath(output), tag, tp, pp, dp, padded, layers)
+                state["word_embeddings.weight"] = padded_rows(state["word_embeddings.weight"], padded)
+            yield layer, state
+
+    trainer_state = _trainer_state(checkpoint, tp, pp, dp, padded)
+    layers = write_checkpoint(output, checkpoint.iteration, padded_layers(), trainer_state, tp, pp, checkpoint.glu,
+                              on_layer, flag)
+    return WrittenCheckpoint(os.path.normpath(output), f"global_step{checkpoint.iteration}", tp, pp, dp, padded, layers)
 
 
 def resume_advice(written: WrittenCheckpoint, source_padded: int) -> str:

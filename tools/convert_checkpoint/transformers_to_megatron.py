@@ -1,0 +1,148 @@
+"""Import a Hugging Face transformers GPT-2 or BLOOM model as a checkpoint at any TP and PP size.
+
+    python tools/convert_checkpoint/transformers_to_megatron.py --input_folder HF_MODEL \\
+        --output_folder CKPT --target_tp 2 --target_pp 2 [--pad_vocab_size_to P] [--seq_length S]
+
+HF_MODEL is a local transformers directory (config.json and safetensors or pytorch_model.bin
+weights). CKPT is a --save directory: ``global_step0`` in the pipeline engine's layout, weights
+only, with the model configuration, a manifest and ``latest``; the tokenizer files found in
+HF_MODEL are copied to CKPT/tokenizer. The summary prints the flags a run needs to load it:
+
+    pretrain_gpt.py <those model flags> --load CKPT --no-load-optim --no-load-rng ...    (or --finetune)
+
+The vocabulary: the word embeddings keep the model's rows and gain zero rows up to a multiple of
+the target TP size, or up to --pad_vocab_size_to. A zero row's logit is 0 and enters the softmax,
+so with padding the loss is no longer exactly transformers'; the summary reports the rows added.
+Which configurations import, and how the tensors map: megatron.core.checkpoint.transformers_import.
+"""
+import argparse
+import os
+import shutil
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from megatron.core.checkpoint.reader import CheckpointInputError  # noqa: E402
+from megatron.core.checkpoint.transformers_import import (BLOOM, TransformersWeights,  # noqa: E402
+                                                          imported_layers, model_options, read_transformers_config)
+from megatron.core.checkpoint.writer import check_target_layout, write_checkpoint  # noqa: E402
+from megatron.core.models.gpt.config import GPTModelConfig  # noqa: E402
+from tools.convert_checkpoint.reshape import report  # noqa: E402
+
+TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_DIRECTORY = "tokenizer"
+BLOOM_SEQ_LENGTH = 2048
+
+
+def parse_arguments(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--input_folder", required=True, help="a local transformers model directory")
+    parser.add_argument("--output_folder", required=True, help="the new --save directory (must not exist)")
+    parser.add_argument("--target_tp", type=int, default=1, help="tensor-parallel size of the output")
+    parser.add_argument("--target_pp", type=int, default=1, help="pipeline-parallel size of the output")
+    parser.add_argument("--pad_vocab_size_to", type=int, default=None,
+                        help="rows of the word embeddings (default: the model's, up to a multiple of --target_tp)")
+    parser.add_argument("--seq_length", type=int, default=None,
+                        help=f"training sequence length (default: GPT-2's n_positions; BLOOM {BLOOM_SEQ_LENGTH})")
+    return parser.parse_args(argv)
+
+
+def padded_vocabulary(vocab_size: int, tp: int, requested: int | None) -> int:
+    if requested is None:
+        return -(-vocab_size // tp) * tp
+    if requested < vocab_size or requested % tp:
+        raise CheckpointInputError(f"--pad_vocab_size_to {requested}: must be at least the model's {vocab_size} "
+                                   f"rows and a multiple of --target_tp {tp}")
+    return requested
+
+
+def model_config(options: dict, seq_length: int, padded: int, dtype: torch.dtype) -> GPTModelConfig:
+    return GPTModelConfig(
+        num_layers=options["num_layers"], hidden_size=options["hidden_size"],
+        num_attention_heads=options["num_attention_heads"], padded_vocab_size=padded, seq_length=seq_length,
+        ffn_hidden_size=options["ffn_hidden_size"], max_position_embeddings=options["max_position_embeddings"] or seq_length,
+        position_embedding_type=options["position_embedding_type"], layernorm_epsilon=options["layernorm_epsilon"],
+        apply_residual_connection_post_layernorm=options["apply_residual_connection_post_layernorm"],
+        embed_layernorm=options["embed_layernorm"], openai_gelu=options["tanh_gelu"],
+        bias_gelu_fusion=options["tanh_gelu"], params_dtype=dtype)
+
+
+def model_flags(model: GPTModelConfig) -> list[str]:
+    """The trainer's flags for ``model``: the fields a load checks, the GeLU and the epsilon."""
+    flags = ["--num-layers", model.num_layers, "--hidden-size", model.hidden_size,
+             "--num-attention-heads", model.num_attention_heads, "--ffn-hidden-size", model.ffn_hidden_size,
+             "--seq-length", model.seq_length, "--max-position-embeddings", model.max_position_embeddings,
+             "--position-embedding-type", model.position_embedding_type,
+             "--layernorm-epsilon", model.layernorm_epsilon, "--pad-vocab-size-to", model.padded_vocab_size]
+    if model.padded_vocab_size % 128:  # the default --make-vocab-size-divisible-by must divide it
+        flags += ["--make-vocab-size-divisible-by", 1]
+    flags.append("--openai-gelu" if model.openai_gelu else "--no-bias-gelu-fusion")
+    flags += ["--embed-layernorm"] * model.embed_layernorm
+    flags += ["--apply-residual-connection-post-layernorm"] * model.apply_residual_connection_post_layernorm
+    return [str(flag) for flag in flags]
+
+
+def tokenizer_settings(source: str, output: str) -> tuple[list[str], dict]:
+    """(the trainer's flags, the recorded data settings) for the tokenizer files copy_tokenizer_files
+    puts under ``output``: the GPT-2 BPE files, else a transformers tokenizer, else none."""
+    present = {name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(source, name))}
+    directory = os.path.join(output, TOKENIZER_DIRECTORY)
+    if {"vocab.json", "merges.txt"} <= present:
+        vocab, merges = os.path.join(directory, "vocab.json"), os.path.join(directory, "merges.txt")
+        return (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges],
+                {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": vocab, "merge_file": merges})
+    if "tokenizer.json" in present:
+        return (["--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", directory],
+                {"tokenizer_type": "PretrainedFromHF", "tokenizer_name_or_path": directory})
+    return [], {}
+
+
+def copy_tokenizer_files(source: str, staging: str) -> None:
+    names = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(source, name))]
+    if names:
+        os.makedirs(os.path.join(staging, TOKENIZER_DIRECTORY))
+    for name in names:
+        shutil.copyfile(os.path.join(source, name), os.path.join(staging, TOKENIZER_DIRECTORY, name))
+
+
+def import_model(arguments) -> str:
+    from tqdm import tqdm
+
+    from megatron.training.checkpointing import imported_checkpoint_state
+
+    started = time.perf_counter()
+    source, tp, pp = arguments.input_folder, arguments.target_tp, arguments.target_pp
+    kind, options = model_options(read_transformers_config(source), source)
+    check_target_layout(options, tp, pp)
+    weights = TransformersWeights(source)
+    vocab_size = options["vocab_size"]
+    padded = padded_vocabulary(vocab_size, tp, arguments.pad_vocab_size_to)
+    seq_length = arguments.seq_length or options["max_position_embeddings"] or BLOOM_SEQ_LENGTH
+    model = model_config(options, seq_length, padded, weights.dtype)
+    output = os.path.abspath(arguments.output_folder)
+    tokenizer_flags, data = tokenizer_settings(source, output)
+    state = imported_checkpoint_state(model, vocab_size, tp, pp, {**data, "orig_vocab_size": vocab_size})
+    layers = tqdm(imported_layers(weights, kind, options, padded), total=options["num_layers"] + 2, desc="layers",
+                  unit="layer", file=sys.stderr)
+    written = write_checkpoint(output, 0, layers, state, tp, pp, glu=False,
+                               before_commit=lambda staging: copy_tokenizer_files(source, staging))
+    padding = (f"padded to {padded} rows ({padded - vocab_size} zero rows, whose logits 0 enter the softmax)"
+               if padded > vocab_size else "not padded")
+    return (f"{kind} from {source} written at TP {tp}, PP {pp} to {output}/global_step0: {written} layers in "
+            f"{time.perf_counter() - started:.1f} s; vocabulary of {vocab_size} rows {padding}. Train it with: "
+            f"{' '.join(model_flags(model) + tokenizer_flags)} --tensor-model-parallel-size {tp} "
+            f"--pipeline-model-parallel-size {pp} --load {output} --no-load-optim --no-load-rng (or --finetune)"
+            + (f"; BLOOM has no position table: --seq_length chooses the length ({seq_length} here)"
+               if kind == BLOOM and arguments.seq_length is None else ""))
+
+
+def main(argv=None) -> int:
+    arguments = parse_arguments(argv)
+    return report(lambda: import_model(arguments))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
