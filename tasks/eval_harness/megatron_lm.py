@@ -90,14 +90,14 @@ class MegatronLM(TemplateLM):
         return [item for index in range(len(batches)) for item in answered[index % size][index // size]]
 
     def log_probs(self, inputs: list[list[int]]) -> torch.Tensor:
-        """log_softmax over the tokenizer's vocabulary of the model's logits, [b, s, V] fp32, for
-        ``inputs`` padded on the right with the end-of-document id."""
+        """log_softmax over the tokenizer's vocabulary of the model's logits, [b, s, V] fp32 on the
+        model's device, for ``inputs`` padded on the right with the end-of-document id."""
         width = max(map(len, inputs)) if self.adaptive_seq_len else self.max_length
         tokens = torch.full((len(inputs), width), self.eot_token_id, dtype=torch.long)  # [b, s]
         for row, ids in enumerate(inputs):
             tokens[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
         logits = self.model.logits(tokens.to(self.model_device))[..., :self.megatron_tokenizer.vocab_size]
-        return F.log_softmax(logits.float(), dim=-1).cpu()
+        return F.log_softmax(logits.float(), dim=-1)
 
     def score_batch(self, chunk: list) -> list[tuple[float, bool]]:
         """(log-probability, is greedy) of each ``(key, context ids, continuation ids)`` of one forward."""
@@ -105,7 +105,7 @@ class MegatronLM(TemplateLM):
         answers = []
         for (_, _, continuation), ids, row in zip(chunk, inputs, self.log_probs(inputs)):
             positions = row[len(ids) - len(continuation):len(ids)]  # [c, V]: those predicting the continuation
-            targets = torch.tensor(continuation, dtype=torch.long)
+            targets = torch.tensor(continuation, dtype=torch.long, device=row.device)
             answers.append((float(positions.gather(1, targets[:, None]).sum()),
                             bool((positions.argmax(dim=-1) == targets).all())))
         return answers
