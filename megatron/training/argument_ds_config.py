@@ -27,6 +27,8 @@ alone counts as the flag) at ZeRO stage 0, and ``optimizer``/``scheduler`` block
 and the LR schedule come from the flags). With --optimizer sgd or --use-bnb-optimizer at ZeRO stage >= 1,
 ``zero_allow_untested_optimizer`` is set (as in the BigScience configs) unless the config sets it.
 The ``curriculum_learning`` block is checked against the flags by validation.py (curriculum.py).
+With --sequence-parallel, TP > 1 and PP > 1, ``pipeline.pipe_partitioned`` and ``grad_partitioned``
+are set to false (refused when the config sets them true): the stages exchange whole per-rank blocks.
 """
 import json
 import math
@@ -290,6 +292,19 @@ class _Resolution:
             raise ArgumentError(f"zero_optimization.offload_param in {self.where} is a ZeRO-3 feature, and ZeRO "
                                 f"stage 3 is not supported; remove it")
 
+    def sequence_parallel_pipeline(self):
+        """DeepSpeed's pipeline engine sends 1/TP of each activation per TP rank and all-gathers it on the
+        next stage (``pipeline.pipe_partitioned``, ``grad_partitioned``, on by default), which presumes
+        activations replicated over TP; under --sequence-parallel each TP rank holds other positions."""
+        if not (self.args.sequence_parallel and self.args.tensor_model_parallel_size > 1 and self.pp > 1):
+            return
+        pipeline = _block(self.config, "pipeline", self.where)
+        for key in ("pipe_partitioned", "grad_partitioned"):
+            if _given(pipeline, key) not in (_MISSING, False):
+                raise ArgumentError(f"pipeline.{key} in {self.where} sends a TP share of each activation, which "
+                                    f"--sequence-parallel has already split by position; set it to false")
+            pipeline[key] = False
+
     def optimizer_support(self):
         """DeepSpeed refuses optimizers outside its ZeRO list (SGD, bitsandbytes' AdamW8bit) at stage >= 1
         unless told otherwise."""
@@ -318,4 +333,5 @@ def resolve_ds_config(args, explicit, data_parallel_size, pipeline_parallel_size
     resolution.fp16_stage()
     resolution.offload()
     resolution.optimizer_support()
+    resolution.sequence_parallel_pipeline()
     return resolution.config, resolution.notices

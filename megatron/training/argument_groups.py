@@ -223,6 +223,10 @@ def add_distributed_args(parser):
     group = parser.add_argument_group("distributed")
     group.add_argument("--tensor-model-parallel-size", type=parse_int, default=1, help="TP degree")
     group.add_argument("--pipeline-model-parallel-size", type=parse_int, default=1, help="PP degree")
+    group.add_argument("--sequence-parallel", action="store_true",
+                       help="with TP > 1, split the activations outside the TP regions (norms, dropouts, "
+                            "residual adds) along the sequence over the TP ranks: reduce-scatter and all-gather "
+                            "instead of all-reduce (no effect at TP 1)")
     group.add_argument("--distributed-backend", choices=("nccl", "gloo"), default="nccl",
                        help="collective backend (gloo is used automatically without CUDA)")
     group.add_argument("--local_rank", "--local-rank", dest="local_rank", type=parse_int, default=None,

@@ -162,9 +162,10 @@ def model_dtype(flags, params_dtype: torch.dtype | None) -> dict:
 
 def inference_config(flags, checkpoint: SavedCheckpoint, params_dtype: torch.dtype | None) -> GPTModelConfig:
     """The checkpoint's model configuration for inference: no dropout, sdpa attention, no activation
-    checkpointing; tensors built directly on the device (their values are overwritten on load)."""
+    checkpointing, no sequence parallelism (decoding steps one position at a time); tensors built
+    directly on the device (their values are overwritten on load)."""
     return gpt_model_config(checkpoint, hidden_dropout=0.0, attention_dropout=0.0, attention_impl="sdpa",
-                            checkpoint_activations=False, use_cpu_initialization=False,
+                            checkpoint_activations=False, sequence_parallel=False, use_cpu_initialization=False,
                             **model_dtype(flags, params_dtype))
 
 

@@ -634,3 +634,30 @@ def test_cpu_offload_is_accepted_at_zero_1_and_2(ds_file):
     for stage in (1, 2):
         parsed = parse(with_ds(ds_file({"zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}}})))
         assert parsed.derived.ds_config["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+
+
+# ---- --sequence-parallel -------------------------------------------------------------------------
+
+def model_config_error(extra, env):
+    with pytest.raises(ArgumentError) as info:
+        build_config(parse(extra, env=env), tokenizer_vocab_size=1000)
+    return str(info.value)
+
+
+def test_sequence_parallel_needs_tp_and_whole_blocks_of_the_sequence(ds_file):
+    tp2 = ["--tensor-model-parallel-size", "2"]
+    assert build_config(parse(tp2 + ["--sequence-parallel"], env=world(2)), tokenizer_vocab_size=1000).model \
+        .sequence_parallel
+    assert not build_config(parse(["--sequence-parallel"]), tokenizer_vocab_size=1000).model.sequence_parallel
+    message = model_config_error(tp2 + ["--sequence-parallel", "--seq-length", "31"], world(2))
+    assert "--seq-length" in message and "--tensor-model-parallel-size" in message
+    message = model_config_error(tp2 + ["--sequence-parallel", "--checkpoint-activations", "--partition-activations"],
+                                 world(2))
+    assert "--sequence-parallel" in message and "--partition-activations" in message
+    # the pipeline engine must not cut activations into TP shares: each TP rank's block is its own
+    pp2 = tp2 + ["--pipeline-model-parallel-size", "2", "--sequence-parallel"]
+    assert parse(pp2, env=world(4)).derived.ds_config["pipeline"] == {"pipe_partitioned": False,
+                                                                      "grad_partitioned": False}
+    assert "pipeline" not in parse(tp2 + ["--pipeline-model-parallel-size", "2"], env=world(4)).derived.ds_config
+    message = error(with_ds(ds_file({"pipeline": {"pipe_partitioned": True}}), *pp2), env=world(4))
+    assert "pipeline.pipe_partitioned" in message and "set it to false" in message

@@ -1,5 +1,6 @@
 """Every parallel layout trains the same model: single process, DP=2 with ZeRO-1 and ZeRO-2, TP=2, PP=2
-and TP=2 x PP=2 give the same losses and gradient norms, iteration by iteration, and all of them equal
+and TP=2 x PP=2, and TP=2 (pipeline engine and ZeRO-2's plain module) and TP=2 x PP=2 with
+--sequence-parallel give the same losses and gradient norms, iteration by iteration, and all of them equal
 a plain single-process PyTorch AdamW loop (reference_loop.py) on the same model and batches.
 
 Set-up shared by the layouts: CPU, gloo, fp32, dropout 0, --use-cpu-initialization (every layout
@@ -43,6 +44,10 @@ LAYOUTS = {
     "tp2": (2, ["--tensor-model-parallel-size", "2"]),
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
     "tp2-pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+    "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "tp2-sp-zero2": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--zero-stage", "2"]),
+    "tp2-pp2-sp": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                       "--sequence-parallel"]),
 }
 
 

@@ -7,9 +7,13 @@ from megatron.core.tensor_parallel.layers import (
     set_tensor_model_parallel_attributes,
 )
 from megatron.core.tensor_parallel.mappings import (
+    allreduce_sequence_parallel_gradients,
     copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
 from megatron.core.tensor_parallel.random import (
@@ -23,6 +27,7 @@ from megatron.core.tensor_parallel.random import (
 from megatron.core.tensor_parallel.utils import VocabUtility, divide, split_tensor_along_last_dim
 
 __all__ = [
+    "allreduce_sequence_parallel_gradients",
     "ColumnParallelLinear",
     "MODEL_PARALLEL_RNG",
     "RNGStatesTracker",
@@ -32,10 +37,13 @@ __all__ = [
     "checkpoint",
     "copy_to_tensor_model_parallel_region",
     "divide",
+    "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",
     "get_rng_tracker",
     "model_parallel_seed",
     "reduce_from_tensor_model_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
     "set_tensor_model_parallel_attributes",
     "share_rng_tracker_with_deepspeed",

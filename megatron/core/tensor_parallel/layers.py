@@ -20,8 +20,10 @@ from torch.distributed import ProcessGroup
 from megatron.core.parallel_state import group_rank, group_size
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
 from megatron.core.tensor_parallel.random import get_rng_tracker
@@ -68,7 +70,9 @@ class ColumnParallelLinear(nn.Module):
 
         A = [A_1, ..., A_k],  b = [b_1, ..., b_k],  rank r computes  Y_r = X A_r + b_r.
 
-    X is replicated (its gradient is all-reduced over the group in backward). The output stays split
+    X is replicated (its gradient is all-reduced over the group in backward); with
+    ``sequence_parallel`` each rank passes its block of the sequence X_r [s / k, ...], all-gathered
+    here (backward: reduce-scatter of the gradient). The output stays split
     ([.., output_size / k]) unless ``gather_output``, which all-gathers it to [.., output_size].
     ``stride`` s splits each of s stacked sub-matrices of A separately (fused QKV), see
     ``_slice_of_master``. With ``skip_bias_add`` the bias is returned instead of added, so that a
@@ -80,7 +84,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, *, tp_group: ProcessGroup | None, bias: bool = True,
                  gather_output: bool = False, init_method: InitMethod, use_cpu_initialization: bool = False,
                  params_dtype: torch.dtype = torch.float32, skip_bias_add: bool = False, stride: int = 1,
-                 device: torch.device | str | None = None):
+                 sequence_parallel: bool = False, device: torch.device | str | None = None):
         super().__init__()
         if gather_output and stride > 1:
             raise ValueError("ColumnParallelLinear: gather_output with stride > 1 would interleave the strided "
@@ -92,6 +96,7 @@ class ColumnParallelLinear(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.output_size_per_partition = divide(output_size, tp_size)
         self.tp_group, self.gather_output, self.skip_bias_add = tp_group, gather_output, skip_bias_add
+        self.sequence_parallel = sequence_parallel
         self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size,
                                                dtype=params_dtype, device=device))
         _init_weight(self.weight, (output_size, input_size), 0, stride, init_method, use_cpu_initialization, tp_group)
@@ -102,7 +107,10 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x = copy_to_tensor_model_parallel_region(x, self.tp_group)
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.tp_group)  # [s / k, ..] -> [s, ..]
+        else:
+            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
         y = F.linear(x, self.weight, bias)  # [.., output_size / k]
         if self.gather_output:
@@ -121,7 +129,10 @@ class RowParallelLinear(nn.Module):
 
     Rank r holds A_r and receives X_r ([.., input_size / k]; with ``input_is_parallel=False`` it
     receives the full X and keeps its block). The partial products are all-reduced; b is replicated
-    and added once after the reduction (or returned, with ``skip_bias_add``).
+    and added once after the reduction (or returned, with ``skip_bias_add``). With
+    ``sequence_parallel`` they are reduce-scattered along the sequence instead (dim 0: y is rank r's
+    [s / k, ..] block); b then meets only that block, so its gradient is partial and the bias is
+    marked ``sequence_parallel`` for the TP all-reduce of such gradients (``allreduce_sequence_parallel_grads``).
 
     forward(x) -> (y [.., output_size], bias or None).
     """
@@ -129,10 +140,14 @@ class RowParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, *, tp_group: ProcessGroup | None, bias: bool = True,
                  input_is_parallel: bool = True, init_method: InitMethod, use_cpu_initialization: bool = False,
                  params_dtype: torch.dtype = torch.float32, skip_bias_add: bool = False,
-                 device: torch.device | str | None = None):
+                 sequence_parallel: bool = False, device: torch.device | str | None = None):
         super().__init__()
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True (the input "
+                             "comes from a column-parallel layer)")
         tp_size = group_size(tp_group)
         self.input_size, self.output_size = input_size, output_size
+        self.sequence_parallel = sequence_parallel
         self.input_size_per_partition = divide(input_size, tp_size)
         self.tp_group, self.input_is_parallel, self.skip_bias_add = tp_group, input_is_parallel, skip_bias_add
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition,
@@ -141,6 +156,7 @@ class RowParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=device))
             set_tensor_model_parallel_attributes(self.bias, is_parallel=False, dim=0, stride=1)
+            self.bias.sequence_parallel = sequence_parallel
         else:
             self.register_parameter("bias", None)
 
@@ -148,7 +164,10 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)  # [.., input_size / k]
         partial = F.linear(x, self.weight)  # [.., output_size], this rank's X_r A_r
-        y = reduce_from_tensor_model_parallel_region(partial, self.tp_group)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # [s / k, .., output_size]
+        else:
+            y = reduce_from_tensor_model_parallel_region(partial, self.tp_group)
         if self.skip_bias_add:
             return y, self.bias
         if self.bias is not None:
@@ -160,13 +179,22 @@ class RowParallelLinear(nn.Module):
                 f"per_partition={self.input_size_per_partition}, input_is_parallel={self.input_is_parallel}")
 
 
+def check_token_ids(ids: torch.Tensor, num_embeddings: int) -> None:
+    """Raise ValueError unless every id lies in [0, num_embeddings). It reads the ids on the host:
+    give it CPU tensors (a GPU tensor would synchronise the device)."""
+    if ids.numel() > 0 and bool((ids < 0).any() | (ids >= num_embeddings).any()):
+        raise ValueError(f"token ids must lie in [0, {num_embeddings}) (the padded vocabulary), "
+                         f"got min {int(ids.min())}, max {int(ids.max())}")
+
+
 class VocabParallelEmbedding(nn.Module):
     """E[ids] with the table E [V, h] split by vocabulary rows across the k ranks of the TP group.
 
     Rank r holds rows [r V / k, (r + 1) V / k); it looks up the ids in its range, writes zeros for the
     others, and the all-reduce over the group assembles E[ids] (exactly one rank contributes each row).
 
-    forward(ids [b, s]) -> [b, s, h]. Ids outside [0, V) raise ValueError.
+    forward(ids [b, s]) -> [b, s, h]. Ids outside [0, V) raise ValueError when they are on the CPU
+    (``check_token_ids``; GPU ids are checked by whoever moved them there).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group: ProcessGroup | None,
@@ -184,12 +212,11 @@ class VocabParallelEmbedding(nn.Module):
                      tp_group)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        # the range check reads a value back to the host, which a CUDA graph being captured cannot do
-        # (generation captures its decoding step; its tokens come from the model's own choices)
-        checked = ids.numel() > 0 and not (ids.is_cuda and torch.cuda.is_current_stream_capturing())
-        if checked and bool((ids < 0).any() | (ids >= self.num_embeddings).any()):
-            raise ValueError(f"VocabParallelEmbedding: token ids must lie in [0, {self.num_embeddings}) "
-                             f"(the padded vocabulary), got min {int(ids.min())}, max {int(ids.max())}")
+        # ids on the GPU are not checked here: reading them back would stall the host every forward
+        # (and cannot happen while a CUDA graph is captured); the trainer checks each batch on the CPU
+        # before moving it (data_loading.get_batch), generation picks its tokens from the logits
+        if not ids.is_cuda:
+            check_token_ids(ids, self.num_embeddings)
         if group_size(self.tp_group) == 1:
             return F.embedding(ids, self.weight)
         outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)  # [b, s]

@@ -5,8 +5,10 @@ from torch.distributed import ProcessGroup
 
 from megatron.core.parallel_state import group_rank, group_size
 
-# torch 2.13 renamed all_gather_into_tensor to all_gather_single; the GPU image runs torch 2.11.
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to all_gather_single /
+# reduce_scatter_single; the GPU image runs torch 2.11.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def all_gather_along_first_dim(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -17,6 +19,18 @@ def all_gather_along_first_dim(tensor: torch.Tensor, group: ProcessGroup) -> tor
     output = torch.empty((group_size(group) * tensor.shape[0], *tensor.shape[1:]),
                          dtype=tensor.dtype, device=tensor.device)
     _all_gather_flat(output, tensor, group=group)
+    return output
+
+
+def reduce_scatter_along_first_dim(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """[k * n, ...] on each of the k ranks -> rank r's [n, ...] block of the sum over ranks (not
+    autograd-aware)."""
+    if group_size(group) == 1:
+        return tensor
+    tensor = tensor.contiguous()
+    output = torch.empty((divide(tensor.shape[0], group_size(group)), *tensor.shape[1:]),
+                         dtype=tensor.dtype, device=tensor.device)
+    _reduce_scatter_flat(output, tensor, group=group)
     return output
 
 

@@ -4,15 +4,21 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.tensor_parallel.mappings import (
+    allreduce_sequence_parallel_gradients,
     copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
 from tests.dist_utils import run_distributed
 
 MAPPINGS = (copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
-            scatter_to_tensor_model_parallel_region, gather_from_tensor_model_parallel_region)
+            scatter_to_tensor_model_parallel_region, gather_from_tensor_model_parallel_region,
+            scatter_to_sequence_parallel_region, gather_from_sequence_parallel_region,
+            reduce_scatter_to_sequence_parallel_region)
 
 
 def _randn(shape, seed):
@@ -72,6 +78,51 @@ def _check_group(group, ranks):
     assert torch.equal(y, torch.cat(per_rank_x, dim=-1))
     assert torch.equal(gx, full_grad[..., 4 * me:4 * (me + 1)])
     _assert_adjoint(x, y * (me == 0), gx, full_grad, group)
+    _check_sequence_parallel(group, k, me, per_rank_x, per_rank_g)
+
+
+def _check_sequence_parallel(group, k, me, per_rank_x, per_rank_g):
+    """The sequence-parallel mappings split and join dim 0; the reference is the local cat / sum."""
+    x, g = per_rank_x[me], per_rank_g[me]  # [3, 2, 4]: this rank's block of 3 positions
+    full = _randn((3 * k, 2, 4), 700)  # replicated [s, b, h]
+    y, gx = _run(scatter_to_sequence_parallel_region, full, g, group)
+    assert torch.equal(y, full[3 * me:3 * (me + 1)])
+    assert torch.equal(gx, torch.cat(per_rank_g, dim=0))
+    _assert_adjoint(full * (me == 0), y, gx, g, group)
+
+    # gather: forward cat of the blocks on every rank, each copy feeding a different computation
+    # (a TP-split GEMM), so the copies are distinct outputs; backward the sum over ranks of their
+    # gradients, cut to my block
+    per_rank_full_g = [_randn((3 * k, 2, 4), 800 + r) for r in range(k)]
+    y, gx = _run(gather_from_sequence_parallel_region, x, per_rank_full_g[me], group)
+    assert torch.equal(y, torch.cat(per_rank_x, dim=0))
+    torch.testing.assert_close(gx, sum(per_rank_full_g)[3 * me:3 * (me + 1)], rtol=1e-12, atol=1e-12)
+    _assert_adjoint(x, y, gx, per_rank_full_g[me], group)
+
+    # reduce-scatter: forward my block of the sum of every rank's partial [s, b, h]; backward cat
+    per_rank_partial = [_randn((3 * k, 2, 4), 900 + r) for r in range(k)]
+    y, gx = _run(reduce_scatter_to_sequence_parallel_region, per_rank_partial[me], g, group)
+    torch.testing.assert_close(y, sum(per_rank_partial)[3 * me:3 * (me + 1)], rtol=1e-12, atol=1e-12)
+    assert torch.equal(gx, torch.cat(per_rank_g, dim=0))
+    _assert_adjoint(per_rank_partial[me], y, gx, g, group)
+
+    with pytest.raises(ValueError, match="divisible by --tensor-model-parallel-size"):
+        scatter_to_sequence_parallel_region(_randn((3 * k + 1, 2), 1), group)
+
+    # a marked parameter's gradient is summed over the group as backward computes it; others are not
+    norm = torch.nn.LayerNorm(4, dtype=torch.float64)
+    norm.weight.sequence_parallel = True
+    assert allreduce_sequence_parallel_gradients(norm, group) == 1
+    norm(x).mul(g).sum().backward()
+    reference = torch.nn.LayerNorm(4, dtype=torch.float64)
+    per_rank_weight_grads, per_rank_bias_grads = [], []
+    for block, block_grad in zip(per_rank_x, per_rank_g):
+        reference.zero_grad()
+        reference(block).mul(block_grad).sum().backward()
+        per_rank_weight_grads.append(reference.weight.grad.clone())
+        per_rank_bias_grads.append(reference.bias.grad.clone())
+    torch.testing.assert_close(norm.weight.grad, sum(per_rank_weight_grads), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(norm.bias.grad, per_rank_bias_grads[me], rtol=1e-12, atol=1e-12)
 
 
 def _mappings_world4(rank, world_size):

@@ -49,7 +49,8 @@ class ParallelSelfAttention(nn.Module):
         self.heads_per_partition = divide(config.num_attention_heads, groups.tp_size)
         self.head_dim = config.kv_channels
         common = dict(tp_group=groups.tp, use_cpu_initialization=config.use_cpu_initialization,
-                      params_dtype=config.params_dtype, device=device)
+                      params_dtype=config.params_dtype, device=device,
+                      sequence_parallel=config.sequence_parallel)
         self.query_key_value = ColumnParallelLinear(
             config.hidden_size, 3 * config.projection_size, gather_output=False,
             init_method=weight_init_method(config, layer_number, "self_attention.query_key_value.weight"), **common)
@@ -73,8 +74,8 @@ class ParallelSelfAttention(nn.Module):
         positions [s]; or None for both, then the queries are the last s of the T positions (causal,
         bottom-right). Attention then runs through sdpa.
         """
-        seq_length, batch = hidden_states.shape[:2]
-        mixed, _ = self.query_key_value(hidden_states)  # [s, b, np * 3 * hn]
+        mixed, _ = self.query_key_value(hidden_states)  # [s, b, np * 3 * hn], whole s under sequence parallelism
+        seq_length, batch = mixed.shape[:2]
         mixed = mixed.view(seq_length, batch, self.heads_per_partition, 3 * self.head_dim)
         query, key, value = mixed.split(self.head_dim, dim=-1)  # 3 x [s, b, np, hn]
         if self.config.position_embedding_type == "rotary":

@@ -42,6 +42,11 @@ class GPTModelConfig:
     builds it with --use-bnb-optimizer: the word table drawn Xavier-uniform from its full [V, h] shape
     and a LayerNorm after the lookup (the trainer adds 32-bit optimizer state for the table).
 
+    ``sequence_parallel`` (--sequence-parallel, meaningful with TP > 1): outside the tensor-parallel
+    regions the activations [s, b, h] are split along the sequence over the TP ranks, so layer norms,
+    dropouts and residual adds run on s / tp positions; the column-parallel GEMMs all-gather their
+    input and the row-parallel ones reduce-scatter their output instead of one all-reduce.
+
     ``attention_impl`` chooses how attention is computed:
     "sdpa" (default) runs torch's scaled_dot_product_attention (flash / cuDNN / memory-efficient on
     GPU); "materialized" forms the [b, n, s, s] scores as Megatron-DeepSpeed does (query-key layer scaling,
@@ -78,6 +83,7 @@ class GPTModelConfig:
     checkpoint_activations: bool = False
     checkpoint_num_layers: int = 1
     distribute_checkpointed_activations: bool = False
+    sequence_parallel: bool = False
     attention_impl: str = "sdpa"
 
     def __post_init__(self):
@@ -148,6 +154,9 @@ class GPTModelConfig:
         if self.distribute_checkpointed_activations and not self.checkpoint_activations:
             raise GPTConfigError("--distribute-checkpointed-activations / --partition-activations require "
                                  "--checkpoint-activations")
+        if self.sequence_parallel and self.distribute_checkpointed_activations:
+            raise GPTConfigError("--sequence-parallel already splits the checkpointed activations over the TP "
+                                 "ranks: drop --distribute-checkpointed-activations / --partition-activations")
         if self.stable_embedding and not self.embed_layernorm:
             raise GPTConfigError("a stable embedding (--use-bnb-optimizer) has a LayerNorm after the word embedding: "
                                  "it needs embed_layernorm")
@@ -173,5 +182,8 @@ class GPTModelConfig:
         tp = tensor_model_parallel_size
         check_divisible(self.num_attention_heads, tp, "--num-attention-heads", TP_FLAG)
         check_divisible(self.ffn_hidden_size, tp, "--ffn-hidden-size", TP_FLAG)
+        if self.sequence_parallel:
+            check_divisible(self.seq_length, tp, "--seq-length (split over the TP ranks by --sequence-parallel)",
+                            TP_FLAG)
         check_divisible(self.padded_vocab_size, tp,
                         "the padded vocabulary size (--make-vocab-size-divisible-by, --pad-vocab-size-to)", TP_FLAG)

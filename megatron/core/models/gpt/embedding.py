@@ -8,7 +8,8 @@ from megatron.core.models.gpt.layer_norm import LayerNorm
 from megatron.core.models.gpt.positional import LearnedPositionEmbedding
 from megatron.core.parallel_state import ParallelGroups
 from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
-from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                    gather_from_sequence_parallel_region)
 
 EMBEDDING_LAYER_NUMBER = 0  # layer number of the embedding in the layout-independent init
 
@@ -60,7 +61,12 @@ class Embedding(nn.Module):
         return self.embedding_dropout(embeddings)
 
     def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The tied output head: [..., h] -> [..., V / tp], this rank's vocabulary slice of x W^T."""
-        hidden_states = copy_to_tensor_model_parallel_region(hidden_states, self.tp_group)
+        """The tied output head: [..., h] -> [..., V / tp], this rank's vocabulary slice of x W^T.
+        With sequence parallelism the input is this rank's block [s / tp, ..., h] of a sequence-first
+        tensor, all-gathered here: [s / tp, ..., h] -> [s, ..., V / tp]."""
+        if self.config.sequence_parallel:
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, self.tp_group)  # [s, ..., h]
+        else:
+            hidden_states = copy_to_tensor_model_parallel_region(hidden_states, self.tp_group)
         weight = self.word_embeddings.weight
         return torch.nn.functional.linear(hidden_states.to(weight.dtype), weight)

@@ -8,6 +8,8 @@ from megatron.core.models.gpt.layer_norm import LayerNorm
 from megatron.core.models.gpt.transformer_layer import ParallelTransformerLayer
 from megatron.core.parallel_state import ParallelConfigError, ParallelGroups
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.mappings import (allreduce_sequence_parallel_gradients,
+                                                    scatter_to_sequence_parallel_region)
 from megatron.core.tensor_parallel.random import checkpoint
 
 
@@ -36,7 +38,9 @@ class GPTModel(nn.Module):
     With labels the model returns the loss: the mean over tokens of the cross entropy, weighted by
     the loss mask (padded vocabulary rows are ordinary classes that targets never hit). With
     --checkpoint-activations the layers run in chunks of --checkpoint-num-layers whose activations
-    are recomputed in backward (RNG replayed, so dropout masks repeat exactly).
+    are recomputed in backward (RNG replayed, so dropout masks repeat exactly). With
+    --sequence-parallel the layers and the final norm see this rank's [s / tp, b, h] block (scattered
+    after the embedding, gathered again by the output head).
 
     Dropout needs the model-parallel RNG stream: call
     ``tensor_parallel.random.model_parallel_seed`` before training.
@@ -52,7 +56,10 @@ class GPTModel(nn.Module):
         self.embedding = Embedding(config, groups, device=device)
         self.layers = nn.ModuleList(ParallelTransformerLayer(config, number, groups, device=device)
                                     for number in range(1, config.num_layers + 1))
-        self.final_layernorm = LayerNorm(config.hidden_size, config.layernorm_epsilon, config.params_dtype, device)
+        self.final_layernorm = LayerNorm(config.hidden_size, config.layernorm_epsilon, config.params_dtype, device,
+                                         sequence_parallel=config.sequence_parallel)
+        if config.sequence_parallel:
+            allreduce_sequence_parallel_gradients(self, groups.tp)
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
@@ -67,6 +74,8 @@ class GPTModel(nn.Module):
             position_ids = default_position_ids(tokens)
         hidden_states = self.embedding(tokens, position_ids)  # [b, s, h]
         hidden_states = hidden_states.transpose(0, 1).contiguous()  # [s, b, h]
+        if self.config.sequence_parallel:
+            hidden_states = scatter_to_sequence_parallel_region(hidden_states, self.groups.tp)  # [s / tp, b, h]
         hidden_states = self._run_layers(hidden_states, position_ids, attention_mask)
         hidden_states = self.final_layernorm(hidden_states)
         logits = self.embedding.logits(hidden_states)  # [s, b, V / tp]

@@ -8,14 +8,19 @@ from megatron.core import fused_kernels
 class LayerNorm(nn.Module):
     """y = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias over the last dim, statistics in fp32.
 
-    Replicated on every TP rank (its input is). Runs the fused kernel on GPU, the reference on CPU.
+    Replicated on every TP rank. Runs the fused kernel on GPU, the reference on CPU. With
+    ``sequence_parallel`` its input is one rank's block of the sequence, so the gradients of weight
+    and bias are partial sums: they are marked for the TP all-reduce
+    (``tensor_parallel.allreduce_sequence_parallel_gradients``).
     """
 
-    def __init__(self, hidden_size: int, eps: float, params_dtype: torch.dtype = torch.float32, device=None):
+    def __init__(self, hidden_size: int, eps: float, params_dtype: torch.dtype = torch.float32, device=None,
+                 sequence_parallel: bool = False):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=params_dtype, device=device))
+        self.weight.sequence_parallel = self.bias.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fused_kernels.layer_norm(x, self.weight, self.bias, self.eps)

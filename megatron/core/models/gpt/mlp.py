@@ -43,7 +43,8 @@ class ParallelMLP(nn.Module):
         self.config = config
         gated = config.glu_activation is not None
         common = dict(tp_group=groups.tp, use_cpu_initialization=config.use_cpu_initialization,
-                      params_dtype=config.params_dtype, device=device, skip_bias_add=True)
+                      params_dtype=config.params_dtype, device=device,
+                      sequence_parallel=config.sequence_parallel, skip_bias_add=True)
         self.dense_h_to_4h = ColumnParallelLinear(
             config.hidden_size, (2 if gated else 1) * config.ffn_hidden_size, gather_output=False,
             stride=2 if gated else 1,

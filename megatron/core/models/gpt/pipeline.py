@@ -15,6 +15,10 @@ Layer list (its indices are Megatron-DeepSpeed's layer numbers, which name the c
 
 Batch (from the trainer's batch function): inputs ``(tokens, position_ids)`` or, with
 --reset-attention-mask, ``(tokens, position_ids, attention_mask)``; labels ``(labels, loss_mask)``.
+With --sequence-parallel layer 2 also keeps this rank's block [s / tp, b, h] of the sequence, layer
+L+3 is ``sequence_parallel_hidden`` (the final norm runs on the block) and the head
+``tied_logits_batch_first`` gathers the sequence; the layer numbers stay the same.
+
 Between stages flows ``(hidden, position_ids[, attention_mask])``: only ``hidden`` is floating point,
 so only it carries a gradient back. The bool mask comes last: NCCL cannot send bool tensors, and
 after ``engine.set_has_attention_mask(True)`` DeepSpeed sends the last tensor of the tuple as fp16
@@ -27,6 +31,7 @@ class name matches, e.g. "type:transformer", or "type:transformer|embedding" so 
 the head each weigh as much as a transformer layer). ``stage_boundaries`` computes them upfront.
 """
 import re
+from functools import partial
 
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
@@ -38,6 +43,8 @@ from megatron.core.models.gpt.gpt_model import language_model_loss
 from megatron.core.models.gpt.layer_norm import LayerNorm
 from megatron.core.models.gpt.transformer_layer import ParallelTransformerLayer
 from megatron.core.parallel_state import ParallelGroups
+from megatron.core.tensor_parallel.mappings import (allreduce_sequence_parallel_gradients,
+                                                    scatter_to_sequence_parallel_region)
 from megatron.core.tensor_parallel.random import checkpoint
 
 PARTITION_METHODS = ("uniform", "parameters", "type:<class-name regex>")
@@ -59,6 +66,11 @@ class EmbeddingPipe(Embedding):
 def tied_logits(embedding: Embedding, hidden_states: torch.Tensor) -> torch.Tensor:
     """The output head on the tied embedding module: [b, s, h] -> [b, s, V / tp]."""
     return embedding.logits(hidden_states)
+
+
+def tied_logits_batch_first(embedding: Embedding, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The output head under sequence parallelism: [s / tp, b, h] -> [b, s, V / tp]."""
+    return embedding.logits(hidden_states).transpose(0, 1)
 
 
 class ParallelTransformerLayerPipe(ParallelTransformerLayer):
@@ -93,14 +105,23 @@ def check_pipeline_inputs(inputs):
     return tuple(inputs)
 
 
-def to_sequence_first(inputs):
-    """(hidden [b, s, h], *rest) -> (hidden [s, b, h], *rest)."""
-    return (inputs[0].transpose(0, 1).contiguous(), *inputs[1:])
+def to_sequence_first(inputs, sequence_parallel_group=None):
+    """(hidden [b, s, h], *rest) -> (hidden [s, b, h], *rest); given the TP group of sequence
+    parallelism, this rank's block [s / tp, b, h] of it."""
+    hidden = inputs[0].transpose(0, 1).contiguous()  # [s, b, h]
+    hidden = scatter_to_sequence_parallel_region(hidden, sequence_parallel_group)
+    return (hidden, *inputs[1:])
 
 
 def to_batch_first(inputs):
     """(hidden [s, b, h], position_ids[, mask]) -> hidden [b, s, h]; the rest is no longer needed."""
     return inputs[0].transpose(0, 1).contiguous()
+
+
+def sequence_parallel_hidden(inputs):
+    """(hidden [s / tp, b, h], position_ids[, mask]) -> hidden: with sequence parallelism the final
+    norm runs on this rank's block, and the head gathers the sequence (tied_logits_batch_first)."""
+    return inputs[0]
 
 
 def logits_to_fp32(logits: torch.Tensor) -> torch.Tensor:
@@ -143,13 +164,16 @@ def gpt_layer_specs(config: GPTModelConfig, groups: ParallelGroups, device=None)
     """The layer list of the module docstring, for ``PipelineModule(layers=...)``; each layer's
     parameters are created (and initialised) on ``device``, by default the CPU."""
     embedding = dict(tied_weight_attr="word_embeddings.weight", device=device)
+    sequence_parallel = config.sequence_parallel
     specs = [check_pipeline_inputs, TiedLayerSpec("embed", EmbeddingPipe, config, groups, **embedding),
-             to_sequence_first]
+             partial(to_sequence_first, sequence_parallel_group=groups.tp) if sequence_parallel else to_sequence_first]
     specs += [LayerSpec(ParallelTransformerLayerPipe, config, number, groups, device=device)
               for number in range(1, config.num_layers + 1)]
-    specs += [to_batch_first,
-              LayerSpec(LayerNorm, config.hidden_size, config.layernorm_epsilon, config.params_dtype, device),
-              TiedLayerSpec("embed", EmbeddingPipe, config, groups, forward_fn=tied_logits, **embedding),
+    specs += [sequence_parallel_hidden if sequence_parallel else to_batch_first,
+              LayerSpec(LayerNorm, config.hidden_size, config.layernorm_epsilon, config.params_dtype, device,
+                        sequence_parallel),
+              TiedLayerSpec("embed", EmbeddingPipe, config, groups,
+                            forward_fn=tied_logits_batch_first if sequence_parallel else tied_logits, **embedding),
               logits_to_fp32]
     return specs
 
@@ -219,6 +243,8 @@ class GPTModelPipe(PipelineModule):
                          activation_checkpoint_func=TransformerChunkCheckpoint(
                              config.distribute_checkpointed_activations, groups.tp))
         self.config = config
+        if config.sequence_parallel:
+            allreduce_sequence_parallel_gradients(self, groups.tp)
 
     def _synchronize_tied_weights(self):
         """DeepSpeed broadcasts the tied weights in place (at build and after loading a checkpoint);

@@ -8,6 +8,7 @@ from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.models.gpt.layer_norm import LayerNorm
 from megatron.core.models.gpt.mlp import ParallelMLP
 from megatron.core.parallel_state import ParallelGroups
+from megatron.core.tensor_parallel.random import MODEL_PARALLEL_RNG, get_rng_tracker
 
 
 class ParallelTransformerLayer(nn.Module):
@@ -19,14 +20,17 @@ class ParallelTransformerLayer(nn.Module):
     Dropout (--hidden-dropout) and the residual add are fused with the projections' biases. With
     --fp32-residual-connection the residual stream x, x', y is fp32 while the LayerNorm outputs
     (the inputs of the matmuls) are in the params dtype. ``layer_number`` is global and 1-based;
-    it drives query-key layer scaling and the layout-independent init.
+    it drives query-key layer scaling and the layout-independent init. With sequence parallelism
+    x is this rank's [s / tp, b, h] block; the norms, dropouts and adds run on it, the dropouts
+    under the model-parallel RNG stream (each rank holds other positions, so other masks).
     """
 
     def __init__(self, config: GPTModelConfig, layer_number: int, groups: ParallelGroups, device=None):
         super().__init__()
         self.config = config
         self.layer_number = layer_number
-        norm = dict(eps=config.layernorm_epsilon, params_dtype=config.params_dtype, device=device)
+        norm = dict(eps=config.layernorm_epsilon, params_dtype=config.params_dtype, device=device,
+                    sequence_parallel=config.sequence_parallel)
         self.input_layernorm = LayerNorm(config.hidden_size, **norm)
         self.self_attention = ParallelSelfAttention(config, layer_number, groups, device=device)
         self.post_attention_layernorm = LayerNorm(config.hidden_size, **norm)
@@ -51,4 +55,8 @@ class ParallelTransformerLayer(nn.Module):
         dtype = self.residual_dtype
         add = fused_kernels.bias_dropout_add if self.config.bias_dropout_fusion \
             else fused_kernels.bias_dropout_add_reference
-        return add(x.to(dtype), bias.to(dtype), residual.to(dtype), self.config.hidden_dropout, self.training)
+        arguments = (x.to(dtype), bias.to(dtype), residual.to(dtype), self.config.hidden_dropout, self.training)
+        if self.config.sequence_parallel and self.training and self.config.hidden_dropout > 0.0:
+            with get_rng_tracker().fork(MODEL_PARALLEL_RNG):
+                return add(*arguments)
+        return add(*arguments)

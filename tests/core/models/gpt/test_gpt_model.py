@@ -208,16 +208,34 @@ def _check_parity(config, groups, tokens, masks):
         assert error <= 1e-5, f"tp={groups.tp_size} {name}: gradient error {error:.2e}"
 
 
-def _tensor_parallel_worker(rank, world_size):
-    tokens = random_tokens(2, 16, 64, seed=13)
+# Sequence parallelism: the layer norms' and row-parallel biases' gradients are the TP sums of partial
+# ones, the activations are split along the sequence (16 positions, divisible by 2 and 4).
+SEQUENCE_PARALLEL_CONFIGS = [
+    dict(sequence_parallel=True),
+    dict(sequence_parallel=True, position_embedding_type="rotary", glu_activation="swiglu", bias_gelu_fusion=False,
+         embed_layernorm=True),
+    dict(sequence_parallel=True, position_embedding_type="alibi", attention_impl="materialized",
+         checkpoint_activations=True, apply_residual_connection_post_layernorm=True),
+]
+
+
+def _parity_batches(seq_length):
+    """tokens [2, seq_length + 1] with two documents, and their plain and reset masks."""
+    tokens = random_tokens(2, seq_length + 1, 64, seed=13)
     tokens[0, 5] = tokens[1, 9] = EOD
     plain = get_ltor_masks_and_position_ids(tokens[:, :-1], EOD, eod_mask_loss=True)
     reset = get_ltor_masks_and_position_ids(tokens[:, :-1], EOD, True, True, True)
+    return tokens, plain, reset
+
+
+def _tensor_parallel_worker(rank, world_size):
     for tp in (2, 4):
         groups = initialize_model_parallel(tensor_model_parallel_size=tp)
-        for overrides in PARITY_CONFIGS:
-            masks = reset if overrides.get("position_embedding_type") == "alibi" else plain
-            _check_parity(tiny_config(seq_length=15, **overrides), groups, tokens, masks)
+        for seq_length, configs in ((15, PARITY_CONFIGS), (16, SEQUENCE_PARALLEL_CONFIGS)):
+            tokens, plain, reset = _parity_batches(seq_length)
+            for overrides in configs:
+                masks = reset if overrides.get("position_embedding_type") == "alibi" else plain
+                _check_parity(tiny_config(seq_length=seq_length, **overrides), groups, tokens, masks)
 
 
 @pytest.mark.distributed
