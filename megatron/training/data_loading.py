@@ -30,6 +30,7 @@ from megatron.core.data.gpt_dataset import GPTDatasetConfig
 from megatron.core.data.indexed_dataset import IndexedDatasetError, check_dataset_prefix
 from megatron.core.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
 from megatron.core.models.gpt import get_ltor_masks_and_position_ids
+from megatron.core.tensor_parallel.layers import check_token_ids
 from megatron.training.argument_types import ArgumentError
 from megatron.training.config import DataConfig
 from megatron.training.signals import ignore_exit_signals
@@ -64,8 +65,13 @@ class LMBatch(NamedTuple):
     attention_mask: torch.Tensor | None
 
 
-def get_batch(data: dict, eod_token: int, data_config: DataConfig, device: torch.device) -> LMBatch:
-    """The LM batch of a loader item ``{"text": int64 [b, s + 1]}`` (see the module docstring)."""
+def get_batch(data: dict, eod_token: int, data_config: DataConfig, device: torch.device,
+              vocab_size: int | None = None) -> LMBatch:
+    """The LM batch of a loader item ``{"text": int64 [b, s + 1]}`` (see the module docstring).
+    Given ``vocab_size`` (the padded vocabulary), token ids outside [0, vocab_size) raise ValueError,
+    checked on the loader's CPU tensor, before the copy to ``device`` (no device read-back)."""
+    if vocab_size is not None:
+        check_token_ids(data["text"], vocab_size)
     text = data["text"].to(device, non_blocking=True).long()  # [b, s + 1]
     tokens = text[:, :-1].contiguous()  # [b, s]
     labels = text[:, 1:].contiguous()  # [b, s]
@@ -94,11 +100,12 @@ def pipeline_batch(batch: LMBatch) -> tuple[tuple, tuple]:
     return inputs, (batch.labels, batch.loss_mask)
 
 
-def batch_function(eod_token: int, data_config: DataConfig, device: torch.device) -> Callable[[dict], LMBatch]:
-    """``data -> LMBatch`` with the tokenizer's EOD and the mask flags bound."""
+def batch_function(eod_token: int, data_config: DataConfig, device: torch.device,
+                   vocab_size: int) -> Callable[[dict], LMBatch]:
+    """``data -> LMBatch`` with the tokenizer's EOD, the mask flags and the padded vocabulary bound."""
 
     def make_batch(data: dict) -> LMBatch:
-        return get_batch(data, eod_token, data_config, device)
+        return get_batch(data, eod_token, data_config, device, vocab_size)
 
     return make_batch
 

@@ -160,7 +160,7 @@ class Trainer:
             self.schedule.rampup_batch_size)
         self.pipeline = uses_pipeline_engine(groups.pp_size, config.parallel.zero_stage)
         self.device = current_device()
-        self.make_batch = batch_function(tokenizer.eod, config.data, self.device)
+        self.make_batch = batch_function(tokenizer.eod, config.data, self.device, config.model.padded_vocab_size)
         self.curriculum = SequenceLengthCurriculum(self.schedule.curriculum) if self.schedule.curriculum else None
         self.active_seq_length = config.model.seq_length  # what the batches are cut to (curriculum.py)
         self.last_saved_iteration = None

@@ -185,6 +185,17 @@ def test_batch_shifts_text_and_applies_the_mask_flags():
     assert len(pipeline_batch(plain)[0]) == 2
 
 
+def test_batch_checks_token_ids_on_the_host_before_the_copy():
+    """The embedding reads back only CPU ids (a GPU read-back would stall every forward): the batch
+    function checks the loader's tensor, labels included, against the padded vocabulary."""
+    text = torch.tensor([[5, 6, EOD, 7, 8, 4, 3]])
+    vocab_size = max(EOD, 8) + 1
+    assert get_batch({"text": text}, EOD, _data_config(), torch.device("cpu"), vocab_size).tokens.shape == (1, 6)
+    for bad in (vocab_size, -1):
+        with pytest.raises(ValueError, match=rf"token ids must lie in \[0, {vocab_size}\).*got min"):
+            get_batch({"text": torch.tensor([[5, 6, bad]])}, EOD, _data_config(), torch.device("cpu"), vocab_size)
+
+
 def test_num_samples_per_split_as_megatron_deepspeed_asks():
     assert train_valid_test_num_samples(100, 8, None, 10, 2) == (800, (100 // 10 + 1) * 2 * 8, 16)
     assert train_valid_test_num_samples(100, 8, 1000, 10, 2)[0] == 1000
