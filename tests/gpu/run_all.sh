@@ -2,7 +2,9 @@
 # Every GPU check and benchmark in one go, on the GPU machine, from the repository root:
 #   bash tests/gpu/run_all.sh            (logs under $OUT, default /tmp/gpu_checks)
 # GPU tests, fused-kernel table, 1.3B forward+backward, then the trainer runs of run_trainer.sh
-# (with 2 or more GPUs also the DP/TP/PP layout comparison). Takes about 10 minutes on one H100.
+# (with 2 or more GPUs also the DP/TP/PP layout comparison), the trainer against transformers +
+# torch.compile (bench_vs_peer.sh) and, with 2 or more GPUs, the scaling table (bench_scaling.sh).
+# Takes about 15 minutes on one H100.
 # The GPU machine has no network and no DeepSpeed: carry DeepSpeed's wheel (and any other missing
 # package) in .whl/ at the repository root, and it is installed from there.
 set -o pipefail
@@ -25,8 +27,13 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     runs="$runs layout_single layout_dp2 layout_tp2 layout_pp2 layout_compare"
 fi
 RUNS=$runs OUT=$OUT/trainer bash tests/gpu/run_trainer.sh > "$OUT/trainer.log" 2>&1 || status=1
+OUT=$OUT/vs_peer bash tools/benchmarks/bench_vs_peer.sh > "$OUT/vs_peer.log" 2>&1 || status=1
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then  # 1 GPU, DP=2, TP=2 (with and without sequence parallelism), PP=2
+    OUT=$OUT/scaling bash tools/benchmarks/bench_scaling.sh > "$OUT/scaling.log" 2>&1 || status=1
+fi
 if [ -f runs/bnb_gpu/data/python-docs_text_document.idx ]; then  # 8-bit against 32-bit AdamW (run_bnb_adam.sh)
     OUT=$OUT/bnb bash tests/gpu/run_bnb_adam.sh > "$OUT/bnb.log" 2>&1 || status=1
 fi
-cat "$OUT/trainer/summary.txt" "$OUT/trainer/layouts.txt" 2>/dev/null
+cat "$OUT/trainer/summary.txt" "$OUT/trainer/layouts.txt" "$OUT/vs_peer/vs_peer.txt" \
+    "$OUT/scaling/scaling_losses.txt" "$OUT/scaling/scaling_table.md" 2>/dev/null
 exit $status

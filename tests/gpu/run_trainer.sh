@@ -17,7 +17,13 @@
 #      6p7b_compare_8"
 #   6. the best single-GPU figure at the same width (RUNS="w4096_mbs2 w4096_mbs4"): 16 layers, hidden
 #      4096, bf16, the scaling-efficiency reference for 5
-#   7. long runs (RUNS="rel_bf16 rel_fp16 det_cost offload"): a 350M GPT in bf16 and in fp16 under
+#   7. against the peer (RUNS="peer_1p3b peer_350m", log interval 1): the 1.3B at micro-batch 8 and the
+#      350M at micro-batch 16, bf16, ZeRO-1; tools/benchmarks/bench_vs_peer.sh runs them and the peer
+#   8. scaling (RUNS="scale_1gpu scale_dp2 scale_tp2 scale_tp2_sp scale_pp2", and with 4 GPUs
+#      "scale_tp2dp2 scale_tp2dp2_sp scale_pp4"): the 1.3B GPT, bf16, ZeRO-1, micro-batch 8, global
+#      batch 64 (8 micro-batches per pipeline), CPU initialization (the same weights in every layout);
+#      tools/benchmarks/bench_scaling.sh runs them and prints the table
+#   9. long runs (RUNS="rel_bf16 rel_fp16 det_cost offload"): a 350M GPT in bf16 and in fp16 under
 #      --deterministic saves at 10 of 20 iterations, resumes from 10 and must give the same losses,
 #      counters and rates (tolerance 0); the 1.3B GPT in bf16 at micro batch 4 (the materialized
 #      attention of --deterministic holds s^2 scores per head) with and without --deterministic (the
@@ -93,6 +99,13 @@ layout_run() {  # name ngpus [parallel flags...]: a 100M-class GPT at seq 1024, 
     NGPUS=$ngpus SEQ=1024 ITERS=8 LOG_INTERVAL=1 gpt_run "$name" 8 1024 16 fp32 4 16 --use-cpu-initialization "$@"
 }
 
+scale_run() {  # name ngpus [parallel flags...]: the 1.3B GPT of the scaling table, log interval 1
+    local name=$1 ngpus=$2
+    shift 2
+    NGPUS=$ngpus ITERS=${ITERS_SCALE:-10} LOG_INTERVAL=1 gpt_run "$name" 24 2048 16 bf16 8 64 \
+        --use-cpu-initialization "$@"
+}
+
 logs_of() {  # run... -> their log paths
     local run
     for run in "$@"; do echo "$OUT/$run.log"; done
@@ -132,6 +145,8 @@ for run in $RUNS; do
         350m_fp16) gpt_run 350m_fp16 24 1024 16 fp16 8 64 ;;
         1p3b_bf16) gpt_run 1p3b_bf16 24 2048 16 bf16 8 32 ;;
         1p3b_fp16) gpt_run 1p3b_fp16 24 2048 16 fp16 8 32 ;;
+        peer_1p3b) LOG_INTERVAL=1 ITERS=12 gpt_run peer_1p3b 24 2048 16 bf16 8 32 ;;
+        peer_350m) LOG_INTERVAL=1 ITERS=12 gpt_run peer_350m 24 1024 16 bf16 16 64 ;;
         overflow) SCALE_POWER=24 HYSTERESIS=1 LOG_INTERVAL=1 ITERS=12 gpt_run overflow 4 1024 16 fp16 4 8 ;;
         layout_single) layout_run layout_single 1 ;;
         layout_dp2) layout_run layout_dp2 2 ;;
@@ -166,6 +181,14 @@ for run in $RUNS; do
         6p7b_tp2pp4) big_run 6p7b_tp2pp4 8 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 4 ;;
         6p7b_compare_8) compare_layouts 2e-2 5 6p7b_tp2pp2dp2 6p7b_tp4pp2 6p7b_tp2pp4 \
                             | tee "$OUT/layouts_6p7b_8gpu.txt" || status=1 ;;
+        scale_1gpu) scale_run scale_1gpu 1 ;;
+        scale_dp2) scale_run scale_dp2 2 ;;
+        scale_tp2) scale_run scale_tp2 2 --tensor-model-parallel-size 2 ;;
+        scale_tp2_sp) scale_run scale_tp2_sp 2 --tensor-model-parallel-size 2 --sequence-parallel ;;
+        scale_pp2) scale_run scale_pp2 2 --pipeline-model-parallel-size 2 ;;
+        scale_tp2dp2) scale_run scale_tp2dp2 4 --tensor-model-parallel-size 2 ;;
+        scale_tp2dp2_sp) scale_run scale_tp2dp2_sp 4 --tensor-model-parallel-size 2 --sequence-parallel ;;
+        scale_pp4) scale_run scale_pp4 4 --pipeline-model-parallel-size 4 ;;
         rel_bf16) reliability_runs bf16 ;;
         rel_fp16) reliability_runs fp16 ;;
         det_cost) ITERS=20 gpt_run det_cost_default 24 2048 16 bf16 4 32

@@ -1,0 +1,155 @@
+"""Training throughput of the strongest peer (transformers' GPT-2 under torch.compile) against our trainer's logs.
+
+The peer trains the same shapes as the trainer's runs: GPT-2 with learned positions, GeLU (tanh),
+sdpa attention, the vocabulary padded like ours, fp32 weights under bf16 autocast, fused AdamW
+(lr 1e-4, betas 0.9 / 0.95, weight decay 0.1), one optimizer step per micro-batch, its model
+compiled with ``torch.compile``. Each of its micro-batches is timed (steady state, after warm-up and
+compilation) and the best counts, as the peer's user would pick it. Model TFLOP/s use the trainer's
+formula (megatron/training/metrics.py) for both, so the ratio is a ratio of tokens/s.
+
+    python3 tools/benchmarks/bench_vs_peer.py --ours 1p3b=trainer_1p3b.log --ours 350m=trainer_350m.log
+
+``--ours NAME=LOG`` names a model of MODELS and the trainer log of it (the mean model TFLOP/s of the
+iterations after ``--skip``); tools/benchmarks/bench_vs_peer.sh runs the trainer and then this script.
+"""
+import argparse
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from megatron.core.models.gpt import GPTModelConfig  # noqa: E402
+from megatron.training.metrics import model_flops  # noqa: E402
+from tools.benchmarks.scaling_table import steady_state  # noqa: E402
+
+
+@dataclass(frozen=True)
+class PeerModel:
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    micro_batches: tuple[int, ...]  # the peer's candidates, best picked
+
+
+MODELS = {
+    "1p3b": PeerModel(24, 2048, 16, (4, 8, 16)),
+    "350m": PeerModel(24, 1024, 16, (8, 16, 32)),
+}
+
+
+def gpt_config(model: PeerModel, seq_length: int, vocab_size: int) -> GPTModelConfig:
+    return GPTModelConfig(num_layers=model.num_layers, hidden_size=model.hidden_size,
+                          num_attention_heads=model.num_attention_heads, padded_vocab_size=vocab_size,
+                          seq_length=seq_length, max_position_embeddings=seq_length)
+
+
+def peer_model(model: PeerModel, seq_length: int, vocab_size: int, device) -> torch.nn.Module:
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=vocab_size, n_positions=seq_length, n_embd=model.hidden_size,
+                                     n_layer=model.num_layers, n_head=model.num_attention_heads,
+                                     activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0, attn_implementation="sdpa")
+    return transformers.GPT2LMHeadModel(config).to(device)
+
+
+def peer_step_seconds(module: torch.nn.Module, micro_batch: int, seq_length: int, vocab_size: int, *,
+                      compile_model: bool, warmup: int, iters: int) -> float:
+    """Mean seconds of one training step (forward, backward, AdamW) of the peer at ``micro_batch``."""
+    device = next(module.parameters()).device
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                                  fused=device.type == "cuda")
+    forward = torch.compile(module) if compile_model else module
+    tokens = torch.randint(0, vocab_size, (micro_batch, seq_length), device=device)
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = forward(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        step()
+    synchronize()
+    return (time.perf_counter() - start) / iters
+
+
+def peer_best(model: PeerModel, args, device) -> tuple[float, int]:
+    """(best model TFLOP/s, its micro-batch) over the candidates that fit in memory."""
+    best = (0.0, 0)
+    for micro_batch in args.peer_micro_batches or model.micro_batches:
+        module = peer_model(model, args.seq_length, args.padded_vocab_size, device)
+        try:
+            seconds = peer_step_seconds(module, micro_batch, args.seq_length, args.padded_vocab_size,
+                                        compile_model=not args.no_compile, warmup=args.warmup, iters=args.iters)
+        except torch.OutOfMemoryError:
+            print(f"peer micro-batch {micro_batch}: out of memory")
+            seconds = math.inf
+        finally:
+            del module
+            torch._dynamo.reset()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        flops = model_flops(gpt_config(model, args.seq_length, args.padded_vocab_size), micro_batch, args.seq_length)
+        tflops = flops / seconds / 1e12
+        print(f"peer seq {args.seq_length} micro-batch {micro_batch}: {seconds * 1e3:.1f} ms/step, "
+              f"{tflops:.1f} model TFLOP/s")
+        best = max(best, (tflops, micro_batch))
+    return best
+
+
+def ratio_rows(results: list[tuple[str, float, float, int]]) -> list[str]:
+    """Markdown rows of (model, ours, peer's best, its micro-batch): ours / peer."""
+    lines = ["| model | ours: model TFLOP/s | peer (transformers + torch.compile): model TFLOP/s | "
+             "peer micro-batch | ours / peer |", "|---|---|---|---|---|"]
+    for name, ours, peer, micro_batch in results:
+        ratio = f"{ours / peer:.2f}x" if peer > 0 else "peer ran out of memory"
+        lines.append(f"| {name} | {ours:.1f} | {peer:.1f} | {micro_batch} | {ratio} |")
+    return lines
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ours", action="append", required=True, help="NAME=LOG, NAME one of " + ", ".join(MODELS))
+    parser.add_argument("--skip", type=int, default=3, help="warm-up iterations of the trainer logs left out")
+    parser.add_argument("--seq-length", type=int, default=2048)
+    parser.add_argument("--padded-vocab-size", type=int, default=50304)
+    parser.add_argument("--peer-micro-batches", type=int, nargs="+", default=None,
+                        help="the peer's candidate micro-batches (default: per model, see MODELS)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--no-compile", action="store_true", help="the peer in eager mode (CPU checks)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    results = []
+    for run in args.ours:
+        name, _, path = run.partition("=")
+        if name not in MODELS:
+            sys.exit(f"--ours {run!r}: model {name!r} is not one of {sorted(MODELS)}")
+        with open(path, encoding="utf-8", errors="replace") as log:
+            ours = steady_state(name, log.read(), args.skip)
+        if ours is None:
+            sys.exit(f"{path}: no iteration line after iteration {args.skip}")
+        peer, micro_batch = peer_best(MODELS[name], args, device)
+        results.append((name, ours.model_tflops_per_gpu, peer, micro_batch))
+    print("\n".join(ratio_rows(results)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
