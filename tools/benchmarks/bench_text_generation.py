@@ -6,10 +6,22 @@ Default: the 1.3B GPT (24 layers, hidden 2048, 16 heads, learned positions, padd
 
     ours, growing cache       the key/value cache of kv_cache.LayerKVCache, every step from Python
     ours, static + graphs     fixed-size caches, each one-token step replayed from a CUDA graph
-                              (captured inside every timed call: capture cost included)
+                              (the caches and the graph serve every call of the same shape, as
+                              transformers keeps its static cache and compiled graphs)
+    ours, ... + compiled      the same with the layers of a one-token step compiled (torch.compile)
+                              before the graph captures them
     transformers, static      GPT2LMHeadModel.generate(cache_implementation="static"), sdpa attention,
                               with its automatic compilation disabled, and as it comes (it compiles
                               the decoding step when it can)
+
+Before timing, at each batch size, a correctness check of each graph variant on the GPU: the logits
+of a random 128 + 256-token sequence fed as prefill then one-token graph replays (teacher forcing)
+against the --recompute path's (the whole sequence, no cache); the relative error ||a - b|| / ||b||
+must stay within max(5 %, 2 x that of the eager static-cache path): bf16 rounding through 24 layers
+(a compiled step rounds elsewhere: 1.5 % seen on CPU for 24 narrow layers), where a wrong position,
+mask or cache entry gives errors of order 1. A failed check
+makes the exit status 1. ``--profile-dir`` writes torch.profiler's GPU kernel table of one call of
+each graph variant per batch size (``profile_batch<b>.txt``).
 
 Reported: tokens per second (batch x new tokens / wall time of the whole call, prefill included),
 our best over transformers' best, and whether the greedy tokens agree (bf16 rounding may part them
@@ -18,12 +30,14 @@ after a while; the first difference is printed). Batch-1 decode: seconds per new
 bandwidth measured here (a 2 GiB device-to-device copy reads and writes each byte once).
 
     python tools/benchmarks/bench_text_generation.py [--batch-sizes 1 32] [--no-compiled-transformers]
+        [--skip-growing-cache] [--profile-dir DIR]
 """
 import argparse
 import dataclasses
 import os
 import sys
 import time
+import traceback
 
 import torch
 
@@ -56,6 +70,8 @@ def parse_args():
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     parser.add_argument("--no-compiled-transformers", action="store_true",
                         help="skip transformers' compiled run (its compilation takes a minute or more)")
+    parser.add_argument("--skip-growing-cache", action="store_true", help="skip our slowest variant")
+    parser.add_argument("--profile-dir", help="write a kernel table of one call per graph variant and batch here")
     return parser.parse_args()
 
 
@@ -136,6 +152,82 @@ def first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
     return "all equal" if different.numel() == 0 else f"first difference at new token {int(different[0])}"
 
 
+GRAPHS, COMPILED = "ours, static + graphs", "ours, static + graphs + compiled"
+
+
+def our_variants(stage: InferenceStage, skip_growing: bool) -> dict[str, PipelineForward]:
+    groups = single_rank_groups()
+    variants = {} if skip_growing else {"ours, growing cache": PipelineForward(stage, groups)}
+    variants[GRAPHS] = PipelineForward(stage, groups, static_cache=True, cuda_graphs=True)
+    variants[COMPILED] = PipelineForward(stage, groups, static_cache=True, cuda_graphs=True, compiled_decode=True)
+    return variants
+
+
+def teacher_forced_logits(forward: PipelineForward, tokens: torch.Tensor, prompt_length: int) -> torch.Tensor:
+    """Logits [b, T - P, V] of positions P .. T - 1: prefill of the P prompt tokens, then one-token steps."""
+    batch, total = tokens.shape
+    caches = forward.new_caches(batch, total, tokens.device)
+    forward.last_stage_logits(tokens[:, :prompt_length], 0, caches)
+    steps = [forward.last_stage_logits(tokens[:, p:p + 1], p, caches) for p in range(prompt_length, total)]
+    return torch.cat(steps, dim=1)
+
+
+def relative_error(found: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((found - expected).norm() / expected.norm())
+
+
+def check_graph_logits(stage: InferenceStage, variants: dict, tokens: torch.Tensor, prompt_length: int) -> bool:
+    """The module docstring's check for every graph variant at this batch size; prints and returns pass."""
+    groups = single_rank_groups()
+    expected = PipelineForward(stage, groups).last_stage_logits(tokens)[:, prompt_length:]  # --recompute's
+    eager = relative_error(teacher_forced_logits(PipelineForward(stage, groups, static_cache=True), tokens,
+                                                 prompt_length), expected)
+    tolerance = max(0.05, 2 * eager)
+    passed = True
+    for name in (GRAPHS, COMPILED):
+        found = teacher_forced_logits(variants[name], tokens, prompt_length)
+        error = relative_error(found, expected)
+        agree = float((found.argmax(-1) == expected.argmax(-1)).float().mean())
+        passed &= error <= tolerance
+        print(f"batch {tokens.shape[0]:3d} | check {name} vs --recompute logits: relative error {error:.2e} "
+              f"(eager static cache {eager:.2e}, tolerance {tolerance:.2e}), top-1 agreement {agree:.1%}: "
+              f"{'ok' if error <= tolerance else 'FAILED'}", flush=True)
+    return passed
+
+
+def profile_calls(variants: dict, prompts: torch.Tensor, new_tokens: int, path: str) -> None:
+    """torch.profiler over one call of each graph variant: the GPU kernel table and kernels per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with open(path, "w") as report:
+        for name in (GRAPHS, COMPILED):
+            run = ours(variants[name], prompts, new_tokens)
+            run()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+                start = time.perf_counter()
+                run()
+                torch.cuda.synchronize()
+                wall = time.perf_counter() - start
+            device_ops = [e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            busy = sum(e.time_range.elapsed_us() for e in device_ops) / 1e6
+            summary = (f"{name}, batch {prompts.shape[0]}: {len(device_ops)} GPU operations (kernels, copies), "
+                       f"{len(device_ops) / new_tokens:.0f} per new token; GPU busy {busy:.3f} s of {wall:.3f} s "
+                       f"wall (profiled)")
+            print(summary, flush=True)
+            report.write(summary + "\n")
+            report.write(profiler.key_averages().table(sort_by="self_device_time_total", row_limit=25) + "\n\n")
+
+
+def timed_or_none(run):
+    """timed(run), or None after printing the error (one variant failing leaves the others' figures)."""
+    try:
+        return timed(run)
+    except Exception:  # noqa: BLE001 - reported, and the exit status says so
+        traceback.print_exc()
+        return None
+
+
 def main():
     args = parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
@@ -144,36 +236,44 @@ def main():
     print(f"model: {sum(p.numel() for p in stage.parameters()) / 1e9:.3f}B parameters ({parameter_bytes / 2**30:.2f} GiB "
           f"{args.dtype}); prompt {args.prompt_length}, {args.new_tokens} new tokens", flush=True)
     hf_model = transformers_model(stage)
-    variants = {"ours, growing cache": PipelineForward(stage, single_rank_groups()),
-                "ours, static + graphs": PipelineForward(stage, single_rank_groups(), static_cache=True,
-                                                         cuda_graphs=True)}
+    variants = our_variants(stage, args.skip_growing_cache)
     generator = torch.Generator(device="cuda").manual_seed(0)
+    healthy = True
     for batch in args.batch_sizes:
+        total = args.prompt_length + args.new_tokens
+        check_tokens = torch.randint(0, VOCAB, (batch, total), device="cuda", generator=generator)
+        try:
+            healthy &= check_graph_logits(stage, variants, check_tokens, args.prompt_length)
+        except Exception:  # noqa: BLE001 - reported, and the exit status says so
+            traceback.print_exc()
+            healthy = False
         prompts = torch.randint(0, VOCAB, (batch, args.prompt_length), device="cuda", generator=generator)
-        results = {}
-        for name, forward in variants.items():
-            results[name] = timed(ours(forward, prompts, args.new_tokens))
+        results = {name: timed_or_none(ours(forward, prompts, args.new_tokens)) for name, forward in variants.items()}
         results["transformers, static, eager"] = timed(theirs(hf_model, prompts, args.new_tokens, compiled=False))
         if not args.no_compiled_transformers:
             results["transformers, static, compiled"] = timed(theirs(hf_model, prompts, args.new_tokens, compiled=True))
-        graphs, growing = results["ours, static + graphs"][1], results["ours, growing cache"][1]
-        print(f"batch {batch:3d} | ours: static + graphs vs growing cache: {first_difference(graphs, growing)}")
+        healthy &= all(result is not None for result in results.values())
+        results = {name: result for name, result in results.items() if result is not None}
         reference = results["transformers, static, eager"][1]
         for name, (seconds, tokens) in results.items():
-            print(f"batch {batch:3d} | {name:32s} | {batch * args.new_tokens / seconds:10.1f} tokens/s | "
+            print(f"batch {batch:3d} | {name:34s} | {batch * args.new_tokens / seconds:10.1f} tokens/s | "
                   f"{seconds:7.3f} s | vs transformers eager: {first_difference(tokens, reference)}", flush=True)
-        best_ours = min(results[name][0] for name in variants)
-        best_theirs = min(seconds for name, (seconds, _) in results.items() if name.startswith("transformers"))
-        print(f"batch {batch:3d} | ours / transformers (best of each): {best_theirs / best_ours:.2f}x", flush=True)
+        mine = [name for name in results if name.startswith("ours")]
+        best_ours = min(mine, key=lambda name: results[name][0])
+        best_theirs = min(results[name][0] for name in results if name.startswith("transformers"))
+        print(f"batch {batch:3d} | ours / transformers (best of each): {best_theirs / results[best_ours][0]:.2f}x "
+              f"({best_ours})", flush=True)
+        if args.profile_dir:
+            profile_calls(variants, prompts, args.new_tokens, os.path.join(args.profile_dir, f"profile_batch{batch}.txt"))
         if batch == 1:
-            fast = variants["ours, static + graphs"]
-            one_token, _ = timed(ours(fast, prompts, 1))
-            per_token = (results["ours, static + graphs"][0] - one_token) / (args.new_tokens - 1)
+            one_token, _ = timed(ours(variants[best_ours], prompts, 1))
+            per_token = (results[best_ours][0] - one_token) / (args.new_tokens - 1)
             bandwidth = copy_bandwidth()
             bound = parameter_bytes / bandwidth
-            print(f"batch   1 | decode {per_token * 1e3:.3f} ms/token; bound {bound * 1e3:.3f} ms/token "
+            print(f"batch   1 | decode ({best_ours}) {per_token * 1e3:.3f} ms/token; bound {bound * 1e3:.3f} ms/token "
                   f"({parameter_bytes / 1e9:.2f} GB over a measured copy bandwidth of {bandwidth / 1e12:.2f} TB/s): "
                   f"{bound / per_token:.0%} of the memory-bandwidth bound", flush=True)
+    sys.exit(0 if healthy else 1)
 
 
 if __name__ == "__main__":

@@ -59,15 +59,17 @@ def fused_kernels_enabled():
 
 
 def runtime_blocker(*tensors):
-    """Why no fast kernel may run on ``tensors`` now (disabled, not CUDA, compiling), or None."""
+    """Why no fast kernel may run on ``tensors`` now (compiling, disabled, not CUDA), or None.
+
+    The compiling case comes first, so that torch.compile traces no more of this than the check."""
+    if torch.compiler.is_compiling():
+        return "traced by torch.compile, which fuses the reference itself"
     if not fused_kernels_enabled():
         return f"fused kernels disabled ({ENV_VAR}=0 or set_fused_kernels_enabled(False))"
     if not all(t.is_cuda for t in tensors):
         return "inputs are not all CUDA tensors"
     if len({t.device for t in tensors}) > 1:
         return "inputs are on different devices"
-    if torch.compiler.is_compiling():
-        return "traced by torch.compile, which fuses the reference itself"
     return None
 
 

@@ -9,9 +9,13 @@ the same gathered logits and draws the same tokens from the same generator.
 
 With key/value caches (one per layer of the stage, kv_cache.py) a call feeds the positions
 ``start .. start + s - 1`` only; without, the tokens are the whole sequence from position 0.
-``static_cache`` makes the caches fixed-size (StaticKVCaches), and ``cuda_graphs`` (one stage, one
-TP rank, on a GPU) then replays every one-token step from a CUDA graph captured at the first one
-(cuda_graph.py).
+``static_cache`` makes the caches fixed-size (StaticKVCaches, kept from call to call while the
+batch and the capacity stay), and ``cuda_graphs`` (one stage, one TP rank, on a GPU) then replays
+every one-token step from a CUDA graph captured at the first one (cuda_graph.py) and kept with the
+caches. ``compiled_decode`` runs each layer of a one-token step through torch.compile: inductor
+fuses the small elementwise work around the matmuls (layer norms, bias-GeLU, bias + residual adds,
+the mask) that otherwise costs a kernel each, the steps' cost at small batches. The layers of a
+stage share one compiled code (same code, same shapes); the prefill stays eager.
 """
 import torch
 
@@ -27,23 +31,34 @@ class PipelineForward:
     """The model of one replica split over its TP x PP ranks, called alike on each of them."""
 
     def __init__(self, stage: InferenceStage, groups: ParallelGroups, static_cache: bool = False,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, compiled_decode: bool = False):
         if cuda_graphs and not (static_cache and groups.pp_size == 1 and groups.tp_size == 1):
             raise ValueError("CUDA graphs need the static cache, one pipeline stage and one TP rank")
+        if compiled_decode and not static_cache:
+            raise ValueError("compiled decoding steps need the static cache (fixed shapes)")
         self.stage = stage.eval()
         self.groups = groups
         self.static_cache = static_cache
         self.cuda_graphs = cuda_graphs
+        self.decode_layers = list(stage.layers)
+        if compiled_decode:
+            self.decode_layers = [torch.compile(layer, dynamic=False, fullgraph=True) for layer in stage.layers]
+        self._static_caches: StaticKVCaches | None = None
 
     @property
     def config(self):
         return self.stage.config
 
-    def new_caches(self, capacity: int, device=None) -> list[LayerKVCache]:
-        """Empty key/value caches for this stage's layers, ``capacity`` positions each."""
-        if self.static_cache:
-            return StaticKVCaches(len(self.stage.layers), capacity, device)
-        return new_caches(len(self.stage.layers), capacity)
+    def new_caches(self, batch: int, capacity: int, device=None) -> list[LayerKVCache]:
+        """Key/value caches for this stage's layers, ``capacity`` positions of ``batch`` rows each:
+        empty ones, or the static caches (and their captured step) of the last call of that shape."""
+        if not self.static_cache:
+            return new_caches(len(self.stage.layers), capacity)
+        caches = self._static_caches
+        if caches is None or (caches.batch, caches.capacity, caches.device) != (batch, capacity, device):
+            self._static_caches = None  # the old buffers go before the new ones are made
+            caches = self._static_caches = StaticKVCaches(len(self.stage.layers), batch, capacity, device)
+        return caches
 
     @torch.no_grad()
     def last_stage_logits(self, tokens: torch.Tensor, start: int = 0,
@@ -52,23 +67,29 @@ class PipelineForward:
         stage, None on the others."""
         if isinstance(kv_caches, StaticKVCaches):
             kv_caches.position.fill_(start)
-            if self.cuda_graphs and tokens.shape[1] == 1:
+            if tokens.shape[1] == 1:
+                if not self.cuda_graphs:
+                    return self._forward(tokens, kv_caches, start, self.decode_layers)
                 if kv_caches.decode_graph is None:
-                    kv_caches.decode_graph = CapturedStep(lambda step: self._forward(step, kv_caches), tokens)
+                    kv_caches.decode_graph = CapturedStep(
+                        lambda step: self._forward(step, kv_caches, layers=self.decode_layers), tokens)
                 return kv_caches.decode_graph(tokens)
         return self._forward(tokens, kv_caches, start)
 
-    def _forward(self, tokens: torch.Tensor, kv_caches, start: int = 0) -> torch.Tensor | None:
+    def _forward(self, tokens: torch.Tensor, kv_caches, start: int = 0, layers=None) -> torch.Tensor | None:
         groups = self.groups
         batch, length = tokens.shape
         offsets = torch.arange(length, device=tokens.device)
-        first = kv_caches.position if isinstance(kv_caches, StaticKVCaches) else start  # a device tensor there
+        first = start
+        if isinstance(kv_caches, StaticKVCaches):
+            kv_caches.step.begin(length)
+            first = kv_caches.position  # a device tensor
         position_ids = (first + offsets).expand(batch, length)
         inputs = tokens
         if not groups.is_first_stage:
             inputs = receive_from_rank((length, batch, self.config.hidden_size), self.stage.hidden_dtype,
                                        tokens.device, groups.pp_ranks[groups.pp_rank - 1])
-        output = self.stage(inputs, position_ids, kv_caches)
+        output = self.stage(inputs, position_ids, kv_caches, layers)
         if not groups.is_last_stage:
             send_to_rank(output, groups.pp_ranks[groups.pp_rank + 1])
             return None

@@ -5,7 +5,9 @@ t = min prompt length .. total - 1 for all rows at once: the model's next-token 
 written into a row only once its prompt is used up (before that, the row's prompt token stays),
 so every row attends to exactly its own prefix and no padding mask is needed. A row stops after
 the end-of-document token or its ``max_new_tokens``-th new token; the loop ends when every row
-has stopped or at ``max_length`` positions.
+has stopped or at ``max_length`` positions. Whether every row has stopped is read back every
+``STOP_CHECK_INTERVAL`` steps only: a read waits for the GPU, which then idles while the host
+queues the next step; between reads the host runs ahead. The steps after a stop write nothing.
 
 With the cache (``use_cache``) the first step feeds positions 0 .. t - 1 and each later step one
 position; without it (Megatron-DeepSpeed's --recompute), every step feeds the whole prefix 0 .. t - 1,
@@ -20,6 +22,9 @@ import torch
 
 from megatron.core.text_generation.forward import PipelineForward
 from megatron.core.text_generation.sampling import SamplingParams, next_tokens
+
+
+STOP_CHECK_INTERVAL = 16
 
 
 class GenerationInputError(ValueError):
@@ -77,10 +82,11 @@ def generate(model: PipelineForward, prompts: list[list[int]], max_new_tokens: i
     limits = torch.clamp(prompt_lengths + max_new_tokens, max=total)  # one past each row's last position
     lengths = limits.clone()
     done = prompt_lengths >= limits
-    caches = model.new_caches(total, tokens.device) if use_cache else None
+    caches = model.new_caches(len(prompts), total, tokens.device) if use_cache else None
     fed = 0
-    for position in range(min(lengths_list), total):
-        if done.all():
+    first = min(lengths_list)
+    for position in range(first, total):
+        if (position - first) % STOP_CHECK_INTERVAL == 0 and done.all():
             break
         start = fed if use_cache else 0
         logits = model.last_stage_logits(tokens[:, start:position], start, caches)

@@ -12,9 +12,9 @@ keys and values and returns (K, V, mask, query positions) to attend over. Two ki
   queries are the last s positions: the plain bottom-right causal mask).
 * StaticKVCache: K, V are the whole buffers [b, np, capacity, hn], the mask hides every key past
   each query's position, and the positions [s] place ALiBi's distances; the write position is a
-  device tensor shared by the layers
-  (StaticKVCaches.position). Every decode step then has the same shapes and no host value, so the
-  step can be captured once as a CUDA graph and replayed (forward.py).
+  device tensor shared by the layers, and the positions and the mask are computed from it once per
+  call for all layers (DecodeStep). Every decode step then has the same shapes and no host value,
+  so the step can be captured once as a CUDA graph and replayed (forward.py).
 """
 import torch
 
@@ -52,35 +52,60 @@ def new_caches(num_layers: int, capacity: int) -> list[LayerKVCache]:
     return [LayerKVCache(capacity) for _ in range(num_layers)]
 
 
+class DecodeStep:
+    """What every layer's static cache shares within one call: the write position p (a device tensor
+    set before the call), the queries' positions p .. p + s - 1 [s] and the mask [1, 1, s, capacity]
+    (True where key k > the query's position), computed once per call for all layers (``begin``)."""
+
+    def __init__(self, capacity: int, device=None):
+        self.capacity = capacity
+        self.position = torch.zeros((), dtype=torch.long, device=device)
+        self.query_positions: torch.Tensor | None = None
+        self.mask: torch.Tensor | None = None
+
+    def begin(self, length: int) -> None:
+        """Positions and mask of a call feeding ``length`` tokens at the current position."""
+        device = self.position.device
+        self.query_positions = self.position + torch.arange(length, device=device)  # [s]
+        key_positions = torch.arange(self.capacity, device=device)
+        self.mask = (key_positions[None, :] > self.query_positions[:, None])[None, None]  # [1, 1, s, capacity]
+
+
 class StaticKVCache(LayerKVCache):
     """K and V in fixed buffers, written at the shared device position (module docstring)."""
 
-    def __init__(self, capacity: int, position: torch.Tensor):
+    def __init__(self, capacity: int, step: DecodeStep):
         super().__init__(capacity)
-        self.position = position
+        self.step = step
 
     def extend(self, key: torch.Tensor, value: torch.Tensor):
         """key, value [b, np, s, hn] of positions p .. p + s - 1 (p = position) -> the buffers
-        [b, np, capacity, hn], the mask [1, 1, s, capacity] (True where key k > the query's position)
-        and the positions [s]."""
+        [b, np, capacity, hn], the step's mask [1, 1, s, capacity] and positions [s]."""
         if self.keys is None:
             self.keys = torch.zeros((*key.shape[:-2], self.capacity, key.shape[-1]), dtype=key.dtype,
                                     device=key.device)
             self.values = torch.zeros_like(self.keys)
-        positions = self.position + torch.arange(key.shape[-2], device=key.device)  # [s]
+        positions = self.step.query_positions
         self.keys.index_copy_(2, positions, key)
         self.values.index_copy_(2, positions, value)
-        key_positions = torch.arange(self.capacity, device=key.device)
-        mask = key_positions[None, :] > positions[:, None]  # [s, capacity]
-        return self.keys, self.values, mask[None, None], positions
+        return self.keys, self.values, self.step.mask, positions
 
 
 class StaticKVCaches(list):
-    """The StaticKVCache of every layer of a stage and their shared write position (a device
-    tensor set before each call); ``decode_graph`` keeps a captured decode step (forward.py)."""
+    """The StaticKVCache of every layer of a stage for ``batch`` rows and their shared DecodeStep
+    (``position`` set before a call, ``step.begin`` at its start, inside a captured step too).
+    ``decode_graph`` keeps a captured decode step (forward.py). The caches may serve call after call: positions past a call's prefix are masked,
+    and every position up to it is written by that call before it is read."""
 
-    def __init__(self, num_layers: int, capacity: int, device=None):
-        self.position = torch.zeros((), dtype=torch.long, device=device)
-        super().__init__(StaticKVCache(capacity, self.position) for _ in range(num_layers))
+    def __init__(self, num_layers: int, batch: int, capacity: int, device=None):
+        self.step = DecodeStep(capacity, device)
+        super().__init__(StaticKVCache(capacity, self.step) for _ in range(num_layers))
+        self.batch = batch
         self.capacity = capacity
+        self.device = device
         self.decode_graph = None
+
+    @property
+    def position(self) -> torch.Tensor:
+        """The write position of the next call (a device tensor, read inside a captured step)."""
+        return self.step.position

@@ -45,10 +45,10 @@ def tiny_model(seed: int = 1, **options) -> GPTModel:
     return model.eval()
 
 
-def inference_of(model: GPTModel, static_cache: bool = False) -> PipelineForward:
+def inference_of(model: GPTModel, static_cache: bool = False, compiled_decode: bool = False) -> PipelineForward:
     stage = InferenceStage(model.config, single_rank_groups())
     stage.load_state_dict(model.state_dict())
-    return PipelineForward(stage, single_rank_groups(), static_cache=static_cache)
+    return PipelineForward(stage, single_rank_groups(), static_cache=static_cache, compiled_decode=compiled_decode)
 
 
 def run(model: PipelineForward, params=GREEDY, use_cache=True, generator=None, prompts=PROMPTS):
@@ -93,6 +93,14 @@ def test_greedy_equals_transformers_generate(options):
     assert sum(len(tokens) for tokens in expected) > 4 * NEW_TOKENS  # not all stopped at once
 
 
+def cached_logits_in_chunks(inference: PipelineForward, tokens: torch.Tensor) -> torch.Tensor:
+    """tokens [b, 40] fed to a fresh cache in chunks (a prompt, one-token steps, longer chunks) -> logits [b, 40, V]."""
+    caches, chunks = inference.new_caches(tokens.shape[0], 40), []
+    for start, end in ((0, 7), (7, 8), (8, 9), (9, 25), (25, 26), (26, 27), (27, 40)):
+        chunks.append(inference.last_stage_logits(tokens[:, start:end], start, caches))
+    return torch.cat(chunks, dim=1)
+
+
 @pytest.mark.parametrize("static_cache", [False, True], ids=["growing cache", "static cache"])
 @pytest.mark.parametrize("name", OPTIONS)
 def test_cached_logits_equal_the_training_model(name, static_cache):
@@ -101,10 +109,7 @@ def test_cached_logits_equal_the_training_model(name, static_cache):
     tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = model(tokens).float()
-    caches, chunks = inference.new_caches(40), []
-    for start, end in ((0, 7), (7, 8), (8, 9), (9, 25), (25, 40)):
-        chunks.append(inference.last_stage_logits(tokens[:, start:end], start, caches))
-    torch.testing.assert_close(torch.cat(chunks, dim=1), expected, rtol=1e-5, atol=5e-5)  # fp32 rounding
+    torch.testing.assert_close(cached_logits_in_chunks(inference, tokens), expected, rtol=1e-5, atol=5e-5)  # fp32 rounding
 
     found = run(inference)
     for row, prompt in enumerate(PROMPTS):
@@ -113,6 +118,25 @@ def test_cached_logits_equal_the_training_model(name, static_cache):
             with torch.no_grad():
                 sequence.append(int(model(torch.tensor([sequence]))[0, -1, :VOCAB].argmax()))
         assert found.sequence(row) == sequence
+
+
+@pytest.mark.slow
+def test_compiled_decoding_steps_and_reused_static_caches():
+    """One-token steps through torch.compile (inductor on CPU: the GPU path's graph, other kernels)
+    give the training model's logits; the static caches serve the next call of the same shape, and
+    generation over them, compiled, equals the growing cache's."""
+    model = tiny_model(seed=6, **OPTIONS["alibi + embedding LN + fp32 residual"])
+    compiled = inference_of(model, static_cache=True, compiled_decode=True)
+    tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(tokens).float()
+    torch.testing.assert_close(cached_logits_in_chunks(compiled, tokens), expected, rtol=1e-5, atol=5e-5)
+
+    caches = compiled.new_caches(5, 64)
+    assert compiled.new_caches(5, 64) is caches and compiled.new_caches(4, 64) is not caches
+    other_prompts = [prompt[::-1] for prompt in PROMPTS]
+    for prompts in (PROMPTS, other_prompts, PROMPTS):
+        assert torch.equal(run(compiled, prompts=prompts).tokens, run(inference_of(model), prompts=prompts).tokens)
 
 
 def test_sampling_repeats_under_a_seed_with_or_without_the_cache():
