@@ -1,6 +1,8 @@
 """Model-only conversions (tools/merge_mp_partitions.py, tools/convert_checkpoint/deepspeed_to_deepspeed.py,
-ds_to_universal.py's checks): a TP=2 x PP=2 checkpoint merged to TP=1, or reshaped to TP=4, gives
-the source run's loss on the same batch; damaged inputs are refused by name and leave no output.
+deepspeed_to_megatron.py, ds_to_universal.py's checks): a TP=2 x PP=2 checkpoint merged to TP=1, or
+reshaped to TP=4, gives the source run's loss on the same batch; written in Megatron-LM's layout, its
+files put back together by the test give the source's tensors; damaged inputs are refused by name
+and leave no output.
 
 The source: test_layout_equivalence's flags (fp32, dropout 0), 4 layers, 4 heads, 3 iterations
 under TP=2 x PP=2 (4 gloo processes), saved at iteration 2. Iteration 3's loss is computed from the
@@ -13,12 +15,15 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from megatron.core.checkpoint.manifest import read_manifest
+from megatron.core.checkpoint.model_loading import full_model_state
+from megatron.core.checkpoint.reader import open_checkpoint
 from tests.training.e2e_utils import e2e_data, read_scalars, run_pretrain  # noqa: F401
 from tests.training.test_layout_equivalence import common_flags, series
 from tools import merge_mp_partitions
-from tools.convert_checkpoint import deepspeed_to_deepspeed, ds_to_universal
+from tools.convert_checkpoint import deepspeed_to_deepspeed, deepspeed_to_megatron, ds_to_universal
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -119,4 +124,64 @@ def test_wrong_input_folder_and_unsplittable_layout_are_refused(source, tmp_path
     assert f"--input_folder {tmp_path} is not a checkpoint" in errors[0]
     assert "--target_tp 3: the model's 4 attention heads" in errors[1]
     assert "--tensor-model-parallel-size 4" in errors[2] and "saved with TP 2" in errors[2]
+    assert not os.path.exists(output)
+
+
+def megatron_lm_tensors(root: str, tp: int, pp: int) -> tuple[dict, list[dict]]:
+    """(the full tensors under GPTModel's names, the files) of a Megatron-LM checkpoint directory, put
+    together here from the layout alone: column-parallel and vocabulary tensors concatenated on dim 0,
+    row-parallel weights on dim 1, the rest taken from rank 0; stage p's layer i is layer p * L/pp + i."""
+    files = [[torch.load(os.path.join(root, f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else ""),
+                                      "model_optim_rng.pt"), weights_only=False) for t in range(tp)] for p in range(pp)]
+    per_stage = files[0][0]["args"].num_layers // pp
+    full = {}
+
+    def joined(name, tensors):
+        if name.endswith(("query_key_value.weight", "query_key_value.bias", "dense_h_to_4h.weight",
+                          "dense_h_to_4h.bias", "word_embeddings.weight")):
+            return torch.cat(tensors, dim=0)
+        return torch.cat(tensors, dim=1) if name.endswith(("attention.dense.weight", "4h_to_h.weight")) else tensors[0]
+
+    for stage, ranks in enumerate(files):
+        models = [rank["model"]["language_model"] for rank in ranks]
+        for name in models[0]["encoder"]:
+            parts = name.split(".")
+            ours = ".".join(["layers", str(stage * per_stage + int(parts[1]))] + parts[2:]) if parts[0] == "layers" else name
+            full[ours] = joined(name, [model["encoder"][name] for model in models])
+        for module, tensors in models[0].get("embedding", {}).items():
+            for p in tensors:
+                full[f"embedding.{module}.{p}"] = joined(f"{module}.{p}", [m["embedding"][module][p] for m in models])
+        if "word_embeddings_for_head" in ranks[0]["model"]:
+            full["head"] = torch.cat([rank["model"]["word_embeddings_for_head"]["weight"] for rank in ranks])
+    return full, [rank for ranks in files for rank in ranks]
+
+
+@pytest.mark.parametrize("tp, pp, release", [(2, 2, False), (1, 1, True)])
+def test_megatron_lm_layout_holds_the_source_tensors(source, tmp_path, tp, pp, release):
+    output = str(tmp_path / "megatron")
+    assert deepspeed_to_megatron.main(["--input_folder", source[0], "--output_folder", output, "--target_tp", str(tp),
+                                       "--target_pp", str(pp)] + ["--for_release"] * release) == 0
+    name = "release" if release else "iter_0000002"
+    with open(os.path.join(output, "latest_checkpointed_iteration.txt")) as f:
+        assert f.read() == ("release" if release else "2")
+    checkpoint = open_checkpoint(source[0])
+    expected = full_model_state(checkpoint)
+    found, files = megatron_lm_tensors(os.path.join(output, name), tp, pp)
+    if pp > 1:
+        assert torch.equal(found.pop("head"), expected["embedding.word_embeddings.weight"])
+    assert sorted(found) == sorted(expected)
+    assert all(torch.equal(found[key], expected[key]) for key in expected)
+    for saved in files:
+        arguments = saved["args"]
+        assert (arguments.tensor_model_parallel_size, arguments.pipeline_model_parallel_size) == (tp, pp)
+        assert arguments.hidden_size == checkpoint.model["hidden_size"] and saved["checkpoint_version"] == 3.0
+        assert saved["iteration"] == arguments.iteration == (0 if release else 2)
+        samples = 0 if release else checkpoint.state["consumed_train_samples"]
+        assert arguments.consumed_train_samples == samples and (release or samples == 2 * GLOBAL_BATCH)
+
+
+def test_megatron_lm_layout_needs_equal_stages(source, tmp_path, capsys):
+    output = str(tmp_path / "megatron")
+    assert deepspeed_to_megatron.main(["--input_folder", source[0], "--output_folder", output, "--target_pp", "3"]) == 1
+    assert "--target_pp 3: Megatron-LM gives every stage the same number of layers" in capsys.readouterr().err
     assert not os.path.exists(output)

@@ -1,0 +1,136 @@
+"""A checkpoint's weights written in Megatron-LM's own layout (the one Megatron uses without DeepSpeed),
+at any TP and PP size:
+
+    OUTPUT/latest_checkpointed_iteration.txt                       "N" (or "release")
+    OUTPUT/iter_{N:07d}/mp_rank_{TT:02d}/model_optim_rng.pt          PP = 1
+    OUTPUT/iter_{N:07d}/mp_rank_{TT:02d}_{PPP:03d}/model_optim_rng.pt  PP > 1
+    (a release checkpoint: OUTPUT/release/... instead of iter_N, iteration 0 and no consumed samples)
+
+Each file holds ``args`` (a namespace of plain values read by attribute, as Megatron's argparse
+Namespace is: the model's sizes and options under their flag names, the layout, the counters, the
+tokenizer), ``checkpoint_version`` 3.0,
+``iteration``, ``tokens``, ``checkpoint_info`` and ``model``:
+
+    {"language_model": {"embedding": {"word_embeddings": {"weight"},          first stage
+                                      "position_embeddings": {"weight"},      learned positions
+                                      "embed_layernorm": {"weight", "bias"}}, --embed-layernorm
+                        "encoder": {"layers.<i>.<our layer's names>": ...,     i from 0 on every stage
+                                    "final_layernorm.weight" / ".bias"}},     last stage
+     "word_embeddings_for_head": {"weight"}}                                   last stage, PP > 1
+
+Each stage holds L / PP consecutive transformer layers. The TP split of each tensor is the
+trainer's (partitions.py). There is no optimizer, LR schedule or RNG state: weights only.
+
+Memory: the layers of one pipeline stage (a rank's file holds all of them; the stage's TP files are
+written once its last layer is read), plus the word embeddings kept for the last stage's head.
+"""
+import os
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from megatron.core.checkpoint.names import EMBEDDING_LAYER, FIRST_TRANSFORMER_LAYER, final_norm_layer
+from megatron.core.checkpoint.output import staged_directory, write_pointer, write_tree_manifest
+from megatron.core.checkpoint.partitions import split_partitions, tensor_split
+from megatron.core.checkpoint.reader import CheckpointInputError, SavedCheckpoint, iter_full_layers
+from megatron.core.checkpoint.writer import check_target_layout, padded_rows, target_padded_vocab_size
+from megatron.core.dtypes import torch_dtype
+
+TRACKER = "latest_checkpointed_iteration.txt"
+CHECKPOINT_VERSION = 3.0
+
+
+@dataclass(frozen=True)
+class WrittenMegatronLM:
+    directory: str
+    iteration_directory: str
+    tp: int
+    pp: int
+    padded_vocab_size: int
+
+
+def rank_directory(tp_rank: int, pp_rank: int, pp: int) -> str:
+    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def megatron_lm_arguments(checkpoint: SavedCheckpoint, tp: int, pp: int, padded: int, release: bool) -> types.SimpleNamespace:
+    """Megatron's ``args``: the saved model's fields, the layout, the counters and the tokenizer."""
+    model = {**checkpoint.model, "padded_vocab_size": padded}
+    model["params_dtype"] = torch_dtype(str(model["params_dtype"]).removeprefix("torch."), "args.model.params_dtype")
+    data = checkpoint.state["args"].get("config", {}).get("data", {})
+    counters = {key: 0 if release else checkpoint.state.get(key, 0)
+                for key in ("consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens")}
+    return types.SimpleNamespace(**model, **counters, **{key: data.get(key) for key in (
+        "tokenizer_type", "vocab_file", "merge_file", "tokenizer_name_or_path")},
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, iteration=0 if release else checkpoint.iteration,
+        fp16=model["params_dtype"] == torch.float16, bf16=model["params_dtype"] == torch.bfloat16)
+
+
+class _StageFiles:
+    """One pipeline stage's tensors, gathered layer by layer and written as its TP ranks' files."""
+
+    def __init__(self, root: str, header: dict, tp: int, pp: int, glu: bool):
+        self.root, self.header, self.tp, self.pp, self.glu = root, header, tp, pp, glu
+        self.embedding: dict[str, dict[str, torch.Tensor]] = {}
+        self.encoder: dict[str, torch.Tensor] = {}
+        self.head: torch.Tensor | None = None
+
+    def write(self, stage: int) -> None:
+        parts = {name: split_partitions(tensor, tensor_split(name, self.glu), self.tp)
+                 for name, tensor in self.encoder.items()}
+        for rank in range(self.tp):
+            language_model = {"encoder": {name: split[rank] for name, split in parts.items()}}
+            if self.embedding:
+                language_model["embedding"] = {module: {p: split_partitions(tensor, tensor_split(f"{module}.{p}"),
+                                                                            self.tp)[rank]
+                                                        for p, tensor in tensors.items()}
+                                               for module, tensors in self.embedding.items()}
+            model = {"language_model": language_model}
+            if self.head is not None:
+                model["word_embeddings_for_head"] = {
+                    "weight": split_partitions(self.head, tensor_split("word_embeddings.weight"), self.tp)[rank]}
+            directory = os.path.join(self.root, rank_directory(rank, stage, self.pp))
+            os.makedirs(directory)
+            torch.save({**self.header, "model": model}, os.path.join(directory, "model_optim_rng.pt"))
+        self.embedding, self.encoder, self.head = {}, {}, None
+
+
+def write_megatron_lm_checkpoint(checkpoint: SavedCheckpoint, output: str, tp: int, pp: int, release: bool = False,
+                                 on_layer: Callable[[int], None] = lambda layer: None) -> WrittenMegatronLM:
+    """``checkpoint``'s weights in Megatron-LM's layout under ``output`` (module docstring)."""
+    check_target_layout(checkpoint.model, tp, pp)
+    num_layers = checkpoint.model["num_layers"]
+    if num_layers % pp:
+        raise CheckpointInputError(f"--target_pp {pp}: Megatron-LM gives every stage the same number of layers, and "
+                                   f"{num_layers} layers do not split into {pp} stages")
+    per_stage, padded = num_layers // pp, target_padded_vocab_size(checkpoint.model["padded_vocab_size"], tp)
+    arguments = megatron_lm_arguments(checkpoint, tp, pp, padded, release)
+    header = {"args": arguments, "checkpoint_version": CHECKPOINT_VERSION, "iteration": arguments.iteration,
+              "tokens": arguments.consumed_train_tokens,
+              "checkpoint_info": {**checkpoint.state["checkpoint_info"], "padded_vocab_size": padded}}
+    name = "release" if release else f"iter_{checkpoint.iteration:07d}"
+    with staged_directory(output) as staging:
+        root = os.path.join(staging, name)
+        stage_files, stage, words = _StageFiles(root, header, tp, pp, checkpoint.glu), 0, None
+        for layer, state in iter_full_layers(checkpoint):
+            if layer == EMBEDDING_LAYER:
+                words = padded_rows(state.pop("word_embeddings.weight"), padded)
+                stage_files.embedding["word_embeddings"] = {"weight": words}
+                for module, _, p in (key.rpartition(".") for key in state):
+                    stage_files.embedding.setdefault(module, {})[p] = state[f"{module}.{p}"]
+            elif layer == final_norm_layer(num_layers):
+                stage_files.encoder.update({f"final_layernorm.{p}": tensor for p, tensor in state.items()})
+                stage_files.head = words if pp > 1 else None
+            else:
+                index = layer - FIRST_TRANSFORMER_LAYER
+                if index // per_stage != stage:
+                    stage_files.write(stage)
+                    stage = index // per_stage
+                stage_files.encoder.update({f"layers.{index % per_stage}.{key}": t for key, t in state.items()})
+            on_layer(layer)
+        stage_files.write(stage)
+        write_tree_manifest(root, arguments.iteration)
+        write_pointer(os.path.join(staging, TRACKER), "release" if release else str(checkpoint.iteration))
+    return WrittenMegatronLM(os.path.normpath(output), name, tp, pp, padded)
