@@ -8,7 +8,7 @@ Default: the 1.3B GPT (24 layers, hidden 2048, 16 heads, learned positions, padd
     ours, static + graphs     fixed-size caches, each one-token step replayed from a CUDA graph
                               (the caches and the graph serve every call of the same shape, as
                               transformers keeps its static cache and compiled graphs)
-    ours, ... + compiled      the same with the layers of a one-token step compiled (torch.compile)
+    ours, ... + compiled      the same with a one-token step after the embedding compiled (torch.compile)
                               before the graph captures them
     transformers, static      GPT2LMHeadModel.generate(cache_implementation="static"), sdpa attention,
                               with its automatic compilation disabled, and as it comes (it compiles

@@ -12,10 +12,11 @@ With key/value caches (one per layer of the stage, kv_cache.py) a call feeds the
 ``static_cache`` makes the caches fixed-size (StaticKVCaches, kept from call to call while the
 batch and the capacity stay), and ``cuda_graphs`` (one stage, one TP rank, on a GPU) then replays
 every one-token step from a CUDA graph captured at the first one (cuda_graph.py) and kept with the
-caches. ``compiled_decode`` runs each layer of a one-token step through torch.compile: inductor
-fuses the small elementwise work around the matmuls (layer norms, bias-GeLU, bias + residual adds,
-the mask) that otherwise costs a kernel each, the steps' cost at small batches. The layers of a
-stage share one compiled code (same code, same shapes); the prefill stays eager.
+caches. ``compiled_decode`` runs a one-token step after the embedding (the layers, LN_f, the head:
+InferenceStage.body) through torch.compile, before the graph captures it: inductor fuses the small
+elementwise work around the matmuls (layer norms, bias-GeLU, bias + residual adds, the mask), which
+otherwise costs a kernel each: the steps' cost at small batches. It compiles once per batch size
+and cache capacity; the prefill stays eager.
 """
 import torch
 
@@ -40,9 +41,7 @@ class PipelineForward:
         self.groups = groups
         self.static_cache = static_cache
         self.cuda_graphs = cuda_graphs
-        self.decode_layers = list(stage.layers)
-        if compiled_decode:
-            self.decode_layers = [torch.compile(layer, dynamic=False, fullgraph=True) for layer in stage.layers]
+        self.decode_body = torch.compile(stage.body, dynamic=False, fullgraph=True) if compiled_decode else None
         self._static_caches: StaticKVCaches | None = None
 
     @property
@@ -69,14 +68,14 @@ class PipelineForward:
             kv_caches.position.fill_(start)
             if tokens.shape[1] == 1:
                 if not self.cuda_graphs:
-                    return self._forward(tokens, kv_caches, start, self.decode_layers)
+                    return self._forward(tokens, kv_caches, start, self.decode_body)
                 if kv_caches.decode_graph is None:
                     kv_caches.decode_graph = CapturedStep(
-                        lambda step: self._forward(step, kv_caches, layers=self.decode_layers), tokens)
+                        lambda step: self._forward(step, kv_caches, body=self.decode_body), tokens)
                 return kv_caches.decode_graph(tokens)
         return self._forward(tokens, kv_caches, start)
 
-    def _forward(self, tokens: torch.Tensor, kv_caches, start: int = 0, layers=None) -> torch.Tensor | None:
+    def _forward(self, tokens: torch.Tensor, kv_caches, start: int = 0, body=None) -> torch.Tensor | None:
         groups = self.groups
         batch, length = tokens.shape
         offsets = torch.arange(length, device=tokens.device)
@@ -89,7 +88,7 @@ class PipelineForward:
         if not groups.is_first_stage:
             inputs = receive_from_rank((length, batch, self.config.hidden_size), self.stage.hidden_dtype,
                                        tokens.device, groups.pp_ranks[groups.pp_rank - 1])
-        output = self.stage(inputs, position_ids, kv_caches, layers)
+        output = self.stage(inputs, position_ids, kv_caches, body)
         if not groups.is_last_stage:
             send_to_rank(output, groups.pp_ranks[groups.pp_rank + 1])
             return None

@@ -58,20 +58,25 @@ class InferenceStage(nn.Module):
         """The dtype of the residual stream passed between stages."""
         return torch.float32 if self.config.fp32_residual_connection else self.config.params_dtype
 
-    def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor, kv_caches=None, layers=None) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor, kv_caches=None, body=None) -> torch.Tensor:
         """inputs: tokens [b, s] on the first stage, else the previous stage's hidden states [s, b, h];
         position_ids [b, s]; kv_caches: one per layer of the stage, or None (no cache: the s
-        positions are the whole sequence); layers: callables standing in for ``self.layers`` (their
-        compiled forms), or None. Returns hidden states [s, b, h], on the last stage the logits
-        [b, s, V / tp] of this rank's vocabulary slice."""
+        positions are the whole sequence); body: stands in for ``self.body`` (its compiled form), or
+        None. Returns hidden states [s, b, h], on the last stage the logits [b, s, V / tp] of this
+        rank's vocabulary slice."""
         hidden_states = inputs
         if self.groups.is_first_stage:
             # [b, s, h] -> [s, b, h] with the strides of a fresh tensor even where s = 1 (there
-            # .contiguous() keeps the view), as the layers' outputs have: a compiled layer guards on them
+            # .contiguous() keeps the view), as the layers' outputs have: compiled code guards on them
             hidden_states = self.embedding(inputs, position_ids).transpose(0, 1).clone(
                 memory_format=torch.contiguous_format)
-        caches = kv_caches if kv_caches is not None else [None] * len(self.layers)
-        for layer, cache in zip(self.layers if layers is None else layers, caches):
+        caches = [None] * len(self.layers) if kv_caches is None else list(kv_caches)
+        return (self.body if body is None else body)(hidden_states, position_ids, caches)
+
+    def body(self, hidden_states: torch.Tensor, position_ids: torch.Tensor, caches: list) -> torch.Tensor:
+        """What follows the embedding: the layers (``caches``: one per layer, or None each), then on
+        the last stage LN_f and the head. [s, b, h] -> [s, b, h], or the logits [b, s, V / tp]."""
+        for layer, cache in zip(self.layers, caches):
             hidden_states = layer(hidden_states, position_ids, None, kv_cache=cache)
         if not self.groups.is_last_stage:
             return hidden_states
