@@ -264,7 +264,12 @@ def main():
         print(f"batch {batch:3d} | ours / transformers (best of each): {best_theirs / results[best_ours][0]:.2f}x "
               f"({best_ours})", flush=True)
         if args.profile_dir:
-            profile_calls(variants, prompts, args.new_tokens, os.path.join(args.profile_dir, f"profile_batch{batch}.txt"))
+            try:
+                profile_calls(variants, prompts, args.new_tokens,
+                              os.path.join(args.profile_dir, f"profile_batch{batch}.txt"))
+            except Exception:  # noqa: BLE001 - reported, and the exit status says so
+                traceback.print_exc()
+                healthy = False
         if batch == 1:
             one_token, _ = timed(ours(variants[best_ours], prompts, 1))
             per_token = (results[best_ours][0] - one_token) / (args.new_tokens - 1)
