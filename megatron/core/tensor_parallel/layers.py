@@ -19,15 +19,15 @@ from torch.distributed import ProcessGroup
 
 from megatron.core.parallel_state import group_rank, group_size
 from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
 from megatron.core.tensor_parallel.random import get_rng_tracker
-from megatron.core.tensor_parallel.utils import VocabUtility, divide
+from megatron.core.tensor_parallel.utils import (VocabUtility, all_gather_along_first_dim, divide,
+                                                 start_all_gather_along_first_dim, start_all_reduce,
+                                                 start_reduce_scatter_along_first_dim)
 
 InitMethod = Callable[[torch.Tensor], None]
 
@@ -65,6 +65,48 @@ def _init_weight(weight: nn.Parameter, full_shape: tuple[int, int], partition_di
                 init_method(weight)
 
 
+class _ColumnParallelMatmul(torch.autograd.Function):
+    """Y = X W^T + b for the column-parallel layer, X = this rank's input (whole, or under sequence
+    parallelism its block [s / k, ...] that forward all-gathers), with the backward collective
+    overlapped with the weight-gradient GEMM:
+
+        dX = dY W          then launched: all-reduce over the group (or reduce-scatter along s)
+        dW = dY^T X        computed while the collective runs, then waited for
+        db = sum of dY
+
+    Under sequence parallelism only the local block of X is saved: backward all-gathers it again,
+    while dY W runs, so the activation memory of the gathered input is not held between passes.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, sequence_parallel):
+        ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
+        ctx.save_for_backward(x, weight)
+        total = all_gather_along_first_dim(x, group) if sequence_parallel else x  # [s, .., in]
+        return F.linear(total, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        group = ctx.group
+        if ctx.sequence_parallel:
+            total, gather = start_all_gather_along_first_dim(x, group)  # overlaps dY W
+        else:
+            total, gather = x, None
+        grad_input = grad_output.matmul(weight)  # [s, .., in], this rank's partial sum
+        if ctx.sequence_parallel:
+            grad_input, reduction = start_reduce_scatter_along_first_dim(grad_input, group)  # [s / k, .., in]
+        else:
+            reduction = start_all_reduce(grad_input, group)
+        if gather is not None:
+            gather.wait()
+        grad_output_2d = grad_output.reshape(-1, grad_output.shape[-1])  # [s * .., out]
+        grad_weight = grad_output_2d.t().matmul(total.reshape(-1, total.shape[-1]))  # [out, in]
+        grad_bias = grad_output_2d.sum(dim=0) if ctx.has_bias else None
+        reduction.wait()
+        return grad_input, grad_weight, grad_bias, None, None
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A + b with A split by columns across the k ranks of the TP group.
 
@@ -72,7 +114,8 @@ class ColumnParallelLinear(nn.Module):
 
     X is replicated (its gradient is all-reduced over the group in backward); with
     ``sequence_parallel`` each rank passes its block of the sequence X_r [s / k, ...], all-gathered
-    here (backward: reduce-scatter of the gradient). The output stays split
+    here (backward: reduce-scatter of the gradient). Either collective of backward overlaps the
+    weight-gradient GEMM (``_ColumnParallelMatmul``). The output stays split
     ([.., output_size / k]) unless ``gather_output``, which all-gathers it to [.., output_size].
     ``stride`` s splits each of s stacked sub-matrices of A separately (fused QKV), see
     ``_slice_of_master``. With ``skip_bias_add`` the bias is returned instead of added, so that a
@@ -107,12 +150,11 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.tp_group)  # [s / k, ..] -> [s, ..]
-        else:
-            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        y = F.linear(x, self.weight, bias)  # [.., output_size / k]
+        if group_size(self.tp_group) == 1:
+            y = F.linear(x, self.weight, bias)
+        else:  # [s / k or s, .., input_size] -> [s, .., output_size / k]
+            y = _ColumnParallelMatmul.apply(x, self.weight, bias, self.tp_group, self.sequence_parallel)
         if self.gather_output:
             y = gather_from_tensor_model_parallel_region(y, self.tp_group)  # [.., output_size]
         return y, (self.bias if self.skip_bias_add else None)

@@ -11,15 +11,30 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def start_all_gather_along_first_dim(tensor: torch.Tensor, group: ProcessGroup) -> tuple[torch.Tensor, object]:
+    """all_gather_along_first_dim launched asynchronously: (output, work); the output is valid after
+    ``work.wait()``, which on GPU makes the current stream wait (the host does not block)."""
+    tensor = tensor.contiguous()
+    output = torch.empty((group_size(group) * tensor.shape[0], *tensor.shape[1:]),
+                         dtype=tensor.dtype, device=tensor.device)
+    return output, _all_gather_flat(output, tensor, group=group, async_op=True)
+
+
 def all_gather_along_first_dim(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """[n, ...] on each of the k ranks of ``group`` -> [k * n, ...], rank order (not autograd-aware)."""
     if group_size(group) == 1:
         return tensor
-    tensor = tensor.contiguous()
-    output = torch.empty((group_size(group) * tensor.shape[0], *tensor.shape[1:]),
-                         dtype=tensor.dtype, device=tensor.device)
-    _all_gather_flat(output, tensor, group=group)
+    output, work = start_all_gather_along_first_dim(tensor, group)
+    work.wait()
     return output
+
+
+def start_reduce_scatter_along_first_dim(tensor: torch.Tensor, group: ProcessGroup) -> tuple[torch.Tensor, object]:
+    """reduce_scatter_along_first_dim launched asynchronously: (output, work), as above."""
+    tensor = tensor.contiguous()
+    output = torch.empty((divide(tensor.shape[0], group_size(group)), *tensor.shape[1:]),
+                         dtype=tensor.dtype, device=tensor.device)
+    return output, _reduce_scatter_flat(output, tensor, group=group, async_op=True)
 
 
 def reduce_scatter_along_first_dim(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -27,11 +42,14 @@ def reduce_scatter_along_first_dim(tensor: torch.Tensor, group: ProcessGroup) ->
     autograd-aware)."""
     if group_size(group) == 1:
         return tensor
-    tensor = tensor.contiguous()
-    output = torch.empty((divide(tensor.shape[0], group_size(group)), *tensor.shape[1:]),
-                         dtype=tensor.dtype, device=tensor.device)
-    _reduce_scatter_flat(output, tensor, group=group)
+    output, work = start_reduce_scatter_along_first_dim(tensor, group)
+    work.wait()
     return output
+
+
+def start_all_reduce(tensor: torch.Tensor, group: ProcessGroup) -> object:
+    """Sum ``tensor`` over the group in place, asynchronously: the work to wait on."""
+    return dist.all_reduce(tensor, group=group, async_op=True)
 
 
 def divide(numerator: int, denominator: int) -> int:

@@ -134,6 +134,43 @@ def _check_embedding(group, k, me):
             layer(torch.tensor([[1, bad]]))
 
 
+def _check_sequence_parallel_pair(group, k, me):
+    """Column- then row-parallel layer with sequence_parallel on this rank's block of 4 positions each:
+    Y_r = block r of (X W1^T + b1) W2^T + b2; the gradients equal the full computation's, and the
+    column layer keeps only the input block for backward (it gathers it again there)."""
+    seq = 4 * k
+    torch.manual_seed(SEED)  # each layer's full weight is _master_weight's draw
+    column = ColumnParallelLinear(IN, OUT, tp_group=group, init_method=init_normal, use_cpu_initialization=True,
+                                  sequence_parallel=True)
+    torch.manual_seed(SEED)
+    row = RowParallelLinear(OUT, IN, tp_group=group, init_method=init_normal, use_cpu_initialization=True,
+                            sequence_parallel=True)
+    w1, b1, w2, b2 = _master_weight((OUT, IN)), _randn(OUT, seed=21), _master_weight((IN, OUT)), _randn(IN, seed=22)
+    with torch.no_grad():
+        column.bias.copy_(_chunk(b1, 0, k, me))
+        row.bias.copy_(b2)
+    assert row.bias.sequence_parallel and column.bias.tensor_model_parallel
+    x, grad_y = _randn(seq, BATCH, IN, seed=23), _randn(seq, BATCH, IN, seed=24)
+    leaves = [t.clone().requires_grad_(True) for t in (x, w1, b1, w2, b2)]
+    y_ref = F.linear(F.linear(leaves[0], leaves[1], leaves[2]), leaves[3], leaves[4])
+    y_ref.backward(grad_y)
+    x_block = _chunk(x, 0, k, me).clone().requires_grad_(True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        hidden, _ = column(x_block)
+    assert (seq, BATCH, IN) not in saved and (4, BATCH, IN) in saved
+    y, _ = row(hidden)
+    assert_normwise_close(y.detach(), _chunk(y_ref.detach(), 0, k, me))
+    y.backward(_chunk(grad_y, 0, k, me))
+    assert_normwise_close(x_block.grad, _chunk(leaves[0].grad, 0, k, me))
+    assert_normwise_close(_gather(column.weight.grad, 0, group), leaves[1].grad)
+    assert_normwise_close(_gather(column.bias.grad, 0, group), leaves[2].grad)
+    assert_normwise_close(_gather(row.weight.grad, 1, group), leaves[3].grad)
+    bias_grad = row.bias.grad.clone()  # partial: this rank's positions only, summed over TP by the model's hook
+    dist.all_reduce(bias_grad, group=group)
+    assert_normwise_close(bias_grad, leaves[4].grad)
+
+
 def _check_column_stride(group, k, me):
     """A fused [Q; K; V] weight with stride 3: each rank holds its share of Q, of K and of V."""
     hidden = 8
@@ -172,6 +209,8 @@ def _layers_world4(rank, world_size):
     for group, k, me in ((None, 1, 0), (pair_group, 2, rank % 2), (world_group, 4, rank)):
         for check in (_check_column, _check_row, _check_embedding, _check_column_stride, _check_device_init):
             check(group, k, me)
+        if group is not None:
+            _check_sequence_parallel_pair(group, k, me)
 
 
 @pytest.mark.distributed
