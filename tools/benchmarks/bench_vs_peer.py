@@ -2,9 +2,11 @@
 
 The peer trains the same shapes as the trainer's runs: GPT-2 with learned positions, GeLU (tanh),
 sdpa attention, the vocabulary padded like ours, fp32 weights under bf16 autocast, fused AdamW
-(lr 1e-4, betas 0.9 / 0.95, weight decay 0.1), one optimizer step per micro-batch, its model
-compiled with ``torch.compile``. Each of its micro-batches is timed (steady state, after warm-up and
-compilation) and the best counts, as the peer's user would pick it. Model TFLOP/s use the trainer's
+(lr 1e-4, betas 0.9 / 0.95, weight decay 0.1), gradients accumulated over the trainer run's global
+batch (32 sequences for the 1.3B, 64 for the 350M: tests/gpu/run_trainer.sh's peer runs) before each
+optimizer step, its model compiled with ``torch.compile``. Each of its candidate micro-batches is
+timed (steady state, after warm-up and compilation) and the best counts, as the peer's user would
+pick it. Model TFLOP/s use the trainer's
 formula (megatron/training/metrics.py) for both, so the ratio is a ratio of tokens/s.
 
     python3 tools/benchmarks/bench_vs_peer.py --ours 1p3b=trainer_1p3b.log --ours 350m=trainer_350m.log
@@ -34,11 +36,12 @@ class PeerModel:
     hidden_size: int
     num_attention_heads: int
     micro_batches: tuple[int, ...]  # the peer's candidates, best picked
+    global_batch: int  # sequences per optimizer step, as in the trainer's run
 
 
 MODELS = {
-    "1p3b": PeerModel(24, 2048, 16, (4, 8, 16)),
-    "350m": PeerModel(24, 1024, 16, (8, 16, 32)),
+    "1p3b": PeerModel(24, 2048, 16, (4, 8, 16), 32),
+    "350m": PeerModel(24, 1024, 16, (8, 16, 32), 64),
 }
 
 
@@ -58,9 +61,10 @@ def peer_model(model: PeerModel, seq_length: int, vocab_size: int, device) -> to
     return transformers.GPT2LMHeadModel(config).to(device)
 
 
-def peer_step_seconds(module: torch.nn.Module, micro_batch: int, seq_length: int, vocab_size: int, *,
-                      compile_model: bool, warmup: int, iters: int) -> float:
-    """Mean seconds of one training step (forward, backward, AdamW) of the peer at ``micro_batch``."""
+def peer_step_seconds(module: torch.nn.Module, micro_batch: int, accumulation: int, seq_length: int,
+                      vocab_size: int, *, compile_model: bool, warmup: int, iters: int) -> float:
+    """Mean seconds of one training step of the peer: ``accumulation`` forward-backward passes of
+    ``micro_batch`` sequences, then AdamW."""
     device = next(module.parameters()).device
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
                                   fused=device.type == "cuda")
@@ -68,9 +72,10 @@ def peer_step_seconds(module: torch.nn.Module, micro_batch: int, seq_length: int
     tokens = torch.randint(0, vocab_size, (micro_batch, seq_length), device=device)
 
     def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = forward(input_ids=tokens, labels=tokens).loss
-        loss.backward()
+        for _ in range(accumulation):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = forward(input_ids=tokens, labels=tokens).loss / accumulation
+            loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -90,8 +95,9 @@ def peer_best(model: PeerModel, args, device) -> tuple[float, int]:
     best = (0.0, 0)
     for micro_batch in args.peer_micro_batches or model.micro_batches:
         module = peer_model(model, args.seq_length, args.padded_vocab_size, device)
+        accumulation = max(1, model.global_batch // micro_batch)
         try:
-            seconds = peer_step_seconds(module, micro_batch, args.seq_length, args.padded_vocab_size,
+            seconds = peer_step_seconds(module, micro_batch, accumulation, args.seq_length, args.padded_vocab_size,
                                         compile_model=not args.no_compile, warmup=args.warmup, iters=args.iters)
         except torch.OutOfMemoryError:
             print(f"peer micro-batch {micro_batch}: out of memory")
@@ -101,10 +107,11 @@ def peer_best(model: PeerModel, args, device) -> tuple[float, int]:
             torch._dynamo.reset()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        flops = model_flops(gpt_config(model, args.seq_length, args.padded_vocab_size), micro_batch, args.seq_length)
+        flops = model_flops(gpt_config(model, args.seq_length, args.padded_vocab_size), micro_batch * accumulation,
+                            args.seq_length)
         tflops = flops / seconds / 1e12
-        print(f"peer seq {args.seq_length} micro-batch {micro_batch}: {seconds * 1e3:.1f} ms/step, "
-              f"{tflops:.1f} model TFLOP/s")
+        print(f"peer seq {args.seq_length} micro-batch {micro_batch} x {accumulation}: "
+              f"{seconds * 1e3:.1f} ms/step, {tflops:.1f} model TFLOP/s")
         best = max(best, (tflops, micro_batch))
     return best
 
@@ -127,8 +134,8 @@ def parse_args(argv=None):
     parser.add_argument("--padded-vocab-size", type=int, default=50304)
     parser.add_argument("--peer-micro-batches", type=int, nargs="+", default=None,
                         help="the peer's candidate micro-batches (default: per model, see MODELS)")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=4)
     parser.add_argument("--no-compile", action="store_true", help="the peer in eager mode (CPU checks)")
     return parser.parse_args(argv)
 
