@@ -21,7 +21,10 @@ must stay within max(5 %, 2 x that of the eager static-cache path): bf16 roundin
 (a compiled step rounds elsewhere: 1.5 % seen on CPU for 24 narrow layers), where a wrong position,
 mask or cache entry gives errors of order 1. A failed check
 makes the exit status 1. ``--profile-dir`` writes torch.profiler's GPU kernel table of one call of
-each graph variant per batch size (``profile_batch<b>.txt``).
+each graph variant per batch size (``profile_batch<b>.txt``). ``--attention-backends`` times one
+decode step's attention (one query over the 384-position cache, 256 positions filled) under each
+of torch's sdpa backends, replayed from a CUDA graph, and flash attention over the filled positions
+only (no mask: what an exact-length decode kernel would read).
 
 Reported: tokens per second (batch x new tokens / wall time of the whole call, prefill included),
 our best over transformers' best, and whether the greedy tokens agree (bf16 rounding may part them
@@ -30,7 +33,7 @@ after a while; the first difference is printed). Batch-1 decode: seconds per new
 bandwidth measured here (a 2 GiB device-to-device copy reads and writes each byte once).
 
     python tools/benchmarks/bench_text_generation.py [--batch-sizes 1 32] [--no-compiled-transformers]
-        [--skip-growing-cache] [--profile-dir DIR]
+        [--skip-growing-cache] [--profile-dir DIR] [--attention-backends]
 """
 import argparse
 import dataclasses
@@ -72,6 +75,7 @@ def parse_args():
                         help="skip transformers' compiled run (its compilation takes a minute or more)")
     parser.add_argument("--skip-growing-cache", action="store_true", help="skip our slowest variant")
     parser.add_argument("--profile-dir", help="write a kernel table of one call per graph variant and batch here")
+    parser.add_argument("--attention-backends", action="store_true", help="time a decode step's attention per backend")
     return parser.parse_args()
 
 
@@ -219,6 +223,51 @@ def profile_calls(variants: dict, prompts: torch.Tensor, new_tokens: int, path: 
             report.write(profiler.key_averages().table(sort_by="self_device_time_total", row_limit=25) + "\n\n")
 
 
+def graph_replay_seconds(call, repeats: int = 50) -> float:
+    """Seconds per call of ``call()`` captured ``repeats`` times in one CUDA graph (no launch cost)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / (10 * repeats)
+
+
+def attention_backend_times(args, batch: int, filled: int = 256) -> None:
+    """Microseconds of one decode step's attention per sdpa backend (module docstring)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    heads, head_dim = args.num_attention_heads, args.hidden_size // args.num_attention_heads
+    capacity = args.prompt_length + args.new_tokens
+    dtype = torch_dtype(args.dtype, "--dtype")
+    query = torch.randn(batch, heads, 1, head_dim, device="cuda", dtype=dtype)
+    keys, values = (torch.randn(batch, heads, capacity, head_dim, device="cuda", dtype=dtype) for _ in range(2))
+    allowed = (torch.arange(capacity, device="cuda") < filled)[None, None, None]  # [1, 1, 1, capacity]
+    cases = {backend.name: (backend, keys, values, allowed) for backend in
+             (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)}
+    cases["FLASH_ATTENTION, filled positions only"] = (SDPBackend.FLASH_ATTENTION, keys[:, :, :filled],
+                                                       values[:, :, :filled], None)
+    for name, (backend, k, v, mask) in cases.items():
+        def call():
+            with sdpa_kernel(backend):
+                torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=mask)
+        try:
+            print(f"batch {batch:3d} | attention of one decode step, {name}: "
+                  f"{graph_replay_seconds(call) * 1e6:.1f} us", flush=True)
+        except RuntimeError as error:
+            print(f"batch {batch:3d} | attention of one decode step, {name}: not available ({error})".splitlines()[0])
+
+
 def timed_or_none(run):
     """timed(run), or None after printing the error (one variant failing leaves the others' figures)."""
     try:
@@ -278,6 +327,12 @@ def main():
             print(f"batch   1 | decode ({best_ours}) {per_token * 1e3:.3f} ms/token; bound {bound * 1e3:.3f} ms/token "
                   f"({parameter_bytes / 1e9:.2f} GB over a measured copy bandwidth of {bandwidth / 1e12:.2f} TB/s): "
                   f"{bound / per_token:.0%} of the memory-bandwidth bound", flush=True)
+        if args.attention_backends:
+            try:
+                attention_backend_times(args, batch)
+            except Exception:  # noqa: BLE001 - reported, and the exit status says so
+                traceback.print_exc()
+                healthy = False
     sys.exit(0 if healthy else 1)
 
 
