@@ -35,8 +35,9 @@ class PipelineForward:
                  cuda_graphs: bool = False, compiled_decode: bool = False):
         if cuda_graphs and not (static_cache and groups.pp_size == 1 and groups.tp_size == 1):
             raise ValueError("CUDA graphs need the static cache, one pipeline stage and one TP rank")
-        if compiled_decode and not static_cache:
-            raise ValueError("compiled decoding steps need the static cache (fixed shapes)")
+        if compiled_decode and not (static_cache and groups.pp_size == 1 and groups.tp_size == 1):
+            raise ValueError("compiled decoding steps need the static cache (fixed shapes), one pipeline stage "
+                             "and one TP rank")
         self.stage = stage.eval()
         self.groups = groups
         self.static_cache = static_cache

@@ -132,6 +132,8 @@ def test_compiled_decoding_steps_and_reused_static_caches():
         expected = model(tokens).float()
     torch.testing.assert_close(cached_logits_in_chunks(compiled, tokens), expected, rtol=1e-5, atol=5e-5)
 
+    with pytest.raises(ValueError, match="compiled decoding steps need the static cache"):
+        inference_of(model, static_cache=False, compiled_decode=True)
     caches = compiled.new_caches(5, 64)
     assert compiled.new_caches(5, 64) is caches and compiled.new_caches(4, 64) is not caches
     other_prompts = [prompt[::-1] for prompt in PROMPTS]
