@@ -227,7 +227,9 @@ class _Resolution:
 
     def universal_checkpoint(self):
         """--universal-checkpoint sets checkpoint.load_universal, as in Megatron-DeepSpeed; the key alone
-        counts as the flag. DeepSpeed restores a universal checkpoint through the ZeRO optimizer only."""
+        counts as the flag. DeepSpeed restores a universal checkpoint through its ZeRO optimizer only, so
+        stage 0 (fp32 here: bf16 and fp16 already run at stage 1) runs at stage 1: the same Adam, its
+        state split over the data-parallel ranks."""
         block = _block(self.config, "checkpoint", self.where)
         key = _given(block, "load_universal")
         if key is not _MISSING and not isinstance(key, bool):
@@ -236,11 +238,9 @@ class _Resolution:
             return
         block["load_universal"] = True
         if self.config["zero_optimization"]["stage"] == 0:
-            named = ("--universal-checkpoint" if self.args.universal_checkpoint
-                     else f"checkpoint.load_universal in {self.where}")
-            raise ArgumentError(f"{named} needs ZeRO stage 1 or 2: DeepSpeed restores a universal checkpoint "
-                                f"through the ZeRO optimizer (--zero-stage 1 costs no memory over stage 0 at "
-                                f"data-parallel size 1)")
+            self.config["zero_optimization"]["stage"] = 1
+            self.notices.append("a universal checkpoint loads at zero_optimization.stage 1: DeepSpeed restores it "
+                                "only through its ZeRO optimizer (the same Adam; stage 0 -> 1)")
 
     def grad_accumulation(self):
         types = _block(self.config, "data_types", self.where)
@@ -329,8 +329,8 @@ def resolve_ds_config(args, explicit, data_parallel_size, pipeline_parallel_size
     resolution.clipping()
     resolution.zero_stage()
     resolution.grad_accumulation()
-    resolution.universal_checkpoint()
     resolution.fp16_stage()
+    resolution.universal_checkpoint()
     resolution.offload()
     resolution.optimizer_support()
     resolution.sequence_parallel_pipeline()

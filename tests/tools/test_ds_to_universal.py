@@ -11,16 +11,22 @@ Set-up: test_layout_equivalence's flags (fp32, dropout 0, weight decay 1.0, clip
 Layouts are TP_PP_DP; the source runs once per source layout (it is the uninterrupted reference),
 each target resumes from its own copy of the conversion.
 """
+import argparse
 import os
 import shutil
 import sys
 
 import pytest
+import torch
 
+from megatron.core.checkpoint.names import as_pipeline_name
+from megatron.core.checkpoint.reader import open_checkpoint
+from megatron.core.checkpoint.universal_writer import write_universal_zero
 from megatron.training.log_reader import iteration_records
 from tests.conftest import REPO_ROOT
 from tests.training.e2e_utils import e2e_data, read_scalars, run_command, run_pretrain  # noqa: F401
 from tests.training.test_layout_equivalence import common_flags, series
+from tools.convert_checkpoint.ds_to_universal import write_model_states
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -38,6 +44,7 @@ PAIRS = [
     ("1_1_4", "1_1_2", 1, 1, []),
     ("1_1_1", "1_1_2", 1, 2, []),
     ("1_1_2", "1_1_1", 2, 1, []),
+    ("2_1_1", "1_1_2", 1, 0, []),  # fp32 at ZeRO stage 0 loads the universal checkpoint at stage 1
     ("1_1_1", "2_1_1", 1, 1, BF16),
 ]
 
@@ -110,3 +117,50 @@ def test_universal_resume_continues_the_source_run(sources, e2e_data, tmp_path, 
     assert series(found, LR_TAG, RESUMED) == series(expected, LR_TAG, range(1, TRAIN_ITERS + 1))[SAVE_ITERATION:]
     assert counters(resumed["output"], RESUMED) == counters(source["output"], RESUMED)
     shutil.rmtree(load)
+
+
+def deepspeed_reference(tag_directory: str, output: str) -> str:
+    """DeepSpeed's own conversion of ``tag_directory`` (its model-states files patched to keep the padded
+    vocabulary, as the tool records), with parameter folders under pipeline names; returns its zero/."""
+    from deepspeed.checkpoint import ds_to_universal as deepspeed_conversion
+
+    source = os.path.join(output, "input")
+    os.makedirs(source)
+    checkpoint = open_checkpoint(tag_directory)
+    for name in os.listdir(tag_directory):
+        if not name.startswith("mp_rank_"):
+            os.symlink(os.path.join(tag_directory, name), os.path.join(source, name))
+    write_model_states(checkpoint, source)
+    converted = os.path.join(output, "deepspeed")
+    deepspeed_conversion.main(argparse.Namespace(input_folder=source, output_folder=converted, num_extract_workers=1,
+                                                 num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                                 inject_missing_state=False))
+    zero = os.path.join(converted, "zero")
+    for name in os.listdir(zero):
+        if os.path.isdir(os.path.join(zero, name)):
+            os.rename(os.path.join(zero, name), os.path.join(zero, as_pipeline_name(name, NUM_LAYERS)))
+    return zero
+
+
+@pytest.mark.parametrize("layout, zero_stage", [("2_2_2", 1), ("1_1_2", 2)])
+def test_our_conversion_writes_what_deepspeeds_writes(sources, tmp_path, layout, zero_stage):
+    """The streaming conversion gives DeepSpeed's files, tensor for tensor (pipeline names, padded rows kept)."""
+    tag_directory = os.path.join(sources(layout, zero_stage, [])["save"], f"global_step{SAVE_ITERATION}")
+    expected = deepspeed_reference(tag_directory, str(tmp_path))
+    ours = str(tmp_path / "ours")
+    write_universal_zero(open_checkpoint(tag_directory, read_optimizer=True), ours, workers=2)
+    found = os.path.join(ours, "zero")
+    assert sorted(os.listdir(found)) == sorted(os.listdir(expected))
+    for name in os.listdir(expected):
+        if name == "optimizer_state.pt":
+            common = [torch.load(os.path.join(d, name), weights_only=False) for d in (expected, found)]
+            assert common[0]["param_groups"] == common[1]["param_groups"]
+            continue
+        assert sorted(os.listdir(os.path.join(found, name))) == sorted(os.listdir(os.path.join(expected, name)))
+        for state in os.listdir(os.path.join(expected, name)):
+            theirs, mine = (torch.load(os.path.join(d, name, state), weights_only=False) for d in (expected, found))
+            if state == "step.pt":
+                assert mine == theirs
+                continue
+            assert set(mine) == set(theirs) and torch.equal(mine.pop("param"), theirs.pop("param")), (name, state)
+            assert mine == theirs, (name, state)

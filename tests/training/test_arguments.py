@@ -456,7 +456,6 @@ def test_fp32_training_has_no_data_types():
 
 @pytest.mark.parametrize("config, words", [
     ({"curriculum_learning": {"enabled": True, "curriculum_type": "seqlen"}}, ["min_difficulty", "positive integer"]),
-    ({"checkpoint": {"load_universal": True}}, ["load_universal", "needs ZeRO stage 1 or 2"]),
     ({"checkpoint": {"load_universal": "yes"}}, ["load_universal", "true or false"]),
     ({"optimizer": {"type": "Adam"}}, ["optimizer", "--optimizer"]),
     ({"scheduler": {"type": "WarmupLR"}}, ["scheduler", "--lr-decay-style"]),
@@ -468,8 +467,10 @@ def test_unsupported_config_blocks_are_refused(ds_file, config, words):
 
 
 def test_universal_checkpoint_flag_sets_load_universal(ds_file):
-    """--universal-checkpoint and the ds_config key are one setting; ZeRO stage 0 cannot restore it."""
-    assert "needs ZeRO stage 1 or 2" in error(["--universal-checkpoint"])
+    """--universal-checkpoint and the ds_config key are one setting; ZeRO stage 0 loads it at stage 1."""
+    at_stage_0 = parse(["--universal-checkpoint", "--zero-stage", "0"])
+    assert at_stage_0.derived.ds_config["zero_optimization"]["stage"] == 1
+    assert any("universal checkpoint loads at zero_optimization.stage 1" in notice for notice in at_stage_0.derived.notices)
     by_flag = parse(["--universal-checkpoint", "--zero-stage", "1"])
     by_key = parse(with_ds(ds_file({"checkpoint": {"load_universal": True}, "zero_optimization": {"stage": 2}})))
     for parsed in (by_flag, by_key):

@@ -45,6 +45,13 @@ def pipeline_name(plain_name: str, num_layers: int) -> str:
     return f"{transformer_layer(int(match[1]))}.{match[2]}"
 
 
+def as_pipeline_name(name: str, num_layers: int) -> str:
+    """``name`` of either engine under the pipeline module's naming."""
+    if name.startswith(PIPELINE_EMBEDDING_PREFIX) or _PIPELINE_LAYER.match(name):
+        return name
+    return pipeline_name(name, num_layers)
+
+
 def plain_name(pipeline_name_: str, num_layers: int) -> str:
     """The plain module's name of the pipeline module's parameter ``pipeline_name_``."""
     if pipeline_name_.startswith(PIPELINE_EMBEDDING_PREFIX):

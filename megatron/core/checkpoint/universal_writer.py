@@ -1,0 +1,219 @@
+"""A DeepSpeed universal checkpoint written from a ZeRO (stage 1 or 2) checkpoint one layer at a time.
+
+DeepSpeed's own conversion (deepspeed.checkpoint.ds_to_universal) loads each optimizer partition
+file whole, and writes every fragment of every parameter to a temporary file before merging them:
+its memory grows with the model and its disk traffic is three times the output. Here the partition
+files are memory-mapped and reopened for each pipeline layer, so only that layer's pages are read
+and they are released when the layer is written: the peak is one layer's fp32 weights and Adam
+moments (times the workers), whatever the depth.
+
+The output is what DeepSpeed's conversion writes and its ``load_universal`` reads:
+
+    zero/<pipeline name>/fp32.pt, exp_avg.pt, exp_avg_sq.pt   {"param": the full tensor, plus
+        "cat_dim" for a TP-split tensor, "vocab_tensor" for the word embeddings, and
+        "param_n_sub_params" 2 for a GLU's first MLP weight, whose TP slices hold two halves}
+    zero/<pipeline name>/step.pt                                Adam's step count
+    zero/optimizer_state.pt                                     the optimizer's settings and param_groups
+
+A full tensor is the TP slices put together (partitions.py: TP-replicated tensors averaged, as
+DeepSpeed does), each slice being its fragments from the DP partitions in rank order. The word
+embeddings keep their padded rows (DeepSpeed's conversion cuts them; tools/convert_checkpoint/
+ds_to_universal.py says why). Parameter folders carry the pipeline module's names whichever engine
+saved the checkpoint (names.py).
+
+Partition files: ``[bf16_]zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt``, mp = pp * TP + tp;
+their ``param_slice_mappings`` give each parameter's fragment (start, numel) in the partition's flat
+group, and the model-states file ``mp_rank_{mp:02d}_model_states.pt`` its shape on that TP rank
+(``param_shapes``).
+"""
+import multiprocessing
+import os
+import re
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron.core.checkpoint.names import as_pipeline_name
+from megatron.core.checkpoint.partitions import GLU_STRIDED, merge_partitions, tensor_split
+from megatron.core.checkpoint.reader import CheckpointInputError, SavedCheckpoint
+
+PARTITION_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+STATES = ("fp32", "exp_avg", "exp_avg_sq")
+SHARDED_KEYS = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
+# Present on the first and the last pipeline stage (the tied embedding): converted from the first.
+PIPELINE_REPLICATED_PREFIX = "tied_modules."
+
+
+@dataclass
+class Parameter:
+    """One parameter of one pipeline stage: its group, its fragments and its TP-local shape per rank."""
+
+    name: str              # as the saving engine named it
+    group: int
+    fragments: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)  # (tp, dp) -> (start, numel)
+    shapes: dict[int, torch.Size] = field(default_factory=dict)                       # tp -> shape
+
+
+@dataclass(frozen=True)
+class LayerTask:
+    """What one worker converts: one pipeline layer's parameters on one stage."""
+
+    stage: int
+    parameters: tuple[Parameter, ...]
+
+
+def _load_mapped(path: str) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except (OSError, RuntimeError, EOFError, ValueError) as error:
+        raise CheckpointInputError(f"cannot read {path} ({type(error).__name__}: {error})") from None
+
+
+class PartitionFiles:
+    """The ZeRO partition files of a checkpoint directory by (pp, tp, dp)."""
+
+    def __init__(self, checkpoint: SavedCheckpoint):
+        self.directory, self.tp, self.pp, self.dp = checkpoint.directory, checkpoint.tp, checkpoint.pp, checkpoint.dp
+        self.paths: dict[tuple[int, int, int], str] = {}
+        for path in checkpoint.optimizer_files:
+            match = PARTITION_FILE.match(os.path.basename(path))
+            if match:
+                dp, mp = int(match[1]), int(match[2])
+                self.paths[(mp // self.tp, mp % self.tp, dp)] = path
+        wanted = {(p, t, d) for p in range(self.pp) for t in range(self.tp) for d in range(self.dp)}
+        missing = sorted(wanted - set(self.paths))
+        if missing:
+            p, t, d = missing[0]
+            raise CheckpointInputError(f"{self.directory}: the optimizer partition of pipeline stage {p}, TP rank {t}, "
+                                       f"DP rank {d} is missing (zero_pp_rank_{d}_mp_rank_{p * self.tp + t:02d}_"
+                                       f"optim_states.pt)")
+
+    def optimizer_state(self, stage: int, tp: int, dp: int) -> dict:
+        """The ``optimizer_state_dict`` of one partition, memory-mapped (tensors are read when touched)."""
+        path = self.paths[(stage, tp, dp)]
+        state = _load_mapped(path)
+        if "optimizer_state_dict" not in state or "param_slice_mappings" not in state["optimizer_state_dict"]:
+            raise CheckpointInputError(f"{path} holds no ZeRO optimizer state with param_slice_mappings")
+        return state["optimizer_state_dict"]
+
+    def model_states(self, stage: int, tp: int) -> str:
+        return os.path.join(self.directory, f"mp_rank_{stage * self.tp + tp:02d}_model_states.pt")
+
+
+def stage_parameters(files: PartitionFiles, stage: int) -> list[Parameter]:
+    """The parameters of ``stage`` in the order of its flat groups, with their fragments and shapes."""
+    parameters: dict[str, Parameter] = {}
+    for tp in range(files.tp):
+        shapes = _load_mapped(files.model_states(stage, tp)).get("param_shapes")
+        if not shapes:
+            raise CheckpointInputError(f"{files.model_states(stage, tp)} has no param_shapes (not a ZeRO checkpoint)")
+        for dp in range(files.dp):
+            mappings = files.optimizer_state(stage, tp, dp)["param_slice_mappings"]
+            for group, fragments in enumerate(mappings):
+                for name, fragment in fragments.items():
+                    parameter = parameters.setdefault(name, Parameter(name, group))
+                    parameter.fragments[(tp, dp)] = (int(fragment.start), int(fragment.numel))
+                    parameter.shapes[tp] = torch.Size(shapes[group][name])
+    return list(parameters.values())
+
+
+def layer_tasks(files: PartitionFiles, num_layers: int) -> list[LayerTask]:
+    """Every stage's parameters grouped by pipeline layer; the tied embedding only from the first stage."""
+    tasks = []
+    for stage in range(files.pp):
+        layers: dict[str, list[Parameter]] = {}
+        for parameter in stage_parameters(files, stage):
+            name = as_pipeline_name(parameter.name, num_layers)
+            if stage > 0 and name.startswith(PIPELINE_REPLICATED_PREFIX):
+                continue
+            layers.setdefault(name.split(".")[0], []).append(parameter)
+        tasks += [LayerTask(stage, tuple(parameters)) for parameters in layers.values()]
+    return tasks
+
+
+def _tp_slice(states: dict, parameter: Parameter, tp: int, state: str) -> torch.Tensor:
+    """One TP rank's slice of ``parameter``'s ``state``: its DP fragments in rank order, reshaped."""
+    pieces = []
+    for dp in range(len(states[tp])):
+        if (tp, dp) not in parameter.fragments:
+            continue
+        start, numel = parameter.fragments[(tp, dp)]
+        optimizer = states[tp][dp]
+        flat = (optimizer["single_partition_of_fp32_groups"][parameter.group] if state == "fp32"
+                else optimizer["base_optimizer_state"]["state"][parameter.group][state])
+        pieces.append(flat.narrow(0, start, numel))
+    return torch.cat(pieces).view(parameter.shapes[tp])
+
+
+def _step(states: dict, parameter: Parameter):
+    tp, dp = next(iter(parameter.fragments))
+    return states[tp][dp]["base_optimizer_state"]["state"][parameter.group].get("step")
+
+
+def convert_layer(files: PartitionFiles, task: LayerTask, num_layers: int, glu: bool, zero_directory: str) -> int:
+    """Write the universal files of one pipeline layer (module docstring); returns the bytes written."""
+    states = {tp: [files.optimizer_state(task.stage, tp, dp) for dp in range(files.dp)] for tp in range(files.tp)}
+    written = 0
+    for parameter in task.parameters:
+        name = as_pipeline_name(parameter.name, num_layers)
+        split = tensor_split(name, glu)
+        folder = os.path.join(zero_directory, name)
+        os.makedirs(folder, exist_ok=True)
+        for state in STATES:
+            full = merge_partitions([_tp_slice(states, parameter, tp, state) for tp in range(files.tp)], split)
+            entry = {"param": full.clone()}
+            if not split.replicated:
+                entry["cat_dim"] = split.dim
+            if split.vocabulary:
+                entry["vocab_tensor"] = True
+            if split.stride == 2 and name.endswith(GLU_STRIDED):
+                entry["param_n_sub_params"] = 2
+            path = os.path.join(folder, f"{state}.pt")
+            torch.save(entry, path)
+            written += os.path.getsize(path)
+        step = _step(states, parameter)
+        if step is not None:
+            torch.save(step, os.path.join(folder, "step.pt"))
+    return written
+
+
+def _convert_in_worker(arguments) -> int:
+    checkpoint, task, glu, zero_directory = arguments
+    return convert_layer(PartitionFiles(checkpoint), task, checkpoint.model["num_layers"], glu, zero_directory)
+
+
+def write_optimizer_state(files: PartitionFiles, zero_directory: str) -> None:
+    """zero/optimizer_state.pt: the first partition's optimizer state without its sharded tensors,
+    with the base optimizer's param_groups."""
+    optimizer = files.optimizer_state(0, 0, 0)
+    common = {key: value for key, value in optimizer.items() if key not in SHARDED_KEYS}
+    common["param_groups"] = optimizer["base_optimizer_state"]["param_groups"]
+    torch.save(common, os.path.join(zero_directory, "optimizer_state.pt"))
+
+
+def write_universal_zero(checkpoint: SavedCheckpoint, output: str, workers: int = 1,
+                         on_layer: Callable[[], None] = lambda: None) -> int:
+    """The ``zero/`` folder of the universal checkpoint of ``checkpoint`` under ``output``, layer by
+    layer, ``workers`` layers at a time in separate processes; returns the bytes of tensors written."""
+    if not checkpoint.optimizer_files:
+        raise CheckpointInputError(f"{checkpoint.directory} has no ZeRO optimizer partitions")
+    files = PartitionFiles(checkpoint)
+    zero_directory = os.path.join(output, "zero")
+    os.makedirs(zero_directory)
+    tasks = layer_tasks(files, checkpoint.model["num_layers"])
+    written = 0
+    if workers <= 1:
+        for task in tasks:
+            written += convert_layer(files, task, checkpoint.model["num_layers"], checkpoint.glu, zero_directory)
+            on_layer()
+    else:
+        # spawn: a process forked from one running torch's threads can hang
+        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            for size in pool.map(_convert_in_worker, [(checkpoint, task, checkpoint.glu, zero_directory)
+                                                       for task in tasks]):
+                written += size
+                on_layer()
+    write_optimizer_state(files, zero_directory)
+    return written
