@@ -23,7 +23,7 @@
 #      "scale_tp2dp2 scale_tp2dp2_sp scale_pp4"): the 1.3B GPT, bf16, ZeRO-1, micro-batch 8, global
 #      batch 64 (8 micro-batches per pipeline), CPU initialization (the same weights in every layout);
 #      tools/benchmarks/bench_scaling.sh runs them and prints the table
-#   10. a checkpoint to convert (RUNS="1p3b_checkpoint"): the 1.3B GPT, bf16, ZeRO-1, saved after 2
+#   10. a checkpoint to convert (RUNS="1p3b_checkpoint"): the 1.3B GPT, bf16, ZeRO-1, saved after 3
 #      iterations in $WORK/checkpoint_1p3b; tools/benchmarks/bench_checkpoint_conversion.sh converts it
 #   9. long runs (RUNS="rel_bf16 rel_fp16 det_cost offload"): a 350M GPT in bf16 and in fp16 under
 #      --deterministic saves at 10 of 20 iterations, resumes from 10 and must give the same losses,
@@ -149,8 +149,8 @@ for run in $RUNS; do
         1p3b_fp16) gpt_run 1p3b_fp16 24 2048 16 fp16 8 32 ;;
         peer_1p3b) LOG_INTERVAL=1 ITERS=12 gpt_run peer_1p3b 24 2048 16 bf16 8 32 ;;
         1p3b_checkpoint) rm -rf "$WORK/checkpoint_1p3b"
-                         ITERS=2 LOG_INTERVAL=1 gpt_run 1p3b_checkpoint 24 2048 16 bf16 8 8 \
-                             --save "$WORK/checkpoint_1p3b" --save-interval 2 ;;
+                         ITERS=3 LOG_INTERVAL=1 gpt_run 1p3b_checkpoint 24 2048 16 bf16 8 8 \
+                             --lr-warmup-iters 1 --save "$WORK/checkpoint_1p3b" --save-interval 3 ;;
         peer_350m) LOG_INTERVAL=1 ITERS=12 gpt_run peer_350m 24 1024 16 bf16 16 64 ;;
         overflow) SCALE_POWER=24 HYSTERESIS=1 LOG_INTERVAL=1 ITERS=12 gpt_run overflow 4 1024 16 fp16 4 8 ;;
         layout_single) layout_run layout_single 1 ;;

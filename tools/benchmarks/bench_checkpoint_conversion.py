@@ -11,6 +11,7 @@ process (ru_maxrss: with one worker every conversion runs in that process) and b
 """
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -71,7 +72,8 @@ def main(argv=None) -> int:
     print("| conversion | seconds | peak RSS (MB) | written (GB) |\n|---|---|---|---|")
     status = 0
     for name, command in runs.items():
-        seconds, peak, code = measured(command, os.path.join(arguments.work_dir, name.replace(" ", "_") + ".log"))
+        log = os.path.join(arguments.work_dir, re.sub(r"[^a-z]+", "_", name.lower()) + ".log")
+        seconds, peak, code = measured(command, log)
         output = command[command.index("--output_folder") + 1] if "--output_folder" in command else command[-2]
         written = tree_bytes(output) / 1e9 if os.path.exists(output) else 0.0
         print(f"| {name} | {seconds:.1f} | {peak:.0f} | {written:.2f} |" + ("" if code == 0 else f" (exit {code})"))
