@@ -12,8 +12,10 @@ client state adds:
     gigaflos_no_embeddings, curriculum_seqlen (the last training length; None without curriculum
     learning), tokens (= consumed_train_tokens, Megatron-DeepSpeed's key), checkpoint_version
     3.0, checkpoint_info {padded_vocab_size, original_vocab_size}, args (the model, the layout and the
-    whole typed configuration, as plain values), and unless --no-save-rng the RNG states:
-    random_rng_state, np_rng_state, torch_rng_state, cuda_rng_state, rng_tracker_states.
+    whole typed configuration, as plain values), universal_checkpoint_info, at ZeRO stage 0
+    optimizer_parameter_names (the optimizer's parameters by name, group by group), and unless
+    --no-save-rng the RNG states: random_rng_state, np_rng_state, torch_rng_state, cuda_rng_state,
+    rng_tracker_states.
 
 Commit: rank 0 first marks the tag directory as incomplete (``saving.incomplete``); each rank flushes
 every file it writes to the disk (fsync) and records its size and CRC-32; once every rank is done,
@@ -50,6 +52,7 @@ from megatron.core.checkpoint.manifest import FileEntry, describe_file, fsync_pa
 from megatron.core.checkpoint.names import pipeline_name
 from megatron.core.checkpoint.output import write_pointer
 from megatron.core.checkpoint.universal import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info
+from megatron.core.checkpoint.universal_writer import OPTIMIZER_PARAMETER_NAMES
 from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.tensor_parallel import get_rng_tracker
 from megatron.training.checkpoint_checks import (LATEST_FILENAME, SAVING_MARKER, CheckpointError,
@@ -210,6 +213,8 @@ def save_checkpoint(engine, progress: TrainingProgress, config: TrainConfig) -> 
     barrier()
     with _recorded_writes(engine, tag_directory) as written:
         state = client_state(progress, config, is_pipeline_engine(engine))
+        if config.parallel.zero_stage == 0:
+            state[OPTIMIZER_PARAMETER_NAMES] = optimizer_parameter_names(engine)
         engine.save_checkpoint(directory, tag=tag, client_state=state, save_latest=False)
     every_rank_written = gather_objects(written)  # collective: every rank has finished writing
     removed = []
@@ -263,6 +268,13 @@ def prune_checkpoints(directory: str, settings: CheckpointConfig, current_tag: s
         os.replace(os.path.join(directory, tag), doomed)
         shutil.rmtree(doomed)
     return removed
+
+
+def optimizer_parameter_names(engine) -> list[list[str]]:
+    """The names of the optimizer's parameters, group by group in its order: at ZeRO stage 0 the saved
+    optimizer state numbers them by that order only, and the universal conversion needs the names."""
+    names = {id(parameter): name for name, parameter in engine.module.named_parameters()}
+    return [[names[id(parameter)] for parameter in group["params"]] for group in engine.optimizer.param_groups]
 
 
 def _restart_engine_counters(engine) -> None:

@@ -45,6 +45,7 @@ PAIRS = [
     ("1_1_1", "1_1_2", 1, 2, []),
     ("1_1_2", "1_1_1", 2, 1, []),
     ("2_1_1", "1_1_2", 1, 0, []),  # fp32 at ZeRO stage 0 loads the universal checkpoint at stage 1
+    ("2_2_1", "1_1_2", 0, 1, []),  # from fp32 at ZeRO stage 0: the optimizer state in the model-states files
     ("1_1_1", "2_1_1", 1, 1, BF16),
 ]
 

@@ -15,15 +15,12 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatron.core.checkpoint.reader import open_checkpoint  # noqa: E402
-from tools.convert_checkpoint.reshape import report, reshape_with_progress  # noqa: E402
+from tools.convert_checkpoint.reshape import layout_parser, report, reshape_with_progress  # noqa: E402
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--input_folder", required=True, help="a global_stepN directory (or the --save directory)")
-    parser.add_argument("--output_folder", required=True, help="the new --save directory (must not exist)")
-    parser.add_argument("--target_tp", type=int, default=1, help="tensor-parallel size of the output")
-    parser.add_argument("--target_pp", type=int, default=1, help="pipeline-parallel size of the output")
+    parser = layout_parser(__doc__.split("\n")[0], "a global_stepN directory (or the --save directory)",
+                           "the new --save directory (must not exist)")
     parser.add_argument("--target_dp", type=int, default=1,
                         help="data-parallel size recorded in the output (no optimizer state depends on it)")
     return parser.parse_args(argv)

@@ -16,15 +16,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from megatron.core.checkpoint.megatron_lm import write_megatron_lm_checkpoint  # noqa: E402
 from megatron.core.checkpoint.reader import open_checkpoint  # noqa: E402
-from tools.convert_checkpoint.reshape import report  # noqa: E402
+from tools.convert_checkpoint.reshape import layout_parser, report  # noqa: E402
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--input_folder", required=True, help="a global_stepN directory (or the --save directory)")
-    parser.add_argument("--output_folder", required=True, help="the Megatron-LM checkpoint directory (must not exist)")
-    parser.add_argument("--target_tp", type=int, default=1, help="tensor-parallel size of the output")
-    parser.add_argument("--target_pp", type=int, default=1, help="pipeline-parallel size of the output")
+    parser = layout_parser(__doc__.split("\n")[0], "a global_stepN directory (or the --save directory)",
+                           "the Megatron-LM checkpoint directory (must not exist)")
     parser.add_argument("--for_release", action="store_true",
                         help="a release checkpoint: iteration 0, consumed-sample counters zeroed")
     return parser.parse_args(argv)

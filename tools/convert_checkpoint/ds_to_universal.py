@@ -13,8 +13,9 @@ reads it); the conversion is ours (megatron.core.checkpoint.universal_writer), b
 loads every optimizer partition whole and its memory grows with the model, where ours reads one
 layer at a time. Besides, this tool
   - checks the input first: every file against the manifest (size, CRC-32), the trainer state, and
-    that ZeRO partitioned the optimizer (stage 1 or 2, which bf16 and fp16 runs always use; fp32 at
-    stage 0 keeps a plain optimizer state that names no parameter);
+    that it holds an optimizer state it can name: ZeRO partitions (stage 1 or 2, which bf16 and fp16
+    runs always use), or at stage 0 (fp32) the torch optimizer state with the trainer's
+    optimizer_parameter_names (checkpoints of earlier trainers lack them and are refused);
   - keeps the padded vocabulary: DeepSpeed's conversion cuts the word embeddings to the tokenizer's
     vocabulary and loads zeros into the padding rows, which the softmax sees, so the resumed loss
     would drift from the uninterrupted run's. Kept, the rows resume exactly; a target whose padded
@@ -36,7 +37,7 @@ import torch  # noqa: E402
 
 from megatron.core.checkpoint.output import (staged_directory, tree_size, write_pointer,  # noqa: E402
                                              write_tree_manifest)
-from megatron.core.checkpoint.reader import CheckpointInputError, open_checkpoint  # noqa: E402
+from megatron.core.checkpoint.reader import open_checkpoint  # noqa: E402
 from megatron.core.checkpoint.universal import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info  # noqa: E402
 from megatron.core.checkpoint.universal_writer import write_universal_zero  # noqa: E402
 from tools.convert_checkpoint.reshape import report  # noqa: E402
@@ -74,11 +75,6 @@ def convert(arguments) -> str:
 
     started = time.perf_counter()
     checkpoint = open_checkpoint(arguments.input_folder, read_optimizer=True)
-    if not checkpoint.optimizer_files:
-        raise CheckpointInputError(
-            f"{checkpoint.directory} has no ZeRO optimizer partitions (*zero_pp_rank_*_optim_states.pt): it was saved "
-            f"by fp32 training at ZeRO stage 0, whose optimizer state is not partitioned by parameter. Save with "
-            f"--zero-stage 1 (it costs no memory over stage 0 at data-parallel size 1)")
     output = os.path.normpath(arguments.output_folder)
     layers = checkpoint.model["num_layers"] + 2
     with staged_directory(output) as staging, tqdm(total=layers, desc="layers", unit="layer", file=sys.stderr) as bar:

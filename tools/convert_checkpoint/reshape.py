@@ -1,11 +1,22 @@
 """What the conversion tools share: a per-layer progress bar around megatron.core.checkpoint.writer
 (the model-only tools), and the summary and error reporting (all of them)."""
+import argparse
 import sys
 import time
 
 from megatron.core.checkpoint.output import OutputExistsError
 from megatron.core.checkpoint.reader import CheckpointInputError, SavedCheckpoint
 from megatron.core.checkpoint.writer import resume_advice, write_model_checkpoint
+
+
+def layout_parser(description: str, input_help: str, output_help: str) -> argparse.ArgumentParser:
+    """The flags of the tools that write a target layout: --input_folder, --output_folder, --target_tp, --target_pp."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--input_folder", required=True, help=input_help)
+    parser.add_argument("--output_folder", required=True, help=output_help)
+    parser.add_argument("--target_tp", type=int, default=1, help="tensor-parallel size of the output")
+    parser.add_argument("--target_pp", type=int, default=1, help="pipeline-parallel size of the output")
+    return parser
 
 
 def reshape_with_progress(checkpoint: SavedCheckpoint, output: str, tp: int, pp: int, dp: int = 1,

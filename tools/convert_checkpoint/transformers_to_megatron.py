@@ -30,7 +30,7 @@ from megatron.core.checkpoint.transformers_import import (BLOOM, TransformersWei
                                                           imported_layers, model_options, read_transformers_config)
 from megatron.core.checkpoint.writer import check_target_layout, write_checkpoint  # noqa: E402
 from megatron.core.models.gpt.config import GPTModelConfig  # noqa: E402
-from tools.convert_checkpoint.reshape import report  # noqa: E402
+from tools.convert_checkpoint.reshape import layout_parser, report  # noqa: E402
 
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 TOKENIZER_DIRECTORY = "tokenizer"
@@ -38,11 +38,8 @@ BLOOM_SEQ_LENGTH = 2048
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--input_folder", required=True, help="a local transformers model directory")
-    parser.add_argument("--output_folder", required=True, help="the new --save directory (must not exist)")
-    parser.add_argument("--target_tp", type=int, default=1, help="tensor-parallel size of the output")
-    parser.add_argument("--target_pp", type=int, default=1, help="pipeline-parallel size of the output")
+    parser = layout_parser(__doc__.split("\n")[0], "a local transformers model directory",
+                           "the new --save directory (must not exist)")
     parser.add_argument("--pad_vocab_size_to", type=int, default=None,
                         help="rows of the word embeddings (default: the model's, up to a multiple of --target_tp)")
     parser.add_argument("--seq_length", type=int, default=None,

@@ -21,6 +21,10 @@ embeddings keep their padded rows (DeepSpeed's conversion cuts them; tools/conve
 ds_to_universal.py says why). Parameter folders carry the pipeline module's names whichever engine
 saved the checkpoint (names.py).
 
+At ZeRO stage 0 (fp32) there are no partitions: each model-states file holds its ranks' torch
+optimizer state, which numbers the parameters in group order, and the trainer's
+``optimizer_parameter_names`` names them; the fp32 weights are the layer files' weights.
+
 Partition files: ``[bf16_]zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt``, mp = pp * TP + tp;
 their ``param_slice_mappings`` give each parameter's fragment (start, numel) in the partition's flat
 group, and the model-states file ``mp_rank_{mp:02d}_model_states.pt`` its shape on that TP rank
@@ -35,7 +39,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron.core.checkpoint.names import as_pipeline_name
+from megatron.core.checkpoint.layer_files import find_layer_files, read_full_layer
+from megatron.core.checkpoint.names import EMBEDDING_LAYER, as_pipeline_name
 from megatron.core.checkpoint.partitions import GLU_STRIDED, merge_partitions, tensor_split
 from megatron.core.checkpoint.reader import CheckpointInputError, SavedCheckpoint
 
@@ -44,6 +49,8 @@ STATES = ("fp32", "exp_avg", "exp_avg_sq")
 SHARDED_KEYS = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
 # Present on the first and the last pipeline stage (the tied embedding): converted from the first.
 PIPELINE_REPLICATED_PREFIX = "tied_modules."
+# The trainer's model-states entry at ZeRO stage 0: the optimizer's parameter names, group by group.
+OPTIMIZER_PARAMETER_NAMES = "optimizer_parameter_names"
 
 
 @dataclass
@@ -159,23 +166,9 @@ def convert_layer(files: PartitionFiles, task: LayerTask, num_layers: int, glu: 
     for parameter in task.parameters:
         name = as_pipeline_name(parameter.name, num_layers)
         split = tensor_split(name, glu)
-        folder = os.path.join(zero_directory, name)
-        os.makedirs(folder, exist_ok=True)
-        for state in STATES:
-            full = merge_partitions([_tp_slice(states, parameter, tp, state) for tp in range(files.tp)], split)
-            entry = {"param": full.clone()}
-            if not split.replicated:
-                entry["cat_dim"] = split.dim
-            if split.vocabulary:
-                entry["vocab_tensor"] = True
-            if split.stride == 2 and name.endswith(GLU_STRIDED):
-                entry["param_n_sub_params"] = 2
-            path = os.path.join(folder, f"{state}.pt")
-            torch.save(entry, path)
-            written += os.path.getsize(path)
-        step = _step(states, parameter)
-        if step is not None:
-            torch.save(step, os.path.join(folder, "step.pt"))
+        full = {state: merge_partitions([_tp_slice(states, parameter, tp, state) for tp in range(files.tp)], split)
+                for state in STATES}
+        written += _write_parameter(zero_directory, name, split, full, _step(states, parameter))
     return written
 
 
@@ -193,15 +186,97 @@ def write_optimizer_state(files: PartitionFiles, zero_directory: str) -> None:
     torch.save(common, os.path.join(zero_directory, "optimizer_state.pt"))
 
 
+def _stage0_optimizer(path: str) -> tuple[dict, dict[str, int]]:
+    """(the torch optimizer state of a stage-0 model-states file, parameter name -> its index there)."""
+    state = _load_mapped(path)
+    names = state.get(OPTIMIZER_PARAMETER_NAMES)
+    if state.get("optimizer") is None or names is None:
+        raise CheckpointInputError(f"{path} holds no optimizer state with {OPTIMIZER_PARAMETER_NAMES} (a ZeRO stage 0 "
+                                   f"checkpoint of an older trainer, or weights only): it cannot become universal")
+    optimizer = state["optimizer"]
+    indices = [index for group in optimizer["param_groups"] for index in group["params"]]
+    ordered = [name for group in names for name in group]
+    return optimizer, dict(zip(ordered, indices))
+
+
+def convert_stage0_layer(checkpoint: SavedCheckpoint, layer_files, layer: int, zero_directory: str) -> int:
+    """The universal files of pipeline layer ``layer`` of a ZeRO stage 0 checkpoint: the weights of the
+    layer files as fp32, the moments and step from each (stage, TP rank)'s optimizer state."""
+    num_layers = checkpoint.model["num_layers"]
+    weights = read_full_layer(layer_files, layer, checkpoint.glu)
+    stage = stage_of_layer(checkpoint, layer)
+    optimizers = [_stage0_optimizer(os.path.join(checkpoint.directory, f"mp_rank_{stage * checkpoint.tp + tp:02d}"
+                                                 f"_model_states.pt")) for tp in range(checkpoint.tp)]
+    written = 0
+    for local, weight in weights.items():
+        name = as_pipeline_name(f"{PIPELINE_REPLICATED_PREFIX}embed.{local}" if layer == EMBEDDING_LAYER
+                                else f"{layer}.{local}", num_layers)
+        split = tensor_split(name, checkpoint.glu)
+        saved = [optimizer["state"][indices[name]] for optimizer, indices in optimizers]
+        full = {"fp32": weight.float(), **{state: merge_partitions([entry[state] for entry in saved], split)
+                                           for state in STATES[1:]}}
+        written += _write_parameter(zero_directory, name, split, full, saved[0].get("step"))
+    return written
+
+
+def stage_of_layer(checkpoint: SavedCheckpoint, layer: int) -> int:
+    """The first pipeline stage whose model-states file names a parameter of ``layer``."""
+    prefix = f"{PIPELINE_REPLICATED_PREFIX}" if layer == EMBEDDING_LAYER else f"{layer}."
+    for stage in range(checkpoint.pp):
+        names = _load_mapped(os.path.join(checkpoint.directory, f"mp_rank_{stage * checkpoint.tp:02d}_model_states.pt"
+                                          )).get(OPTIMIZER_PARAMETER_NAMES) or []
+        if any(name.startswith(prefix) for group in names for name in group):
+            return stage
+    raise CheckpointInputError(f"{checkpoint.directory}: no pipeline stage's optimizer names layer {layer}")
+
+
+def _write_parameter(zero_directory: str, name: str, split, full: dict[str, torch.Tensor], step) -> int:
+    """zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt (module docstring); returns the bytes written."""
+    folder = os.path.join(zero_directory, name)
+    os.makedirs(folder, exist_ok=True)
+    written = 0
+    for state in STATES:
+        entry = {"param": full[state].clone()}
+        if not split.replicated:
+            entry["cat_dim"] = split.dim
+        if split.vocabulary:
+            entry["vocab_tensor"] = True
+        if split.stride == 2 and name.endswith(GLU_STRIDED):
+            entry["param_n_sub_params"] = 2
+        path = os.path.join(folder, f"{state}.pt")
+        torch.save(entry, path)
+        written += os.path.getsize(path)
+    if step is not None:
+        torch.save(step, os.path.join(folder, "step.pt"))
+    return written
+
+
+def write_stage0_optimizer_state(checkpoint: SavedCheckpoint, zero_directory: str) -> None:
+    """zero/optimizer_state.pt of a stage 0 checkpoint: the settings the ZeRO optimizer restores."""
+    state = _load_mapped(os.path.join(checkpoint.directory, "mp_rank_00_model_states.pt"))
+    groups = [{key: value for key, value in group.items() if key != "params"}
+              for group in state["optimizer"]["param_groups"]]
+    clip_grad = (state.get("ds_config") or {}).get("gradient_clipping", 0.0)
+    torch.save({"ds_version": state.get("ds_version"), "clip_grad": clip_grad, "param_groups": groups},
+               os.path.join(zero_directory, "optimizer_state.pt"))
+
+
 def write_universal_zero(checkpoint: SavedCheckpoint, output: str, workers: int = 1,
                          on_layer: Callable[[], None] = lambda: None) -> int:
     """The ``zero/`` folder of the universal checkpoint of ``checkpoint`` under ``output``, layer by
-    layer, ``workers`` layers at a time in separate processes; returns the bytes of tensors written."""
-    if not checkpoint.optimizer_files:
-        raise CheckpointInputError(f"{checkpoint.directory} has no ZeRO optimizer partitions")
-    files = PartitionFiles(checkpoint)
+    layer, ``workers`` layers at a time in separate processes (ZeRO 1 and 2; stage 0 in this process);
+    returns the bytes of tensors written."""
     zero_directory = os.path.join(output, "zero")
     os.makedirs(zero_directory)
+    if not checkpoint.optimizer_files:
+        layer_files = find_layer_files(checkpoint.directory)
+        written = 0
+        for layer in layer_files.layers:
+            written += convert_stage0_layer(checkpoint, layer_files, layer, zero_directory)
+            on_layer()
+        write_stage0_optimizer_state(checkpoint, zero_directory)
+        return written
+    files = PartitionFiles(checkpoint)
     tasks = layer_tasks(files, checkpoint.model["num_layers"])
     written = 0
     if workers <= 1:

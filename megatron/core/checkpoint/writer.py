@@ -24,9 +24,10 @@ from megatron.core.checkpoint.names import EMBEDDING_LAYER
 from megatron.core.checkpoint.output import staged_directory, write_pointer, write_tree_manifest
 from megatron.core.checkpoint.reader import CheckpointInputError, SavedCheckpoint, iter_full_layers
 from megatron.core.checkpoint.universal import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info
+from megatron.core.checkpoint.universal_writer import OPTIMIZER_PARAMETER_NAMES
 
 RANK_STATES = ("random_rng_state", "np_rng_state", "torch_rng_state", "cuda_rng_state", "rng_tracker_states",
-               "optimizer", "module", "param_shapes")
+               "optimizer", "module", "param_shapes", OPTIMIZER_PARAMETER_NAMES)
 
 
 @dataclass(frozen=True)
