@@ -301,6 +301,16 @@ def _universal_parameter_names(engine, num_layers: int, universal: bool):
         optimizer.param_names = own_names
 
 
+def _steps_beside_moments(engine) -> None:
+    """DeepSpeed's universal load sets Adam's step to the tensor read from step.pt, on the CPU; torch's
+    fused AdamW (on the GPU) needs it on the moments' device, in fp32, as its own load_state_dict puts it."""
+    base = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    for state in base.state.values():
+        step, moment = state.get("step"), state.get("exp_avg")
+        if torch.is_tensor(step) and torch.is_tensor(moment) and step.device != moment.device:
+            state["step"] = step.to(device=moment.device, dtype=torch.float32)
+
+
 def load_checkpoint(engine, config: TrainConfig) -> TrainingProgress | None:
     """Restore from --load (module docstring); None when there is nothing to load (start from scratch)."""
     settings: CheckpointConfig = config.checkpoint
@@ -319,6 +329,8 @@ def load_checkpoint(engine, config: TrainConfig) -> TrainingProgress | None:
         _, state = engine.load_checkpoint(settings.load, load_optimizer_states=not settings.no_load_optim,
                                           load_lr_scheduler_states=not settings.finetune
                                           and saved.get("lr_scheduler") is not None)
+    if universal:
+        _steps_beside_moments(engine)
     if settings.finetune:
         _restart_engine_counters(engine)
         progress = TrainingProgress()

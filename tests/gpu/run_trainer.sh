@@ -23,9 +23,12 @@
 #      "scale_tp2dp2 scale_tp2dp2_sp scale_pp4"): the 1.3B GPT, bf16, ZeRO-1, micro-batch 8, global
 #      batch 64 (8 micro-batches per pipeline), CPU initialization (the same weights in every layout);
 #      tools/benchmarks/bench_scaling.sh runs them and prints the table
-#   10. a checkpoint to convert (RUNS="1p3b_checkpoint"): the 1.3B GPT, bf16, ZeRO-1, saved after 3
+#   9. a checkpoint to convert (RUNS="1p3b_checkpoint"): the 1.3B GPT, bf16, ZeRO-1, saved after 3
 #      iterations in $WORK/checkpoint_1p3b; tools/benchmarks/bench_checkpoint_conversion.sh converts it
-#   9. long runs (RUNS="rel_bf16 rel_fp16 det_cost offload"): a 350M GPT in bf16 and in fp16 under
+#   10. a universal checkpoint in fp16 (RUNS="universal_fp16"; fp16 does not run on CPU): a 125M GPT saved
+#      at ZeRO-1 after 10 of 20 iterations, converted by ds_to_universal.py, resumed at ZeRO-2 (the plain
+#      engine) with --universal-checkpoint, must continue the uninterrupted run (compare_logs.py resume)
+#   11. long runs (RUNS="rel_bf16 rel_fp16 det_cost offload"): a 350M GPT in bf16 and in fp16 under
 #      --deterministic saves at 10 of 20 iterations, resumes from 10 and must give the same losses,
 #      counters and rates (tolerance 0); the 1.3B GPT in bf16 at micro batch 4 (the materialized
 #      attention of --deterministic holds s^2 scores per head) with and without --deterministic (the
@@ -126,6 +129,22 @@ big_run() {  # name ngpus [flags...]: the 6.7B GPT of issue 5 (bf16, CPU initial
         --use-cpu-initialization --lr-warmup-iters 10 "$@"
 }
 
+universal_runs() {  # precision: a 125M GPT at ZeRO-1 saved at 10 of 20 iterations, converted to a universal
+    # checkpoint, resumed at ZeRO-2 (the plain engine) with --universal-checkpoint; compared with the full run
+    local precision=$1 checkpoint=$WORK/checkpoint_universal_$1
+    rm -rf "$checkpoint" "$checkpoint.universal"
+    ITERS=20 LOG_INTERVAL=1 gpt_run "universal_${precision}_full" 12 768 12 "$precision" 4 16
+    ITERS=20 LOG_INTERVAL=1 gpt_run "universal_${precision}_saved" 12 768 12 "$precision" 4 16 \
+        --save "$checkpoint" --save-interval 10 --exit-interval 10
+    $py tools/convert_checkpoint/ds_to_universal.py --input_folder "$checkpoint/global_step10" \
+        --output_folder "$checkpoint.universal/global_step10_universal" 2>&1 | tail -1 | tee -a "$OUT/universal_$precision.txt"
+    ZERO_STAGE=2 ITERS=20 LOG_INTERVAL=1 gpt_run "universal_${precision}_resumed" 12 768 12 "$precision" 4 16 \
+        --load "$checkpoint.universal" --universal-checkpoint
+    $py tests/gpu/compare_logs.py resume --tolerance 2e-2 \
+        $(logs_of "universal_${precision}_full" "universal_${precision}_saved" "universal_${precision}_resumed") \
+        | tee -a "$OUT/universal_$precision.txt" || status=1
+}
+
 reliability_runs() {  # precision: save at 10 of 20 deterministic iterations, resume from 10, compare (tolerance 0)
     local precision=$1 checkpoint=$WORK/checkpoint_rel_$1
     rm -rf "$checkpoint" "$checkpoint.resumed"
@@ -194,6 +213,7 @@ for run in $RUNS; do
         scale_tp2dp2) scale_run scale_tp2dp2 4 --tensor-model-parallel-size 2 ;;
         scale_tp2dp2_sp) scale_run scale_tp2dp2_sp 4 --tensor-model-parallel-size 2 --sequence-parallel ;;
         scale_pp4) scale_run scale_pp4 4 --pipeline-model-parallel-size 4 ;;
+        universal_fp16) universal_runs fp16 ;;
         rel_bf16) reliability_runs bf16 ;;
         rel_fp16) reliability_runs fp16 ;;
         det_cost) ITERS=20 gpt_run det_cost_default 24 2048 16 bf16 4 32
