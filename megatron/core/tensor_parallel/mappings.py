@@ -22,6 +22,8 @@ reduce-scatter leaves a row-parallel GEMM: sum of the partial products, each ran
 
 The group is explicit; ``group=None`` or a group of one rank makes every function the identity.
 """
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -29,6 +31,9 @@ from torch.distributed import ProcessGroup
 from megatron.core.parallel_state import group_rank, group_size
 from megatron.core.tensor_parallel.utils import (all_gather_along_first_dim, reduce_scatter_along_first_dim,
                                                  split_tensor_along_last_dim)
+
+
+Collective = Callable[[torch.Tensor, ProcessGroup], torch.Tensor]  # (tensor, group) -> tensor
 
 
 def _all_reduce(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -61,130 +66,63 @@ def _split_along_first_dim(tensor: torch.Tensor, group: ProcessGroup) -> torch.T
     return tensor[group_rank(group) * block:(group_rank(group) + 1) * block]
 
 
-class _CopyToTensorModelParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor, group):
+def _identity(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return tensor.view_as(tensor)  # a view, so autograd sees a new output
+
+
+def _scatter_along_first_dim(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return _split_along_first_dim(tensor, group).clone()  # the block alone, not the whole input's storage
+
+
+def _conjugate_pair(name: str, forward: Collective, backward: Collective) -> type[torch.autograd.Function]:
+    """The autograd function Y = forward(X, group), dL/dX = backward(dL/dY, group)."""
+    def apply_forward(ctx, tensor, group):
         ctx.group = group
-        return tensor.view_as(tensor)
+        return forward(tensor, group)
 
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _all_reduce(grad_output, ctx.group), None
+    def apply_backward(ctx, grad_output):
+        return backward(grad_output, ctx.group), None
 
-
-class _ReduceFromTensorModelParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor, group):
-        return _all_reduce(tensor, group)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return grad_output, None
+    return type(name, (torch.autograd.Function,),
+                {"forward": staticmethod(apply_forward), "backward": staticmethod(apply_backward)})
 
 
-class _ScatterToTensorModelParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor, group):
-        ctx.group = group
-        return _split_along_last_dim(tensor, group)
+def _region(name: str, forward: Collective, backward: Collective, doc: str) -> Collective:
+    """The public function of one row of the module's table: the identity on a group of one rank."""
+    function = _conjugate_pair(f"_{name}", forward, backward)
 
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _gather_along_last_dim(grad_output, ctx.group), None
+    def region(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        if group_size(group) == 1:
+            return tensor
+        return function.apply(tensor, group)
 
-
-class _GatherFromTensorModelParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor, group):
-        ctx.group = group
-        return _gather_along_last_dim(tensor, group)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return _split_along_last_dim(grad_output, ctx.group), None
+    region.__name__ = region.__qualname__ = name
+    region.__doc__ = doc
+    return region
 
 
-class _ScatterToSequenceParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor, group):
-        ctx.group = group
-        return _split_along_first_dim(tensor, group).clone()
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return all_gather_along_first_dim(grad_output, ctx.group), None
-
-
-class _GatherFromSequenceParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor, group):
-        ctx.group = group
-        return all_gather_along_first_dim(tensor, group)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return reduce_scatter_along_first_dim(grad_output, ctx.group), None
-
-
-class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor, group):
-        ctx.group = group
-        return reduce_scatter_along_first_dim(tensor, group)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return all_gather_along_first_dim(grad_output, ctx.group), None
-
-
-def copy_to_tensor_model_parallel_region(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """Y = X on every rank; dL/dX = sum over ranks of dL/dY (X is replicated, used by all ranks)."""
-    if group_size(group) == 1:
-        return tensor
-    return _CopyToTensorModelParallelRegion.apply(tensor, group)
-
-
-def reduce_from_tensor_model_parallel_region(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """Y = sum over ranks of X_r; dL/dX_r = dL/dY (Y is replicated)."""
-    if group_size(group) == 1:
-        return tensor
-    return _ReduceFromTensorModelParallelRegion.apply(tensor, group)
-
-
-def scatter_to_tensor_model_parallel_region(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """[..., n] replicated -> rank r keeps [..., r * n / k : (r + 1) * n / k]; backward all-gathers."""
-    if group_size(group) == 1:
-        return tensor
-    return _ScatterToTensorModelParallelRegion.apply(tensor, group)
-
-
-def gather_from_tensor_model_parallel_region(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """[..., n / k] per rank -> [..., n] replicated, blocks in rank order; backward keeps my block."""
-    if group_size(group) == 1:
-        return tensor
-    return _GatherFromTensorModelParallelRegion.apply(tensor, group)
-
-
-def scatter_to_sequence_parallel_region(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """[s, ...] replicated -> rank r keeps [r s / k : (r + 1) s / k, ...]; backward all-gathers."""
-    if group_size(group) == 1:
-        return tensor
-    return _ScatterToSequenceParallelRegion.apply(tensor, group)
-
-
-def gather_from_sequence_parallel_region(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """[s / k, ...] per rank -> [s, ...] on every rank, blocks in rank order; dL/dX_r = rank r's block
-    of the sum over ranks of dL/dY (reduce-scatter): Y feeds a TP-split computation."""
-    if group_size(group) == 1:
-        return tensor
-    return _GatherFromSequenceParallelRegion.apply(tensor, group)
-
-
-def reduce_scatter_to_sequence_parallel_region(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """[s, ...] partial per rank -> rank r's [s / k, ...] block of the sum over ranks; backward all-gathers."""
-    if group_size(group) == 1:
-        return tensor
-    return _ReduceScatterToSequenceParallelRegion.apply(tensor, group)
+copy_to_tensor_model_parallel_region = _region(
+    "copy_to_tensor_model_parallel_region", _identity, _all_reduce,
+    "Y = X on every rank; dL/dX = sum over ranks of dL/dY (X is replicated, used by all ranks).")
+reduce_from_tensor_model_parallel_region = _region(
+    "reduce_from_tensor_model_parallel_region", _all_reduce, _identity,
+    "Y = sum over ranks of X_r; dL/dX_r = dL/dY (Y is replicated).")
+scatter_to_tensor_model_parallel_region = _region(
+    "scatter_to_tensor_model_parallel_region", _split_along_last_dim, _gather_along_last_dim,
+    "[..., n] replicated -> rank r keeps [..., r * n / k : (r + 1) * n / k]; backward all-gathers.")
+gather_from_tensor_model_parallel_region = _region(
+    "gather_from_tensor_model_parallel_region", _gather_along_last_dim, _split_along_last_dim,
+    "[..., n / k] per rank -> [..., n] replicated, blocks in rank order; backward keeps my block.")
+scatter_to_sequence_parallel_region = _region(
+    "scatter_to_sequence_parallel_region", _scatter_along_first_dim, all_gather_along_first_dim,
+    "[s, ...] replicated -> rank r keeps [r s / k : (r + 1) s / k, ...]; backward all-gathers.")
+gather_from_sequence_parallel_region = _region(
+    "gather_from_sequence_parallel_region", all_gather_along_first_dim, reduce_scatter_along_first_dim,
+    "[s / k, ...] per rank -> [s, ...] on every rank, blocks in rank order; dL/dX_r = rank r's block\n"
+    "of the sum over ranks of dL/dY (reduce-scatter): Y feeds a TP-split computation.")
+reduce_scatter_to_sequence_parallel_region = _region(
+    "reduce_scatter_to_sequence_parallel_region", reduce_scatter_along_first_dim, all_gather_along_first_dim,
+    "[s, ...] partial per rank -> rank r's [s / k, ...] block of the sum over ranks; backward all-gathers.")
 
 
 def allreduce_sequence_parallel_gradients(module: torch.nn.Module, group: ProcessGroup | None) -> int:
