@@ -3,7 +3,7 @@
 Two processes (DP=2) save at iterations 2 and 4; at 4, rank 1 dies while writing its files, after
 rank 0 has finished its own (tests/training/crash_during_save.py). ``latest`` and
 ``latest_checkpointed_iteration.txt`` must still name iteration 2, and a new run resumes from it
-and saves iteration 4 properly. Then 20 runs are SIGKILLed at random moments of their saves.
+and saves iteration 4 properly. Then 12 runs are SIGKILLed at random moments of their saves.
 """
 import os
 import random
@@ -54,7 +54,7 @@ def assert_complete(tag_directory):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_sigkill_at_random_moments_of_saves_always_leaves_a_resumable_checkpoint(preprocessed_corpus, tmp_path):  # noqa: F811
-    """20 runs, one after the other, each resuming the last and SIGKILLed (both ranks at once) at a
+    """12 runs, one after the other, each resuming the last and SIGKILLed (both ranks at once) at a
     random moment while it saves every iteration: every start resumes from the checkpoint ``latest``
     names, which is always complete."""
     checkpoint = tmp_path / "ckpt"
@@ -63,7 +63,7 @@ def test_sigkill_at_random_moments_of_saves_always_leaves_a_resumable_checkpoint
                          "--save", str(checkpoint), "--load", str(checkpoint))
     rng = random.Random(20261123)
     resumed_from = []
-    for trial in range(20):
+    for trial in range(12):
         before = (checkpoint / "latest").read_text() if (checkpoint / "latest").exists() else None
         job = start_ranks(args)
         if before is not None:
@@ -75,4 +75,4 @@ def test_sigkill_at_random_moments_of_saves_always_leaves_a_resumable_checkpoint
         job.kill()
         if (checkpoint / "latest").exists():
             assert_complete(checkpoint / (checkpoint / "latest").read_text())
-    assert len(resumed_from) >= 19 and len(set(resumed_from)) >= 10, resumed_from
+    assert len(resumed_from) >= 11 and len(set(resumed_from)) >= 5, resumed_from
