@@ -295,6 +295,15 @@ def add_logging_args(parser):
                        action="store_false", help="do not write loss-scale/*")
     group.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
                        help="also write validation perplexity")
+    group.add_argument("--profile", action="store_true",
+                       help="profile iterations --profile-step-start + 1 .. --profile-step-end on --profile-ranks "
+                            "(Megatron-LM's flag; needs --use-pytorch-profiler)")
+    group.add_argument("--use-pytorch-profiler", action="store_true",
+                       help="profile with torch.profiler: a trace and an operator table per rank in --tensorboard-dir")
+    group.add_argument("--profile-step-start", type=parse_int, default=10,
+                       help="the iteration after which profiling starts")
+    group.add_argument("--profile-step-end", type=parse_int, default=12, help="the last iteration profiled")
+    group.add_argument("--profile-ranks", type=parse_int, nargs="+", default=[0], help="the global ranks to profile")
     group.add_argument("--log-level", choices=LOG_LEVELS, default=None, help="log level of rank 0")
     group.add_argument("--log-level-replica", choices=LOG_LEVELS, default=None,
                        help="log level of the other ranks")

@@ -270,6 +270,25 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class ProfileConfig:
+    """Megatron-LM's --profile flags (profiling.py; validation.py checks them).
+
+    Attributes:
+        enabled: --profile (with --use-pytorch-profiler).
+        step_start: the iteration after which recording starts (--profile-step-start).
+        step_end: the last iteration recorded (--profile-step-end).
+        ranks: the global ranks that record (--profile-ranks).
+        directory: where the trace and the table go (--tensorboard-dir).
+    """
+
+    enabled: bool
+    step_start: int
+    step_end: int
+    ranks: tuple[int, ...]
+    directory: str | None
+
+
+@dataclass(frozen=True)
 class PrecisionConfig:
     """Numeric precision as DeepSpeed runs it (from the final ds_config).
 
@@ -328,7 +347,7 @@ class TrainConfig:
 
     Attributes:
         model: the GPT model (padded vocabulary included).
-        parallel, data, optimizer, schedule, checkpoint, logging, precision, deepspeed: see each class.
+        parallel, data, optimizer, schedule, checkpoint, logging, profile, precision, deepspeed: see each class.
         abort_on_unmet_fused_kernel_constraints: fail instead of falling back to the reference path
             when a fused kernel cannot serve the configured shapes on GPU.
         notices: the one-line notices printed while parsing (flags overridden by the ds_config,
@@ -342,6 +361,7 @@ class TrainConfig:
     schedule: ScheduleConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig
+    profile: ProfileConfig
     precision: PrecisionConfig
     deepspeed: DeepSpeedSettings
     abort_on_unmet_fused_kernel_constraints: bool
@@ -486,6 +506,9 @@ def build_config(parsed: ParsedArguments, tokenizer_vocab_size: int) -> TrainCon
             save_interval_ranges=parse_interval_ranges(flags.save_interval_ranges or (), "--save-interval-ranges"),
             pinned_checkpoints=tuple(sorted(set(flags.pin_checkpoints or ())))),
         logging=_fields_from_args(LoggingConfig, flags),
+        profile=ProfileConfig(enabled=flags.profile, step_start=flags.profile_step_start,
+                              step_end=flags.profile_step_end, ranks=tuple(flags.profile_ranks),
+                              directory=flags.tensorboard_dir),
         precision=_precision_config(derived),
         deepspeed=DeepSpeedSettings(config_path=flags.deepspeed_config or flags.deepscale_config,
                                     config=copy.deepcopy(derived.ds_config)),

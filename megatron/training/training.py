@@ -61,6 +61,7 @@ from megatron.training.metrics import (BUILDING_DATASETS_LINE, TEST_END_PREFIX, 
                                        train_iterations_line,
                                        training_log_line, validation_log_lines, validation_prefix)
 from megatron.training.microbatches import build_num_microbatches_calculator, train_iters_for_samples
+from megatron.training.profiling import IterationProfiler
 from megatron.training.signals import ExitSignals, signal_name
 from megatron.training.tb_logger import IterationScalars, Progress, TensorBoardLogger, TensorBoardSettings
 from megatron.training.timers import Timers
@@ -189,6 +190,7 @@ class Trainer:
         dist_utils.print_rank_0(datetime_line("after dataloaders are built"))
         self.tensorboard, self.emissions = self._build_reporting()
         self.peak_tflops = measure_matmul_peak_tflops(self.device) if self.device.type == "cuda" else None
+        self.profiler = IterationProfiler(config.profile, dist_utils.rank(), self.device)
 
     # ------------------------------------------------------------------ set-up
 
@@ -387,6 +389,7 @@ class Trainer:
         try:
             return self._iterate()
         finally:
+            self.profiler.close()
             timer = self.timers("interval-time")
             seconds = timer.elapsed()
             # After the last log line only logging, evaluation and saving ran: not iteration time.
@@ -406,9 +409,10 @@ class Trainer:
             if self.curriculum is not None:
                 self._use_length(self.curriculum.length_for(self.progress.iteration + 1))
                 self.progress.curriculum_seqlen = self.active_seq_length
-            self.timers("train-step").start()
-            result = self._next_step()
-            self.timers("train-step").stop()
+            with self.profiler.iteration(self.progress.iteration + 1):
+                self.timers("train-step").start()
+                result = self._next_step()
+                self.timers("train-step").stop()
             self._advance()
             self._report(result)
             self._count_nan(result)

@@ -263,6 +263,28 @@ def _check_bnb_optimizer(args, derived: DerivedValues):
         raise ArgumentError(f"--use-bnb-optimizer needs bitsandbytes, which is not installed: {INSTALL_HINT}")
 
 
+def _check_profile(args, explicit, world_size: int):
+    """--profile: torch.profiler only (Megatron-LM's default, nsys ranges through cudaProfilerStart, is not
+    built), a window of at least one iteration, ranks of this job, and a directory for the files."""
+    if not args.profile:
+        given = sorted(flag(dest) for dest in ("use_pytorch_profiler", "profile_step_start", "profile_step_end",
+                                               "profile_ranks") if dest in explicit)
+        if given:
+            raise ArgumentError(f"{', '.join(given)} take effect only with --profile: add it, or drop them")
+        return
+    if not args.use_pytorch_profiler:
+        raise ArgumentError("--profile records with torch.profiler here: add --use-pytorch-profiler (Megatron-LM's "
+                            "nsys ranges through cudaProfilerStart are not built)")
+    if not 0 <= args.profile_step_start < args.profile_step_end:
+        raise ArgumentError(f"--profile-step-start ({args.profile_step_start}) must be at least 0 and below "
+                            f"--profile-step-end ({args.profile_step_end}): iterations start + 1 .. end are profiled")
+    outside = [rank for rank in args.profile_ranks if not 0 <= rank < world_size]
+    if outside:
+        raise ArgumentError(f"--profile-ranks {' '.join(map(str, outside))}: this job has ranks 0-{world_size - 1}")
+    if not args.tensorboard_dir:
+        raise ArgumentError("--use-pytorch-profiler writes its trace and table into --tensorboard-dir: give one")
+
+
 def _check_data(args):
     weighted = [f"--{split}-weighted-split-paths{suffix}" for split in ("train", "valid", "test")
                 for suffix in ("", "-path") if getattr(args, f"{split}_weighted_split_paths{suffix.replace('-', '_')}")]
@@ -333,6 +355,7 @@ def validate_args(args: argparse.Namespace, explicit: set[str], launch: LaunchEn
     _check_lr_schedule(args, derived.global_batch_size)
     _check_curriculum(args, derived)
     _check_bnb_optimizer(args, derived)
+    _check_profile(args, explicit, launch.world_size)
     _check_data(args)
     _check_tokenizer_and_tools(args)
     return derived

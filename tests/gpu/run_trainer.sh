@@ -23,6 +23,9 @@
 #      "scale_tp2dp2 scale_tp2dp2_sp scale_pp4"): the 1.3B GPT, bf16, ZeRO-1, micro-batch 8, global
 #      batch 64 (8 micro-batches per pipeline), CPU initialization (the same weights in every layout);
 #      tools/benchmarks/bench_scaling.sh runs them and prints the table
+#   8b. profiles (RUNS="profile_1gpu profile_tp2 profile_tp2_sp"): the scaling runs for 6 iterations, the
+#      last under torch.profiler on rank 0 (--profile --use-pytorch-profiler): a trace and an
+#      operator table in $OUT/<run>/
 #   9. a checkpoint to convert (RUNS="1p3b_checkpoint"): the 1.3B GPT, bf16, ZeRO-1, saved after 3
 #      iterations in $WORK/checkpoint_1p3b; tools/benchmarks/bench_checkpoint_conversion.sh converts it
 #   10. a universal checkpoint in fp16 (RUNS="universal_fp16"; fp16 does not run on CPU): a 125M GPT saved
@@ -109,6 +112,13 @@ scale_run() {  # name ngpus [parallel flags...]: the 1.3B GPT of the scaling tab
     shift 2
     NGPUS=$ngpus ITERS=${ITERS_SCALE:-10} LOG_INTERVAL=1 gpt_run "$name" 24 2048 16 bf16 8 64 \
         --use-cpu-initialization "$@"
+}
+
+profile_run() {  # name ngpus [parallel flags...]: scale_run with iteration 6 profiled on rank 0 into $OUT/name
+    local name=$1 ngpus=$2
+    shift 2
+    ITERS_SCALE=6 scale_run "$name" "$ngpus" --tensorboard-dir "$OUT/$name" --profile --use-pytorch-profiler \
+        --profile-step-start 5 --profile-step-end 6 --profile-ranks 0 "$@"
 }
 
 logs_of() {  # run... -> their log paths
@@ -213,6 +223,9 @@ for run in $RUNS; do
         scale_tp2dp2) scale_run scale_tp2dp2 4 --tensor-model-parallel-size 2 ;;
         scale_tp2dp2_sp) scale_run scale_tp2dp2_sp 4 --tensor-model-parallel-size 2 --sequence-parallel ;;
         scale_pp4) scale_run scale_pp4 4 --pipeline-model-parallel-size 4 ;;
+        profile_1gpu) profile_run profile_1gpu 1 ;;
+        profile_tp2) profile_run profile_tp2 2 --tensor-model-parallel-size 2 ;;
+        profile_tp2_sp) profile_run profile_tp2_sp 2 --tensor-model-parallel-size 2 --sequence-parallel ;;
         universal_fp16) universal_runs fp16 ;;
         rel_bf16) reliability_runs bf16 ;;
         rel_fp16) reliability_runs fp16 ;;
