@@ -30,6 +30,9 @@ RUNS=$runs OUT=$OUT/trainer bash tests/gpu/run_trainer.sh > "$OUT/trainer.log" 2
 OUT=$OUT/vs_peer bash tools/benchmarks/bench_vs_peer.sh > "$OUT/vs_peer.log" 2>&1 || status=1
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then  # 1 GPU, DP=2, TP=2 (with and without sequence parallelism), PP=2
     OUT=$OUT/scaling bash tools/benchmarks/bench_scaling.sh > "$OUT/scaling.log" 2>&1 || status=1
+    # one profiled iteration of 1 GPU, TP=2 and TP=2 with sequence parallelism: traces and operator tables
+    RUNS="profile_1gpu profile_tp2 profile_tp2_sp" OUT=$OUT/profiles bash tests/gpu/run_trainer.sh \
+        > "$OUT/profiles.log" 2>&1 || status=1
 fi
 if [ -f runs/bnb_gpu/data/python-docs_text_document.idx ]; then  # 8-bit against 32-bit AdamW (run_bnb_adam.sh)
     OUT=$OUT/bnb bash tests/gpu/run_bnb_adam.sh > "$OUT/bnb.log" 2>&1 || status=1

@@ -57,6 +57,21 @@ def test_other_ranks_and_a_disabled_profiler_record_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.gpu
+def test_on_a_gpu_the_table_is_sorted_by_device_time(tmp_path):
+    profiler = IterationProfiler(profile_config(tmp_path), 0, torch.device("cuda"))
+    a = torch.randn(2048, 2048, device="cuda")
+    for iteration in range(1, 5):
+        with profiler.iteration(iteration):
+            a = torch.mm(a, a).tanh()
+    profiler.close()
+    table = (tmp_path / "profile_rank0_iterations_2-3.txt").read_text()
+    assert table.startswith("rank 0, iterations 2-3, sorted by self_device_time_total")
+    assert "aten::mm" in table
+    with open(tmp_path / "profile_rank0_iterations_2-3.pt.trace.json") as f:
+        assert any(event.get("cat") == "kernel" for event in json.load(f)["traceEvents"])
+
+
 def test_flags_reach_the_config():
     flags = parse(["--profile", "--use-pytorch-profiler", "--profile-step-start", "3", "--profile-step-end", "5",
                    "--profile-ranks", "0", "3", "--tensorboard-dir", "tb"], env=world(4)).flags
