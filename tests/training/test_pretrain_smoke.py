@@ -1,4 +1,5 @@
-"""pretrain_gpt.py end to end on CPU: log lines, evaluation, checkpoints, TensorBoard, exits, layouts."""
+"""pretrain_gpt.py end to end on CPU: log lines, evaluation, checkpoints, TensorBoard, exits (the parallel
+layouts against one process: test_layout_equivalence.py)."""
 import glob
 import json
 import math
@@ -211,35 +212,6 @@ def test_rampup_train_samples_and_train_tokens(preprocessed_corpus, tmp_path):  
     assert lines[-1]["consumed tokens"] == 104 * SEQ_LENGTH  # the first count >= 6000 tokens
     assert lines[0]["train_iters"] == 14
     assert [line["learning rate"] for line in lines[:4]] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
-
-
-LAYOUTS = {
-    "dp2-zero1": ["--zero-stage", "1"],
-    "dp2-zero2": ["--zero-stage", "2"],
-    "tp2": ["--tensor-model-parallel-size", "2"],
-    "pp2": ["--pipeline-model-parallel-size", "2"],
-}
-
-
-@pytest.fixture(scope="module")
-def single_process_losses(preprocessed_corpus):  # noqa: F811
-    return _layout_run(preprocessed_corpus, [], 1)
-
-
-def _layout_run(corpus, extra, nproc):
-    args = tiny_run_args(corpus, "--global-batch-size", "8", "--train-iters", "3", "--eval-iters", "0",
-                         "--hidden-dropout", "0", "--attention-dropout", "0", "--use-cpu-initialization", *extra)
-    lines = training_lines(run_pretrain(args, nproc=nproc).stdout)
-    return [line["lm loss"] for line in lines], [line["grad norm"] for line in lines]
-
-
-@pytest.mark.distributed
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_two_process_layouts_match_one_process(preprocessed_corpus, single_process_losses, layout):  # noqa: F811
-    losses, grad_norms = _layout_run(preprocessed_corpus, LAYOUTS[layout], 2)
-    assert losses == pytest.approx(single_process_losses[0], rel=1e-5)
-    assert grad_norms == pytest.approx(single_process_losses[1], abs=2e-3)
 
 
 def test_bad_flag_exits_with_status_2(preprocessed_corpus):  # noqa: F811
