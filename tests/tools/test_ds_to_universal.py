@@ -14,7 +14,6 @@ each target resumes from its own copy of the conversion.
 import argparse
 import os
 import shutil
-import sys
 
 import pytest
 import torch
@@ -23,9 +22,9 @@ from megatron.core.checkpoint.names import as_pipeline_name
 from megatron.core.checkpoint.reader import open_checkpoint
 from megatron.core.checkpoint.universal_writer import write_universal_zero
 from megatron.training.log_reader import iteration_records
-from tests.conftest import REPO_ROOT
-from tests.training.e2e_utils import e2e_data, read_scalars, run_command, run_pretrain  # noqa: F401
+from tests.training.e2e_utils import e2e_data, read_scalars, run_pretrain  # noqa: F401
 from tests.training.test_layout_equivalence import common_flags, series
+from tools.convert_checkpoint import ds_to_universal
 from tools.convert_checkpoint.ds_to_universal import write_model_states
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -33,7 +32,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 NUM_LAYERS, SEQ_LENGTH, GLOBAL_BATCH, TRAIN_ITERS, SAVE_ITERATION = 4, 32, 8, 6, 2
 RESUMED = list(range(SAVE_ITERATION + 1, TRAIN_ITERS + 1))
 LOSS_TAG, LR_TAG = "lm-loss-training/lm loss", "learning-rate/learning-rate"
-CONVERTER = os.path.join(REPO_ROOT, "tools", "convert_checkpoint", "ds_to_universal.py")
 BF16 = ["--bf16"]
 # (source layout, target layout, ZeRO stage of the source, of the target, precision flags)
 PAIRS = [
@@ -84,15 +82,15 @@ def sources(e2e_data, tmp_path_factory):  # noqa: F811
     return source
 
 
-def convert(save: str, destination: str) -> str:
-    """ds_to_universal.py on the source's global_step2, in a fresh --load directory; returns it."""
+def convert(save: str, destination: str, capsys) -> str:
+    """ds_to_universal.py's main on the source's global_step2, in a fresh --load directory; returns it.
+    In this process: test_merge_mp_partitions.py runs the script as a command."""
     load = os.path.join(destination, "load")
     os.makedirs(load)
-    result = run_command([sys.executable, CONVERTER, "--input_folder", os.path.join(save, f"global_step{SAVE_ITERATION}"),
-                          "--output_folder", os.path.join(load, f"global_step{SAVE_ITERATION}_universal"),
-                          "--num_extract_workers", "1", "--num_merge_workers", "1"], timeout=300)
-    result.assert_ok()
-    assert "universal checkpoint of iteration 2" in result.output
+    status = ds_to_universal.main(["--input_folder", os.path.join(save, f"global_step{SAVE_ITERATION}"),
+                                   "--output_folder", os.path.join(load, f"global_step{SAVE_ITERATION}_universal"),
+                                   "--num_extract_workers", "1", "--num_merge_workers", "1"])
+    assert status == 0 and "universal checkpoint of iteration 2" in capsys.readouterr().out
     return load
 
 
@@ -104,10 +102,10 @@ def counters(output: str, iterations: list[int]) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("source_layout, target_layout, source_zero, target_zero, precision", PAIRS,
                          ids=[f"{s}_z{a}-to-{t}_z{b}{'-bf16' if p else ''}" for s, t, a, b, p in PAIRS])
-def test_universal_resume_continues_the_source_run(sources, e2e_data, tmp_path, source_layout,  # noqa: F811
+def test_universal_resume_continues_the_source_run(sources, e2e_data, tmp_path, capsys, source_layout,  # noqa: F811
                                                    target_layout, source_zero, target_zero, precision):
     source = sources(source_layout, source_zero, precision)
-    load = convert(source["save"], str(tmp_path))
+    load = convert(source["save"], str(tmp_path), capsys)
     resumed = train(e2e_data, target_layout, target_zero, precision, str(tmp_path / "tb"),
                     ["--load", load, "--universal-checkpoint"])
     assert f"successfully loaded checkpoint from {load} at iteration {SAVE_ITERATION}" in resumed["output"]

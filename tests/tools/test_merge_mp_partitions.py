@@ -13,6 +13,7 @@ rate, since the LR schedule and the counters are carried.
 """
 import os
 import shutil
+import sys
 
 import pytest
 import torch
@@ -20,7 +21,8 @@ import torch
 from megatron.core.checkpoint.manifest import read_manifest
 from megatron.core.checkpoint.model_loading import full_model_state
 from megatron.core.checkpoint.reader import open_checkpoint
-from tests.training.e2e_utils import e2e_data, read_scalars, run_pretrain  # noqa: F401
+from tests.conftest import REPO_ROOT
+from tests.training.e2e_utils import e2e_data, read_scalars, run_command, run_pretrain  # noqa: F401
 from tests.training.test_layout_equivalence import common_flags, series
 from tools import merge_mp_partitions
 from tools.convert_checkpoint import deepspeed_to_deepspeed, deepspeed_to_megatron, ds_to_universal
@@ -111,6 +113,19 @@ def test_damaged_inputs_are_named_and_leave_no_output(source, tmp_path, capsys, 
     assert errors.count(named) == 2, errors
     assert not any(os.path.exists(path) for path in outputs.values())
     assert not [name for name in os.listdir(tmp_path) if name.startswith(".")]  # no partial directory left
+
+
+def test_ds_to_universal_runs_as_a_command_with_extract_workers(source, tmp_path):
+    """The script from another directory, with two spawned extraction processes (the tests elsewhere call
+    its main in their own process)."""
+    output = tmp_path / "load" / "global_step2_universal"
+    result = run_command([sys.executable, os.path.join(REPO_ROOT, "tools", "convert_checkpoint", "ds_to_universal.py"),
+                          "--input_folder", source[0], "--output_folder", str(output), "--num_extract_workers", "2"],
+                         cwd=str(tmp_path), timeout=300)
+    result.assert_ok()
+    assert f"universal checkpoint of iteration 2 (saved at TP 2, PP 2, DP 1) written to {output}" in result.output
+    assert (tmp_path / "load" / "latest_universal").read_text().strip() == "global_step2_universal"
+    assert os.path.isdir(output / "zero" / "3.mlp.dense_h_to_4h.weight")
 
 
 def test_wrong_input_folder_and_unsplittable_layout_are_refused(source, tmp_path, capsys):
