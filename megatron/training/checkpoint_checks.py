@@ -4,14 +4,15 @@ good is overwritten.
 Before any process group (``check_checkpoint_directories``, every rank, rank 0 reports):
   - ``latest`` in --load must name a tag directory: an empty, binary or overlong file, or one that
     names a file or nothing, is refused with its content;
+  - the manifest of the tag to resume lists every file with its size (megatron.core.checkpoint.manifest):
+    a missing or truncated file is named before the model is built;
   - a --load directory that holds global_stepN directories but no ``latest`` is refused (a deleted
     ``latest`` or a wrong --load must not start from scratch);
   - a run that will start at iteration 0 (nothing to resume, or --finetune) refuses a --save that
     already holds global_stepN directories, unless --overwrite-checkpoints.
-Before DeepSpeed reads anything (``check_before_loading``): the manifest lists every file with its
-size (megatron.core.checkpoint.manifest); the checkpoint was written by this trainer, for the same
-model, engine kind, TP and PP sizes, and DP size when ZeRO partitioned the optimizer (unless
---no-load-optim); every layer file of this stage is present. While DeepSpeed reads
+Before DeepSpeed reads anything (``check_before_loading``): the manifest again; the checkpoint was
+written by this trainer, for the same model, engine kind, TP and PP sizes, and DP size when ZeRO
+partitioned the optimizer (unless --no-load-optim); every layer file of this stage is present. While DeepSpeed reads
 (``verified_reads``): each file is checked against its manifest entry (size and CRC-32) first, and
 any file that cannot be read is named. Each refusal is a CheckpointError.
 With --universal-checkpoint, ``latest_universal`` is read instead of ``latest``; the manifest and
@@ -104,7 +105,10 @@ def resume_directory(directory: str, universal: bool = False) -> str | None:
 
 def check_checkpoint_directories(settings: CheckpointConfig) -> None:
     """The filesystem checks of the module docstring that need no process group."""
-    resumes = settings.load is not None and resume_directory(settings.load, settings.universal_checkpoint) is not None
+    directory = None if settings.load is None else resume_directory(settings.load, settings.universal_checkpoint)
+    resumes = directory is not None
+    if resumes:
+        _read_complete_manifest(directory)
     starts_at_zero = not resumes or settings.finetune
     if settings.save is None or not starts_at_zero or settings.overwrite_checkpoints:
         return
@@ -286,14 +290,20 @@ class VerifiedReads:
                 f"{self.seconds:.2f} s")
 
 
-def _manifest(tag_directory: str) -> Manifest | None:
-    """The tag's manifest with every listed file present at its size; None (and a notice) without one."""
+def _read_complete_manifest(tag_directory: str) -> Manifest | None:
+    """The tag's manifest with every listed file present at its size; None without one."""
     try:
         manifest = read_manifest(tag_directory)
         if manifest is not None:
             manifest.check_present(tag_directory)
     except ManifestError as error:
         raise unreadable(tag_directory, error, tag_directory) from error
+    return manifest
+
+
+def _manifest(tag_directory: str) -> Manifest | None:
+    """_read_complete_manifest, with a notice when there is none."""
+    manifest = _read_complete_manifest(tag_directory)
     if manifest is None:
         print_rank_0(f"notice: {tag_directory} has no manifest (written by an older trainer or by "
                      f"Megatron-DeepSpeed): its files are loaded without checksum verification")
