@@ -10,9 +10,9 @@ Before any process group (``check_checkpoint_directories``, every rank, rank 0 r
     ``latest`` or a wrong --load must not start from scratch);
   - a run that will start at iteration 0 (nothing to resume, or --finetune) refuses a --save that
     already holds global_stepN directories, unless --overwrite-checkpoints.
-Before DeepSpeed reads anything (``check_before_loading``): the manifest again; the checkpoint was
-written by this trainer, for the same model, engine kind, TP and PP sizes, and DP size when ZeRO
-partitioned the optimizer (unless --no-load-optim); every layer file of this stage is present. While DeepSpeed reads
+Before DeepSpeed reads anything (``check_before_loading``): the checkpoint was written by this
+trainer, for the same model, engine kind, TP and PP sizes, and DP size when ZeRO partitioned the
+optimizer (unless --no-load-optim); every layer file of this stage is present. While DeepSpeed reads
 (``verified_reads``): each file is checked against its manifest entry (size and CRC-32) first, and
 any file that cannot be read is named. Each refusal is a CheckpointError.
 With --universal-checkpoint, ``latest_universal`` is read instead of ``latest``; the manifest and
@@ -108,7 +108,7 @@ def check_checkpoint_directories(settings: CheckpointConfig) -> None:
     directory = None if settings.load is None else resume_directory(settings.load, settings.universal_checkpoint)
     resumes = directory is not None
     if resumes:
-        _read_complete_manifest(directory)
+        _read_manifest(directory, check_present=True)
     starts_at_zero = not resumes or settings.finetune
     if settings.save is None or not starts_at_zero or settings.overwrite_checkpoints:
         return
@@ -290,11 +290,12 @@ class VerifiedReads:
                 f"{self.seconds:.2f} s")
 
 
-def _read_complete_manifest(tag_directory: str) -> Manifest | None:
-    """The tag's manifest with every listed file present at its size; None without one."""
+def _read_manifest(tag_directory: str, check_present: bool) -> Manifest | None:
+    """The tag's manifest, None without one; with ``check_present`` every listed file must be there at
+    its size (a stat per file on every rank: done once, at start)."""
     try:
         manifest = read_manifest(tag_directory)
-        if manifest is not None:
+        if manifest is not None and check_present:
             manifest.check_present(tag_directory)
     except ManifestError as error:
         raise unreadable(tag_directory, error, tag_directory) from error
@@ -302,8 +303,9 @@ def _read_complete_manifest(tag_directory: str) -> Manifest | None:
 
 
 def _manifest(tag_directory: str) -> Manifest | None:
-    """_read_complete_manifest, with a notice when there is none."""
-    manifest = _read_complete_manifest(tag_directory)
+    """The manifest that verified_reads checks each read file against (their presence was checked at
+    start by check_checkpoint_directories), with a notice when there is none."""
+    manifest = _read_manifest(tag_directory, check_present=False)
     if manifest is None:
         print_rank_0(f"notice: {tag_directory} has no manifest (written by an older trainer or by "
                      f"Megatron-DeepSpeed): its files are loaded without checksum verification")
