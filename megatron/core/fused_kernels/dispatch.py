@@ -126,7 +126,7 @@ def bias_dropout_add_constraint_violation(x, bias, residual, prob):
     return _elementwise_violation(x, (("bias", bias), ("residual", residual)))
 
 
-def _kernels(module_name):
+def kernel_module(module_name):
     """The Triton module ``fused_kernels.<module_name>``, or None (after one warning) without triton."""
     if module_name not in _kernel_modules:
         try:
@@ -179,7 +179,7 @@ def scale_mask_softmax(scores, mask, scale, causal, softmax_in_fp32):
             )
     tensors = (scores,) if mask is None else (scores, mask)
     if runtime_blocker(*tensors) is None and softmax_constraint_violation(scores, mask) is None:
-        kernels = _kernels("triton_softmax")
+        kernels = kernel_module("triton_softmax")
         if kernels is not None:
             return kernels.ScaleMaskSoftmaxFunction.apply(scores, mask, scale, causal)
     return reference.scale_mask_softmax_reference(scores, mask, scale, causal, softmax_in_fp32)
@@ -193,7 +193,7 @@ def layer_norm(x, weight, bias, eps):
     _check_hidden_vector("layer_norm", "weight", weight, x.shape[-1])
     _check_hidden_vector("layer_norm", "bias", bias, x.shape[-1])
     if runtime_blocker(x, weight, bias) is None and layer_norm_constraint_violation(x, weight, bias) is None:
-        kernels = _kernels("triton_layer_norm")
+        kernels = kernel_module("triton_layer_norm")
         if kernels is not None:
             return kernels.LayerNormFunction.apply(x, weight, bias, eps)
     return reference.layer_norm_reference(x, weight, bias, eps)
@@ -203,7 +203,7 @@ def bias_gelu(bias, y):
     """gelu_tanh(y + bias) for y [..., h], bias [h]: Megatron's fused bias_gelu (tanh approximation)."""
     _check_hidden_vector("bias_gelu", "bias", bias, y.shape[-1])
     if runtime_blocker(bias, y) is None and bias_gelu_constraint_violation(bias, y) is None:
-        kernels = _kernels("triton_elementwise")
+        kernels = kernel_module("triton_elementwise")
         if kernels is not None:
             return kernels.BiasGeluFunction.apply(bias, y)
     return reference.bias_gelu_reference(bias, y)
@@ -223,7 +223,7 @@ def bias_dropout_add(x, bias, residual, prob, training):
         raise FusedKernelArgumentError(f"bias_dropout_add: prob must be in [0, 1], got {prob}")
     tensors = (x, residual) if bias is None else (x, bias, residual)
     if runtime_blocker(*tensors) is None and bias_dropout_add_constraint_violation(x, bias, residual, prob) is None:
-        kernels = _kernels("triton_elementwise")
+        kernels = kernel_module("triton_elementwise")
         if kernels is not None:
             return kernels.BiasDropoutAddFunction.apply(x, bias, residual, prob, training and prob > 0.0)
     return reference.bias_dropout_add_reference(x, bias, residual, prob, training)

@@ -9,11 +9,15 @@ Rank r holds z restricted to its vocabulary range [r V / k, (r + 1) V / k). The 
 (found on exactly one rank) and the sum of exponentials are combined by all-reduces of [s, b]
 tensors: the [s, b, V] logits are never gathered. All arithmetic is in fp32 after subtracting the
 global max, so logits of any magnitude (e.g. around 1e4) give finite, accurate losses.
+
+On a GPU the fused version (``_FusedVocabParallelCrossEntropy``) computes the same loss without the
+[s, b, v/k] fp32 temporaries: per rank one read of the logits forward, one read and one write backward.
 """
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from megatron.core.fused_kernels import dispatch
 from megatron.core.parallel_state import group_rank, group_size
 from megatron.core.tensor_parallel.utils import VocabUtility
 
@@ -55,12 +59,55 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad_logits.to(ctx.input_dtype), None, None
 
 
+class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
+    """The same loss from the Triton kernels (fused_kernels/triton_cross_entropy.py): each rank sweeps
+    its slice once for (m_r, s_r, z_t); then m = max_r m_r and s = sum_r s_r exp(m_r - m). Backward
+    recomputes the softmax from the saved logits, m and s."""
+
+    @staticmethod
+    def forward(ctx, logits, target, group):
+        kernels = _triton_kernels()
+        logits2d = logits.reshape(-1, logits.shape[-1])  # [s * b, v/k]
+        if logits2d.stride(-1) != 1:
+            logits2d = logits2d.contiguous()
+        target1d = target.reshape(-1).contiguous()
+        vocab_start, _ = VocabUtility.vocab_range_from_per_partition_vocab_size(
+            logits.shape[-1], group_rank(group), group_size(group))
+        row_max, row_sum, target_logit = kernels.slice_statistics(logits2d, target1d, vocab_start)
+        global_max = row_max
+        if group is not None:
+            global_max = row_max.clone()
+            dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+            sums = torch.stack([target_logit, row_sum * torch.exp(row_max - global_max)])  # [2, s * b]
+            dist.all_reduce(sums, group=group)
+            target_logit, row_sum = sums[0], sums[1]
+        loss = torch.log(row_sum) + global_max - target_logit  # [s * b]
+        ctx.save_for_backward(logits2d, target1d, global_max, row_sum)
+        ctx.vocab_start, ctx.logits_shape = vocab_start, logits.shape
+        return loss.view(target.shape)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits2d, target1d, global_max, row_sum = ctx.saved_tensors
+        grad_logits = _triton_kernels().cross_entropy_backward(
+            logits2d, target1d, global_max, row_sum, grad_loss.reshape(-1).float().contiguous(), ctx.vocab_start)
+        return grad_logits.view(ctx.logits_shape), None, None
+
+
+def _triton_kernels():
+    return dispatch.kernel_module("triton_cross_entropy")
+
+
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
                                  tp_group: ProcessGroup | None) -> torch.Tensor:
     """Per-token loss [s, b] from logits [s, b, v/k] split over ``tp_group`` and targets [s, b].
 
     Targets must be ids of the full vocabulary, in [0, V); mask padded or ignored positions in the
     loss afterwards (a loss mask), not with a special id. The loss is fp32 whatever the logits' dtype.
+    On a GPU the Triton kernels compute it when the fused kernels may run (fused_kernels.dispatch).
     """
     group = tp_group if group_size(tp_group) > 1 else None
+    if dispatch.runtime_blocker(logits, target) is None and logits.dtype in dispatch.FAST_DTYPES \
+            and _triton_kernels() is not None:
+        return _FusedVocabParallelCrossEntropy.apply(logits, target, group)
     return _VocabParallelCrossEntropy.apply(logits, target, group)

@@ -84,10 +84,10 @@ def test_missing_triton_warns_once_with_what_to_install(monkeypatch, error, expe
     monkeypatch.setattr(dispatch, "_kernel_modules", {})
     monkeypatch.setattr(dispatch, "importlib", types.SimpleNamespace(import_module=failing_import))
     with pytest.warns(UserWarning, match=expected):
-        assert dispatch._kernels("triton_softmax") is None
+        assert dispatch.kernel_module("triton_softmax") is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert dispatch._kernels("triton_softmax") is None
+        assert dispatch.kernel_module("triton_softmax") is None
 
 
 def test_cpu_autograd_flows_through_the_public_ops():

@@ -4,6 +4,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron.core.tensor_parallel import cross_entropy
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from tests.dist_utils import run_distributed
 
@@ -32,11 +33,12 @@ def _reference(logits, target, grad_loss, dtype):
     return loss.detach(), full.grad
 
 
-def _check(group, k, me, scale=3.0, offset=0.0, dtype=torch.float32):
+def _check(group, k, me, scale=3.0, offset=0.0, dtype=torch.float32, device="cpu"):
     logits, target, grad_loss = _inputs(scale, offset)
     loss_ref, grad_ref = _reference(logits, target, grad_loss, dtype)
-    local = logits.chunk(k, dim=-1)[me].clone().requires_grad_(True)  # [s, b, V/k]
-    loss = vocab_parallel_cross_entropy(local, target, group)
+    local = logits.chunk(k, dim=-1)[me].to(device).requires_grad_(True)  # [s, b, V/k]
+    loss = vocab_parallel_cross_entropy(local, target.to(device), group)
+    loss_ref, grad_ref, grad_loss = loss_ref.to(device), grad_ref.to(device), grad_loss.to(device)
     assert loss.shape == (SEQ, BATCH) and loss.dtype == torch.float32
     assert torch.isfinite(loss).all()
     assert_normwise_close(loss.detach(), loss_ref)
@@ -105,3 +107,53 @@ def test_bf16_logits_give_fp32_loss_and_bf16_grad():
     loss_ref, grad_ref = _reference(logits.bfloat16().double(), target, grad_loss, torch.float64)
     assert_normwise_close(loss.detach(), loss_ref, tol=1e-6)
     assert_normwise_close(local.grad, grad_ref, tol=1e-2)
+
+
+def _unfused_forbidden(*args):
+    raise AssertionError("the unfused cross entropy ran")
+
+
+@pytest.fixture
+def fused_path_only(monkeypatch):
+    """The unfused autograd function raises: each call provably takes the Triton kernels."""
+    monkeypatch.setattr(cross_entropy._VocabParallelCrossEntropy, "apply", _unfused_forbidden)
+
+
+@pytest.mark.gpu
+def test_fused_kernels_match_torch_on_the_gpu(fused_path_only):
+    _check(None, 1, 0, device="cuda")
+    _check(None, 1, 0, scale=10.0, offset=1e4, dtype=torch.float64, device="cuda")
+    _check(None, 1, 0, scale=10.0, offset=-1e4, dtype=torch.float64, device="cuda")
+
+
+def _fused_tp2_on_one_gpu(rank, world_size):
+    cross_entropy._VocabParallelCrossEntropy.apply = _unfused_forbidden  # a spawned process of its own
+    group = dist.new_group([0, 1])
+    _check(group, 2, rank, device="cuda")
+    _check(group, 2, rank, scale=10.0, offset=1e4, dtype=torch.float64, device="cuda")
+
+
+@pytest.mark.gpu
+def test_fused_kernels_combine_tp_slices():
+    """Two gloo ranks on one GPU, each with half the vocabulary."""
+    run_distributed(_fused_tp2_on_one_gpu, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_fused_equals_unfused_at_the_1p3b_head_size(dtype):
+    """[s, b, V] = [512, 4, 50304] (a padded GPT-2 vocabulary): loss within 1e-6, gradient within a rounding."""
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    logits = (torch.randn(512, 4, 50304, device="cuda", generator=generator) * 4).to(dtype)
+    target = torch.randint(0, 50304, (512, 4), device="cuda", generator=generator)
+    grad_loss = torch.rand(512, 4, device="cuda", generator=generator)
+    results = []
+    for function in (cross_entropy._FusedVocabParallelCrossEntropy, cross_entropy._VocabParallelCrossEntropy):
+        leaf = logits.clone().requires_grad_(True)
+        loss = function.apply(leaf, target, None)
+        loss.backward(grad_loss)
+        results.append((loss.detach(), leaf.grad))
+    (loss, grad), (loss_ref, grad_ref) = results
+    assert grad.dtype == dtype and grad.shape == logits.shape
+    assert_normwise_close(loss, loss_ref, tol=1e-6)
+    assert_normwise_close(grad, grad_ref, tol=4e-3 if dtype == torch.bfloat16 else 1e-5)

@@ -105,17 +105,34 @@ def check_pipeline_inputs(inputs):
     return tuple(inputs)
 
 
+class SwapFirstDims(torch.autograd.Function):
+    """[a, b, ...] -> [b, a, ...] contiguous, and the gradient back likewise contiguous.
+
+    ``x.transpose(0, 1).contiguous()`` hands back a transposed (strided) gradient. At the end of the
+    layers that strided gradient would flow down the whole residual stream: each layer's
+    bias-dropout-add returns it unchanged for the residual, autograd accumulates the norm's gradient
+    into it in place, so every layer pays a strided add and a copy in its backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.transpose(0, 1).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.transpose(0, 1).contiguous()
+
+
 def to_sequence_first(inputs, sequence_parallel_group=None):
     """(hidden [b, s, h], *rest) -> (hidden [s, b, h], *rest); given the TP group of sequence
     parallelism, this rank's block [s / tp, b, h] of it."""
-    hidden = inputs[0].transpose(0, 1).contiguous()  # [s, b, h]
+    hidden = SwapFirstDims.apply(inputs[0])  # [s, b, h]
     hidden = scatter_to_sequence_parallel_region(hidden, sequence_parallel_group)
     return (hidden, *inputs[1:])
 
 
 def to_batch_first(inputs):
     """(hidden [s, b, h], position_ids[, mask]) -> hidden [b, s, h]; the rest is no longer needed."""
-    return inputs[0].transpose(0, 1).contiguous()
+    return SwapFirstDims.apply(inputs[0])
 
 
 def sequence_parallel_hidden(inputs):

@@ -7,7 +7,7 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.models.gpt.masks import get_ltor_masks_and_position_ids
-from megatron.core.models.gpt.pipeline import (GPTModelPipe, LanguageModelLoss, PipelineInputError,
+from megatron.core.models.gpt.pipeline import (GPTModelPipe, LanguageModelLoss, PipelineInputError, SwapFirstDims,
                                                check_pipeline_inputs, gpt_layer_specs, stage_boundaries)
 from megatron.core.parallel_state import initialize_model_parallel, single_rank_groups
 from megatron.core.tensor_parallel.random import model_parallel_seed
@@ -124,6 +124,34 @@ def test_composed_stages_equal_gpt_model(reset):
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, expected_logits, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(loss, expected_loss)
+
+
+def test_the_residual_streams_gradient_stays_contiguous():
+    """The layers hand back contiguous gradients: a strided one from the transposes around the layers
+    would cost every layer's backward a strided add and a copy (SwapFirstDims)."""
+    config = tiny_config(num_layers=3)
+    tokens = random_tokens(2, 16, 64, seed=1)
+    masks = get_ltor_masks_and_position_ids(tokens[:, :-1], EOD, False, False, True)
+    specs = gpt_layer_specs(config, single_rank_groups())
+    stages = _build_stages(specs, stage_boundaries(specs, 1, "uniform"))
+    layouts = []
+    x = check_pipeline_inputs((tokens[:, :-1], masks.position_ids))
+    for function in stages[0]:
+        x = function(x)
+        if type(function).__name__ == "ParallelTransformerLayerPipe":
+            x[0].register_hook(lambda grad: layouts.append(grad.is_contiguous()))
+    LanguageModelLoss(None)(x, (tokens[:, 1:], masks.loss_mask)).backward()
+    assert layouts == [True, True, True]
+
+
+def test_swap_first_dims_gives_the_transposes_values_and_gradient():
+    x = torch.randn(4, 3, 5, requires_grad=True)
+    weights = torch.randn(3, 4, 5)
+    (SwapFirstDims.apply(x) * weights).sum().backward()
+    assert SwapFirstDims.apply(x).is_contiguous()
+    torch.testing.assert_close(SwapFirstDims.apply(x), x.transpose(0, 1), rtol=0, atol=0)
+    assert x.grad.is_contiguous()
+    torch.testing.assert_close(x.grad, weights.transpose(0, 1), rtol=0, atol=0)
 
 
 def test_pipeline_input_validation():
