@@ -81,7 +81,7 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
             sums = torch.stack([target_logit, row_sum * torch.exp(row_max - global_max)])  # [2, s * b]
             dist.all_reduce(sums, group=group)
             target_logit, row_sum = sums[0], sums[1]
-        loss = torch.log(row_sum) + global_max - target_logit  # [s * b]
+        loss = torch.log(row_sum) - (target_logit - global_max)  # [s * b]; z_t - m first: no rounding to ulp(m)
         ctx.save_for_backward(logits2d, target1d, global_max, row_sum)
         ctx.vocab_start, ctx.logits_shape = vocab_start, logits.shape
         return loss.view(target.shape)

@@ -16,7 +16,7 @@ caches. ``compiled_decode`` runs a one-token step after the embedding (the layer
 InferenceStage.body) through torch.compile, before the graph captures it: inductor fuses the small
 elementwise work around the matmuls (layer norms, bias-GeLU, bias + residual adds, the mask), which
 otherwise costs a kernel each: the steps' cost at small batches. It compiles once per batch size
-and cache capacity, with autotuning at small batches (``decode_body``); the prefill stays eager.
+and cache capacity; the prefill stays eager.
 """
 import torch
 
@@ -26,9 +26,6 @@ from megatron.core.tensor_parallel.mappings import (broadcast_from_rank, gather_
 from megatron.core.text_generation.cuda_graph import CapturedStep
 from megatron.core.text_generation.kv_cache import LayerKVCache, StaticKVCaches, new_caches
 from megatron.core.text_generation.stage_model import InferenceStage
-
-
-AUTOTUNED_DECODE_BATCH = 4
 
 
 class PipelineForward:
@@ -45,8 +42,7 @@ class PipelineForward:
         self.groups = groups
         self.static_cache = static_cache
         self.cuda_graphs = cuda_graphs
-        self.compiled_decode = compiled_decode
-        self._decode_bodies: dict[bool, object] = {}
+        self.decode_body = torch.compile(stage.body, dynamic=False, fullgraph=True) if compiled_decode else None
         self._static_caches: StaticKVCaches | None = None
 
     @property
@@ -72,29 +68,13 @@ class PipelineForward:
         if isinstance(kv_caches, StaticKVCaches):
             kv_caches.position.fill_(start)
             if tokens.shape[1] == 1:
-                body = self.decode_body(tokens)
                 if not self.cuda_graphs:
-                    return self._forward(tokens, kv_caches, start, body)
+                    return self._forward(tokens, kv_caches, start, self.decode_body)
                 if kv_caches.decode_graph is None:
-                    kv_caches.decode_graph = CapturedStep(lambda step: self._forward(step, kv_caches, body=body), tokens)
+                    kv_caches.decode_graph = CapturedStep(
+                        lambda step: self._forward(step, kv_caches, body=self.decode_body), tokens)
                 return kv_caches.decode_graph(tokens)
         return self._forward(tokens, kv_caches, start)
-
-    def decode_body(self, tokens: torch.Tensor):
-        """The compiled one-token step for tokens [b, 1], or None (eager) without ``compiled_decode``.
-
-        Up to AUTOTUNED_DECODE_BATCH rows on a GPU, inductor benchmarks its kernel choices
-        (max-autotune, coordinate-descent tuning of the Triton launch parameters): at batch 1 its
-        matrix-vector products with the layer norm and GeLU fused in read the weights faster than
-        cuBLAS's GEMV. At larger batches its tuned kernels were slower than cuBLAS's GEMMs, so those
-        compile with the defaults."""
-        if not self.compiled_decode:
-            return None
-        tuned = tokens.is_cuda and tokens.shape[0] <= AUTOTUNED_DECODE_BATCH
-        if tuned not in self._decode_bodies:
-            options = {"max_autotune": True, "coordinate_descent_tuning": True} if tuned else None
-            self._decode_bodies[tuned] = torch.compile(self.stage.body, dynamic=False, fullgraph=True, options=options)
-        return self._decode_bodies[tuned]
 
     def _forward(self, tokens: torch.Tensor, kv_caches, start: int = 0, body=None) -> torch.Tensor | None:
         groups = self.groups
