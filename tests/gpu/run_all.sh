@@ -33,10 +33,12 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then  # 1 GPU, DP=2, TP=2 (with and wit
     # one profiled iteration of 1 GPU, TP=2 and TP=2 with sequence parallelism: traces and operator tables
     RUNS="profile_1gpu profile_tp2 profile_tp2_sp" OUT=$OUT/profiles bash tests/gpu/run_trainer.sh \
         > "$OUT/profiles.log" 2>&1 || status=1
+    python3 tools/benchmarks/trace_summary.py "$OUT"/profiles/profile_*/*.pt.trace.json \
+        > "$OUT/profiles/trace_summary.md" || status=1
 fi
 if [ -f runs/bnb_gpu/data/python-docs_text_document.idx ]; then  # 8-bit against 32-bit AdamW (run_bnb_adam.sh)
     OUT=$OUT/bnb bash tests/gpu/run_bnb_adam.sh > "$OUT/bnb.log" 2>&1 || status=1
 fi
 cat "$OUT/trainer/summary.txt" "$OUT/trainer/layouts.txt" "$OUT/vs_peer/vs_peer.txt" \
-    "$OUT/scaling/scaling_losses.txt" "$OUT/scaling/scaling_table.md" 2>/dev/null
+    "$OUT/scaling/scaling_losses.txt" "$OUT/scaling/scaling_table.md" "$OUT/profiles/trace_summary.md" 2>/dev/null
 exit $status

@@ -157,3 +157,27 @@ def test_fused_equals_unfused_at_the_1p3b_head_size(dtype):
     assert grad.dtype == dtype and grad.shape == logits.shape
     assert_normwise_close(loss, loss_ref, tol=1e-6)
     assert_normwise_close(grad, grad_ref, tol=4e-3 if dtype == torch.bfloat16 else 1e-5)
+
+
+def _bf16_logits_against_their_fp32_cast(device):
+    """The loss of bf16 logits equals that of their fp32 copy bit for bit, and the gradient equals the
+    fp32 copy's rounded to bf16: the pipeline's head hands bf16 logits over with no cast."""
+    logits, target, grad_loss = (t.to(device) for t in _inputs())
+    results = []
+    for cast in (False, True):
+        leaf = logits.bfloat16().requires_grad_(True)
+        loss = vocab_parallel_cross_entropy(leaf.float() if cast else leaf, target, None)
+        loss.backward(grad_loss)
+        results.append((loss.detach(), leaf.grad))
+    (loss, grad), (loss_cast, grad_cast) = results
+    torch.testing.assert_close(loss, loss_cast, rtol=0, atol=0)
+    torch.testing.assert_close(grad, grad_cast, rtol=0, atol=0)
+
+
+def test_bf16_logits_need_no_cast():
+    _bf16_logits_against_their_fp32_cast("cpu")
+
+
+@pytest.mark.gpu
+def test_bf16_logits_need_no_cast_in_the_fused_kernels(fused_path_only):
+    _bf16_logits_against_their_fp32_cast("cuda")

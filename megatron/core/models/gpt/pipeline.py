@@ -10,8 +10,8 @@ Layer list (its indices are Megatron-DeepSpeed's layer numbers, which name the c
     L+3        to_batch_first                 [s, b, h] -> [b, s, h] (no state)
     L+4        LayerNorm                      final norm
     L+5        TiedLayerSpec("embed", EmbeddingPipe, forward_fn=tied_logits)  logits [b, s, V / tp]
-    L+6        logits_to_fp32                 (no state)
-    loss_fn    LanguageModelLoss              masked mean cross entropy
+    L+6        logits_for_fp32_loss           (no state) where Megatron-DeepSpeed casts the logits to fp32
+    loss_fn    LanguageModelLoss              masked mean cross entropy, in fp32 from logits of any dtype
 
 Batch (from the trainer's batch function): inputs ``(tokens, position_ids)`` or, with
 --reset-attention-mask, ``(tokens, position_ids, attention_mask)``; labels ``(labels, loss_mask)``.
@@ -141,8 +141,12 @@ def sequence_parallel_hidden(inputs):
     return inputs[0]
 
 
-def logits_to_fp32(logits: torch.Tensor) -> torch.Tensor:
-    return logits.float()
+def logits_for_fp32_loss(logits: torch.Tensor) -> torch.Tensor:
+    """The logits unchanged. Megatron-DeepSpeed's list casts them to fp32 here for the loss; ours
+    computes in fp32 from logits of any dtype with the same result (bf16 -> fp32 is exact), without
+    the [b, s, V / tp] fp32 copy and its cast back in backward. The entry stays so that the layer
+    numbers, and DeepSpeed's "uniform" stage split, stay those of Megatron-DeepSpeed."""
+    return logits
 
 
 class LanguageModelLoss:
@@ -191,7 +195,7 @@ def gpt_layer_specs(config: GPTModelConfig, groups: ParallelGroups, device=None)
                         sequence_parallel),
               TiedLayerSpec("embed", EmbeddingPipe, config, groups,
                             forward_fn=tied_logits_batch_first if sequence_parallel else tied_logits, **embedding),
-              logits_to_fp32]
+              logits_for_fp32_loss]
     return specs
 
 

@@ -23,7 +23,7 @@ def test_layer_list_follows_megatron_deepspeeds_numbering():
     names = [spec.typename.__name__ if isinstance(spec, LayerSpec) else spec.__name__ for spec in specs]
     assert names == ["check_pipeline_inputs", "EmbeddingPipe", "to_sequence_first",
                      "ParallelTransformerLayerPipe", "ParallelTransformerLayerPipe", "ParallelTransformerLayerPipe",
-                     "to_batch_first", "LayerNorm", "EmbeddingPipe", "logits_to_fp32"]
+                     "to_batch_first", "LayerNorm", "EmbeddingPipe", "logits_for_fp32_loss"]
     assert isinstance(specs[1], TiedLayerSpec) and isinstance(specs[8], TiedLayerSpec)
     assert specs[1].key == specs[8].key == "embed" and specs[8].forward_fn is not None
     assert [spec.module_args[1] for spec in specs[3:6]] == [1, 2, 3]  # global 1-based layer numbers
@@ -52,7 +52,7 @@ def _deepspeed_partition(specs, num_stages, method):
 
 
 def test_partition_methods_for_24_layers_and_a_250k_vocabulary():
-    """31 entries: 0 check, 1 embedding, 2 transpose, 3..26 layers, 27 transpose, 28 norm, 29 head, 30 cast.
+    """31 entries: 0 check, 1 embedding, 2 transpose, 3..26 layers, 27 transpose, 28 norm, 29 head, 30 logits for the fp32 loss.
 
     uniform: 31 entries over 4 stages = 8, 8, 8, 7 (the remainder goes to the first stages).
     type:transformer: 6 layers per stage; the stateless entries and the embedding ride along.
