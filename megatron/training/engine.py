@@ -256,6 +256,8 @@ def initialize_engine(config: TrainConfig, groups: ParallelGroups, model: torch.
         guard_fp32_steps(engine, groups)
     if engine.bfloat16_enabled():
         accumulate_bf16_gradients_in_one_kernel(engine)
+    if pipeline and (getattr(engine, "using_bf16_optimizer", False) or not engine.zero_optimization()):
+        model.reduce_sequence_parallel_gradients_once_per_step()
     if config.logging.log_num_zeros_in_grad:
         count_zeros_before_each_step(engine, groups)
     if config.parallel.sync_tp_duplicated_parameters and groups.tp_size > 1:

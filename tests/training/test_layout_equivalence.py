@@ -22,6 +22,7 @@ partition in a different order, and DeepSpeed sums per-tensor norms where torch 
 the norms; the worst case of that rounding is about sqrt(N)·eps ≈ 3e-5 (seen: ~1e-6).
 """
 import pytest
+import torch
 
 from megatron.core.models.gpt import GPTModelConfig
 from tests.training.e2e_utils import e2e_data, read_scalars, run_pretrain, tiny_gpt_flags  # noqa: F401
@@ -29,7 +30,7 @@ from tests.training.reference_loop import ReferenceSchedule, run_reference_loop,
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-GLOBAL_BATCH, TRAIN_ITERS, SEQ_LENGTH, SEED = 4, 6, 64, 1234
+GLOBAL_BATCH, TRAIN_ITERS, SEQ_LENGTH, SEED, NUM_LAYERS = 4, 6, 64, 1234, 2
 LR, MIN_LR, WARMUP_ITERS, DECAY_ITERS, WEIGHT_DECAY = 1e-3, 1e-4, 1, 8, 1.0
 LOSS_RTOL, GRAD_NORM_RTOL = 1e-5, 1e-4
 # More position rows than the sequence uses: rows 64-79 never get a gradient, so every layout must count
@@ -51,7 +52,8 @@ LAYOUTS = {
 }
 
 
-def common_flags(data, *, seq_length=SEQ_LENGTH, num_layers=2, global_batch=GLOBAL_BATCH, train_iters=TRAIN_ITERS):
+def common_flags(data, *, seq_length=SEQ_LENGTH, num_layers=NUM_LAYERS, global_batch=GLOBAL_BATCH,
+                 train_iters=TRAIN_ITERS):
     """The equivalence runs' flags: fp32, dropout 0, CPU initialization, a fixed padded vocabulary."""
     return tiny_gpt_flags(data, seq_length=seq_length, split="100,0,0", num_layers=num_layers) + [
         "--micro-batch-size", "1", "--global-batch-size", str(global_batch), "--train-iters", str(train_iters),
@@ -124,7 +126,7 @@ def test_the_run_changes_the_loss(layout_runs):
 
 
 def test_single_process_matches_a_plain_pytorch_adamw_loop(layout_runs, e2e_data):  # noqa: F811
-    model = GPTModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, padded_vocab_size=1152,
+    model = GPTModelConfig(num_layers=NUM_LAYERS, hidden_size=64, num_attention_heads=4, padded_vocab_size=1152,
                            seq_length=SEQ_LENGTH, max_position_embeddings=MAX_POSITIONS, hidden_dropout=0.0,
                            attention_dropout=0.0, use_cpu_initialization=True, seed=SEED)
     schedule = ReferenceSchedule(batch_sizes=(GLOBAL_BATCH,) * TRAIN_ITERS, lr=LR, min_lr=MIN_LR,
@@ -140,3 +142,32 @@ def test_single_process_matches_a_plain_pytorch_adamw_loop(layout_runs, e2e_data
     assert losses == pytest.approx([step.loss for step in reference], rel=LOSS_RTOL)
     assert grad_norms == pytest.approx([step.grad_norm for step in reference], rel=GRAD_NORM_RTOL)
     assert rates == pytest.approx([step.next_learning_rate for step in reference], rel=1e-6)
+
+
+def test_bf16_sequence_parallel_keeps_the_replicated_parameters_equal_across_tp(e2e_data, tmp_path):  # noqa: F811
+    """bf16 at ZeRO-1 (DeepSpeed's BF16_Optimizer, which sums the sequence-parallel gradients over TP
+    once per step from its fp32 accumulators): after 6 steps the norms' weights and biases and the
+    row-parallel biases, replicated on both TP ranks, are equal bit for bit (without the sum over TP
+    each rank would step on its own half of the sequence's gradient), and the losses follow the single
+    process's within bf16 rounding."""
+    losses = {}
+    for name, processes, flags in (("single", 1, []),
+                                   ("tp2-sp", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                                  "--save", str(tmp_path / "checkpoint"),
+                                                  "--save-interval", str(TRAIN_ITERS)])):
+        tensorboard_dir = str(tmp_path / f"tb_{name}")
+        run_pretrain(common_flags(e2e_data) + ["--bf16", "--zero-stage", "1"] + flags
+                     + ["--tensorboard-dir", tensorboard_dir], nproc=processes).assert_ok()
+        losses[name] = series(read_scalars(tensorboard_dir), "lm-loss-training/lm loss")
+    assert losses["tp2-sp"] == pytest.approx(losses["single"], rel=5e-3)
+    final_norm_file = f"layer_{NUM_LAYERS + 4:02d}-model_00-model_states.pt"
+    compared = []
+    for rank0_file in sorted((tmp_path / "checkpoint" / f"global_step{TRAIN_ITERS}").glob("layer_*-model_00-*.pt")):
+        rank0 = torch.load(rank0_file, map_location="cpu", weights_only=True)
+        rank1 = torch.load(str(rank0_file).replace("-model_00-", "-model_01-"), map_location="cpu", weights_only=True)
+        for key, tensor in rank0.items():
+            if "layernorm" in key or key.endswith(("dense.bias", "dense_4h_to_h.bias")) \
+                    or rank0_file.name == final_norm_file:
+                assert torch.equal(tensor, rank1[key]), f"{rank0_file.name} {key} differs between the TP ranks"
+                compared.append(key)
+    assert len(compared) == NUM_LAYERS * (2 * 2 + 2) + 2, compared  # per layer 2 norms x 2 + 2 biases; final norm

@@ -125,17 +125,20 @@ reduce_scatter_to_sequence_parallel_region = _region(
     "[s, ...] partial per rank -> rank r's [s / k, ...] block of the sum over ranks; backward all-gathers.")
 
 
-def allreduce_sequence_parallel_gradients(module: torch.nn.Module, group: ProcessGroup | None) -> int:
-    """Sum over the TP group the gradient of every parameter of ``module`` marked ``sequence_parallel``
-    (replicated weights applied to one rank's block of the sequence: layer norms, row-parallel
-    biases), as it is computed in backward, before it reaches ``.grad`` or DeepSpeed's buffers; the
-    sum is the gradient of the whole sequence, the same on every rank. Returns how many are hooked."""
+def sequence_parallel_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters of ``module`` marked ``sequence_parallel``: replicated weights applied to one
+    rank's block of the sequence (layer norms, row-parallel biases), whose gradients are partial."""
+    return [param for param in module.parameters() if getattr(param, "sequence_parallel", False)]
+
+
+def allreduce_sequence_parallel_gradients(module: torch.nn.Module, group: ProcessGroup | None) -> list:
+    """Sum over the TP group the gradient of every ``sequence_parallel_parameters`` of ``module`` as
+    it is computed in backward, before it reaches ``.grad`` or DeepSpeed's buffers; the sum is the
+    gradient of the whole sequence, the same on every rank. Returns the hooks' removable handles."""
     if group_size(group) == 1:
-        return 0
-    marked = [param for param in module.parameters() if getattr(param, "sequence_parallel", False)]
-    for param in marked:
-        param.register_hook(lambda grad: _all_reduce(grad, group))
-    return len(marked)
+        return []
+    return [param.register_hook(lambda grad: _all_reduce(grad, group))
+            for param in sequence_parallel_parameters(module)]
 
 
 # Plain transfers for inference (no autograd): activations between pipeline stages, and a tensor

@@ -112,7 +112,7 @@ def _check_sequence_parallel(group, k, me, per_rank_x, per_rank_g):
     # a marked parameter's gradient is summed over the group as backward computes it; others are not
     norm = torch.nn.LayerNorm(4, dtype=torch.float64)
     norm.weight.sequence_parallel = True
-    assert allreduce_sequence_parallel_gradients(norm, group) == 1
+    assert len(allreduce_sequence_parallel_gradients(norm, group)) == 1
     norm(x).mul(g).sum().backward()
     reference = torch.nn.LayerNorm(4, dtype=torch.float64)
     per_rank_weight_grads, per_rank_bias_grads = [], []

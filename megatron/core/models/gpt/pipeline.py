@@ -42,9 +42,10 @@ from megatron.core.models.gpt.embedding import Embedding
 from megatron.core.models.gpt.gpt_model import language_model_loss
 from megatron.core.models.gpt.layer_norm import LayerNorm
 from megatron.core.models.gpt.transformer_layer import ParallelTransformerLayer
-from megatron.core.parallel_state import ParallelGroups
+from megatron.core.parallel_state import ParallelGroups, group_size
 from megatron.core.tensor_parallel.mappings import (allreduce_sequence_parallel_gradients,
-                                                    scatter_to_sequence_parallel_region)
+                                                    scatter_to_sequence_parallel_region,
+                                                    sequence_parallel_parameters)
 from megatron.core.tensor_parallel.random import checkpoint
 
 PARTITION_METHODS = ("uniform", "parameters", "type:<class-name regex>")
@@ -264,8 +265,31 @@ class GPTModelPipe(PipelineModule):
                          activation_checkpoint_func=TransformerChunkCheckpoint(
                              config.distribute_checkpointed_activations, groups.tp))
         self.config = config
-        if config.sequence_parallel:
-            allreduce_sequence_parallel_gradients(self, groups.tp)
+        self._sequence_parallel_group = groups.tp
+        self._sequence_parallel_hooks = allreduce_sequence_parallel_gradients(self, groups.tp) \
+            if config.sequence_parallel else []
+        self._sequence_parallel_once_per_step = False
+
+    def reduce_sequence_parallel_gradients_once_per_step(self) -> None:
+        """Sum the sequence-parallel parameters' gradients over the TP group once per step, where the
+        engine sums the tied embedding's over its stages, instead of once per parameter and
+        micro-batch in backward (6 all-reduces per layer and micro-batch, each a launch on the host).
+        The sums are the same (gradients add up linearly over micro-batches). The engine calls this
+        when its optimizer keeps gradients until the step: BF16_Optimizer (which reduces its fp32
+        accumulators, ``_hp_grad``) or the plain optimizer without ZeRO (``.grad``)."""
+        for handle in self._sequence_parallel_hooks:
+            handle.remove()
+        self._sequence_parallel_hooks = []
+        self._sequence_parallel_once_per_step = bool(self.config.sequence_parallel)
+
+    def get_tied_weights_and_groups(self):
+        """DeepSpeed's (weight, group) pairs whose gradients it all-reduces at each step's end; with
+        ``reduce_sequence_parallel_gradients_once_per_step`` also the sequence-parallel parameters
+        of this stage with the TP group."""
+        pairs = super().get_tied_weights_and_groups()
+        if self._sequence_parallel_once_per_step and group_size(self._sequence_parallel_group) > 1:
+            pairs += [(param, self._sequence_parallel_group) for param in sequence_parallel_parameters(self)]
+        return pairs
 
     def _synchronize_tied_weights(self):
         """DeepSpeed broadcasts the tied weights in place (at build and after loading a checkpoint);
