@@ -6,7 +6,8 @@ deepspeed launcher pass SIGTERM and SIGINT on to their workers. The handler only
 signal; the trainer asks every rank at each iteration boundary, in the same all-reduce as the kill
 switch, so all ranks stop after the same iteration, save it (with --save), print where and how to
 resume, and return normally (exit status 0). A further signal while that checkpoint is written is
-recorded and ignored, so it cannot cut the save short; SIGKILL remains the way to stop at once.
+recorded and ignored, so it cannot cut the save short, and so is one after it, until the process has
+exited; SIGKILL remains the way to stop at once.
 
 DataLoader workers ignore these signals (``ignore_exit_signals`` is their init function): a launcher
 that signals the whole process tree would otherwise kill the batch in flight; the main process ends
@@ -30,8 +31,11 @@ class ExitSignals:
         return self
 
     def __exit__(self, *exc_info) -> None:
+        """Restore the previous handlers; after a received signal the process is on its way out, so
+        further exit signals stay ignored instead (a default handler would end it by the signal, a
+        non-zero status, in the middle of its last lines)."""
         for number, handler in self._previous.items():
-            signal.signal(number, handler)
+            signal.signal(number, signal.SIG_IGN if self.received else handler)
         self._previous.clear()
 
     def _record(self, number, frame) -> None:

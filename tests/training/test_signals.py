@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from megatron.training.signals import EXIT_SIGNALS, ExitSignals
 from tests.training.e2e_utils import (PRETRAIN_SCRIPT, Job, e2e_data, read_scalars, run_pretrain,  # noqa: F401
                                       start_ranks, tiny_gpt_flags, torchrun_command)
 
@@ -125,3 +126,29 @@ def test_signal_saves_and_the_resumed_run_continues_exactly(e2e_data, tmp_path, 
     losses = training_losses(str(tmp_path / "resumed" / "tb"))
     assert sorted(losses) == list(range(iteration + 1, TRAIN_ITERS + 1))
     assert {it: losses[it] for it in losses} == {it: reference[it] for it in losses}  # difference 0.0
+
+
+@pytest.fixture
+def saved_exit_handlers():
+    saved = {number: signal.getsignal(number) for number in EXIT_SIGNALS}
+    yield
+    for number, handler in saved.items():
+        signal.signal(number, handler)
+
+
+def test_after_a_signal_further_ones_stay_ignored_until_the_process_exits(saved_exit_handlers):
+    with ExitSignals() as signals:
+        os.kill(os.getpid(), signal.SIGUSR1)
+    assert signals.first == signal.SIGUSR1
+    assert [signal.getsignal(number) for number in EXIT_SIGNALS] == [signal.SIG_IGN] * len(EXIT_SIGNALS)
+    os.kill(os.getpid(), signal.SIGUSR1)  # would end this process under the default handler
+
+
+def test_without_a_signal_the_previous_handlers_come_back(saved_exit_handlers):
+    def handler(number, frame):
+        pass
+
+    signal.signal(signal.SIGUSR1, handler)
+    with ExitSignals() as signals:
+        assert signal.getsignal(signal.SIGUSR1) != handler
+    assert signals.first == 0 and signal.getsignal(signal.SIGUSR1) is handler
