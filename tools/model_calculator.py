@@ -26,7 +26,8 @@ parallelism), with e = 2, f = 4h:  s b h (10 + 24/t) bytes, + 5 a s^2 b / t when
 scores are materialized (the trainer's --deterministic; its default fused attention keeps none).
 With full checkpointing a layer keeps only its input (e s b h) and one chunk is recomputed at a
 time. 1F1B keeps min(p - stage, micro-batches per step) micro-batches in flight. The last stage adds
-8 s b V_p / t at the loss (the fp32 logits and the cross entropy's fp32 copy of them).
+2 e s b V_p / t at the loss (the logits, which the fused cross entropy keeps for the backward, and
+their gradient).
 
 FLOPs per iteration (Narayanan et al. 2021), matmuls only:
     model     F = 3 B s [L (8h^2 + 4sh + 4hf) + 2hV_p]   = 72 B s L h^2 (1 + s/6h + V_p/12Lh) at f = 4h
@@ -52,8 +53,6 @@ from megatron.training.argument_types import parse_float, parse_int  # noqa: E40
 
 GIB = 2.0 ** 30
 SECONDS_PER_DAY = 86400.0
-# At the loss: the fp32 logits and the cross entropy's fp32 working copy (kept as the softmax for the backward).
-LOGITS_BYTES = 8
 POSITION_EMBEDDING_TYPES = ("absolute", "learned", "rotary", "alibi")  # learned = Megatron's absolute
 PRECISIONS = ("fp32", "fp16", "bf16")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -342,9 +341,11 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout) -> float:
 
 
 def logits_activation_bytes(shape: ModelShape, layout: Layout) -> float:
-    """8 s b V_p / t at the loss (last stage): the fp32 logits and the cross entropy's fp32 copy of them."""
+    """2 e s b V_p / t at the loss (last stage): the logits, which the GPU's fused cross entropy keeps for
+    the backward (it computes in fp32 without a working copy), and their gradient."""
     vocab = padded_vocab_size(shape, layout.tensor_parallel)
-    return LOGITS_BYTES * shape.seq_length * layout.micro_batch_size * vocab / layout.tensor_parallel
+    element = activation_element_bytes(layout.precision)
+    return 2 * element * shape.seq_length * layout.micro_batch_size * vocab / layout.tensor_parallel
 
 
 def micro_batches_in_flight(layout: Layout, stage: int) -> int:
