@@ -134,7 +134,8 @@ def add_training_args(parser):
     group.add_argument("--abort-on-unmet-fused-kernel-constraints", action="store_true",
                        help="exit instead of falling back when a fused kernel cannot serve the configured shapes")
     group.add_argument("--pp-partition-method", default=None,
-                       help="DeepSpeed PipelineModule partition method (default type:transformer)")
+                       help="DeepSpeed PipelineModule partition method: uniform, parameters, type:<regex> "
+                            "(default type:transformer), or flops (stages balanced by forward FLOPs)")
 
 
 def add_initialization_args(parser):

@@ -19,7 +19,7 @@
 #      4096, bf16, the scaling-efficiency reference for 5
 #   7. against the peer (RUNS="peer_1p3b peer_350m", log interval 1): the 1.3B at micro-batch 8 and the
 #      350M at micro-batch 16, bf16, ZeRO-1; tools/benchmarks/bench_vs_peer.sh runs them and the peer
-#   8. scaling (RUNS="scale_1gpu scale_dp2 scale_tp2 scale_tp2_sp scale_pp2", and with 4 GPUs
+#   8. scaling (RUNS="scale_1gpu scale_dp2 scale_tp2 scale_tp2_sp scale_pp2 scale_pp2_flops", and with 4 GPUs
 #      "scale_tp2dp2 scale_tp2dp2_sp scale_pp4"): the 1.3B GPT, bf16, ZeRO-1, micro-batch 8, global
 #      batch 64 (8 micro-batches per pipeline), CPU initialization (the same weights in every layout);
 #      tools/benchmarks/bench_scaling.sh runs them and prints the table
@@ -220,6 +220,7 @@ for run in $RUNS; do
         scale_tp2) scale_run scale_tp2 2 --tensor-model-parallel-size 2 ;;
         scale_tp2_sp) scale_run scale_tp2_sp 2 --tensor-model-parallel-size 2 --sequence-parallel ;;
         scale_pp2) scale_run scale_pp2 2 --pipeline-model-parallel-size 2 ;;
+        scale_pp2_flops) scale_run scale_pp2_flops 2 --pipeline-model-parallel-size 2 --pp-partition-method flops ;;
         scale_tp2dp2) scale_run scale_tp2dp2 4 --tensor-model-parallel-size 2 ;;
         scale_tp2dp2_sp) scale_run scale_tp2dp2_sp 4 --tensor-model-parallel-size 2 --sequence-parallel ;;
         scale_pp4) scale_run scale_pp4 4 --pipeline-model-parallel-size 4 ;;

@@ -662,3 +662,9 @@ def test_sequence_parallel_needs_tp_and_whole_blocks_of_the_sequence(ds_file):
     assert "pipeline" not in parse(tp2 + ["--pipeline-model-parallel-size", "2"], env=world(4)).derived.ds_config
     message = error(with_ds(ds_file({"pipeline": {"pipe_partitioned": True}}), *pp2), env=world(4))
     assert "pipeline.pipe_partitioned" in message and "set it to false" in message
+
+
+@pytest.mark.parametrize("method", ["flops", "type:transformer|embedding", "parameters", "uniform"])
+def test_partition_methods_reach_the_config(method):
+    parsed = parse(["--pp-partition-method", method, "--pipeline-model-parallel-size", "2"], env=world(2))
+    assert build_config(parsed, tokenizer_vocab_size=1000).parallel.pp_partition_method == method

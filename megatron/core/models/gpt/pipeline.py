@@ -37,6 +37,7 @@ import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.utils import partition_balanced, partition_uniform
 
+from megatron.core.flops import layer_forward_flops_per_token
 from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.models.gpt.embedding import Embedding
 from megatron.core.models.gpt.gpt_model import language_model_loss
@@ -48,7 +49,7 @@ from megatron.core.tensor_parallel.mappings import (allreduce_sequence_parallel_
                                                     sequence_parallel_parameters)
 from megatron.core.tensor_parallel.random import checkpoint
 
-PARTITION_METHODS = ("uniform", "parameters", "type:<class-name regex>")
+PARTITION_METHODS = ("uniform", "parameters", "type:<class-name regex>", "flops")
 
 
 class PipelineInputError(ValueError):
@@ -201,9 +202,9 @@ def gpt_layer_specs(config: GPTModelConfig, groups: ParallelGroups, device=None)
 
 
 def check_partition_method(partition_method: str) -> None:
-    """Raise ValueError unless DeepSpeed's PipelineModule implements ``partition_method``."""
+    """Raise ValueError unless ``partition_method`` is DeepSpeed's or "flops" (GPTModelPipe's own)."""
     method = partition_method.lower()
-    if method not in ("uniform", "parameters") and not method.startswith("type:"):
+    if method not in ("uniform", "parameters", "flops") and not method.startswith("type:"):
         raise ValueError(f"--pp-partition-method {partition_method!r} is not supported; use one of {PARTITION_METHODS}")
 
 
@@ -224,14 +225,32 @@ def _parameter_count(layer) -> int:
     return 0
 
 
+def _forward_flops_per_token(layer) -> int:
+    """A layer's share of the model FLOPs (megatron.core.flops): a transformer layer's, the output
+    head's 2hV (the tied embedding with a forward_fn), 0 for the rest (lookups, norms, transposes)."""
+    if isinstance(layer, LayerSpec) and layer.typename is ParallelTransformerLayerPipe:
+        config = layer.module_args[0]
+        return layer_forward_flops_per_token(config.hidden_size, config.seq_length, config.ffn_hidden_size,
+                                             config.projection_size, config.glu_activation is not None)
+    if isinstance(layer, TiedLayerSpec) and layer.forward_fn is not None:
+        config = layer.module_args[0]
+        return 2 * config.hidden_size * config.padded_vocab_size
+    return 0
+
+
 def stage_boundaries(layer_specs: list, num_stages: int, partition_method: str) -> list[int]:
     """[0, b_1, ..., len(layer_specs)]: stage i runs layers [b_i, b_{i+1}), as PipelineModule splits them.
 
     Uses DeepSpeed's own partition_uniform / partition_balanced with the weights its
-    ``_partition_layers`` gives each method ("parameters" builds each layer once to count).
+    ``_partition_layers`` gives each method ("parameters" builds each layer once to count). "flops"
+    weighs each layer by its forward FLOPs per token, so the stage with the output head (about 1.8
+    layers of a 1.3B GPT with GPT-2's vocabulary) gets fewer transformer layers.
     """
     check_partition_method(partition_method)
     method = partition_method.lower()
+    if method == "flops":
+        return partition_balanced(weights=[_forward_flops_per_token(layer) for layer in layer_specs],
+                                  num_parts=num_stages)
     if method == "uniform":
         return partition_uniform(num_items=len(layer_specs), num_parts=num_stages)
     if method == "parameters":
@@ -269,6 +288,19 @@ class GPTModelPipe(PipelineModule):
         self._sequence_parallel_hooks = allreduce_sequence_parallel_gradients(self, groups.tp) \
             if config.sequence_parallel else []
         self._sequence_parallel_once_per_step = False
+
+    def _partition_layers(self, method="uniform"):
+        """DeepSpeed's split for its methods; "flops" (``stage_boundaries``) here, listed as DeepSpeed lists."""
+        if method.lower() != "flops":
+            return super()._partition_layers(method)
+        self.parts = stage_boundaries(self._layer_specs, self.num_stages, method)
+        if self.global_rank == 0:
+            for stage, (start, stop) in enumerate(zip(self.parts[:-1], self.parts[1:])):
+                print(f"stage={stage} layers={stop - start}")
+                for index in range(start, stop):
+                    print(f"    {index:2d}: {_layer_name(self._layer_specs[index])}")
+        self._set_bounds(start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
+        return None
 
     def reduce_sequence_parallel_gradients_once_per_step(self) -> None:
         """Sum the sequence-parallel parameters' gradients over the TP group once per step, where the

@@ -81,6 +81,19 @@ def test_partition_methods_for_24_layers_and_a_250k_vocabulary():
         stage_boundaries(specs, 4, "type:decoder")
 
 
+def test_flops_partition_weighs_the_output_head():
+    """h = 64, s = 64: a layer is 24h^2 + 4sh = 114688 FLOPs per token and the head 2hV; at V = 1792 the
+    head weighs two layers, so 24 layers over 2 stages split 13 / 11 + head (entries 0-15 / 16-30),
+    where one unit per transformer layer splits them 12 / 12 (entries 0-14 / 15-30)."""
+    config = tiny_config(num_layers=24, hidden_size=64, seq_length=64, max_position_embeddings=64,
+                         padded_vocab_size=1792, use_cpu_initialization=False)
+    model_parallel_seed(1, 0, 0)
+    specs = gpt_layer_specs(config, single_rank_groups())
+    assert stage_boundaries(specs, 2, "flops") == [0, 16, 31]
+    assert [int(b) for b in stage_boundaries(specs, 2, "type:transformer")] == [0, 15, 31]
+    assert stage_boundaries(specs, 1, "FLOPS") == [0, 31]
+
+
 def _build_stages(specs, boundaries):
     """Instantiate the specs stage by stage (a tied module is built once and shared, as DeepSpeed does)."""
     tied, stages = {}, []
@@ -212,8 +225,8 @@ def _pipeline_worker(rank, world_size):
     config = tiny_config(num_layers=NUM_LAYERS, seq_length=15, hidden_dropout=0.1, attention_dropout=0.1,
                          position_embedding_type="alibi")
     topology = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1)
-    module = GPTModelPipe(config, groups, topology, partition_method="type:transformer")
-    assert [int(b) for b in module.parts] == stage_boundaries(gpt_layer_specs(config, groups), 2, "type:transformer")
+    module = GPTModelPipe(config, groups, topology, partition_method="flops")  # ours; DeepSpeed's: e2e runs
+    assert [int(b) for b in module.parts] == stage_boundaries(gpt_layer_specs(config, groups), 2, "flops")
     reference = GPTModel(config, single_rank_groups())
     gathered = full_weights(module.named_parameters(), groups.tp)
     for name, weight in gathered.items():
