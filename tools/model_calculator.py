@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.core.flops import layer_forward_flops_per_token  # noqa: E402
+from megatron.core.flops import layer_forward_flops_per_token, output_layer_forward_flops_per_token  # noqa: E402
 from megatron.core.flops import model_flops_per_iteration as core_model_flops  # noqa: E402
 from megatron.core.tokenizer.gpt2_bpe import TokenizerError  # noqa: E402
 from megatron.core.tokenizer.vocab_padding import vocab_size_with_padding  # noqa: E402
@@ -404,7 +404,7 @@ def hardware_flops_with_recompute(shape: ModelShape, layout: Layout) -> float:
     """4 B s L (8h^2 + 4sh + 4hf) + 6 B s h V_p: full recomputation adds one forward of the layers (the
     output layer is not recomputed); 96 B s L h^2 (1 + s/6h + V_p/16Lh) at f = 4h (Narayanan et al. 2021)."""
     tokens = layout.batch * shape.seq_length
-    logits = 2 * shape.hidden_size * padded_vocab_size(shape, layout.tensor_parallel)
+    logits = output_layer_forward_flops_per_token(shape.hidden_size, padded_vocab_size(shape, layout.tensor_parallel))
     return tokens * (4.0 * shape.num_layers * forward_flops_per_token_per_layer(shape) + 3.0 * logits)
 
 

@@ -22,6 +22,11 @@ def layer_forward_flops_per_token(hidden_size: int, seq_length: int, ffn_hidden_
     return 8 * h * p + 4 * s * p + 2 * h * f * (gate + 1)
 
 
+def output_layer_forward_flops_per_token(hidden_size: int, padded_vocab_size: int) -> int:
+    """2hV: the output layer's (logits') forward FLOPs per token."""
+    return 2 * hidden_size * padded_vocab_size
+
+
 def model_flops_per_iteration(*, global_batch_size: int, seq_length: int, num_layers: int, hidden_size: int,
                               padded_vocab_size: int, ffn_hidden_size: int | None = None,
                               projection_size: int | None = None, glu: bool = False) -> float:
@@ -31,5 +36,5 @@ def model_flops_per_iteration(*, global_batch_size: int, seq_length: int, num_la
     doubles the first MLP matmul (g = 2).
     """
     per_layer = layer_forward_flops_per_token(hidden_size, seq_length, ffn_hidden_size, projection_size, glu)
-    per_token = num_layers * per_layer + 2 * hidden_size * padded_vocab_size
+    per_token = num_layers * per_layer + output_layer_forward_flops_per_token(hidden_size, padded_vocab_size)
     return 3.0 * global_batch_size * seq_length * per_token

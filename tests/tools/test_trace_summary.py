@@ -42,3 +42,14 @@ def test_summary_of_a_step_with_overlapped_and_exposed_communication(tmp_path):
 def test_a_trace_without_kernels_is_refused():
     with pytest.raises(ValueError, match="no GPU kernels"):
         summarize([{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5}])
+
+
+@pytest.mark.parametrize("content", [None, "{not json", '{"events": []}', '{"traceEvents": []}'],
+                         ids=["missing", "not json", "no traceEvents", "no kernels"])
+def test_a_bad_trace_is_named(tmp_path, capsys, content):
+    path = tmp_path / "trace.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(path)])
+    assert exit_info.value.code == 2 and f"{path}: not a torch.profiler trace" in capsys.readouterr().err

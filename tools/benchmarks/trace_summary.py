@@ -81,8 +81,11 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     rows = []
     for path in args.traces:
-        with open(path) as f:
-            rows.append((path, summarize(json.load(f)["traceEvents"])))
+        try:
+            with open(path) as f:
+                rows.append((path, summarize(json.load(f)["traceEvents"])))
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            parser.error(f"{path}: not a torch.profiler trace with GPU kernels ({type(error).__name__}: {error})")
     keys = list(rows[0][1])
     print("| trace | " + " | ".join(f"{key} (ms)" for key in keys) + " |")
     print("|---" * (len(keys) + 1) + "|")

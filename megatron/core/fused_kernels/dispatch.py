@@ -126,6 +126,11 @@ def bias_dropout_add_constraint_violation(x, bias, residual, prob):
     return _elementwise_violation(x, (("bias", bias), ("residual", residual)))
 
 
+def cross_entropy_constraint_violation(logits):
+    """Why the Triton cross entropy (tensor_parallel.cross_entropy) cannot take these logits, or None."""
+    return _dtype_violation("logits", logits)
+
+
 def kernel_module(module_name):
     """The Triton module ``fused_kernels.<module_name>``, or None (after one warning) without triton."""
     if module_name not in _kernel_modules:

@@ -107,7 +107,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
     On a GPU the Triton kernels compute it when the fused kernels may run (fused_kernels.dispatch).
     """
     group = tp_group if group_size(tp_group) > 1 else None
-    if dispatch.runtime_blocker(logits, target) is None and logits.dtype in dispatch.FAST_DTYPES \
-            and _triton_kernels() is not None:
+    fused = dispatch.runtime_blocker(logits, target) is None \
+        and dispatch.cross_entropy_constraint_violation(logits) is None and _triton_kernels() is not None
+    if fused:
         return _FusedVocabParallelCrossEntropy.apply(logits, target, group)
     return _VocabParallelCrossEntropy.apply(logits, target, group)

@@ -37,13 +37,13 @@ import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.utils import partition_balanced, partition_uniform
 
-from megatron.core.flops import layer_forward_flops_per_token
+from megatron.core.flops import layer_forward_flops_per_token, output_layer_forward_flops_per_token
 from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.models.gpt.embedding import Embedding
 from megatron.core.models.gpt.gpt_model import language_model_loss
 from megatron.core.models.gpt.layer_norm import LayerNorm
 from megatron.core.models.gpt.transformer_layer import ParallelTransformerLayer
-from megatron.core.parallel_state import ParallelGroups, group_size
+from megatron.core.parallel_state import ParallelGroups
 from megatron.core.tensor_parallel.mappings import (allreduce_sequence_parallel_gradients,
                                                     scatter_to_sequence_parallel_region,
                                                     sequence_parallel_parameters)
@@ -234,7 +234,7 @@ def _forward_flops_per_token(layer) -> int:
                                              config.projection_size, config.glu_activation is not None)
     if isinstance(layer, TiedLayerSpec) and layer.forward_fn is not None:
         config = layer.module_args[0]
-        return 2 * config.hidden_size * config.padded_vocab_size
+        return output_layer_forward_flops_per_token(config.hidden_size, config.padded_vocab_size)
     return 0
 
 
@@ -287,7 +287,7 @@ class GPTModelPipe(PipelineModule):
         self._sequence_parallel_group = groups.tp
         self._sequence_parallel_hooks = allreduce_sequence_parallel_gradients(self, groups.tp) \
             if config.sequence_parallel else []
-        self._sequence_parallel_once_per_step = False
+        self._reduced_once_per_step: list[torch.nn.Parameter] = []
 
     def _partition_layers(self, method="uniform"):
         """DeepSpeed's split for its methods; "flops" (``stage_boundaries``) here, listed as DeepSpeed lists."""
@@ -309,19 +309,18 @@ class GPTModelPipe(PipelineModule):
         The sums are the same (gradients add up linearly over micro-batches). The engine calls this
         when its optimizer keeps gradients until the step: BF16_Optimizer (which reduces its fp32
         accumulators, ``_hp_grad``) or the plain optimizer without ZeRO (``.grad``)."""
+        if self._sequence_parallel_hooks:  # hooked: sequence parallelism over more than one TP rank
+            self._reduced_once_per_step = sequence_parallel_parameters(self)
         for handle in self._sequence_parallel_hooks:
             handle.remove()
         self._sequence_parallel_hooks = []
-        self._sequence_parallel_once_per_step = bool(self.config.sequence_parallel)
 
     def get_tied_weights_and_groups(self):
         """DeepSpeed's (weight, group) pairs whose gradients it all-reduces at each step's end; with
         ``reduce_sequence_parallel_gradients_once_per_step`` also the sequence-parallel parameters
         of this stage with the TP group."""
-        pairs = super().get_tied_weights_and_groups()
-        if self._sequence_parallel_once_per_step and group_size(self._sequence_parallel_group) > 1:
-            pairs += [(param, self._sequence_parallel_group) for param in sequence_parallel_parameters(self)]
-        return pairs
+        return super().get_tied_weights_and_groups() + [(param, self._sequence_parallel_group)
+                                                         for param in self._reduced_once_per_step]
 
     def _synchronize_tied_weights(self):
         """DeepSpeed broadcasts the tied weights in place (at build and after loading a checkpoint);
