@@ -228,10 +228,6 @@ def add_distributed_args(parser):
                        help="with TP > 1, split the activations outside the TP regions (norms, dropouts, "
                             "residual adds) along the sequence over the TP ranks: reduce-scatter and all-gather "
                             "instead of all-reduce (no effect at TP 1)")
-    group.add_argument("--tp-comm-overlap-chunks", type=parse_int, default=1,
-                       help="with TP > 1, run each micro-batch as this many chunks of its samples so that one "
-                            "chunk's tensor-parallel all-reduces in forward overlap another chunk's compute; must "
-                            "divide --micro-batch-size; not with --sequence-parallel (default 1: no chunks)")
     group.add_argument("--distributed-backend", choices=("nccl", "gloo"), default="nccl",
                        help="collective backend (gloo is used automatically without CUDA)")
     group.add_argument("--local_rank", "--local-rank", dest="local_rank", type=parse_int, default=None,

@@ -31,7 +31,7 @@ POSITIVE_INTS = ("num_layers", "hidden_size", "num_attention_heads", "micro_batc
                  "log_interval", "exit_interval", "exit_duration_in_mins", "eval_interval", "save_interval",
                  "tensorboard_log_interval", "tensorboard_queue_size", "lr_decay_iters", "lr_decay_samples",
                  "lr_decay_tokens", "checkpoint_num_layers", "tensor_model_parallel_size", "keep_last_checkpoints",
-                 "pipeline_model_parallel_size", "hysteresis", "tp_comm_overlap_chunks")
+                 "pipeline_model_parallel_size", "hysteresis")
 NON_NEGATIVE_NUMBERS = ("eval_iters", "num_workers", "valid_num_workers", "lr_warmup_iters", "max_consecutive_nan_iterations",
                         "lr_warmup_samples", "lr_warmup_tokens", "seed", "zero_stage", "lr", "min_lr",
                         "weight_decay", "clip_grad", "sgd_momentum")
@@ -193,11 +193,7 @@ def _check_learning_rate_and_saving(args):
 
 
 def _check_batch(args, explicit, derived: DerivedValues):
-    """microbatches.check_batch_sizes, the one home of the batch-size rules, with where d comes from;
-    the micro-batch must split into --tp-comm-overlap-chunks chunks."""
-    if args.tensor_model_parallel_size > 1 and args.micro_batch_size % args.tp_comm_overlap_chunks != 0:
-        raise ArgumentError(f"--tp-comm-overlap-chunks {args.tp_comm_overlap_chunks} splits each micro-batch along its "
-                            f"samples: it must divide --micro-batch-size ({args.micro_batch_size})")
+    """microbatches.check_batch_sizes, the one home of the batch-size rules, with where d comes from."""
     try:
         check_batch_sizes(derived.global_batch_size, args.micro_batch_size, derived.data_parallel_size,
                           args.rampup_batch_size)

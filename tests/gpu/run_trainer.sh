@@ -16,17 +16,14 @@
 #      runs these at TP=2 x PP=2 x DP=2); on 8 GPUs RUNS="6p7b_tp2pp2dp2 6p7b_tp4pp2 6p7b_tp2pp4
 #      6p7b_compare_8"
 #   6. the best single-GPU figure at the same width (RUNS="w4096_mbs2 w4096_mbs4"): 16 layers, hidden
-#      4096, bf16, the scaling-efficiency reference for 5; the same model at TP=2 on 2 GPUs, without and
-#      with --tp-comm-overlap-chunks 2 (RUNS="w4096_tp2 w4096_tp2_overlap"), and the 6.7B at TP=2 x DP=2
-#      with the overlap (RUNS="6p7b_tp2dp2_overlap")
+#      4096, bf16, the scaling-efficiency reference for 5
 #   7. against the peer (RUNS="peer_1p3b peer_350m", log interval 1): the 1.3B at micro-batch 8 and the
 #      350M at micro-batch 16, bf16, ZeRO-1; tools/benchmarks/bench_vs_peer.sh runs them and the peer
-#   8. scaling (RUNS="scale_1gpu scale_dp2 scale_tp2 scale_tp2_sp scale_tp2_overlap scale_tp2_overlap4 scale_pp2
-#      scale_pp2_flops", and with 4 GPUs "scale_tp2dp2 scale_tp2dp2_sp scale_tp2dp2_overlap scale_pp4"; overlap:
-#      --tp-comm-overlap-chunks 2 or 4): the 1.3B GPT, bf16, ZeRO-1, micro-batch 8, global
+#   8. scaling (RUNS="scale_1gpu scale_dp2 scale_tp2 scale_tp2_sp scale_pp2 scale_pp2_flops", and with 4 GPUs
+#      "scale_tp2dp2 scale_tp2dp2_sp scale_pp4"): the 1.3B GPT, bf16, ZeRO-1, micro-batch 8, global
 #      batch 64 (8 micro-batches per pipeline), CPU initialization (the same weights in every layout);
 #      tools/benchmarks/bench_scaling.sh runs them and prints the table
-#   8b. profiles (RUNS="profile_1gpu profile_tp2 profile_tp2_sp profile_tp2_overlap"): the scaling runs for 6 iterations, the
+#   8b. profiles (RUNS="profile_1gpu profile_tp2 profile_tp2_sp"): the scaling runs for 6 iterations, the
 #      last under torch.profiler on rank 0 (--profile --use-pytorch-profiler): a trace and an
 #      operator table in $OUT/<run>/
 #   9. a checkpoint to convert (RUNS="1p3b_checkpoint"): the 1.3B GPT, bf16, ZeRO-1, saved after 3
@@ -193,7 +190,6 @@ for run in $RUNS; do
                             | tee "$OUT/layouts.txt" || status=1 ;;
         6p7b_tp2pp2) big_run 6p7b_tp2pp2 4 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 ;;
         6p7b_tp2dp2) big_run 6p7b_tp2dp2 4 --tensor-model-parallel-size 2 ;;
-        6p7b_tp2dp2_overlap) big_run 6p7b_tp2dp2_overlap 4 --tensor-model-parallel-size 2 --tp-comm-overlap-chunks 2 ;;
         6p7b_compare) compare_layouts 2e-2 5 6p7b_tp2pp2 6p7b_tp2dp2 | tee "$OUT/layouts_6p7b.txt" || status=1 ;;
         6p7b_tp2pp2_save) rm -rf "$WORK/checkpoint_6p7b"
                           big_run 6p7b_tp2pp2_save "${CKPT_NGPUS:-4}" --tensor-model-parallel-size 2 \
@@ -223,18 +219,14 @@ for run in $RUNS; do
         scale_dp2) scale_run scale_dp2 2 ;;
         scale_tp2) scale_run scale_tp2 2 --tensor-model-parallel-size 2 ;;
         scale_tp2_sp) scale_run scale_tp2_sp 2 --tensor-model-parallel-size 2 --sequence-parallel ;;
-        scale_tp2_overlap) scale_run scale_tp2_overlap 2 --tensor-model-parallel-size 2 --tp-comm-overlap-chunks 2 ;;
-        scale_tp2_overlap4) scale_run scale_tp2_overlap4 2 --tensor-model-parallel-size 2 --tp-comm-overlap-chunks 4 ;;
         scale_pp2) scale_run scale_pp2 2 --pipeline-model-parallel-size 2 ;;
         scale_pp2_flops) scale_run scale_pp2_flops 2 --pipeline-model-parallel-size 2 --pp-partition-method flops ;;
         scale_tp2dp2) scale_run scale_tp2dp2 4 --tensor-model-parallel-size 2 ;;
         scale_tp2dp2_sp) scale_run scale_tp2dp2_sp 4 --tensor-model-parallel-size 2 --sequence-parallel ;;
-        scale_tp2dp2_overlap) scale_run scale_tp2dp2_overlap 4 --tensor-model-parallel-size 2 --tp-comm-overlap-chunks 2 ;;
         scale_pp4) scale_run scale_pp4 4 --pipeline-model-parallel-size 4 ;;
         profile_1gpu) profile_run profile_1gpu 1 ;;
         profile_tp2) profile_run profile_tp2 2 --tensor-model-parallel-size 2 ;;
         profile_tp2_sp) profile_run profile_tp2_sp 2 --tensor-model-parallel-size 2 --sequence-parallel ;;
-        profile_tp2_overlap) profile_run profile_tp2_overlap 2 --tensor-model-parallel-size 2 --tp-comm-overlap-chunks 2 ;;
         universal_fp16) universal_runs fp16 ;;
         rel_bf16) reliability_runs bf16 ;;
         rel_fp16) reliability_runs fp16 ;;
@@ -243,9 +235,6 @@ for run in $RUNS; do
         offload) ZERO_STAGE=2 OFFLOAD=1 ITERS=12 gpt_run offload_1p3b_bf16 24 2048 16 bf16 8 32 ;;
         w4096_mbs2) ITERS=20 gpt_run w4096_mbs2 16 4096 32 bf16 2 16 ;;
         w4096_mbs4) ITERS=20 gpt_run w4096_mbs4 16 4096 32 bf16 4 16 ;;
-        w4096_tp2) NGPUS=2 ITERS=20 gpt_run w4096_tp2 16 4096 32 bf16 4 16 --tensor-model-parallel-size 2 ;;
-        w4096_tp2_overlap) NGPUS=2 ITERS=20 gpt_run w4096_tp2_overlap 16 4096 32 bf16 4 16 \
-                               --tensor-model-parallel-size 2 --tp-comm-overlap-chunks 2 ;;
         *) echo "unknown run $run" >&2; status=1 ;;
     esac
 done

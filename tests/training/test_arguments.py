@@ -161,7 +161,6 @@ VALIDATION_CASES = {
     "legacy data impl": (["--data-impl", "lazy"], (), None, ["--data-impl"]),
     "bad partition method": (["--pp-partition-method", "bogus"], (), None, ["--pp-partition-method"]),
     "non-positive interval": (["--log-interval", "0"], (), None, ["--log-interval"]),
-    "non-positive overlap chunks": (["--tp-comm-overlap-chunks", "0"], (), None, ["--tp-comm-overlap-chunks"]),
     "beta out of range": (["--adam-beta2", "1.0"], (), None, ["--adam-beta2"]),
     "negative min lr": (["--min-lr", "-1"], (), None, ["--min-lr"]),
 }
@@ -663,19 +662,6 @@ def test_sequence_parallel_needs_tp_and_whole_blocks_of_the_sequence(ds_file):
     assert "pipeline" not in parse(tp2 + ["--pipeline-model-parallel-size", "2"], env=world(4)).derived.ds_config
     message = error(with_ds(ds_file({"pipeline": {"pipe_partitioned": True}}), *pp2), env=world(4))
     assert "pipeline.pipe_partitioned" in message and "set it to false" in message
-
-
-def test_tp_comm_overlap_chunks_split_the_micro_batch_under_tensor_parallelism():
-    tp2 = ["--tensor-model-parallel-size", "2"]
-    chunked = parse(tp2 + ["--tp-comm-overlap-chunks", "2"], env=world(2))
-    assert build_config(chunked, tokenizer_vocab_size=1000).model.tp_comm_overlap_chunks == 2
-    # without TP there is no collective to overlap: the micro-batch runs whole
-    assert build_config(parse(["--tp-comm-overlap-chunks", "2"]), tokenizer_vocab_size=1000) \
-        .model.tp_comm_overlap_chunks == 1
-    message = error(tp2 + ["--tp-comm-overlap-chunks", "4"], env=world(2))
-    assert "--tp-comm-overlap-chunks 4" in message and "--micro-batch-size (2)" in message
-    message = model_config_error(tp2 + ["--tp-comm-overlap-chunks", "2", "--sequence-parallel"], world(2))
-    assert "--tp-comm-overlap-chunks" in message and "--sequence-parallel" in message
 
 
 @pytest.mark.parametrize("method", ["flops", "type:transformer|embedding", "parameters", "uniform"])

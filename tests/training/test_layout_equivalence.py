@@ -46,8 +46,6 @@ LAYOUTS = {
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
     "tp2-pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
     "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-    # micro-batches of 2 samples, each run as 2 chunks whose TP all-reduces overlap
-    "tp2-overlap": (2, ["--tensor-model-parallel-size", "2", "--micro-batch-size", "2", "--tp-comm-overlap-chunks", "2"]),
     "tp2-sp-zero2": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--zero-stage", "2"]),
     "tp2-pp2-sp": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                        "--sequence-parallel"]),

@@ -16,9 +16,7 @@ from megatron.core.parallel_state import single_rank_groups
 def gpt_model_config(checkpoint: SavedCheckpoint, **overrides) -> GPTModelConfig:
     """The saved model configuration (``args.model``) as a GPTModelConfig, with ``overrides``."""
     names = {field.name for field in dataclasses.fields(GPTModelConfig)}
-    # how the saving run scheduled its TP collectives is no property of the model (nor a fit for every batch)
-    values = {name: value for name, value in checkpoint.model.items()
-              if name in names and name != "tp_comm_overlap_chunks"}
+    values = {name: value for name, value in checkpoint.model.items() if name in names}
     values["params_dtype"] = torch_dtype(str(values["params_dtype"]).removeprefix("torch."), "args.model.params_dtype")
     return GPTModelConfig(**{**values, **overrides})
 

@@ -23,7 +23,6 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
-    start_reduce_from_tensor_model_parallel_region,
 )
 from megatron.core.tensor_parallel.random import get_rng_tracker
 from megatron.core.tensor_parallel.utils import (VocabUtility, all_gather_along_first_dim, divide,
@@ -177,9 +176,7 @@ class RowParallelLinear(nn.Module):
     [s / k, ..] block); b then meets only that block, so its gradient is partial and the bias is
     marked ``sequence_parallel`` for the TP all-reduce of such gradients (``allreduce_sequence_parallel_grads``).
 
-    forward(x) -> (y [.., output_size], bias or None). Given a list ``in_flight`` (with
-    ``skip_bias_add``, without sequence parallelism), the all-reduce is only launched: its work is
-    appended there and y holds the sum once the caller has waited for it.
+    forward(x) -> (y [.., output_size], bias or None).
     """
 
     def __init__(self, input_size: int, output_size: int, *, tp_group: ProcessGroup | None, bias: bool = True,
@@ -205,15 +202,10 @@ class RowParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor, in_flight: list | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)  # [.., input_size / k]
         partial = F.linear(x, self.weight)  # [.., output_size], this rank's X_r A_r
-        if in_flight is not None:
-            if self.sequence_parallel or not self.skip_bias_add:
-                raise ValueError("RowParallelLinear: a launched all-reduce (in_flight) needs skip_bias_add and no "
-                                 "sequence parallelism: nothing may read the output before the caller waits")
-            return start_reduce_from_tensor_model_parallel_region(partial, self.tp_group, in_flight), self.bias
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # [s / k, .., output_size]
         else:

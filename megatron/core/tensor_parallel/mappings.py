@@ -20,10 +20,6 @@ The gather feeds a column-parallel GEMM (or the vocabulary-parallel head): every
 the gathered X is a partial sum, so the adjoint sums them and hands each rank its block. The
 reduce-scatter leaves a row-parallel GEMM: sum of the partial products, each rank keeping its block.
 
-``start_reduce_from_tensor_model_parallel_region`` is the all-reduce of the reduce row launched
-without waiting: the caller waits on the work it hands back before reading the sum, and computes
-something else meanwhile (the overlapped micro-batch chunks of transformer_layer.py).
-
 The group is explicit; ``group=None`` or a group of one rank makes every function the identity.
 """
 from typing import Callable
@@ -34,7 +30,7 @@ from torch.distributed import ProcessGroup
 
 from megatron.core.parallel_state import group_rank, group_size
 from megatron.core.tensor_parallel.utils import (all_gather_along_first_dim, reduce_scatter_along_first_dim,
-                                                 split_tensor_along_last_dim, start_all_reduce)
+                                                 split_tensor_along_last_dim)
 
 
 Collective = Callable[[torch.Tensor, ProcessGroup], torch.Tensor]  # (tensor, group) -> tensor
@@ -127,32 +123,6 @@ gather_from_sequence_parallel_region = _region(
 reduce_scatter_to_sequence_parallel_region = _region(
     "reduce_scatter_to_sequence_parallel_region", reduce_scatter_along_first_dim, all_gather_along_first_dim,
     "[s, ...] partial per rank -> rank r's [s / k, ...] block of the sum over ranks; backward all-gathers.")
-
-
-class _StartAllReduce(torch.autograd.Function):
-    """Y = sum over ranks of X, summed in place and launched: the work goes to ``in_flight``; dL/dX = dL/dY."""
-
-    @staticmethod
-    def forward(ctx, tensor, group, in_flight):
-        ctx.mark_dirty(tensor)
-        in_flight.append(start_all_reduce(tensor, group))
-        return tensor
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return grad_output, None, None
-
-
-def start_reduce_from_tensor_model_parallel_region(tensor: torch.Tensor, group: ProcessGroup | None,
-                                                   in_flight: list) -> torch.Tensor:
-    """reduce_from_tensor_model_parallel_region without the wait: the sum over ranks is launched in
-    place on ``tensor`` and its work appended to ``in_flight``. The returned tensor holds the sum
-    once that work is waited for (``work.wait()``; on GPU the current stream waits, the host does
-    not block); until then read nothing from it. ``tensor`` must be a fresh result that no one else
-    reads or saves for backward (a GEMM's output)."""
-    if group_size(group) == 1:
-        return tensor
-    return _StartAllReduce.apply(tensor, group, in_flight)
 
 
 def sequence_parallel_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:

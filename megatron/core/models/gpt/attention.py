@@ -64,8 +64,7 @@ class ParallelSelfAttention(nn.Module):
             self.register_buffer("alibi_slopes", slopes.to(device), persistent=False)
 
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask: torch.Tensor | None = None, kv_cache=None,
-                in_flight: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                attention_mask: torch.Tensor | None = None, kv_cache=None) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden_states [s, b, h], position_ids [b, s], attention_mask bool [b, 1, s, s] (True = masked,
         causality included) or None for plain causal attention -> (output [s, b, h], bias [h]).
 
@@ -74,9 +73,6 @@ class ParallelSelfAttention(nn.Module):
         values to attend over [b, np, T, hn], a mask [.., s, T] (True = hidden) and the queries'
         positions [s]; or None for both, then the queries are the last s of the T positions (causal,
         bottom-right). Attention then runs through sdpa.
-
-        ``in_flight``: a list that receives the output projection's all-reduce, launched but not
-        waited for (RowParallelLinear.forward); the output holds the sum once it is waited for.
         """
         mixed, _ = self.query_key_value(hidden_states)  # [s, b, np * 3 * hn], whole s under sequence parallelism
         seq_length, batch = mixed.shape[:2]
@@ -101,7 +97,7 @@ class ParallelSelfAttention(nn.Module):
             context = self._materialized(query, key, value, alibi, attention_mask)
         # [b, np, s, hn] -> [s, b, np * hn]
         context = context.permute(2, 0, 1, 3).reshape(seq_length, batch, -1)
-        return self.dense(context, in_flight)
+        return self.dense(context)
 
     def _dropout_probability(self) -> float:
         return self.config.attention_dropout if self.training else 0.0

@@ -47,10 +47,6 @@ class GPTModelConfig:
     dropouts and residual adds run on s / tp positions; the column-parallel GEMMs all-gather their
     input and the row-parallel ones reduce-scatter their output instead of one all-reduce.
 
-    ``tp_comm_overlap_chunks`` (--tp-comm-overlap-chunks K, meaningful with TP > 1): the layers run
-    each micro-batch as K chunks of its samples, so that one chunk's TP all-reduces in forward run
-    while another chunk computes (transformer_layer.run_layers_overlapped). 1 runs it whole.
-
     ``attention_impl`` chooses how attention is computed:
     "sdpa" (default) runs torch's scaled_dot_product_attention (flash / cuDNN / memory-efficient on
     GPU); "materialized" forms the [b, n, s, s] scores as Megatron-DeepSpeed does (query-key layer scaling,
@@ -88,7 +84,6 @@ class GPTModelConfig:
     checkpoint_num_layers: int = 1
     distribute_checkpointed_activations: bool = False
     sequence_parallel: bool = False
-    tp_comm_overlap_chunks: int = 1
     attention_impl: str = "sdpa"
 
     def __post_init__(self):
@@ -162,12 +157,6 @@ class GPTModelConfig:
         if self.sequence_parallel and self.distribute_checkpointed_activations:
             raise GPTConfigError("--sequence-parallel already splits the checkpointed activations over the TP "
                                  "ranks: drop --distribute-checkpointed-activations / --partition-activations")
-        if self.tp_comm_overlap_chunks < 1:
-            raise GPTConfigError(f"--tp-comm-overlap-chunks must be >= 1, got {self.tp_comm_overlap_chunks}")
-        if self.sequence_parallel and self.tp_comm_overlap_chunks > 1:
-            raise GPTConfigError("--tp-comm-overlap-chunks overlaps the all-reduces of tensor parallelism; the "
-                                 "all-gathers and reduce-scatters of --sequence-parallel are not chunked: use one "
-                                 "of the two flags")
         if self.stable_embedding and not self.embed_layernorm:
             raise GPTConfigError("a stable embedding (--use-bnb-optimizer) has a LayerNorm after the word embedding: "
                                  "it needs embed_layernorm")

@@ -5,7 +5,7 @@ from torch import nn
 from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.models.gpt.embedding import Embedding
 from megatron.core.models.gpt.layer_norm import LayerNorm
-from megatron.core.models.gpt.transformer_layer import ParallelTransformerLayer, run_layers_overlapped
+from megatron.core.models.gpt.transformer_layer import ParallelTransformerLayer
 from megatron.core.parallel_state import ParallelConfigError, ParallelGroups
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.mappings import (allreduce_sequence_parallel_gradients,
@@ -86,14 +86,10 @@ class GPTModel(nn.Module):
         return language_model_loss(logits, labels.t(), loss_mask.t(), self.groups.tp)
 
     def _run_layers(self, hidden_states, position_ids, attention_mask):
-        """The transformer layers, in checkpointed chunks under --checkpoint-activations, each run on
-        micro-batch chunks with --tp-comm-overlap-chunks. [s, b, h]."""
+        """The transformer layers, in checkpointed chunks under --checkpoint-activations. [s, b, h]."""
 
         def run_chunk(start, end):
             def forward_chunk(hidden):
-                if self.config.tp_comm_overlap_chunks > 1:
-                    return run_layers_overlapped(self.layers[start:end], hidden, position_ids, attention_mask,
-                                                 self.config.tp_comm_overlap_chunks)
                 for layer in self.layers[start:end]:
                     hidden = layer(hidden, position_ids, attention_mask)
                 return hidden

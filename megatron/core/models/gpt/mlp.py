@@ -10,6 +10,7 @@ from megatron.core.parallel_state import ParallelGroups
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
+
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
@@ -53,8 +54,8 @@ class ParallelMLP(nn.Module):
             init_method=weight_init_method(config, layer_number, "mlp.dense_4h_to_h.weight", output_projection=True),
             **common)
 
-    def forward(self, hidden_states: torch.Tensor, in_flight: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """[s, b, h] -> (output [s, b, h], bias [h]); ``in_flight`` as in ParallelSelfAttention.forward."""
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[s, b, h] -> (output [s, b, h], bias [h])."""
         intermediate, bias = self.dense_h_to_4h(hidden_states)  # [s, b, (2) ffn / tp]
         if self.config.glu_activation is not None:
             linear, gate = (intermediate + bias).chunk(2, dim=-1)  # 2 x [s, b, ffn / tp]
@@ -64,4 +65,4 @@ class ParallelMLP(nn.Module):
         else:
             approximate = "tanh" if self.config.openai_gelu else "none"
             intermediate = F.gelu(intermediate + bias, approximate=approximate)
-        return self.dense_4h_to_h(intermediate, in_flight)
+        return self.dense_4h_to_h(intermediate)

@@ -42,7 +42,7 @@ from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.models.gpt.embedding import Embedding
 from megatron.core.models.gpt.gpt_model import language_model_loss
 from megatron.core.models.gpt.layer_norm import LayerNorm
-from megatron.core.models.gpt.transformer_layer import ParallelTransformerLayer, run_layers_overlapped
+from megatron.core.models.gpt.transformer_layer import ParallelTransformerLayer
 from megatron.core.parallel_state import ParallelGroups
 from megatron.core.tensor_parallel.mappings import (allreduce_sequence_parallel_gradients,
                                                     scatter_to_sequence_parallel_region,
@@ -75,37 +75,14 @@ def tied_logits_batch_first(embedding: Embedding, hidden_states: torch.Tensor) -
     return embedding.logits(hidden_states).transpose(0, 1)
 
 
-class DeferredLayers:
-    """The input of a run of transformer layers and the layers met so far, passed from layer to
-    layer under --tp-comm-overlap-chunks until the run's last layer runs them all on micro-batch
-    chunks (the chunks' collectives overlap across layer boundaries only within one run)."""
-
-    def __init__(self, hidden_states: torch.Tensor):
-        self.hidden_states = hidden_states
-        self.layers: list[ParallelTransformerLayer] = []
-
-
 class ParallelTransformerLayerPipe(ParallelTransformerLayer):
     """Transformer layer with the pipeline's tuple interface:
-    (hidden [s, b, h], position_ids[, mask]) -> (hidden', position_ids[, mask]).
-
-    With --tp-comm-overlap-chunks K > 1 the layers of a run (consecutive transformer layers of a
-    stage, cut where a checkpointed chunk ends) pass a DeferredLayers along and the last of the run,
-    ``ends_run`` (set by GPTModelPipe), computes them all with ``run_layers_overlapped``."""
-
-    ends_run = True
+    (hidden [s, b, h], position_ids[, mask]) -> (hidden', position_ids[, mask])."""
 
     def forward(self, inputs):
         hidden_states, position_ids, *mask = inputs
         attention_mask = mask[0] if mask else None
-        chunks = self.config.tp_comm_overlap_chunks
-        if chunks == 1:
-            return (super().forward(hidden_states, position_ids, attention_mask), position_ids, *mask)
-        run = hidden_states if isinstance(hidden_states, DeferredLayers) else DeferredLayers(hidden_states)
-        run.layers.append(self)
-        if self.ends_run:
-            run = run_layers_overlapped(run.layers, run.hidden_states, position_ids, attention_mask, chunks)
-        return (run, position_ids, *mask)
+        return (super().forward(hidden_states, position_ids, attention_mask), position_ids, *mask)
 
 
 def check_pipeline_inputs(inputs):
@@ -307,28 +284,10 @@ class GPTModelPipe(PipelineModule):
                          activation_checkpoint_func=TransformerChunkCheckpoint(
                              config.distribute_checkpointed_activations, groups.tp))
         self.config = config
-        self._mark_run_ends()
         self._sequence_parallel_group = groups.tp
         self._sequence_parallel_hooks = allreduce_sequence_parallel_gradients(self, groups.tp) \
             if config.sequence_parallel else []
         self._reduced_once_per_step: list[torch.nn.Parameter] = []
-
-    def _mark_run_ends(self) -> None:
-        """Set ``ends_run`` on the transformer layers of this stage after which a run of deferred
-        layers must be computed: the next function is not a transformer layer, or a checkpointed
-        chunk of DeepSpeed's (every ``activation_checkpoint_interval`` functions) ends there."""
-        funcs = self.forward_funcs
-        interval = self.activation_checkpoint_interval
-        for index, func in enumerate(funcs):
-            if isinstance(func, ParallelTransformerLayerPipe):
-                chunk_ends = interval > 0 and (index + 1) % interval == 0
-                func.ends_run = chunk_ends or index + 1 == len(funcs) \
-                    or not isinstance(funcs[index + 1], ParallelTransformerLayerPipe)
-
-    def set_checkpoint_interval(self, interval):
-        """DeepSpeed's, and the runs of deferred layers cut anew where the checkpointed chunks now end."""
-        super().set_checkpoint_interval(interval)
-        self._mark_run_ends()
 
     def _partition_layers(self, method="uniform"):
         """DeepSpeed's split for its methods; "flops" (``stage_boundaries``) here, listed as DeepSpeed lists."""

@@ -38,8 +38,6 @@ def test_derived_defaults():
     (dict(attention_dropout=-0.1), ["--attention-dropout"]),
     (dict(checkpoint_num_layers=0), ["--checkpoint-num-layers"]),
     (dict(distribute_checkpointed_activations=True), ["--distribute-checkpointed-activations"]),
-    (dict(tp_comm_overlap_chunks=0), ["--tp-comm-overlap-chunks"]),
-    (dict(tp_comm_overlap_chunks=2, sequence_parallel=True), ["--tp-comm-overlap-chunks", "--sequence-parallel"]),
     (dict(num_layers=0), ["--num-layers"]),
     (dict(params_dtype=torch.float64), ["--fp16", "--bf16"]),
     (dict(position_embedding_type="rotary", max_position_embeddings=None, kv_channels=7), ["--kv-channels"]),

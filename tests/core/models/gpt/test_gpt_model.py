@@ -177,10 +177,6 @@ PARITY_CONFIGS = [
          apply_residual_connection_post_layernorm=True),
     dict(checkpoint_activations=True, distribute_checkpointed_activations=True, glu_activation="geglu",
          bias_gelu_fusion=False),
-    # two chunks of one sample each: their row-parallel all-reduces overlap the other chunk's layers
-    dict(tp_comm_overlap_chunks=2),
-    dict(tp_comm_overlap_chunks=2, position_embedding_type="alibi", attention_impl="materialized"),
-    dict(tp_comm_overlap_chunks=2, checkpoint_activations=True, checkpoint_num_layers=2),
 ]
 
 
