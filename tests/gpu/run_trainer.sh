@@ -16,11 +16,11 @@
 #      runs these at TP=2 x PP=2 x DP=2); on 8 GPUs RUNS="6p7b_tp2pp2dp2 6p7b_tp4pp2 6p7b_tp2pp4
 #      6p7b_compare_8"
 #   6. the best single-GPU figure at the same width (RUNS="w4096_mbs2 w4096_mbs4"): 16 layers, hidden
-#      4096, bf16, the scaling-efficiency reference for 5
+#      4096, bf16, the scaling-efficiency reference for 5; the same model at TP=2 on 2 GPUs (RUNS="w4096_tp2")
 #   7. against the peer (RUNS="peer_1p3b peer_350m", log interval 1): the 1.3B at micro-batch 8 and the
 #      350M at micro-batch 16, bf16, ZeRO-1; tools/benchmarks/bench_vs_peer.sh runs them and the peer
 #   8. scaling (RUNS="scale_1gpu scale_dp2 scale_tp2 scale_tp2_sp scale_pp2 scale_pp2_flops", and with 4 GPUs
-#      "scale_tp2dp2 scale_tp2dp2_sp scale_pp4"): the 1.3B GPT, bf16, ZeRO-1, micro-batch 8, global
+#      "scale_tp2dp2 scale_tp2dp2_sp scale_pp4 scale_pp4_flops"): the 1.3B GPT, bf16, ZeRO-1, micro-batch 8, global
 #      batch 64 (8 micro-batches per pipeline), CPU initialization (the same weights in every layout);
 #      tools/benchmarks/bench_scaling.sh runs them and prints the table
 #   8b. profiles (RUNS="profile_1gpu profile_tp2 profile_tp2_sp"): the scaling runs for 6 iterations, the
@@ -224,6 +224,7 @@ for run in $RUNS; do
         scale_tp2dp2) scale_run scale_tp2dp2 4 --tensor-model-parallel-size 2 ;;
         scale_tp2dp2_sp) scale_run scale_tp2dp2_sp 4 --tensor-model-parallel-size 2 --sequence-parallel ;;
         scale_pp4) scale_run scale_pp4 4 --pipeline-model-parallel-size 4 ;;
+        scale_pp4_flops) scale_run scale_pp4_flops 4 --pipeline-model-parallel-size 4 --pp-partition-method flops ;;
         profile_1gpu) profile_run profile_1gpu 1 ;;
         profile_tp2) profile_run profile_tp2 2 --tensor-model-parallel-size 2 ;;
         profile_tp2_sp) profile_run profile_tp2_sp 2 --tensor-model-parallel-size 2 --sequence-parallel ;;
@@ -234,7 +235,8 @@ for run in $RUNS; do
                   ITERS=20 gpt_run det_cost_deterministic 24 2048 16 bf16 4 32 --deterministic ;;
         offload) ZERO_STAGE=2 OFFLOAD=1 ITERS=12 gpt_run offload_1p3b_bf16 24 2048 16 bf16 8 32 ;;
         w4096_mbs2) ITERS=20 gpt_run w4096_mbs2 16 4096 32 bf16 2 16 ;;
-        w4096_mbs4) ITERS=20 gpt_run w4096_mbs4 16 4096 32 bf16 4 16 ;;
+        w4096_mbs4) ITERS=20 LOG_INTERVAL=1 gpt_run w4096_mbs4 16 4096 32 bf16 4 16 ;;
+        w4096_tp2) NGPUS=2 ITERS=20 LOG_INTERVAL=1 gpt_run w4096_tp2 16 4096 32 bf16 4 16 --tensor-model-parallel-size 2 ;;
         *) echo "unknown run $run" >&2; status=1 ;;
     esac
 done

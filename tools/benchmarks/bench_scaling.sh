@@ -4,7 +4,7 @@
 # from the same weights) through the deepspeed launcher on the python-docs corpus of examples/data, at
 # 1 GPU, DP=2, TP=2 without and with --sequence-parallel, PP=2 (8 micro-batches; DeepSpeed's default split and
 # --pp-partition-method flops, which gives the head's stage fewer layers), and with 4 GPUs also
-# TP=2 x DP=2 (without and with sequence parallelism) and PP=4. Prints
+# TP=2 x DP=2 (without and with sequence parallelism) and PP=4 (both splits). Prints
 #   - the losses and grad norms of the first 5 iterations of every layout against the single GPU
 #     (tests/gpu/compare_logs.py, bf16 tolerance 2e-2)
 #   - per-GPU model TFLOP/s (mean of the iterations after the 3rd) and the ratio to the single GPU
@@ -17,7 +17,7 @@ OUT=${OUT:-/tmp/gpu_scaling}
 mkdir -p "$OUT"
 gpus=$(nvidia-smi -L | wc -l)
 default="scale_1gpu scale_dp2 scale_tp2 scale_tp2_sp scale_pp2 scale_pp2_flops"
-[ "$gpus" -ge 4 ] && default="$default scale_tp2dp2 scale_tp2dp2_sp scale_pp4"
+[ "$gpus" -ge 4 ] && default="$default scale_tp2dp2 scale_tp2dp2_sp scale_pp4 scale_pp4_flops"
 LAYOUTS=${LAYOUTS:-$default}
 status=0
 RUNS=$LAYOUTS OUT=$OUT bash tests/gpu/run_trainer.sh > "$OUT/trainer.log" 2>&1 || status=1
@@ -28,6 +28,7 @@ for run in $LAYOUTS; do
         scale_pp2) named+=("pp2:8=$OUT/$run.log") ;;
         scale_pp2_flops) named+=("flops-pp2:8=$OUT/$run.log") ;;
         scale_pp4) named+=("pp4:8=$OUT/$run.log") ;;
+        scale_pp4_flops) named+=("flops-pp4:8=$OUT/$run.log") ;;
         *) named+=("${run#scale_}=$OUT/$run.log") ;;
     esac
 done
