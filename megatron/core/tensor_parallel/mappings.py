@@ -5,7 +5,7 @@ gradient of a rank's local computation is the gradient of the global one:
 
     function                                    forward                   backward
     copy_to_tensor_model_parallel_region        identity                  all-reduce (sum)
-    reduce_from_tensor_model_parallel_region    all-reduce (sum)          identity
+    reduce_from_tensor_model_parallel_region    all-reduce (sum), in place identity
     scatter_to_tensor_model_parallel_region     split last dim, keep mine all-gather last dim
     gather_from_tensor_model_parallel_region    all-gather last dim       split last dim, keep mine
 
@@ -43,6 +43,12 @@ def _all_reduce(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return reduced
 
 
+def _all_reduce_in_place(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Sum over the group in ``tensor`` itself: a fresh partial result that nothing else reads."""
+    dist.all_reduce(tensor, group=group)
+    return tensor
+
+
 def _split_along_last_dim(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """[..., n] -> this rank's [..., n / k]."""
     chunks = split_tensor_along_last_dim(tensor, group_size(group))
@@ -74,10 +80,14 @@ def _scatter_along_first_dim(tensor: torch.Tensor, group: ProcessGroup) -> torch
     return _split_along_first_dim(tensor, group).clone()  # the block alone, not the whole input's storage
 
 
-def _conjugate_pair(name: str, forward: Collective, backward: Collective) -> type[torch.autograd.Function]:
-    """The autograd function Y = forward(X, group), dL/dX = backward(dL/dY, group)."""
+def _conjugate_pair(name: str, forward: Collective, backward: Collective,
+                    in_place: bool) -> type[torch.autograd.Function]:
+    """The autograd function Y = forward(X, group), dL/dX = backward(dL/dY, group); ``in_place``: the
+    forward writes Y into X."""
     def apply_forward(ctx, tensor, group):
         ctx.group = group
+        if in_place:
+            ctx.mark_dirty(tensor)
         return forward(tensor, group)
 
     def apply_backward(ctx, grad_output):
@@ -87,13 +97,16 @@ def _conjugate_pair(name: str, forward: Collective, backward: Collective) -> typ
                 {"forward": staticmethod(apply_forward), "backward": staticmethod(apply_backward)})
 
 
-def _region(name: str, forward: Collective, backward: Collective, doc: str) -> Collective:
-    """The public function of one row of the module's table: the identity on a group of one rank."""
-    function = _conjugate_pair(f"_{name}", forward, backward)
+def _region(name: str, forward: Collective, backward: Collective, doc: str, in_place: bool = False) -> Collective:
+    """The public function of one row of the module's table: the identity on a group of one rank.
+    An ``in_place`` forward gets a copy of a leaf that requires grad (autograd forbids writing one)."""
+    function = _conjugate_pair(f"_{name}", forward, backward, in_place)
 
     def region(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
         if group_size(group) == 1:
             return tensor
+        if in_place and tensor.is_leaf and tensor.requires_grad:
+            tensor = tensor.clone()
         return function.apply(tensor, group)
 
     region.__name__ = region.__qualname__ = name
@@ -105,8 +118,10 @@ copy_to_tensor_model_parallel_region = _region(
     "copy_to_tensor_model_parallel_region", _identity, _all_reduce,
     "Y = X on every rank; dL/dX = sum over ranks of dL/dY (X is replicated, used by all ranks).")
 reduce_from_tensor_model_parallel_region = _region(
-    "reduce_from_tensor_model_parallel_region", _all_reduce, _identity,
-    "Y = sum over ranks of X_r; dL/dX_r = dL/dY (Y is replicated).")
+    "reduce_from_tensor_model_parallel_region", _all_reduce_in_place, _identity,
+    "Y = sum over ranks of X_r; dL/dX_r = dL/dY (Y is replicated). Summed in X_r's memory, as in\n"
+    "Megatron-DeepSpeed: X_r is a fresh partial result (a row-parallel GEMM's, the embedding's) that\n"
+    "nothing else reads; were it saved for another backward, that backward would raise.", in_place=True)
 scatter_to_tensor_model_parallel_region = _region(
     "scatter_to_tensor_model_parallel_region", _split_along_last_dim, _gather_along_last_dim,
     "[..., n] replicated -> rank r keeps [..., r * n / k : (r + 1) * n / k]; backward all-gathers.")

@@ -66,6 +66,7 @@ def _check_group(group, ranks):
     torch.testing.assert_close(y, sum(per_rank_x), rtol=1e-12, atol=1e-12)
     assert torch.equal(gx, replicated_grad)
     _assert_adjoint(x, y * (me == 0), gx, replicated_grad, group)
+    _check_reduction_in_place(group, x, sum(per_rank_x), replicated_grad)
 
     full = _randn((3, 2, 4 * k), 500)  # replicated input of the scatter
     y, gx = _run(scatter_to_tensor_model_parallel_region, full, g, group)
@@ -79,6 +80,23 @@ def _check_group(group, ranks):
     assert torch.equal(gx, full_grad[..., 4 * me:4 * (me + 1)])
     _assert_adjoint(x, y * (me == 0), gx, full_grad, group)
     _check_sequence_parallel(group, k, me, per_rank_x, per_rank_g)
+
+
+def _check_reduction_in_place(group, x, expected, grad_y):
+    """The reduction sums a fresh result (a GEMM's view) in its own memory, and gets the gradient
+    through; an input another backward saved makes that backward raise instead of using the sum."""
+    leaf = x.clone().requires_grad_(True)
+    partial = torch.nn.functional.linear(leaf.unsqueeze(0), torch.eye(4, dtype=torch.float64))[0]
+    y = reduce_from_tensor_model_parallel_region(partial, group)
+    assert y.data_ptr() == partial.data_ptr()
+    torch.testing.assert_close(y, expected, rtol=1e-12, atol=1e-12)
+    y.backward(grad_y)
+    assert torch.equal(leaf.grad, grad_y)
+    saved = x.clone().requires_grad_(True) * 1.0
+    sine = saved.sin()  # saves its input for backward
+    reduce_from_tensor_model_parallel_region(saved, group)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        sine.sum().backward()
 
 
 def _check_sequence_parallel(group, k, me, per_rank_x, per_rank_g):
