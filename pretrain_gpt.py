@@ -9,8 +9,8 @@ the flags (megatron/training/arguments.py); build the tokenizer and the typed co
 every dataset once; check the checkpoint directories (a readable ``latest`` in --load, no
 checkpoints in --save that a run from iteration 0 would replace); then megatron.training.pretrain
 runs the job. Everything before pretrain runs
-without a process group, so a bad flag, tokenizer or data path stops every rank at once, and only
-rank 0 reports it.
+without a process group, so a bad flag, tokenizer or data path stops every rank at once; rank 0
+reports it, the others wait for the launcher to stop them (report_error_and_exit).
 """
 from megatron.training.initialize import select_accelerator
 

@@ -19,6 +19,7 @@ once, on rank 0.
 import argparse
 import os
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -120,12 +121,21 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
     return parsed
 
 
+# How long another rank waits for rank 0 to report an error that every rank met, before reporting it too.
+REPORT_GRACE_SECONDS = 10.0
+
+
 def report_error_and_exit(error: Exception, status: int, env: Mapping[str, str] | None = None, *,
-                          every_rank: bool = False) -> None:
+                          every_rank: bool = False, grace_seconds: float = REPORT_GRACE_SECONDS) -> None:
     """``prog: error: ...`` on stderr, then exit ``status``. Before the process group exists every rank
-    meets the same error, so only rank 0 reports it; ``every_rank`` for errors one rank may meet alone."""
-    if every_rank or rank_in_environment(os.environ if env is None else env) == 0:
-        print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr, flush=True)
+    meets the same error, so rank 0 reports it; ``every_rank`` for errors one rank may meet alone.
+
+    The other ranks wait ``grace_seconds`` first: the launchers (torchrun, deepspeed) stop every rank
+    as soon as one exits with an error, so a rank that exited at once could take rank 0 down before
+    it printed (a loaded machine delays rank 0). If no launcher stops them, they report it too."""
+    if not every_rank and rank_in_environment(os.environ if env is None else env) != 0:
+        time.sleep(grace_seconds)
+    print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr, flush=True)
     sys.exit(status)
 
 

@@ -7,7 +7,7 @@ import pytest
 from megatron.training.argument_rejections import REJECTED_FLAGS
 from megatron.training.config import build_config
 from megatron.training.arguments import (ArgumentError, build_parser, format_args, parse_args, parse_args_or_exit,
-                                         write_args_listing)
+                                         report_error_and_exit, write_args_listing)
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 CLI_SURFACE_FILE = os.path.join(DATA_DIR, "cli_surface.txt")
@@ -235,6 +235,19 @@ def test_parse_args_or_exit_prints_the_error(capsys, monkeypatch):
         parse_args_or_exit(argv(["--batch-size", "8"]))
     assert info.value.code == 2
     assert "error: --batch-size: --batch-size argument is no longer valid" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rank, waited", [("0", False), ("1", True)])
+def test_an_error_every_rank_met_is_reported_by_rank_0_first(capsys, monkeypatch, rank, waited):
+    """Rank 0 reports at once; another rank only after the grace period in which a launcher stops it
+    once rank 0 has exited, so the message cannot be lost to a rank that exited first."""
+    sleeps = []
+    monkeypatch.setattr("time.sleep", sleeps.append)
+    with pytest.raises(SystemExit) as info:
+        report_error_and_exit(ArgumentError("--foo is wrong"), 2, {"RANK": rank}, grace_seconds=3.0)
+    assert info.value.code == 2
+    assert sleeps == ([3.0] if waited else [])
+    assert "error: --foo is wrong" in capsys.readouterr().err
 
 
 def test_args_listing_is_sorted_and_written(tmp_path):
