@@ -1,8 +1,9 @@
 """tools/benchmarks/bench_collectives.py on two gloo processes: checked results and a row per collective and size."""
+import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tools.benchmarks.bench_collectives import OPERATIONS, bus_factor, table
+from tools.benchmarks.bench_collectives import OPERATIONS, bus_factor, parse_args, table
 
 
 def _worker(rank, world_size):
@@ -24,3 +25,11 @@ def test_bus_bandwidth_factors_are_nccls():
     assert bus_factor("all_reduce", 2) == 1.0
     assert bus_factor("all_reduce", 4) == 1.5
     assert bus_factor("all_gather", 4) == bus_factor("reduce_scatter", 4) == 0.75
+
+
+@pytest.mark.parametrize("argv, flag", [(["--iterations", "0"], "--iterations"), (["--sizes-mb", "0"], "--sizes-mb"),
+                                        (["--operations", "broadcast"], "--operations")])
+def test_bad_arguments_name_the_flag(capsys, argv, flag):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert flag in capsys.readouterr().err

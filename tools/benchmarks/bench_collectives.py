@@ -107,7 +107,12 @@ def parse_args(argv):
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[16, 32, 64, 128])
     parser.add_argument("--operations", nargs="+", choices=OPERATIONS, default=list(OPERATIONS))
     parser.add_argument("--iterations", type=int, default=20)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.iterations < 1:
+        parser.error(f"--iterations must be at least 1, got {args.iterations}")
+    if min(args.sizes_mb) <= 0:
+        parser.error(f"--sizes-mb must be positive, got {args.sizes_mb}")
+    return args
 
 
 def main(argv=None) -> int:

@@ -36,17 +36,15 @@ from megatron.core.tensor_parallel.utils import (all_gather_along_first_dim, red
 Collective = Callable[[torch.Tensor, ProcessGroup], torch.Tensor]  # (tensor, group) -> tensor
 
 
-def _all_reduce(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Sum over the group into a new tensor (the input may be saved by autograd elsewhere)."""
-    reduced = tensor.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(reduced, group=group)
-    return reduced
-
-
 def _all_reduce_in_place(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Sum over the group in ``tensor`` itself: a fresh partial result that nothing else reads."""
     dist.all_reduce(tensor, group=group)
     return tensor
+
+
+def _all_reduce(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Sum over the group into a new tensor (the input may be saved by autograd elsewhere)."""
+    return _all_reduce_in_place(tensor.clone(memory_format=torch.contiguous_format), group)
 
 
 def _split_along_last_dim(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
