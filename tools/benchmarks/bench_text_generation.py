@@ -203,6 +203,7 @@ def profile_calls(variants: dict, prompts: torch.Tensor, new_tokens: int, path: 
     """torch.profiler over one call of each graph variant: the GPU kernel table and kernels per step."""
     from torch.profiler import ProfilerActivity, profile
 
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as report:
         for name in (GRAPHS, COMPILED):
             run = ours(variants[name], prompts, new_tokens)

@@ -2,15 +2,19 @@
 
 ``scale_mask_softmax``, ``layer_norm``, ``bias_gelu`` and ``bias_dropout_add`` run Triton kernels
 (forward and backward) on CUDA when their constraints hold, and the references
-(``*_reference``) otherwise and always on CPU; ``dispatch`` states the rules. The environment
-variable ``MEGATRON_FUSED_KERNELS=0`` or ``set_fused_kernels_enabled(False)`` forces the references.
+(``*_reference``) otherwise and always on CPU; ``dispatch`` states the rules. ``linear`` (one row
+of input) and ``decode_attention`` are the forward-only kernels of a one-token decoding step. The
+environment variable ``MEGATRON_FUSED_KERNELS=0`` or ``set_fused_kernels_enabled(False)`` forces the
+references.
 """
 from megatron.core.fused_kernels.dispatch import (
     FusedKernelArgumentError,
     bias_dropout_add,
     bias_gelu,
+    decode_attention,
     fused_kernels_enabled,
     layer_norm,
+    linear,
     scale_mask_softmax,
     set_fused_kernels_enabled,
 )
@@ -18,6 +22,7 @@ from megatron.core.fused_kernels.reference import (
     bias_dropout_add_reference,
     bias_gelu_reference,
     causal_mask,
+    decode_attention_reference,
     layer_norm_reference,
     scale_mask_softmax_reference,
 )
@@ -29,9 +34,12 @@ __all__ = [
     "bias_gelu",
     "bias_gelu_reference",
     "causal_mask",
+    "decode_attention",
+    "decode_attention_reference",
     "fused_kernels_enabled",
     "layer_norm",
     "layer_norm_reference",
+    "linear",
     "scale_mask_softmax",
     "scale_mask_softmax_reference",
     "set_fused_kernels_enabled",

@@ -11,12 +11,20 @@ The fast kernel runs when all of these hold, else the reference (same math, same
   rows short enough to sit in registers, int32-indexable element counts.
 
 Inputs that are not contiguous are copied to contiguous ones for the kernels.
+
+The two kernels of a one-token decoding step, ``linear`` (one row of input) and ``decode_attention``,
+also run under torch.compile: the decoding step is compiled and then replayed from a CUDA graph
+(text_generation), and inductor would otherwise put cuBLAS's GEMM and a masked attention over the
+whole cache there. They are registered as custom ops (``megatron::gemv``,
+``megatron::decode_attention``), which inductor calls as they are.
 """
 import importlib
 import os
 import warnings
+from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from megatron.core.fused_kernels import reference
 
@@ -232,3 +240,72 @@ def bias_dropout_add(x, bias, residual, prob, training):
         if kernels is not None:
             return kernels.BiasDropoutAddFunction.apply(x, bias, residual, prob, training and prob > 0.0)
     return reference.bias_dropout_add_reference(x, bias, residual, prob, training)
+
+
+@torch.library.custom_op("megatron::gemv", mutates_args=())
+def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return kernel_module("triton_decode").gemv(x, weight, bias)
+
+
+@_gemv_op.register_fake
+def _gemv_shape(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("megatron::decode_attention", mutates_args=())
+def _decode_attention_op(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor,
+                         slopes: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    return kernel_module("triton_decode").decode_attention(query, keys, values, position, slopes, scale)
+
+
+@_decode_attention_op.register_fake
+def _decode_attention_shape(query, keys, values, position, slopes, scale):
+    return query.new_empty(query.shape)
+
+
+@torch.compiler.assume_constant_result
+def _decode_kernels_available():
+    """Fused kernels enabled and triton importable: a constant for torch.compile, which traces the callers."""
+    return fused_kernels_enabled() and kernel_module("triton_decode") is not None
+
+
+def _needs_autograd(*tensors):
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _decode_inputs_fit(dtype, *tensors):
+    """All given tensors CUDA, on one device, of one fast dtype, and no gradient wanted."""
+    present = [t for t in tensors if t is not None]
+    return (dtype in FAST_DTYPES and all(t.is_cuda and t.dtype == dtype for t in present)
+            and len({t.device for t in present}) == 1 and not _needs_autograd(*present))
+
+
+def linear(x, weight, bias=None):
+    """x W^T + b, as ``torch.nn.functional.linear``: x [..., K], weight [N, K], bias [N] or None.
+
+    A single row of input (a batch-1 decoding step) on CUDA, outside autograd, with a contiguous
+    weight runs the Triton GEMV (triton_decode.gemv, fp32 accumulation); anything else F.linear.
+    """
+    if (x.numel() == x.shape[-1] > 0 and weight.dim() == 2 and weight.is_contiguous()
+            and _decode_inputs_fit(x.dtype, x, weight, bias) and _decode_kernels_available()):
+        return torch.ops.megatron.gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def decode_attention(query, keys, values, position, slopes, scale):
+    """One query per row and head at position p of a fixed-size key/value cache (see
+    ``reference.decode_attention_reference`` for the math and shapes): the Triton kernel on CUDA for
+    fp16/bf16/fp32 with contiguous caches, which reads only positions 0 .. p; else the reference."""
+    if query.dim() != 4 or query.shape[-2] != 1 or keys.shape != values.shape or keys.shape[:2] != query.shape[:2] \
+            or keys.shape[-1] != query.shape[-1]:
+        raise FusedKernelArgumentError(f"decode_attention: query must be [b, np, 1, hn] and keys, values "
+                                       f"[b, np, T, hn], got {tuple(query.shape)}, {tuple(keys.shape)}, "
+                                       f"{tuple(values.shape)}")
+    if position.numel() != 1 or position.dtype != torch.long:
+        raise FusedKernelArgumentError(f"decode_attention: position must be one int64 element, got "
+                                       f"{position.dtype} of shape {tuple(position.shape)}")
+    if (keys.is_contiguous() and values.is_contiguous() and query.stride(-1) == 1 and position.is_cuda
+            and (slopes is None or slopes.is_cuda) and _decode_inputs_fit(query.dtype, query, keys, values)
+            and _decode_kernels_available()):
+        return torch.ops.megatron.decode_attention(query, keys, values, position, slopes, scale)
+    return reference.decode_attention_reference(query, keys, values, position, slopes, scale)

@@ -76,3 +76,20 @@ def bias_dropout_add_reference(x, bias, residual, prob, training):
     if bias is not None:
         x = x + bias
     return residual + F.dropout(x, p=prob, training=training)
+
+
+def decode_attention_reference(query, keys, values, position, slopes, scale):
+    """softmax(scale q K^T + B) V for one query per row and head at position p of a fixed-size cache.
+
+    query: [b, np, 1, hn]; keys, values: [b, np, T, hn] of which positions 0 .. p count (the later
+    ones are excluded); position: a one-element int64 tensor holding p; B = m_j (t - p) for the ALiBi
+    slopes m [np], or 0 when ``slopes`` is None. Returns [b, np, 1, hn] in the query's dtype.
+    """
+    key_positions = torch.arange(keys.shape[-2], device=keys.device)[None, :]  # [1, T]: one query
+    hidden = key_positions > position
+    if slopes is None:
+        bias = ~hidden
+    else:
+        distance = (key_positions - position).to(torch.float32)
+        bias = (slopes.to(torch.float32)[:, None, None] * distance).to(query.dtype).masked_fill(hidden, float("-inf"))
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=bias, scale=scale)

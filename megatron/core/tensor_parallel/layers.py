@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from megatron.core import fused_kernels
 from megatron.core.parallel_state import group_rank, group_size
 from megatron.core.tensor_parallel.mappings import (
     gather_from_tensor_model_parallel_region,
@@ -152,7 +153,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         bias = None if self.skip_bias_add else self.bias
         if group_size(self.tp_group) == 1:
-            y = F.linear(x, self.weight, bias)
+            y = fused_kernels.linear(x, self.weight, bias)
         else:  # [s / k or s, .., input_size] -> [s, .., output_size / k]
             y = _ColumnParallelMatmul.apply(x, self.weight, bias, self.tp_group, self.sequence_parallel)
         if self.gather_output:
@@ -205,7 +206,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)  # [.., input_size / k]
-        partial = F.linear(x, self.weight)  # [.., output_size], this rank's X_r A_r
+        partial = fused_kernels.linear(x, self.weight)  # [.., output_size], this rank's X_r A_r
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # [s / k, .., output_size]
         else:

@@ -69,6 +69,13 @@ def test_cpu_calls_return_the_references_exactly_and_never_ask_for_triton(monkey
     fused = fused_kernels.bias_dropout_add(x, bias, residual, 0.1, True)
     torch.manual_seed(1)
     assert torch.equal(fused, fused_kernels.bias_dropout_add_reference(x, bias, residual, 0.1, True))
+    row, matrix = torch.randn(1, 1, 16, dtype=torch.bfloat16), torch.randn(8, 16, dtype=torch.bfloat16)
+    assert torch.equal(fused_kernels.linear(row, matrix, bias[:8].bfloat16()),
+                       torch.nn.functional.linear(row, matrix, bias[:8].bfloat16()))
+    query, keys, values = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    position = torch.tensor([5])
+    assert torch.equal(fused_kernels.decode_attention(query, keys, values, position, None, 0.25),
+                       fused_kernels.decode_attention_reference(query, keys, values, position, None, 0.25))
     assert requested == {}
 
 
@@ -142,6 +149,10 @@ def test_elementwise_constraints():
         (lambda: fused_kernels.bias_gelu(torch.zeros(4), torch.zeros(2, 8)), "bias must have shape"),
         (lambda: fused_kernels.bias_dropout_add(torch.zeros(2, 8), None, torch.zeros(2, 4), 0.1, True), "residual"),
         (lambda: fused_kernels.bias_dropout_add(torch.zeros(2, 8), None, torch.zeros(2, 8), 1.5, True), r"\[0, 1\]"),
+        (lambda: fused_kernels.decode_attention(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 6, 8), torch.zeros(1, 2, 6, 8),
+                                                torch.tensor([2]), None, 1.0), r"\[b, np, 1, hn\]"),
+        (lambda: fused_kernels.decode_attention(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 6, 8), torch.zeros(1, 2, 6, 8),
+                                                torch.tensor([2, 3]), None, 1.0), "one int64 element"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(call, message):

@@ -8,6 +8,7 @@ from megatron.core.fused_kernels import (
     bias_dropout_add_reference,
     bias_gelu_reference,
     causal_mask,
+    decode_attention_reference,
     layer_norm_reference,
     scale_mask_softmax_reference,
 )
@@ -173,3 +174,21 @@ def test_bias_dropout_add_reference_drops_and_scales_from_the_default_generator(
     assert abs(keep_rate - (1 - prob)) < 6 * sigma
     torch.manual_seed(7)
     assert torch.equal(bias_dropout_add_reference(x, bias, residual, prob, True), out)
+
+
+@pytest.mark.parametrize("alibi", [False, True], ids=["no bias", "alibi"])
+def test_decode_attention_reference_attends_to_the_filled_positions_only(alibi):
+    torch.manual_seed(5)
+    batch, heads, capacity, head_dim, position = 2, 3, 10, 4, 6
+    query = torch.randn(batch, heads, 1, head_dim, dtype=torch.float64)
+    keys, values = torch.randn(2, batch, heads, capacity, head_dim, dtype=torch.float64)
+    slopes = torch.tensor([0.5, 0.25, 0.125]) if alibi else None
+    out = decode_attention_reference(query, keys, values, torch.tensor([position]), slopes, 0.3)
+    for row in range(batch):
+        for head in range(heads):
+            seen = range(position + 1)
+            logits = torch.stack([0.3 * query[row, head, 0] @ keys[row, head, t]
+                                  + (slopes[head] * (t - position) if alibi else 0.0) for t in seen])
+            weights = torch.softmax(logits, dim=0)
+            expected = sum(weights[t] * values[row, head, t] for t in seen)
+            torch.testing.assert_close(out[row, head, 0], expected)

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from megatron.core import fused_kernels
@@ -22,6 +23,7 @@ _REFERENCE_NAMES = [
     "layer_norm_reference",
     "bias_gelu_reference",
     "bias_dropout_add_reference",
+    "decode_attention_reference",
 ]
 
 
@@ -252,3 +254,74 @@ def test_disabled_kernels_use_the_references_on_cuda():
         assert torch.equal(fused_kernels.layer_norm(x, weight, bias, 1e-5), reference.layer_norm_reference(x, weight, bias, 1e-5))
     finally:
         dispatch.set_fused_kernels_enabled(None)
+
+
+@pytest.fixture
+def no_cublas_linear(monkeypatch):
+    """F.linear inside the public ops raises: a call that returns took the GEMV."""
+    monkeypatch.setattr(dispatch, "F", SimpleNamespace(linear=_forbidden("F.linear")))
+
+
+@pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=DTYPE_IDS)
+@pytest.mark.parametrize("n, k, with_bias", [(6144, 2048, True), (2048, 8192, False), (50304, 2048, False),
+                                             (37, 1000, True)])
+def test_one_row_linear_runs_the_gemv(dtype, n, k, with_bias, no_cublas_linear):
+    torch.manual_seed(2)
+    x = torch.randn(1, 1, k, device="cuda").to(dtype)
+    weight = (torch.randn(n, k, device="cuda") / math.sqrt(k)).to(dtype)
+    bias = torch.randn(n, device="cuda").to(dtype) if with_bias else None
+    expected = torch.addmm(bias.double() if with_bias else torch.zeros(n, dtype=torch.float64, device="cuda"),
+                           x.double().view(1, k), weight.double().t()).view(1, 1, n)
+    with torch.no_grad():
+        y = fused_kernels.linear(x, weight, bias)
+    _assert_matches(y, expected.to(dtype), ulps=1, reduced=k)
+
+
+def test_linear_with_gradients_or_several_rows_stays_with_torch():
+    x = torch.randn(1, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    fused_kernels.linear(x, weight).sum().backward()
+    assert x.grad is not None and weight.grad is not None
+    rows = torch.randn(2, 64, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(fused_kernels.linear(rows, weight), F.linear(rows, weight))
+
+
+@pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=DTYPE_IDS)
+@pytest.mark.parametrize("batch, heads, capacity, head_dim, position, alibi",
+                         [(1, 16, 384, 128, 255, False), (32, 16, 384, 128, 383, False), (2, 3, 100, 80, 0, True),
+                          (1, 4, 2048, 64, 1500, True), (1, 2, 9000, 64, 8999, False)])
+def test_decode_attention_matches_reference(references, dtype, batch, heads, capacity, head_dim, position, alibi):
+    torch.manual_seed(3)
+    keys, values = (torch.randn(batch, heads, capacity, head_dim, device="cuda").to(dtype) for _ in range(2))
+    mixed = torch.randn(1, batch, heads, 3 * head_dim, device="cuda").to(dtype)  # the model's strided query
+    query = mixed.split(head_dim, dim=-1)[0].permute(1, 2, 0, 3)
+    slopes = torch.rand(heads, device="cuda") if alibi else None
+    where = torch.tensor([position], device="cuda")
+    out = fused_kernels.decode_attention(query, keys, values, where, slopes, head_dim ** -0.5)
+    expected = references.decode_attention_reference(query.double(), keys.double(), values.double(), where,
+                                                     slopes, head_dim ** -0.5)
+    _assert_matches(out, expected.to(dtype), ulps=2, reduced=position + 1)
+
+
+def test_decode_kernels_run_compiled_and_replayed_from_a_cuda_graph(references, no_cublas_linear):
+    torch.manual_seed(4)
+    weight = torch.randn(384, 256, device="cuda", dtype=torch.bfloat16) / 16
+    keys, values = (torch.randn(1, 4, 64, 96, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    where = torch.tensor([10], device="cuda")
+
+    def step(x):
+        query = fused_kernels.linear(x, weight).view(1, 4, 1, 96)
+        return fused_kernels.decode_attention(query, keys, values, where, None, 0.1)
+
+    x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        eager = step(x)
+        compiled = torch.compile(step, fullgraph=True)
+        assert torch.equal(compiled(x), eager)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = compiled(x)
+        where.fill_(40)
+        graph.replay()
+        assert torch.equal(replayed, step(x))

@@ -72,7 +72,8 @@ class ParallelSelfAttention(nn.Module):
         call's keys and values [b, np, s, hn] after those of earlier calls and returns the keys and
         values to attend over [b, np, T, hn], a mask [.., s, T] (True = hidden) and the queries'
         positions [s]; or None for both, then the queries are the last s of the T positions (causal,
-        bottom-right). Attention then runs through sdpa.
+        bottom-right). Attention then runs through sdpa, or, for one query over a fixed-size cache
+        (a decoding step), through ``fused_kernels.decode_attention``.
         """
         mixed, _ = self.query_key_value(hidden_states)  # [s, b, np * 3 * hn], whole s under sequence parallelism
         seq_length, batch = mixed.shape[:2]
@@ -84,17 +85,24 @@ class ParallelSelfAttention(nn.Module):
         # [s, b, np, hn] -> [b, np, s, hn]
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         query_positions = None
+        decoding = False
         if kv_cache is not None:
             key, value, cache_mask, query_positions = kv_cache.extend(key, value)  # [b, np, T, hn]
+            decoding = cache_mask is not None and seq_length == 1 and attention_mask is None and not self.training
             if cache_mask is not None:
                 attention_mask = cache_mask if attention_mask is None else attention_mask | cache_mask
-        alibi = None
-        if self.config.position_embedding_type == "alibi":
-            alibi = alibi_bias(self.alibi_slopes, seq_length, key.shape[-2], query_positions).to(query.dtype)
-        if self.config.attention_impl == "sdpa" or kv_cache is not None:
-            context = self._sdpa(query, key, value, alibi, attention_mask)
+        if decoding:  # one query over a fixed-size cache: a kernel that reads only the filled positions
+            slopes = self.alibi_slopes if self.config.position_embedding_type == "alibi" else None
+            context = fused_kernels.decode_attention(query, key, value, query_positions, slopes,
+                                                     1.0 / math.sqrt(self.head_dim))
         else:
-            context = self._materialized(query, key, value, alibi, attention_mask)
+            alibi = None
+            if self.config.position_embedding_type == "alibi":
+                alibi = alibi_bias(self.alibi_slopes, seq_length, key.shape[-2], query_positions).to(query.dtype)
+            if self.config.attention_impl == "sdpa" or kv_cache is not None:
+                context = self._sdpa(query, key, value, alibi, attention_mask)
+            else:
+                context = self._materialized(query, key, value, alibi, attention_mask)
         # [b, np, s, hn] -> [s, b, np * hn]
         context = context.permute(2, 0, 1, 3).reshape(seq_length, batch, -1)
         return self.dense(context)

@@ -2,6 +2,7 @@
 import torch
 from torch import nn
 
+from megatron.core import fused_kernels
 from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.models.gpt.init import initialize_replicated_weight, stable_embedding_init_method, weight_init_method
 from megatron.core.models.gpt.layer_norm import LayerNorm
@@ -69,4 +70,4 @@ class Embedding(nn.Module):
         else:
             hidden_states = copy_to_tensor_model_parallel_region(hidden_states, self.tp_group)
         weight = self.word_embeddings.weight
-        return torch.nn.functional.linear(hidden_states.to(weight.dtype), weight)
+        return fused_kernels.linear(hidden_states.to(weight.dtype), weight)
