@@ -241,12 +241,14 @@ class Job:
         with open(self.output.name) as f:
             return f.read()
 
-    def wait_for(self, pattern: str) -> None:
+    def wait_for(self, pattern: str, alive=None) -> None:
         """Poll the output until ``pattern`` (a multiline regex) appears; kill the job and fail if it
-        never does (every process ended, or the timeout passed)."""
+        never does (the timeout passed, or nothing can print it any more: ``alive()`` is False, by
+        default when every process of the job has ended)."""
+        alive = alive or (lambda: any(p.poll() is None for p in self.processes))
         deadline = time.monotonic() + self.timeout
         while not re.search(pattern, self.text(), re.MULTILINE):
-            if time.monotonic() > deadline or all(p.poll() is not None for p in self.processes):
+            if time.monotonic() > deadline or not alive():
                 self.kill()
                 raise AssertionError(f"never printed {pattern!r}:\n{self.text()[-4000:]}")
             time.sleep(0.05)

@@ -72,9 +72,20 @@ def every_process_of(job: Job) -> list[int]:
 
 def wait_until_gone(pids, timeout=TIMEOUT):
     deadline = time.monotonic() + timeout
-    while any(os.path.exists(f"/proc/{pid}") and "zombie" not in _state(pid) for pid in pids):
+    while any(_running(pid) for pid in pids):
         assert time.monotonic() < deadline, f"processes {pids} still run"
         time.sleep(0.1)
+
+
+def _running(pid) -> bool:
+    return os.path.exists(f"/proc/{pid}") and "zombie" not in _state(pid)
+
+
+def _kill(pid) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _state(pid) -> str:
@@ -95,15 +106,22 @@ def test_signal_saves_and_the_resumed_run_continues_exactly(e2e_data, tmp_path, 
     flags = run_flags(e2e_data, tmp_path, "stopped")
     job = start_ranks(flags, timeout=TIMEOUT) if target == "rank" else start_torchrun(flags)
     job.wait_for(r"^ iteration +3/")
+    ranks_alive = None
     if target == "rank":
         os.kill(job.processes[1].pid, number)
     elif name == "SIGUSR1":
         signalled = every_process_of(job)
         for pid in signalled:
             os.kill(pid, number)
+        ranks_alive = lambda: any(_running(pid) for pid in signalled)  # noqa: E731 - torchrun is gone at once
     else:
         os.kill(job.processes[0].pid, number)
-    job.wait_for(r"^saving checkpoint at iteration")
+    try:
+        job.wait_for(r"^saving checkpoint at iteration", alive=ranks_alive)
+    except AssertionError:
+        for pid in signalled if ranks_alive else []:
+            _kill(pid)
+        raise
     for process in job.processes[-1:] if target == "rank" else []:
         os.kill(process.pid, number)  # a second signal while the checkpoint is written
     codes = job.wait()
