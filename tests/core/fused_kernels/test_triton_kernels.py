@@ -304,6 +304,21 @@ def test_decode_attention_matches_reference(references, dtype, batch, heads, cap
     _assert_matches(out, expected.to(dtype), ulps=2, reduced=position + 1)
 
 
+def test_decode_attention_call_after_call_at_every_position(references):
+    """Calls queued back to back at every position of the cache (the chunk holding the position, the
+    empty chunks after it, the first and the last position), each equal to the reference."""
+    torch.manual_seed(7)
+    for batch in (1, 32):
+        keys, values = (torch.randn(batch, 16, 384, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        query = torch.randn(batch, 16, 1, 128, device="cuda", dtype=torch.bfloat16)
+        positions = [torch.tensor([p], device="cuda") for p in range(384)]
+        outputs = [fused_kernels.decode_attention(query, keys, values, p, None, 0.1) for p in positions]
+        for where, out in zip(positions, outputs):
+            expected = references.decode_attention_reference(query.double(), keys.double(), values.double(), where,
+                                                             None, 0.1)
+            _assert_matches(out, expected.to(torch.bfloat16), ulps=2, reduced=int(where) + 1)
+
+
 def test_decode_kernels_run_compiled_and_replayed_from_a_cuda_graph(references, no_cublas_linear):
     torch.manual_seed(4)
     weight = torch.randn(384, 256, device="cuda", dtype=torch.bfloat16) / 16
