@@ -1,7 +1,9 @@
 """tools/benchmarks/bench_vs_peer.py on CPU: the peer's training step learns, the ratio table."""
+import pytest
 import torch
 
-from tools.benchmarks.bench_vs_peer import PeerModel, gpt_config, peer_model, peer_step_seconds, ratio_rows
+from tests.tools.test_scaling_table import _log
+from tools.benchmarks.bench_vs_peer import PeerModel, gpt_config, ours_best, peer_model, peer_step_seconds, ratio_rows
 
 
 def test_peer_step_trains_the_gpt2_of_our_shapes():
@@ -21,3 +23,13 @@ def test_ratio_rows():
     rows = ratio_rows([("1p3b", 530.0, 424.0, 8), ("350m", 400.0, 0.0, 0)])
     assert rows[2] == "| 1p3b | 530.0 | 424.0 | 8 | 1.25x |"
     assert rows[3].endswith("| peer ran out of memory |")
+
+
+def test_ours_is_the_best_of_its_micro_batches(tmp_path, capsys):
+    slow = _log(tmp_path, "mbs8", [(1.0, 100.0)] * 3 + [(1.0, 500.0), (1.0, 520.0)])  # mean 510 after 3
+    fast = _log(tmp_path, "mbs16", [(1.0, 900.0)] * 3 + [(1.0, 530.0), (1.0, 540.0)])  # mean 535
+    assert ours_best("1p3b", [slow, fast], skip=3) == pytest.approx(535.0)
+    assert ours_best("1p3b", [slow], skip=3) == pytest.approx(510.0)
+    assert "mbs16.log: 535.0 model TFLOP/s" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no iteration line after iteration 5"):
+        ours_best("1p3b", [slow], skip=5)

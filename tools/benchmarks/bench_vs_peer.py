@@ -6,13 +6,14 @@ sdpa attention, the vocabulary padded like ours, fp32 weights under bf16 autocas
 batch (32 sequences for the 1.3B, 64 for the 350M: tests/gpu/run_trainer.sh's peer runs) before each
 optimizer step, its model compiled with ``torch.compile``. Each of its candidate micro-batches is
 timed (steady state, after warm-up and compilation) and the best counts, as the peer's user would
-pick it. Model TFLOP/s use the trainer's
+pick it; ours likewise is the best of its runs given (one log per micro-batch). Model TFLOP/s use the trainer's
 formula (megatron/training/metrics.py) for both, so the ratio is a ratio of tokens/s.
 
     python3 tools/benchmarks/bench_vs_peer.py --ours 1p3b=trainer_1p3b.log --ours 350m=trainer_350m.log
 
-``--ours NAME=LOG`` names a model of MODELS and the trainer log of it (the mean model TFLOP/s of the
-iterations after ``--skip``); tools/benchmarks/bench_vs_peer.sh runs the trainer and then this script.
+``--ours NAME=LOG[,LOG...]`` names a model of MODELS and the trainer logs of it (each: the mean model
+TFLOP/s of the iterations after ``--skip``; the best counts); tools/benchmarks/bench_vs_peer.sh runs
+the trainer and then this script.
 """
 import argparse
 import math
@@ -128,7 +129,8 @@ def ratio_rows(results: list[tuple[str, float, float, int]]) -> list[str]:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ours", action="append", required=True, help="NAME=LOG, NAME one of " + ", ".join(MODELS))
+    parser.add_argument("--ours", action="append", required=True,
+                        help="NAME=LOG[,LOG...], NAME one of " + ", ".join(MODELS))
     parser.add_argument("--skip", type=int, default=3, help="warm-up iterations of the trainer logs left out")
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--padded-vocab-size", type=int, default=50304)
@@ -140,20 +142,30 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+def ours_best(name: str, paths: list[str], skip: int) -> float:
+    """The best mean model TFLOP/s over the trainer logs ``paths`` (one per micro-batch); each printed."""
+    best = 0.0
+    for path in paths:
+        with open(path, encoding="utf-8", errors="replace") as log:
+            state = steady_state(name, log.read(), skip)
+        if state is None:
+            sys.exit(f"{path}: no iteration line after iteration {skip}")
+        print(f"ours {name} {path}: {state.model_tflops_per_gpu:.1f} model TFLOP/s")
+        best = max(best, state.model_tflops_per_gpu)
+    return best
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     results = []
     for run in args.ours:
-        name, _, path = run.partition("=")
+        name, _, paths = run.partition("=")
         if name not in MODELS:
             sys.exit(f"--ours {run!r}: model {name!r} is not one of {sorted(MODELS)}")
-        with open(path, encoding="utf-8", errors="replace") as log:
-            ours = steady_state(name, log.read(), args.skip)
-        if ours is None:
-            sys.exit(f"{path}: no iteration line after iteration {args.skip}")
+        ours = ours_best(name, paths.split(","), args.skip)
         peer, micro_batch = peer_best(MODELS[name], args, device)
-        results.append((name, ours.model_tflops_per_gpu, peer, micro_batch))
+        results.append((name, ours, peer, micro_batch))
     print("\n".join(ratio_rows(results)))
     return 0
 
