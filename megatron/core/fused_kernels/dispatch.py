@@ -284,9 +284,10 @@ def linear(x, weight, bias=None):
     """x W^T + b, as ``torch.nn.functional.linear``: x [..., K], weight [N, K], bias [N] or None.
 
     A single row of input (a batch-1 decoding step) on CUDA, outside autograd, with a contiguous
-    weight runs the Triton GEMV (triton_decode.gemv, fp32 accumulation); anything else F.linear.
+    weight and bias runs the Triton GEMV (triton_decode.gemv, fp32 accumulation); anything else F.linear.
     """
     if (x.numel() == x.shape[-1] > 0 and weight.dim() == 2 and weight.is_contiguous()
+            and (bias is None or bias.is_contiguous())
             and _decode_inputs_fit(x.dtype, x, weight, bias) and _decode_kernels_available()):
         return torch.ops.megatron.gemv(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -305,7 +306,7 @@ def decode_attention(query, keys, values, position, slopes, scale):
         raise FusedKernelArgumentError(f"decode_attention: position must be one int64 element, got "
                                        f"{position.dtype} of shape {tuple(position.shape)}")
     if (keys.is_contiguous() and values.is_contiguous() and query.stride(-1) == 1 and position.is_cuda
-            and (slopes is None or slopes.is_cuda) and _decode_inputs_fit(query.dtype, query, keys, values)
+            and (slopes is None or slopes.is_cuda and slopes.is_contiguous()) and _decode_inputs_fit(query.dtype, query, keys, values)
             and _decode_kernels_available()):
         return torch.ops.megatron.decode_attention(query, keys, values, position, slopes, scale)
     return reference.decode_attention_reference(query, keys, values, position, slopes, scale)
