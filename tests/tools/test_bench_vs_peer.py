@@ -33,3 +33,5 @@ def test_ours_is_the_best_of_its_micro_batches(tmp_path, capsys):
     assert "mbs16.log: 535.0 model TFLOP/s" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="no iteration line after iteration 5"):
         ours_best("1p3b", [slow], skip=5)
+    with pytest.raises(SystemExit, match="cannot read the trainer log 'missing.log'"):
+        ours_best("1p3b", [slow, "missing.log"], skip=3)

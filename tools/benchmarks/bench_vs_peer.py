@@ -146,8 +146,11 @@ def ours_best(name: str, paths: list[str], skip: int) -> float:
     """The best mean model TFLOP/s over the trainer logs ``paths`` (one per micro-batch); each printed."""
     best = 0.0
     for path in paths:
-        with open(path, encoding="utf-8", errors="replace") as log:
-            state = steady_state(name, log.read(), skip)
+        try:
+            with open(path, encoding="utf-8", errors="replace") as log:
+                state = steady_state(name, log.read(), skip)
+        except OSError as error:
+            sys.exit(f"--ours {name}: cannot read the trainer log {path!r} ({error.strerror})")
         if state is None:
             sys.exit(f"{path}: no iteration line after iteration {skip}")
         print(f"ours {name} {path}: {state.model_tflops_per_gpu:.1f} model TFLOP/s")

@@ -74,6 +74,11 @@ def runtime_blocker(*tensors):
         return "traced by torch.compile, which fuses the reference itself"
     if not fused_kernels_enabled():
         return f"fused kernels disabled ({ENV_VAR}=0 or set_fused_kernels_enabled(False))"
+    return _device_blocker(tensors)
+
+
+def _device_blocker(tensors):
+    """Why ``tensors`` cannot go to a kernel by where they live (not CUDA, several devices), or None."""
     if not all(t.is_cuda for t in tensors):
         return "inputs are not all CUDA tensors"
     if len({t.device for t in tensors}) > 1:
@@ -276,8 +281,8 @@ def _needs_autograd(*tensors):
 def _decode_inputs_fit(dtype, *tensors):
     """All given tensors CUDA, on one device, of one fast dtype, and no gradient wanted."""
     present = [t for t in tensors if t is not None]
-    return (dtype in FAST_DTYPES and all(t.is_cuda and t.dtype == dtype for t in present)
-            and len({t.device for t in present}) == 1 and not _needs_autograd(*present))
+    return (dtype in FAST_DTYPES and all(t.dtype == dtype for t in present) and _device_blocker(present) is None
+            and not _needs_autograd(*present))
 
 
 def linear(x, weight, bias=None):
