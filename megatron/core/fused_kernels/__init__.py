@@ -2,8 +2,9 @@
 
 ``scale_mask_softmax``, ``layer_norm``, ``bias_gelu`` and ``bias_dropout_add`` run Triton kernels
 (forward and backward) on CUDA when their constraints hold, and the references
-(``*_reference``) otherwise and always on CPU; ``dispatch`` states the rules. ``linear`` (one row
-of input) and ``decode_attention`` are the forward-only kernels of a one-token decoding step. The
+(``*_reference``) otherwise and always on CPU; ``dispatch`` states the rules. ``linear``,
+``layer_norm_linear`` (one row of input, with a layer norm, activation or residual folded in) and
+``decode_attention`` are the forward-only kernels of a one-token decoding step. The
 environment variable ``MEGATRON_FUSED_KERNELS=0`` or ``set_fused_kernels_enabled(False)`` forces the
 references.
 """
@@ -14,6 +15,7 @@ from megatron.core.fused_kernels.dispatch import (
     decode_attention,
     fused_kernels_enabled,
     layer_norm,
+    layer_norm_linear,
     linear,
     scale_mask_softmax,
     set_fused_kernels_enabled,
@@ -23,7 +25,9 @@ from megatron.core.fused_kernels.reference import (
     bias_gelu_reference,
     causal_mask,
     decode_attention_reference,
+    layer_norm_linear_reference,
     layer_norm_reference,
+    linear_reference,
     scale_mask_softmax_reference,
 )
 
@@ -38,8 +42,11 @@ __all__ = [
     "decode_attention_reference",
     "fused_kernels_enabled",
     "layer_norm",
+    "layer_norm_linear",
+    "layer_norm_linear_reference",
     "layer_norm_reference",
     "linear",
+    "linear_reference",
     "scale_mask_softmax",
     "scale_mask_softmax_reference",
     "set_fused_kernels_enabled",

@@ -4,6 +4,8 @@ Each function is written with ordinary torch operations, runs on any device and 
 through torch itself. On CPU they are always the path taken; on GPU they are the fallback whenever a
 fast kernel's constraints do not hold (see ``dispatch``).
 """
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -78,13 +80,17 @@ def bias_dropout_add_reference(x, bias, residual, prob, training):
     return residual + F.dropout(x, p=prob, training=training)
 
 
-def decode_attention_reference(query, keys, values, position, slopes, scale):
+def decode_attention_reference(query, keys, values, position, slopes, scale, new_key=None, new_value=None):
     """softmax(scale q K^T + B) V for one query per row and head at position p of a fixed-size cache.
 
     query: [b, np, 1, hn]; keys, values: [b, np, T, hn] of which positions 0 .. p count (the later
     ones are excluded); position: a one-element int64 tensor holding p; B = m_j (t - p) for the ALiBi
-    slopes m [np], or 0 when ``slopes`` is None. Returns [b, np, 1, hn] in the query's dtype.
+    slopes m [np], or 0 when ``slopes`` is None. new_key, new_value [b, np, 1, hn] or None: written
+    into keys and values at p first. Returns [b, np, 1, hn] in the query's dtype.
     """
+    if new_key is not None:
+        keys.index_copy_(2, position.reshape(1), new_key)
+        values.index_copy_(2, position.reshape(1), new_value)
     key_positions = torch.arange(keys.shape[-2], device=keys.device)[None, :]  # [1, T]: one query
     hidden = key_positions > position
     if slopes is None:
@@ -93,3 +99,26 @@ def decode_attention_reference(query, keys, values, position, slopes, scale):
         distance = (key_positions - position).to(torch.float32)
         bias = (slopes.to(torch.float32)[:, None, None] * distance).to(query.dtype).masked_fill(hidden, float("-inf"))
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=bias, scale=scale)
+
+
+ACTIVATIONS = {None: None, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "gelu": F.gelu}
+
+
+def linear_reference(x, weight, bias, residual):
+    """r + (x W^T + b): x [..., K], weight [N, K], bias [N] or None, residual [..., N]; the product
+    rounded to x's dtype before the adds, as the separate bias-add kernel sees it."""
+    y = F.linear(x, weight)
+    if bias is not None:
+        y = y + bias
+    return residual + y
+
+
+def layer_norm_linear_reference(x, norm_weight, norm_bias, eps, weight, bias, activation):
+    """act(LN(x) W^T + b) for x [..., K]: ``layer_norm_reference`` rounded to x's dtype, then the
+    product (with the bias inside F.linear when there is no activation, else added to the rounded
+    product), then act (``ACTIVATIONS``: None, GeLU's tanh form or its erf form)."""
+    normed = layer_norm_reference(x, norm_weight, norm_bias, eps)
+    if activation is None:
+        return F.linear(normed, weight, bias)
+    y = F.linear(normed, weight)
+    return ACTIVATIONS[activation](y if bias is None else y + bias)

@@ -6,6 +6,23 @@ bandwidth unused at the GPT layers' shapes (61 % of copy bandwidth for h -> 3h, 
 an H200, measured); ``gemv`` spreads the rows of W over many programs, each streaming BLOCK_N rows
 in BLOCK_K-column tiles with an fp32 accumulator (49-78 % there, 100 % for the output head).
 
+The GEMV also takes the small operations around the layer's matrix products, so that a decoder
+layer at batch 1 is five of these kernels instead of a dozen (each costs a launch and a ramp)::
+
+    y = act(round(LN(x)) W^T + b) + r
+
+with the layer norm LN (statistics in fp32 over the whole row, recomputed by every program from
+the row in cache), the activation act (GeLU, tanh or erf form) and the residual r each optional.
+round() is the rounding to x's dtype of the separate ops: given act or r, x W^T is rounded and the
+rest computed in fp32 as the GEMV followed by an elementwise kernel would; a bias alone is added to
+the fp32 product, as F.linear does.
+
+On Hopper the kernels launch as programmatic dependents (PDL): a kernel may start while its
+predecessor in the stream still runs, streams its first tile of weights (no kernel writes them),
+then waits (``gdc_wait``) before reading anything a predecessor wrote; each program signals its
+own dependents on entry. Back to back, 96 GEMVs of the 1.3B GPT took 856 instead of 983 us on an
+H100 (94 % of copy bandwidth instead of 82 %, measured in one CUDA graph).
+
 ``decode_attention``: one query per (row, head) over a fixed-size cache [b, np, T, hn] of which
 positions 0 .. p are filled (p: a device scalar, so a captured CUDA graph can replay the step at the
 next position)::
@@ -16,21 +33,36 @@ next position)::
 split over chunks of positions as flash-decoding does: a program per (row, head, chunk) reduces its
 chunk to (max m_c, sum l_c, weighted values acc_c), reading only filled positions, and a second
 kernel combines the chunks with the factors exp(m_c - M). One program per (row, head) walking the
-whole cache took 27 us per layer at batch 1 on an H200 (16 programs for 132 SMs).
+whole cache took 27 us per layer at batch 1 on an H200 (16 programs for 132 SMs). Given the step's
+own key and value, the program whose chunk holds p writes them into the cache at p and uses them
+there, which saves the two cache-writing kernels.
 
 This module imports triton; ``dispatch`` imports it only when a CUDA tensor needs it.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from megatron.core.fused_kernels.launch import cdiv, next_power_of_2
+from megatron.core.fused_kernels.triton_elementwise import gelu_tanh
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    _HAS_GRID_DEPENDENCY_CONTROL = True
+except ImportError:  # older triton: no PDL, the kernels launch as ordinary ones and never call these
+    _HAS_GRID_DEPENDENCY_CONTROL = False
+    gdc_launch_dependents = gdc_wait = None
 
 # Two rows of W per program in 1024-column tiles, 4 warps: the best of a sweep over BLOCK_N 2-16,
-# BLOCK_K 128-1024 and 2-8 warps at the 1.3B GPT's shapes on an H200, or within 2 % of the best.
+# BLOCK_K 128-1024 and 2-8 warps at the 1.3B GPT's shapes on an H200, or within 2 % of the best;
+# with the fused layer norm and PDL, the best of BLOCK_N 1-4, BLOCK_K 512-2048, 2-8 warps on an H100.
 _GEMV_BLOCK_N = 2
 _GEMV_MAX_BLOCK_K = 1024
 _GEMV_WARPS = 4
+# With the layer norm, rows of up to 4096 columns are one tile (x loaded once, statistics from registers)
+_GEMV_MAX_NORM_BLOCK_K = 4096
 # Attention splits the cache into chunks of 16 positions (more when that makes over 128 chunks), one
 # program each per (row, head), so that a batch-1 step still runs hundreds of programs; 2 warps a
 # program, 1 when there are 256 (row, head) pairs or more. The best or within 4 % of the best of
@@ -38,49 +70,161 @@ _GEMV_WARPS = 4
 _ATTENTION_BLOCK_T = 16
 _ATTENTION_MAX_CHUNKS = 128
 _ATTENTION_MANY_PAIRS = 256
+# the GEMV's epilogue activation by name (dispatch's names) -> the kernel's ACTIVATION code
+_ACTIVATION_CODES = {None: 0, "gelu_tanh": 1, "gelu": 2}
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_or_later(device_index):
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def programmatic_launch(tensor: torch.Tensor) -> bool:
+    """Whether kernels on ``tensor``'s device launch as programmatic dependents (Hopper and later)."""
+    return _HAS_GRID_DEPENDENCY_CONTROL and tensor.is_cuda and _hopper_or_later(tensor.device.index)
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+def _enter(PDL: tl.constexpr):
+    """Let this kernel's dependents launch, then wait for the predecessors' writes (PDL only)."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+
+
+@triton.jit
+def _weight_tile(w_ptr, row_offsets, row_ok, cols, K, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(w_ptr + row_offsets + cols[None, :], mask=row_ok[:, None], other=0.0)
+    return tl.load(w_ptr + row_offsets + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _load_input(x_ptr, cols, K, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(x_ptr + cols).to(tl.float32)
+    return tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _normalized(x, x_ptr, norm_weight_ptr, norm_bias_ptr, cols, K, mean, rstd):
+    """round(LN(x)) of the fp32 tile x at cols, given the row's mean and 1 / std; 0 past K."""
+    col_ok = cols < K
+    norm_weight = tl.load(norm_weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    norm_bias = tl.load(norm_bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    normed = tl.where(col_ok, (x - mean) * rstd * norm_weight + norm_bias, 0.0)
+    return normed.to(x_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _input_tile(x_ptr, norm_weight_ptr, norm_bias_ptr, cols, K, mean, rstd, NORM: tl.constexpr,
+                EVEN_K: tl.constexpr):
+    """x[cols] in fp32, or round(LN(x))[cols]; 0 past K."""
+    x = _load_input(x_ptr, cols, K, EVEN_K)
+    if NORM:
+        x = _normalized(x, x_ptr, norm_weight_ptr, norm_bias_ptr, cols, K, mean, rstd)
+    return x
+
+
+@triton.jit
+def _first_input_tile(x_ptr, norm_weight_ptr, norm_bias_ptr, K, eps, NORM: tl.constexpr, ONE_TILE: tl.constexpr,
+                      EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(the input's first tile as ``_input_tile``, the row's mean, 1 / std). The statistics are in fp32
+    and two-pass, as LayerNorm's: from the tile itself when it is the whole row, else over the row
+    in memory (in cache: each program reads it)."""
+    cols = tl.arange(0, BLOCK_K)
+    mean = 0.0
+    rstd = 1.0
+    if NORM and ONE_TILE:
+        x = _load_input(x_ptr, cols, K, EVEN_K)
+        mean = tl.sum(x, axis=0) / K
+        centered = tl.where(cols < K, x - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=0) / K + eps)
+        x = _normalized(x, x_ptr, norm_weight_ptr, norm_bias_ptr, cols, K, mean, rstd)
+    else:
+        if NORM:
+            total = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            for start in range(0, K, BLOCK_K):
+                total += _load_input(x_ptr, start + cols, K, False)
+            mean = tl.sum(total, axis=0) / K
+            squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            for start in range(0, K, BLOCK_K):
+                centered = tl.where(start + cols < K, _load_input(x_ptr, start + cols, K, False) - mean, 0.0)
+                squares += centered * centered
+            rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
+        x = _input_tile(x_ptr, norm_weight_ptr, norm_bias_ptr, cols, K, mean, rstd, NORM, EVEN_K)
+    return x, mean, rstd
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, norm_bias_ptr, y_ptr, N, K, eps,
+                 HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, ACTIVATION: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ONE_TILE: tl.constexpr,
+                 PDL: tl.constexpr):
+    """Rows program_id * BLOCK_N + [0, BLOCK_N) of y = act(round(LN(x)) W^T + b) + r (module docstring)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     row_offsets = rows[:, None].to(tl.int64) * K
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
-        cols = start + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            w = tl.load(w_ptr + row_offsets + cols[None, :], mask=row_ok[:, None], other=0.0)
-            x = tl.load(x_ptr + cols)
-        else:
-            col_ok = cols < K
-            w = tl.load(w_ptr + row_offsets + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-            x = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    cols = tl.arange(0, BLOCK_K)
+    w = _weight_tile(w_ptr, row_offsets, row_ok, cols, K, EVEN_K)  # before the wait: weights are no kernel's output
+    _enter(PDL)
+    x, mean, rstd = _first_input_tile(x_ptr, norm_weight_ptr, norm_bias_ptr, K, eps, NORM, ONE_TILE, EVEN_K, BLOCK_K)
+    acc = w.to(tl.float32) * x[None, :]
+    for start in range(BLOCK_K, K, BLOCK_K):
+        tile = start + cols
+        w = _weight_tile(w_ptr, row_offsets, row_ok, tile, K, EVEN_K)
+        acc += w.to(tl.float32) * _input_tile(x_ptr, norm_weight_ptr, norm_bias_ptr, tile, K, mean, rstd, NORM,
+                                              EVEN_K)[None, :]
     y = tl.sum(acc, axis=1)
+    if ACTIVATION != 0 or HAS_RESIDUAL:  # the separate ops round the product before their elementwise work
+        y = y.to(y_ptr.dtype.element_ty).to(tl.float32)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    if ACTIVATION == 1:
+        y = gelu_tanh(y)
+    elif ACTIVATION == 2:
+        y = 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))
+    if HAS_RESIDUAL:
+        y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + tl.load(residual_ptr + rows, mask=row_ok,
+                                                                    other=0.0).to(tl.float32)
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] holding one row, weight [N, K] contiguous, bias [N] or None -> x W^T + b [..., N]."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None = None,
+         norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, activation: str | None = None) -> torch.Tensor:
+    """x [..., K] holding one row, weight [N, K] contiguous, bias [N] or None, residual [..., N]
+    (contiguous) or None, norm = (weight [K], bias [K], eps) of a layer norm of x or None ->
+    act(round(LN(x)) W^T + b) + r [..., N] in x's dtype."""
     n, k = weight.shape
     row = x.reshape(k).contiguous()
     y = torch.empty(n, dtype=x.dtype, device=x.device)
-    block_k = min(_GEMV_MAX_BLOCK_K, next_power_of_2(k))
+    norm_weight, norm_bias, eps = norm if norm is not None else (row, row, 0.0)
+    block_k = next_power_of_2(k)
+    if norm is None or block_k > _GEMV_MAX_NORM_BLOCK_K:
+        block_k = min(_GEMV_MAX_BLOCK_K, block_k)
+    pdl = programmatic_launch(x)
     _gemv_kernel[(cdiv(n, _GEMV_BLOCK_N),)](
-        row, weight, y if bias is None else bias, y, n, k, HAS_BIAS=bias is not None, BLOCK_N=_GEMV_BLOCK_N,
-        BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=_GEMV_WARPS)
+        row, weight, y if bias is None else bias, y if residual is None else residual, norm_weight, norm_bias, y,
+        n, k, eps, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, NORM=norm is not None,
+        ACTIVATION=_ACTIVATION_CODES[activation], BLOCK_N=_GEMV_BLOCK_N, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        ONE_TILE=block_k >= k, PDL=pdl, num_warps=_GEMV_WARPS, **_launch_options(pdl))
     return y.view(*x.shape[:-1], n)
 
 
+def _launch_options(pdl):
+    return {"launch_pdl": True} if pdl else {}
+
+
 @triton.jit
-def _decode_attention_chunk_kernel(q_ptr, k_ptr, v_ptr, position_ptr, slopes_ptr, partial_ptr, stats_ptr, heads,
-                                   head_dim, capacity, q_stride_b, q_stride_h, kv_stride_b, kv_stride_h, kv_stride_t,
-                                   scale, HAS_ALIBI: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr):
+def _decode_attention_chunk_kernel(q_ptr, k_ptr, v_ptr, new_k_ptr, new_v_ptr, position_ptr, slopes_ptr, partial_ptr,
+                                   stats_ptr, heads, head_dim, capacity, q_stride_b, q_stride_h, new_stride_b,
+                                   new_stride_h, kv_stride_b, kv_stride_h, kv_stride_t, scale,
+                                   HAS_ALIBI: tl.constexpr, WRITE: tl.constexpr, BLOCK_D: tl.constexpr,
+                                   BLOCK_T: tl.constexpr, PDL: tl.constexpr):
     """Chunk c of (row, head) = program (0, 1): max m_c, sum l_c and sum_t exp(s_t - m_c) v_t over its
-    filled positions (none: m_c = -inf, l_c = 0, no memory read)."""
+    filled positions (none: m_c = -inf, l_c = 0, no memory read). With WRITE the step's own key and
+    value (at p) come from new_k, new_v, and the program holding p stores them into the cache."""
+    _enter(PDL)
     program = tl.program_id(0)  # row * heads + head
     chunk = tl.program_id(1)
     chunks = tl.num_programs(1)
@@ -94,24 +238,36 @@ def _decode_attention_chunk_kernel(q_ptr, k_ptr, v_ptr, position_ptr, slopes_ptr
     valid = (t <= position) & (t < capacity)
     offsets = row.to(tl.int64) * kv_stride_b + head * kv_stride_h + t[:, None] * kv_stride_t + dims[None, :]
     tile_ok = valid[:, None] & dim_ok[None, :]
-    keys = tl.load(k_ptr + offsets, mask=tile_ok, other=0.0).to(tl.float32)
-    values = tl.load(v_ptr + offsets, mask=tile_ok, other=0.0).to(tl.float32)
-    scores = tl.sum(keys * q[None, :], axis=1) * scale  # [BLOCK_T]
+    if WRITE:
+        new_offsets = row * new_stride_b + head * new_stride_h + dims
+        is_new = (t == position)[:, None] & dim_ok[None, :]
+        cached = tile_ok & ~is_new
+        keys = tl.load(k_ptr + offsets, mask=cached, other=0.0)
+        values = tl.load(v_ptr + offsets, mask=cached, other=0.0)
+        keys = tl.where(is_new, tl.load(new_k_ptr + new_offsets, mask=dim_ok, other=0.0)[None, :], keys)
+        values = tl.where(is_new, tl.load(new_v_ptr + new_offsets, mask=dim_ok, other=0.0)[None, :], values)
+        tl.store(k_ptr + offsets, keys, mask=is_new)
+        tl.store(v_ptr + offsets, values, mask=is_new)
+    else:
+        keys = tl.load(k_ptr + offsets, mask=tile_ok, other=0.0)
+        values = tl.load(v_ptr + offsets, mask=tile_ok, other=0.0)
+    scores = tl.sum(keys.to(tl.float32) * q[None, :], axis=1) * scale  # [BLOCK_T]
     if HAS_ALIBI:
         scores += tl.load(slopes_ptr + head).to(tl.float32) * (t - position).to(tl.float32)
     scores = tl.where(valid, scores, float("-inf"))
     chunk_max = tl.max(scores, axis=0)
     weights = tl.exp(scores - tl.where(chunk_max == float("-inf"), 0.0, chunk_max))
     slot = program * chunks + chunk
-    tl.store(partial_ptr + slot * BLOCK_D + dims, tl.sum(weights[:, None] * values, axis=0))
+    tl.store(partial_ptr + slot * BLOCK_D + dims, tl.sum(weights[:, None] * values.to(tl.float32), axis=0))
     tl.store(stats_ptr + slot * 2, chunk_max)
     tl.store(stats_ptr + slot * 2 + 1, tl.sum(weights, axis=0))
 
 
 @triton.jit
 def _decode_attention_combine_kernel(partial_ptr, stats_ptr, out_ptr, chunks, head_dim, BLOCK_C: tl.constexpr,
-                                     BLOCK_D: tl.constexpr):
+                                     BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """o = sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c with M = max_c m_c (finite: chunk 0 holds p = 0)."""
+    _enter(PDL)
     program = tl.program_id(0)
     chunk = tl.arange(0, BLOCK_C)
     chunk_ok = chunk < chunks
@@ -126,21 +282,29 @@ def _decode_attention_combine_kernel(partial_ptr, stats_ptr, out_ptr, chunks, he
 
 
 def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor,
-                     slopes: torch.Tensor | None, scale: float) -> torch.Tensor:
+                     slopes: torch.Tensor | None, scale: float, new_key: torch.Tensor | None = None,
+                     new_value: torch.Tensor | None = None) -> torch.Tensor:
     """query [b, np, 1, hn] (last dim contiguous), keys/values [b, np, T, hn] contiguous, position:
-    one int64 element (p), slopes [np] or None -> [b, np, 1, hn] in the query's dtype."""
+    one int64 element (p), slopes [np] or None -> [b, np, 1, hn] in the query's dtype. new_key,
+    new_value [b, np, 1, hn] (of equal strides, the last dim contiguous, the cache's dtype), or None: the step's key and
+    value, written into the cache at p here (else the cache holds them already)."""
     batch, heads, _, head_dim = query.shape
     capacity = keys.shape[2]
     block_t = max(_ATTENTION_BLOCK_T, next_power_of_2(cdiv(capacity, _ATTENTION_MAX_CHUNKS)))
     chunks, block_d = cdiv(capacity, block_t), next_power_of_2(head_dim)
     partial = torch.empty(batch * heads, chunks, block_d, dtype=torch.float32, device=query.device)
     stats = torch.empty(batch * heads, chunks, 2, dtype=torch.float32, device=query.device)
+    write = new_key is not None
+    new_key, new_value = (new_key, new_value) if write else (query, query)
+    pdl = programmatic_launch(query)
     _decode_attention_chunk_kernel[(batch * heads, chunks)](
-        query, keys, values, position, keys if slopes is None else slopes, partial, stats, heads, head_dim, capacity,
-        query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), scale,
-        HAS_ALIBI=slopes is not None, BLOCK_D=block_d, BLOCK_T=block_t,
-        num_warps=1 if batch * heads >= _ATTENTION_MANY_PAIRS else 2)
+        query, keys, values, new_key, new_value, position, keys if slopes is None else slopes, partial, stats, heads,
+        head_dim, capacity, query.stride(0), query.stride(1), new_key.stride(0), new_key.stride(1), keys.stride(0),
+        keys.stride(1), keys.stride(2), scale, HAS_ALIBI=slopes is not None, WRITE=write, BLOCK_D=block_d,
+        BLOCK_T=block_t, PDL=pdl, num_warps=1 if batch * heads >= _ATTENTION_MANY_PAIRS else 2,
+        **_launch_options(pdl))
     out = torch.empty(batch, heads, 1, head_dim, dtype=query.dtype, device=query.device)
     _decode_attention_combine_kernel[(batch * heads,)](partial, stats, out, chunks, head_dim,
-                                                       BLOCK_C=next_power_of_2(chunks), BLOCK_D=block_d)
+                                                       BLOCK_C=next_power_of_2(chunks), BLOCK_D=block_d, PDL=pdl,
+                                                       **_launch_options(pdl))
     return out

@@ -39,7 +39,7 @@ _NUM_WARPS = 4
 
 
 @triton.jit
-def _gelu_tanh(t):
+def gelu_tanh(t):
     return t * tl.sigmoid(2.0 * _SQRT_2_OVER_PI * (t + _GELU_CUBIC * t * t * t))
 
 
@@ -75,7 +75,7 @@ def _bias_gelu_forward_kernel(y_ptr, bias_ptr, out_ptr, n_rows, n_cols, BLOCK_M:
     cols, offsets, in_bounds = _tile(n_rows, n_cols, tl.program_id(0) * BLOCK_M, BLOCK_M, BLOCK_N)
     bias = tl.load(bias_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
     t = tl.load(y_ptr + offsets, mask=in_bounds, other=0.0).to(tl.float32) + bias[None, :]
-    tl.store(out_ptr + offsets, _gelu_tanh(t).to(out_ptr.dtype.element_ty), mask=in_bounds)
+    tl.store(out_ptr + offsets, gelu_tanh(t).to(out_ptr.dtype.element_ty), mask=in_bounds)
 
 
 @triton.jit

@@ -26,6 +26,8 @@ class CacheFullError(RuntimeError):
 class LayerKVCache:
     """K and V of one layer for ``capacity`` positions: ``extend`` appends and returns the filled part."""
 
+    fixed_size = False  # StaticKVCache: buffers of fixed shape, written at a device position
+
     def __init__(self, capacity: int):
         self.capacity = capacity
         self.length = 0
@@ -78,17 +80,25 @@ class StaticKVCache(LayerKVCache):
         super().__init__(capacity)
         self.step = step
 
+    fixed_size = True
+
     def extend(self, key: torch.Tensor, value: torch.Tensor):
         """key, value [b, np, s, hn] of positions p .. p + s - 1 (p = position) -> the buffers
         [b, np, capacity, hn], the step's mask [1, 1, s, capacity] and positions [s]."""
+        keys, values, positions = self.buffers(key)
+        keys.index_copy_(2, positions, key)
+        values.index_copy_(2, positions, value)
+        return keys, values, self.step.mask, positions
+
+    def buffers(self, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The buffers [b, np, capacity, hn] (made on the first call, shaped and typed after key
+        [b, np, s, hn]) and the call's positions p .. p + s - 1 [s], for an attention that writes
+        the call's keys and values itself (``fused_kernels.decode_attention``)."""
         if self.keys is None:
             self.keys = torch.zeros((*key.shape[:-2], self.capacity, key.shape[-1]), dtype=key.dtype,
                                     device=key.device)
             self.values = torch.zeros_like(self.keys)
-        positions = self.step.query_positions
-        self.keys.index_copy_(2, positions, key)
-        self.values.index_copy_(2, positions, value)
-        return self.keys, self.values, self.step.mask, positions
+        return self.keys, self.values, self.step.query_positions
 
 
 class StaticKVCaches(list):

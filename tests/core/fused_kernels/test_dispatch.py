@@ -76,6 +76,17 @@ def test_cpu_calls_return_the_references_exactly_and_never_ask_for_triton(monkey
     position = torch.tensor([5])
     assert torch.equal(fused_kernels.decode_attention(query, keys, values, position, None, 0.25),
                        fused_kernels.decode_attention_reference(query, keys, values, position, None, 0.25))
+    new_key, new_value = torch.randn(2, 1, 2, 1, 16)
+    written = keys.clone(), values.clone()
+    assert torch.equal(fused_kernels.decode_attention(query, keys, values, position, None, 0.25, new_key, new_value),
+                       fused_kernels.decode_attention_reference(query, *written, position, None, 0.25, new_key, new_value))
+    assert torch.equal(keys, written[0]) and torch.equal(values, written[1])
+    residual = torch.randn(1, 1, 8, dtype=torch.bfloat16)
+    assert torch.equal(fused_kernels.linear(row, matrix, bias[:8].bfloat16(), residual),
+                       fused_kernels.linear_reference(row, matrix, bias[:8].bfloat16(), residual))
+    norm = (torch.randn(16, dtype=torch.bfloat16), torch.randn(16, dtype=torch.bfloat16), 1e-5)
+    assert torch.equal(fused_kernels.layer_norm_linear(row, *norm, matrix, None, "gelu"),
+                       fused_kernels.layer_norm_linear_reference(row, *norm, matrix, None, "gelu"))
     assert requested == {}
 
 
@@ -153,6 +164,13 @@ def test_elementwise_constraints():
                                                 torch.tensor([2]), None, 1.0), r"\[b, np, 1, hn\]"),
         (lambda: fused_kernels.decode_attention(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 6, 8), torch.zeros(1, 2, 6, 8),
                                                 torch.tensor([2, 3]), None, 1.0), "one int64 element"),
+        (lambda: fused_kernels.decode_attention(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 6, 8), torch.zeros(1, 2, 6, 8),
+                                                torch.tensor([2]), None, 1.0, torch.zeros(1, 2, 1, 8)), "come together"),
+        (lambda: fused_kernels.linear(torch.zeros(1, 8), torch.zeros(4, 8), None, torch.zeros(1, 8)), "residual"),
+        (lambda: fused_kernels.layer_norm_linear(torch.zeros(1, 8), torch.ones(8), torch.zeros(8), 1e-5,
+                                                 torch.zeros(4, 8), None, "relu"), "activation must be one of"),
+        (lambda: fused_kernels.layer_norm_linear(torch.zeros(1, 8), torch.ones(4), torch.zeros(8), 1e-5,
+                                                 torch.zeros(4, 8)), "norm_weight must have shape"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(call, message):

@@ -9,7 +9,9 @@ from megatron.core.fused_kernels import (
     bias_gelu_reference,
     causal_mask,
     decode_attention_reference,
+    layer_norm_linear_reference,
     layer_norm_reference,
+    linear_reference,
     scale_mask_softmax_reference,
 )
 
@@ -192,3 +194,39 @@ def test_decode_attention_reference_attends_to_the_filled_positions_only(alibi):
             weights = torch.softmax(logits, dim=0)
             expected = sum(weights[t] * values[row, head, t] for t in seen)
             torch.testing.assert_close(out[row, head, 0], expected)
+
+
+def test_decode_attention_reference_first_writes_the_step_key_and_value():
+    torch.manual_seed(6)
+    query, new_key, new_value = torch.randn(3, 2, 3, 1, 4, dtype=torch.float64)
+    keys, values = torch.randn(2, 2, 3, 10, 4, dtype=torch.float64)
+    written_keys, written_values = keys.clone(), values.clone()
+    written_keys[:, :, 6], written_values[:, :, 6] = new_key[:, :, 0], new_value[:, :, 0]
+    expected = decode_attention_reference(query, written_keys, written_values, torch.tensor([6]), None, 0.3)
+    out = decode_attention_reference(query, keys, values, torch.tensor([6]), None, 0.3, new_key, new_value)
+    assert torch.equal(keys, written_keys) and torch.equal(values, written_values)
+    torch.testing.assert_close(out, expected)
+
+
+def test_linear_reference_adds_bias_and_residual_to_the_product():
+    torch.manual_seed(7)
+    x, weight = torch.randn(2, 5, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
+    bias, residual = torch.randn(3, dtype=torch.float64), torch.randn(2, 3, dtype=torch.float64)
+    expected = torch.stack([torch.stack([residual[i, j] + bias[j] + sum(x[i, k] * weight[j, k] for k in range(5))
+                                         for j in range(3)]) for i in range(2)])
+    torch.testing.assert_close(linear_reference(x, weight, bias, residual), expected)
+    torch.testing.assert_close(linear_reference(x, weight, None, residual), expected - bias)
+
+
+@pytest.mark.parametrize("activation", [None, "gelu_tanh", "gelu"])
+def test_layer_norm_linear_reference_is_the_norm_the_product_and_the_activation(activation):
+    torch.manual_seed(8)
+    x = torch.randn(2, 1, 6, dtype=torch.float64) * 3 + 1
+    norm_weight, norm_bias = torch.randn(6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    weight, bias = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    mean, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
+    t = ((x - mean) / torch.sqrt(var + 1e-5) * norm_weight + norm_bias) @ weight.T + bias
+    expected = {None: t, "gelu_tanh": 0.5 * t * (1 + torch.tanh(math.sqrt(2 / math.pi) * (t + 0.044715 * t ** 3))),
+                "gelu": 0.5 * t * (1 + torch.erf(t / math.sqrt(2)))}[activation]
+    out = layer_norm_linear_reference(x, norm_weight, norm_bias, 1e-5, weight, bias, activation)
+    torch.testing.assert_close(out, expected)

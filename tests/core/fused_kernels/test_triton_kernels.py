@@ -24,6 +24,8 @@ _REFERENCE_NAMES = [
     "bias_gelu_reference",
     "bias_dropout_add_reference",
     "decode_attention_reference",
+    "linear_reference",
+    "layer_norm_linear_reference",
 ]
 
 
@@ -277,6 +279,45 @@ def test_one_row_linear_runs_the_gemv(dtype, n, k, with_bias, no_cublas_linear):
     _assert_matches(y, expected.to(dtype), ulps=1, reduced=k)
 
 
+def _normed_product(x, norm_weight, norm_bias, weight, bias):
+    """round(LN(x)) W^T + b in float64, LN in fp32 rounded to x's dtype as the kernel's prologue does."""
+    normed = F.layer_norm(x.float(), (x.shape[-1],), norm_weight.float(), norm_bias.float(), 1e-5).to(x.dtype)
+    return F.linear(normed.double(), weight.double(), None if bias is None else bias.double())
+
+
+@pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=DTYPE_IDS)
+@pytest.mark.parametrize("n, k, activation", [(6144, 2048, None), (8192, 2048, "gelu_tanh"), (37, 1000, "gelu"),
+                                              (50304, 2048, None), (16, 3000, "gelu_tanh"),
+                                              (64, 5000, "gelu")])
+def test_layer_norm_linear_runs_the_gemv_with_the_norm_and_activation_folded_in(references, dtype, n, k,
+                                                                                activation, no_cublas_linear):
+    torch.manual_seed(5)
+    x = (torch.randn(1, 1, k, device="cuda") * 4 + 2).to(dtype)
+    norm_weight, norm_bias = (torch.randn(k, device="cuda").to(dtype) for _ in range(2))
+    weight = (torch.randn(n, k, device="cuda") / math.sqrt(k)).to(dtype)
+    bias = torch.randn(n, device="cuda").to(dtype)
+    expected = _normed_product(x, norm_weight, norm_bias, weight, bias)
+    if activation is not None:
+        expected = F.gelu(expected, approximate="tanh" if activation == "gelu_tanh" else "none")
+    with torch.no_grad():
+        y = fused_kernels.layer_norm_linear(x, norm_weight, norm_bias, 1e-5, weight, bias, activation)
+    _assert_matches(y, expected.to(dtype), ulps=2, reduced=k)
+
+
+@pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=DTYPE_IDS)
+@pytest.mark.parametrize("n, k, with_bias", [(2048, 2048, True), (2048, 8192, True), (37, 1000, False)])
+def test_linear_with_a_residual_runs_the_gemv(references, dtype, n, k, with_bias, no_cublas_linear):
+    torch.manual_seed(6)
+    x = torch.randn(1, 1, k, device="cuda").to(dtype)
+    weight = (torch.randn(n, k, device="cuda") / math.sqrt(k)).to(dtype)
+    bias = torch.randn(n, device="cuda").to(dtype) if with_bias else None
+    residual = (torch.randn(1, 1, n, device="cuda") * 3).to(dtype)
+    expected = residual.double() + F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    with torch.no_grad():
+        y = fused_kernels.linear(x, weight, bias, residual)
+    _assert_matches(y, expected.to(dtype), ulps=2, reduced=k)
+
+
 def test_linear_with_gradients_or_several_rows_stays_with_torch():
     x = torch.randn(1, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     weight = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -319,17 +360,95 @@ def test_decode_attention_call_after_call_at_every_position(references):
             _assert_matches(out, expected.to(torch.bfloat16), ulps=2, reduced=int(where) + 1)
 
 
+@pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=DTYPE_IDS)
+@pytest.mark.parametrize("batch, position, alibi", [(1, 0, False), (1, 200, True), (3, 383, False)])
+def test_decode_attention_stores_the_step_key_and_value(references, dtype, batch, position, alibi):
+    torch.manual_seed(8)
+    keys, values = (torch.randn(batch, 4, 384, 96, device="cuda").to(dtype) for _ in range(2))
+    mixed = torch.randn(1, batch, 4, 3 * 96, device="cuda").to(dtype)  # the model's strided q, k, v
+    query, key, value = (t.permute(1, 2, 0, 3) for t in mixed.split(96, dim=-1))
+    slopes = torch.rand(4, device="cuda") if alibi else None
+    where = torch.tensor([position], device="cuda")
+    expected_keys, expected_values = keys.clone(), values.clone()
+    expected_keys[:, :, position], expected_values[:, :, position] = key[:, :, 0], value[:, :, 0]
+    out = fused_kernels.decode_attention(query, keys, values, where, slopes, 0.1, key, value)
+    assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
+    expected = references.decode_attention_reference(query.double(), keys.double(), values.double(), where, slopes,
+                                                     0.1)
+    _assert_matches(out, expected.to(dtype), ulps=2, reduced=position + 1)
+
+
+def test_chained_decode_kernels_read_their_predecessors_outputs(references, no_cublas_linear):
+    """Each kernel reads what the one before it wrote, back to back in one stream (on Hopper each
+    starts before its predecessor ends and waits only before reading), eagerly and replayed from a
+    CUDA graph: a layer's five ops, 24 layers over, each output equal to the float64 reference of
+    the inputs it was given."""
+    torch.manual_seed(9)
+    hidden, heads, head_dim, layers = 256, 4, 64, 24
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    shapes = dict(qkv=(3 * hidden, hidden), dense=(hidden, hidden), fc1=(4 * hidden, hidden), fc2=(hidden, 4 * hidden))
+    weights = [{name: (torch.randn(shape, **bf16) / math.sqrt(shape[1]), torch.randn(shape[0], **bf16) / 8)
+                for name, shape in shapes.items()} for _ in range(layers)]
+    norm = (torch.rand(hidden, **bf16) + 0.5, torch.randn(hidden, **bf16) / 8)
+    caches = [[torch.randn(1, heads, 32, head_dim, **bf16) for _ in range(2)] for _ in range(layers)]
+    where = torch.tensor([17], device="cuda")
+
+    def step(x, records):
+        for layer, (keys, values) in zip(weights, caches):
+            mixed = fused_kernels.layer_norm_linear(x, *norm, 1e-5, *layer["qkv"])
+            query, key, value = (t.permute(1, 2, 0, 3) for t in mixed.view(1, 1, heads, 3 * head_dim).split(head_dim, -1))
+            context = fused_kernels.decode_attention(query, keys, values, where, None, 0.125, key, value)
+            context = context.view(1, 1, hidden)
+            after_attention = fused_kernels.linear(context, *layer["dense"], x)
+            intermediate = fused_kernels.layer_norm_linear(after_attention, *norm, 1e-5, *layer["fc1"], "gelu_tanh")
+            output = fused_kernels.linear(intermediate, *layer["fc2"], after_attention)
+            records.append((x, mixed, (keys, values), context, after_attention, intermediate, output))
+            x = output
+
+    def check(records):
+        for layer, (x, mixed, (keys, values), context, after_attention, intermediate, output) in zip(weights, records):
+            _assert_matches(mixed, _normed_product(x, *norm, *layer["qkv"]).to(mixed.dtype), ulps=2, reduced=hidden)
+            query = mixed.view(1, 1, heads, 3 * head_dim)[..., :head_dim].permute(1, 2, 0, 3)
+            expected = references.decode_attention_reference(query.double(), keys.double(), values.double(), where,
+                                                             None, 0.125)
+            _assert_matches(context, expected.view(1, 1, hidden).to(context.dtype), ulps=2, reduced=18)
+            dense = x.double() + F.linear(context.double(), *(t.double() for t in layer["dense"]))
+            _assert_matches(after_attention, dense.to(x.dtype), ulps=3, reduced=hidden)
+            fc1 = F.gelu(_normed_product(after_attention, *norm, *layer["fc1"]), approximate="tanh")
+            _assert_matches(intermediate, fc1.to(x.dtype), ulps=3, reduced=hidden)
+            fc2 = after_attention.double() + F.linear(intermediate.double(), *(t.double() for t in layer["fc2"]))
+            _assert_matches(output, fc2.to(x.dtype), ulps=3, reduced=4 * hidden)
+
+    x = torch.randn(1, 1, hidden, **bf16)
+    with torch.no_grad():
+        eager = []
+        step(x, eager)
+        check(eager)
+        replayed = []
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step(x, replayed)
+        graph.replay()
+        check(replayed)
+
+
 def test_decode_kernels_run_compiled_and_replayed_from_a_cuda_graph(references, no_cublas_linear):
+    """The decode ops under torch.compile, then captured: a replay at a new position writes the
+    cache there and gives the eager result."""
     torch.manual_seed(4)
-    weight = torch.randn(384, 256, device="cuda", dtype=torch.bfloat16) / 16
-    keys, values = (torch.randn(1, 4, 64, 96, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    qkv, dense = torch.randn(3 * 384, 384, **bf16) / 20, torch.randn(384, 384, **bf16) / 20
+    norm = (torch.rand(384, **bf16) + 0.5, torch.randn(384, **bf16) / 8)
+    keys, values = (torch.randn(1, 4, 64, 96, **bf16) for _ in range(2))
     where = torch.tensor([10], device="cuda")
 
     def step(x):
-        query = fused_kernels.linear(x, weight).view(1, 4, 1, 96)
-        return fused_kernels.decode_attention(query, keys, values, where, None, 0.1)
+        mixed = fused_kernels.layer_norm_linear(x, *norm, 1e-5, qkv).view(1, 1, 4, 3 * 96)
+        query, key, value = (t.permute(1, 2, 0, 3) for t in mixed.split(96, dim=-1))
+        context = fused_kernels.decode_attention(query, keys, values, where, None, 0.1, key, value)
+        return fused_kernels.linear(context.view(1, 1, 384), dense, None, x)
 
-    x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, 1, 384, **bf16)
     with torch.no_grad():
         eager = step(x)
         compiled = torch.compile(step, fullgraph=True)
@@ -338,5 +457,8 @@ def test_decode_kernels_run_compiled_and_replayed_from_a_cuda_graph(references, 
         with torch.cuda.graph(graph):
             replayed = compiled(x)
         where.fill_(40)
+        keys[:, :, 40].zero_()
         graph.replay()
-        assert torch.equal(replayed, step(x))
+        written = keys[:, :, 40].clone()
+        assert written.abs().sum() > 0
+        assert torch.equal(replayed, step(x)) and torch.equal(keys[:, :, 40], written)

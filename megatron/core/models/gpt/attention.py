@@ -73,9 +73,16 @@ class ParallelSelfAttention(nn.Module):
         values to attend over [b, np, T, hn], a mask [.., s, T] (True = hidden) and the queries'
         positions [s]; or None for both, then the queries are the last s of the T positions (causal,
         bottom-right). Attention then runs through sdpa, or, for one query over a fixed-size cache
-        (a decoding step), through ``fused_kernels.decode_attention``.
+        (a decoding step), through ``fused_kernels.decode_attention``, which also stores the step's
+        key and value (``buffers`` instead of ``extend``).
         """
         mixed, _ = self.query_key_value(hidden_states)  # [s, b, np * 3 * hn], whole s under sequence parallelism
+        return self.dense(self.attend(mixed, position_ids, attention_mask, kv_cache))
+
+    def attend(self, mixed: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               kv_cache=None) -> torch.Tensor:
+        """What runs between the two projections (arguments as ``forward``'s): query_key_value's
+        output [s, b, np * 3 * hn] -> the heads' outputs [s, b, np * hn], dense's input."""
         seq_length, batch = mixed.shape[:2]
         mixed = mixed.view(seq_length, batch, self.heads_per_partition, 3 * self.head_dim)
         query, key, value = mixed.split(self.head_dim, dim=-1)  # 3 x [s, b, np, hn]
@@ -84,18 +91,20 @@ class ParallelSelfAttention(nn.Module):
             query, key = apply_rotary_embedding(query, cos, sin), apply_rotary_embedding(key, cos, sin)
         # [s, b, np, hn] -> [b, np, s, hn]
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        query_positions = None
-        decoding = False
-        if kv_cache is not None:
-            key, value, cache_mask, query_positions = kv_cache.extend(key, value)  # [b, np, T, hn]
-            decoding = cache_mask is not None and seq_length == 1 and attention_mask is None and not self.training
-            if cache_mask is not None:
-                attention_mask = cache_mask if attention_mask is None else attention_mask | cache_mask
-        if decoding:  # one query over a fixed-size cache: a kernel that reads only the filled positions
+        if (kv_cache is not None and kv_cache.fixed_size and seq_length == 1 and attention_mask is None
+                and not self.training):
+            # one query over a fixed-size cache: a kernel that stores this step's key and value and
+            # reads only the filled positions
+            keys, values, position = kv_cache.buffers(key)
             slopes = self.alibi_slopes if self.config.position_embedding_type == "alibi" else None
-            context = fused_kernels.decode_attention(query, key, value, query_positions, slopes,
-                                                     1.0 / math.sqrt(self.head_dim))
+            context = fused_kernels.decode_attention(query, keys, values, position, slopes,
+                                                     1.0 / math.sqrt(self.head_dim), key, value)
         else:
+            query_positions = None
+            if kv_cache is not None:
+                key, value, cache_mask, query_positions = kv_cache.extend(key, value)  # [b, np, T, hn]
+                if cache_mask is not None:
+                    attention_mask = cache_mask if attention_mask is None else attention_mask | cache_mask
             alibi = None
             if self.config.position_embedding_type == "alibi":
                 alibi = alibi_bias(self.alibi_slopes, seq_length, key.shape[-2], query_positions).to(query.dtype)
@@ -104,8 +113,7 @@ class ParallelSelfAttention(nn.Module):
             else:
                 context = self._materialized(query, key, value, alibi, attention_mask)
         # [b, np, s, hn] -> [s, b, np * hn]
-        context = context.permute(2, 0, 1, 3).reshape(seq_length, batch, -1)
-        return self.dense(context)
+        return context.permute(2, 0, 1, 3).reshape(seq_length, batch, -1)
 
     def _dropout_probability(self) -> float:
         return self.config.attention_dropout if self.training else 0.0
