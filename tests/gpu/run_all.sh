@@ -1,7 +1,7 @@
 #!/bin/bash
 # Every GPU check and benchmark in one go, on the GPU machine, from the repository root:
 #   bash tests/gpu/run_all.sh            (logs under $OUT, default /tmp/gpu_checks)
-# GPU tests, fused-kernel table, 1.3B forward+backward, then the trainer runs of run_trainer.sh
+# GPU tests, fused-kernel table, 1.3B forward+backward, text generation, the decode layer chain, then the trainer runs of run_trainer.sh
 # (with 2 or more GPUs also the DP/TP/PP layout comparison), the trainer against transformers +
 # torch.compile (bench_vs_peer.sh) and, with 2 or more GPUs, the bandwidth of TP's collectives
 # (bench_collectives.py) and the scaling table (bench_scaling.sh).
@@ -23,6 +23,7 @@ python3 -m pytest -q -rfs -m gpu --continue-on-collection-errors tests 2>&1 | te
 python3 tools/benchmarks/bench_fused_kernels.py 2>&1 | tee "$OUT/fused_kernels_bench.log" || status=1
 python3 tools/benchmarks/bench_gpt_model.py 2>&1 | tee "$OUT/gpt_1p3b_bench.log" || status=1
 python3 tools/benchmarks/bench_text_generation.py 2>&1 | tee "$OUT/text_generation_bench.log" || status=1
+python3 tools/benchmarks/bench_decode_layers.py 2>&1 | tee "$OUT/decode_layers_bench.log" || status=1
 runs="example overflow 350m_bf16 350m_fp16 1p3b_bf16 1p3b_fp16"
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     runs="$runs layout_single layout_dp2 layout_tp2 layout_pp2 layout_compare"
