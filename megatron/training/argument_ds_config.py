@@ -17,7 +17,12 @@ Rules, applied key by key (a key set to "auto" counts as absent):
 | --loss-scale, --initial-loss-scale, --min-loss-scale, --loss-scale-window, --hysteresis | fp16.loss_scale, .initial_scale_power, .min_loss_scale, .loss_scale_window, .hysteresis | with fp16: the config wins (one notice per key where a given flag differs); absent keys come from a given flag, else DeepSpeed's default (all from the flags when the config is built from them) |
 
 With bf16, gradients accumulate in fp32: ``data_types.grad_accum_dtype = "fp32"`` unless the config
-sets it, with a notice. (DeepSpeed's ``bf16.check_grad_overflow`` defaults to true: a NaN or Inf
+sets it, with a notice; and ``bf16.immediate_grad_update`` is true unless the config sets it: the
+BF16_Optimizer then adds each parameter's gradient into its fp32 accumulator as soon as backward
+has it and drops the bf16 copy, instead of zeroing the bf16 gradients before each micro-batch's
+backward (which makes autograd add every new gradient to the zeros) and adding them all at its end.
+The sums are the same bit for bit; it saves a read and a write of every bf16 gradient per
+micro-batch and holds each only briefly. (DeepSpeed's ``bf16.check_grad_overflow`` defaults to true: a NaN or Inf
 gradient skips the step at every ZeRO stage.) DeepSpeed 0.19 runs bf16 + fp32 accumulation as its BF16_Optimizer, which it
 only allows at ZeRO stage 1 (stage 0 raises "unsupported mix"); Megatron-DeepSpeed's "bf16 needs
 stage 0" was that same optimizer, so stage 0 becomes 1 in that case (said in the notice). Refused: ZeRO
@@ -252,6 +257,9 @@ class _Resolution:
             if not types:
                 del self.config["data_types"]
             return
+        bf16 = _block(self.config, "bf16", self.where)
+        if _given(bf16, "immediate_grad_update") is _MISSING:
+            bf16["immediate_grad_update"] = True
         if accum is _MISSING:
             types["grad_accum_dtype"] = "fp32"
             message = "bf16: gradients accumulate in fp32 (data_types.grad_accum_dtype = \"fp32\""

@@ -438,6 +438,13 @@ def test_bf16_accumulates_in_fp32_unless_the_config_says(ds_file, capsys, config
     assert len(lines) == (1 if notice else 0) and all(notice in n for n in lines)
 
 
+def test_bf16_gradients_go_to_their_fp32_accumulators_immediately_unless_the_config_says(ds_file):
+    assert parse(["--bf16"]).derived.ds_config["bf16"]["immediate_grad_update"] is True
+    kept = {"bf16": {"enabled": True, "immediate_grad_update": False}}
+    assert parse(with_ds(ds_file(kept), "--bf16")).derived.ds_config["bf16"]["immediate_grad_update"] is False
+    assert "immediate_grad_update" not in parse([]).derived.ds_config.get("bf16", {})  # fp32
+
+
 def test_bf16_fp32_accumulation_at_stage_0_is_refused_when_explicit(ds_file):
     path = ds_file({"bf16": {"enabled": True}, "zero_optimization": {"stage": 0},
                     "data_types": {"grad_accum_dtype": "fp32"}})

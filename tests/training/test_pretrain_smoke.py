@@ -125,18 +125,27 @@ def test_tensorboard_tags(fp32_run):
 
 
 def test_bf16_run_with_a_bf16_ds_config(preprocessed_corpus, tmp_path):  # noqa: F811
-    ds_config = tmp_path / "ds_config.json"
-    ds_config.write_text('{"train_micro_batch_size_per_gpu": 2, "train_batch_size": 4, "gradient_clipping": 1.0,'
-                         ' "zero_optimization": {"stage": 0}, "bf16": {"enabled": true}}')
-    args = tiny_run_args(preprocessed_corpus, "--train-iters", "3", "--eval-interval", "2", "--eval-iters", "1",
-                         "--bf16", "--deepspeed", "--deepspeed_config", str(ds_config),
-                         "--save", str(tmp_path / "ckpt"), "--save-interval", "3")
-    output = run_pretrain(args).stdout
+    """bf16 from a ds_config at stage 0 runs DeepSpeed's BF16_Optimizer (stage 1) and saves its state;
+    its gradients, added to the fp32 accumulators as backward makes them (our default), give the
+    losses and norms of adding them after each micro-batch's backward bit for bit."""
+    outputs = {}
+    for immediate in ("true", "false"):
+        ds_config = tmp_path / f"ds_config_{immediate}.json"
+        ds_config.write_text('{"train_micro_batch_size_per_gpu": 2, "train_batch_size": 4, "gradient_clipping": 1.0,'
+                             ' "zero_optimization": {"stage": 0},'
+                             f' "bf16": {{"enabled": true, "immediate_grad_update": {immediate}}}}}')
+        args = tiny_run_args(preprocessed_corpus, "--train-iters", "3", "--eval-interval", "2", "--eval-iters", "1",
+                             "--bf16", "--deepspeed", "--deepspeed_config", str(ds_config),
+                             "--save", str(tmp_path / f"ckpt_{immediate}"), "--save-interval", "3")
+        outputs[immediate] = run_pretrain(args).stdout
+    output = outputs["true"]
     assert "grad_accum_dtype" in output  # the notice: bf16 accumulates gradients in fp32
     lines = training_lines(output)
     assert [line["iteration"] for line in lines] == [1, 2, 3]
     assert all(math.isfinite(line["lm loss"]) and line["grad norm"] > 0 for line in lines)
-    files = os.listdir(tmp_path / "ckpt" / "global_step3")
+    assert [(line["lm loss"], line["grad norm"]) for line in lines] == \
+        [(line["lm loss"], line["grad norm"]) for line in training_lines(outputs["false"])]
+    files = os.listdir(tmp_path / "ckpt_true" / "global_step3")
     assert "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt" in files
 
 
