@@ -2,7 +2,11 @@
 setting): DeepSpeed's CPU Adam runs the same AdamW update as ZeRO-2 without offload, so 5 iterations
 give the same losses (fp32, 2 gloo processes), and a save at 3 resumes with the offloaded state.
 DeepSpeed's zero_to_fp32.py, left beside these (plain-engine) checkpoints, rebuilds the weights; the
-pipeline engine's checkpoints (ZeRO 0/1) do not get it, as it cannot read them."""
+pipeline engine's checkpoints (ZeRO 0/1) do not get it, as it cannot read them.
+
+The ZeRO-2 run without offload is launched once (a module fixture): its losses are the offloaded
+run's reference and its final checkpoint is the one zero_to_fp32.py rebuilds.
+"""
 import json
 import os
 import subprocess
@@ -16,15 +20,18 @@ from tests.training.e2e_utils import e2e_data, run_pretrain, tiny_gpt_flags  # n
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-def run_flags(train_iters: int = 5) -> list[str]:
+TRAIN_ITERS = 5
+
+
+def run_flags(train_iters: int = TRAIN_ITERS) -> list[str]:
     return ["--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(train_iters), "--lr", "1e-3",
             "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0", "--weight-decay", "0.1",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--use-cpu-initialization", "--deepspeed"]
 
 
-def ds_config(tmp_path, offload: bool) -> str:
+def ds_config(directory, offload: bool) -> str:
     zero = {"stage": 2, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
-    path = tmp_path / f"ds_offload_{offload}.json"
+    path = directory / f"ds_offload_{offload}.json"
     path.write_text(json.dumps({"zero_optimization": zero, "gradient_clipping": 1.0}))
     return str(path)
 
@@ -33,10 +40,20 @@ def losses(result):
     return {line.iteration: line.number("lm loss") for line in result.log_lines()}
 
 
-def test_offload_gives_the_losses_of_zero_2_and_resumes(e2e_data, tmp_path):  # noqa: F811
-    plain = run_pretrain(tiny_gpt_flags(e2e_data) + run_flags() + ["--deepspeed_config", ds_config(tmp_path, False)],
-                         nproc=2)
-    plain.assert_ok()
+@pytest.fixture(scope="module")
+def zero_2(e2e_data, tmp_path_factory):  # noqa: F811
+    """ZeRO-2 without offload for TRAIN_ITERS iterations, saved at its end -> (run result, --save directory)."""
+    directory = tmp_path_factory.mktemp("zero2")
+    checkpoint = directory / "ckpt"
+    result = run_pretrain(tiny_gpt_flags(e2e_data) + run_flags() + ["--deepspeed_config", ds_config(directory, False),
+                                                                    "--save", str(checkpoint),
+                                                                    "--save-interval", str(TRAIN_ITERS)], nproc=2)
+    result.assert_ok()
+    return result, checkpoint
+
+
+def test_offload_gives_the_losses_of_zero_2_and_resumes(zero_2, e2e_data, tmp_path):  # noqa: F811
+    plain, _ = zero_2
     flags = tiny_gpt_flags(e2e_data) + run_flags() + ["--deepspeed_config", ds_config(tmp_path, True)]
     offloaded = run_pretrain(flags + ["--save", str(tmp_path / "ckpt"), "--save-interval", "3"], nproc=2)
     offloaded.assert_ok()
@@ -53,16 +70,21 @@ def test_offload_gives_the_losses_of_zero_2_and_resumes(e2e_data, tmp_path):  # 
     assert sorted(continued) == [4, 5] and continued == pytest.approx({4: reference[4], 5: reference[5]}, rel=1e-5)
 
 
-def test_zero_to_fp32_works_where_it_is_written(e2e_data, tmp_path):  # noqa: F811
-    flags = tiny_gpt_flags(e2e_data) + run_flags(train_iters=2) + ["--save-interval", "2"]
-    for stage, expected in ((2, True), (1, False)):
-        path = tmp_path / f"ds_{stage}.json"
-        path.write_text(json.dumps({"zero_optimization": {"stage": stage}}))
-        checkpoint = tmp_path / f"zero{stage}"
-        run_pretrain(flags + ["--deepspeed_config", str(path), "--save", str(checkpoint)], nproc=2).assert_ok()
-        assert os.path.exists(checkpoint / "zero_to_fp32.py") is expected
-    subprocess.run([sys.executable, "zero_to_fp32.py", ".", str(tmp_path / "fp32")], cwd=tmp_path / "zero2",
+def test_zero_to_fp32_works_where_it_is_written(zero_2, e2e_data, tmp_path):  # noqa: F811
+    """The ZeRO-2 checkpoint carries zero_to_fp32.py, which rebuilds its module's weights exactly; a
+    ZeRO-1 (pipeline engine) checkpoint does not carry it."""
+    _, zero2 = zero_2
+    path = tmp_path / "ds_1.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
+    zero1 = tmp_path / "zero1"
+    run_pretrain(tiny_gpt_flags(e2e_data) + run_flags(train_iters=2) + ["--save-interval", "2", "--deepspeed_config",
+                                                                        str(path), "--save", str(zero1)],
+                 nproc=2).assert_ok()
+    assert not os.path.exists(zero1 / "zero_to_fp32.py")
+    assert os.path.exists(zero2 / "zero_to_fp32.py")
+    subprocess.run([sys.executable, "zero_to_fp32.py", ".", str(tmp_path / "fp32")], cwd=zero2,
                    check=True, capture_output=True)
     rebuilt = torch.load(tmp_path / "fp32" / "pytorch_model.bin", weights_only=False)
-    module = torch.load(tmp_path / "zero2" / "global_step2" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    module = torch.load(zero2 / f"global_step{TRAIN_ITERS}" / "mp_rank_00_model_states.pt",
+                        weights_only=False)["module"]
     assert sorted(rebuilt) == sorted(module) and all(torch.equal(rebuilt[k], module[k].float()) for k in rebuilt)
