@@ -20,8 +20,9 @@ the fp32 product, as F.linear does.
 On Hopper the kernels launch as programmatic dependents (PDL): a kernel may start while its
 predecessor in the stream still runs, streams its first tile of weights (no kernel writes them),
 then waits (``gdc_wait``) before reading anything a predecessor wrote; each program signals its
-own dependents on entry. Back to back, 96 GEMVs of the 1.3B GPT took 856 instead of 983 us on an
-H100 (94 % of copy bandwidth instead of 82 %, measured in one CUDA graph).
+own dependents on entry. On an H100 (tools/benchmarks/bench_decode_layers.py, 24 layers of the
+1.3B GPT in one CUDA graph) the layer's kernels took 1222 us with PDL and 1330 without, the layers'
+96 GEMVs alone 881 and 992 us (91 % and 81 % of copy bandwidth).
 
 ``decode_attention``: one query per (row, head) over a fixed-size cache [b, np, T, hn] of which
 positions 0 .. p are filled (p: a device scalar, so a captured CUDA graph can replay the step at the
