@@ -124,6 +124,15 @@ def test_checkpoint_holds_the_saved_position(runs):
     assert os.path.isfile(checkpoint / "layer_01-model_00-model_states.pt")  # the pipeline engine's layer files
 
 
+def test_pipeline_engine_checkpoint_leaves_no_zero_to_fp32(runs):
+    """DeepSpeed copies zero_to_fp32.py / zero_to_torch.py beside every checkpoint with ZeRO optimizer
+    files, as this ZeRO-1 one has; they cannot read the pipeline engine's checkpoints, so the trainer
+    removes them (test_zero_offload.py: they stay beside the plain engine's ZeRO-2 checkpoints)."""
+    checkpoint = runs["checkpoints"]
+    assert glob.glob(str(checkpoint / f"global_step{SAVE_ITERATION}" / "zero_pp_rank_*_optim_states.pt"))
+    assert not (checkpoint / "zero_to_fp32.py").exists() and not (checkpoint / "zero_to_torch.py").exists()
+
+
 def test_resumed_run_continues_counters_lr_and_losses(runs, resumed):
     assert f"successfully loaded checkpoint from {resumed['load_dir']} at iteration {SAVE_ITERATION}" \
         in resumed["output"]

@@ -2,7 +2,8 @@
 setting): DeepSpeed's CPU Adam runs the same AdamW update as ZeRO-2 without offload, so 5 iterations
 give the same losses (fp32, 2 gloo processes), and a save at 3 resumes with the offloaded state.
 DeepSpeed's zero_to_fp32.py, left beside these (plain-engine) checkpoints, rebuilds the weights; the
-pipeline engine's checkpoints (ZeRO 0/1) do not get it, as it cannot read them.
+pipeline engine's checkpoints (ZeRO 0/1) do not get it, as it cannot read them (checked on the ZeRO-1
+checkpoint of test_3d_parallel_cpu.py, which that module saves anyway).
 
 The ZeRO-2 run without offload is launched once (a module fixture): its losses are the offloaded
 run's reference and its final checkpoint is the one zero_to_fp32.py rebuilds.
@@ -70,21 +71,13 @@ def test_offload_gives_the_losses_of_zero_2_and_resumes(zero_2, e2e_data, tmp_pa
     assert sorted(continued) == [4, 5] and continued == pytest.approx({4: reference[4], 5: reference[5]}, rel=1e-5)
 
 
-def test_zero_to_fp32_works_where_it_is_written(zero_2, e2e_data, tmp_path):  # noqa: F811
-    """The ZeRO-2 checkpoint carries zero_to_fp32.py, which rebuilds its module's weights exactly; a
-    ZeRO-1 (pipeline engine) checkpoint does not carry it."""
-    _, zero2 = zero_2
-    path = tmp_path / "ds_1.json"
-    path.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
-    zero1 = tmp_path / "zero1"
-    run_pretrain(tiny_gpt_flags(e2e_data) + run_flags(train_iters=2) + ["--save-interval", "2", "--deepspeed_config",
-                                                                        str(path), "--save", str(zero1)],
-                 nproc=2).assert_ok()
-    assert not os.path.exists(zero1 / "zero_to_fp32.py")
-    assert os.path.exists(zero2 / "zero_to_fp32.py")
-    subprocess.run([sys.executable, "zero_to_fp32.py", ".", str(tmp_path / "fp32")], cwd=zero2,
+def test_zero_to_fp32_works_where_it_is_written(zero_2, tmp_path):
+    """The ZeRO-2 checkpoint carries zero_to_fp32.py, which rebuilds its module's weights exactly."""
+    _, checkpoint = zero_2
+    assert os.path.exists(checkpoint / "zero_to_fp32.py")
+    subprocess.run([sys.executable, "zero_to_fp32.py", ".", str(tmp_path / "fp32")], cwd=checkpoint,
                    check=True, capture_output=True)
     rebuilt = torch.load(tmp_path / "fp32" / "pytorch_model.bin", weights_only=False)
-    module = torch.load(zero2 / f"global_step{TRAIN_ITERS}" / "mp_rank_00_model_states.pt",
+    module = torch.load(checkpoint / f"global_step{TRAIN_ITERS}" / "mp_rank_00_model_states.pt",
                         weights_only=False)["module"]
     assert sorted(rebuilt) == sorted(module) and all(torch.equal(rebuilt[k], module[k].float()) for k in rebuilt)
