@@ -24,8 +24,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 TRAIN_ITERS = 5
 
 
-def run_flags(train_iters: int = TRAIN_ITERS) -> list[str]:
-    return ["--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(train_iters), "--lr", "1e-3",
+def run_flags() -> list[str]:
+    return ["--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(TRAIN_ITERS), "--lr", "1e-3",
             "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0", "--weight-decay", "0.1",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--use-cpu-initialization", "--deepspeed"]
 
