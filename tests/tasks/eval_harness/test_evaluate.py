@@ -39,7 +39,7 @@ def test_tp2_pp2_launch_equals_one_process_and_the_exported_model(trained, tmp_p
               data.merge_file, "--include_path", include_path, "--bootstrap_iters", "0"]
     result = run_command(torchrun_command(4) + [EVALUATE, *common, "--task_list", GROUP, "--results_path",
                                                 str(results_path), "--adaptive_seq_len", "--micro_bs_multiplier", "2",
-                                                "--seq-length", str(SEQ_LENGTH)], timeout=300)
+                                                "--seq-length", str(SEQ_LENGTH)], timeout=600)
     result.assert_ok()
     assert result.output.count("|word_perplexity|") == 1  # one table, printed by global rank 0
     found = figures(json.loads(results_path.read_text()))
