@@ -285,10 +285,17 @@ def _decode_attention_write_shape(query, new_key, new_value, keys, values, posit
     return query.new_empty(query.shape)
 
 
-@torch.compiler.assume_constant_result
+# What torch.compiler.assume_constant_result sets on a function (tested against it): the decorator
+# itself imports torch._dynamo, seconds at the start of every process that imports this module.
+CONSTANT_RESULT_MARKER = "_dynamo_marked_constant"
+
+
 def _decode_kernels_available():
     """Fused kernels enabled and triton importable: a constant for torch.compile, which traces the callers."""
     return fused_kernels_enabled() and kernel_module("triton_decode") is not None
+
+
+setattr(_decode_kernels_available, CONSTANT_RESULT_MARKER, True)
 
 
 def _needs_autograd(*tensors):

@@ -1,4 +1,6 @@
 """Dispatch rules: the on/off switch, CPU always on the references, kernel constraints, bad arguments."""
+import subprocess
+import sys
 import types
 import warnings
 
@@ -176,3 +178,25 @@ def test_elementwise_constraints():
 def test_bad_arguments_raise_clear_errors(call, message):
     with pytest.raises(FusedKernelArgumentError, match=message):
         call()
+
+
+def test_the_decode_kernels_availability_is_a_constant_for_torch_compile(monkeypatch):
+    """dispatch marks it as torch.compiler.assume_constant_result does (without importing torch._dynamo
+    at import time): traced with nothing cached, dynamo calls it once instead of tracing the import."""
+    assert getattr(torch.compiler.assume_constant_result(lambda: 1), dispatch.CONSTANT_RESULT_MARKER) is True
+    monkeypatch.setattr(dispatch, "_kernel_modules", {})
+
+    def step(x):
+        return x + 1 if dispatch._decode_kernels_available() else x - 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no triton on CPU machines: the one warning saying so
+        compiled = torch.compile(step, fullgraph=True, backend="eager")(torch.zeros(2))
+    assert torch.equal(compiled, step(torch.zeros(2)))
+
+
+def test_importing_the_fused_kernels_does_not_import_torch_dynamo():
+    """torch._dynamo takes seconds to import; every process of a run imports the fused kernels."""
+    code = "import sys, megatron.core.fused_kernels; print('torch._dynamo' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() \
+        == "False"
