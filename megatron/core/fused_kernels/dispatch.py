@@ -346,7 +346,7 @@ def layer_norm_linear(x, norm_weight, norm_bias, eps, weight, bias=None, activat
                                        f"{sorted(reference.ACTIVATIONS, key=str)}, got {activation!r}")
     _check_hidden_vector("layer_norm_linear", "norm_weight", norm_weight, x.shape[-1])
     _check_hidden_vector("layer_norm_linear", "norm_bias", norm_bias, x.shape[-1])
-    if _gemv_fits(x, weight, bias, norm_weight, norm_bias) and x.shape[-1] <= MAX_LAYER_NORM_HIDDEN:
+    if _gemv_fits(x, weight, bias, norm_weight, norm_bias):
         return torch.ops.megatron.gemv(x, weight, bias, None, norm_weight, norm_bias, eps, activation)
     return reference.layer_norm_linear_reference(x, norm_weight, norm_bias, eps, weight, bias, activation)
 

@@ -49,6 +49,9 @@ class ParallelMLP(nn.Module):
             config.hidden_size, (2 if gated else 1) * config.ffn_hidden_size, gather_output=False,
             stride=2 if gated else 1,
             init_method=weight_init_method(config, layer_number, "mlp.dense_h_to_4h.weight"), **common)
+        # GeLU's form: the tanh approximation (the fused bias-GeLU, --openai-gelu) or the exact erf one,
+        # by the names of fused_kernels.layer_norm_linear
+        self.gelu_form = "gelu_tanh" if config.bias_gelu_fusion or config.openai_gelu else "gelu"
         self.dense_4h_to_h = RowParallelLinear(
             config.ffn_hidden_size, config.hidden_size, input_is_parallel=True,
             init_method=weight_init_method(config, layer_number, "mlp.dense_4h_to_h.weight", output_projection=True),
@@ -63,6 +66,5 @@ class ParallelMLP(nn.Module):
         elif self.config.bias_gelu_fusion:
             intermediate = fused_kernels.bias_gelu(bias, intermediate)
         else:
-            approximate = "tanh" if self.config.openai_gelu else "none"
-            intermediate = F.gelu(intermediate + bias, approximate=approximate)
+            intermediate = F.gelu(intermediate + bias, approximate="tanh" if self.gelu_form == "gelu_tanh" else "none")
         return self.dense_4h_to_h(intermediate)

@@ -42,7 +42,6 @@ class ParallelTransformerLayer(nn.Module):
                                     and config.glu_activation is None
                                     and not config.apply_residual_connection_post_layernorm
                                     and not config.fp32_residual_connection)
-        self.mlp_activation = "gelu_tanh" if config.bias_gelu_fusion or config.openai_gelu else "gelu"
 
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
@@ -77,7 +76,7 @@ class ParallelTransformerLayer(nn.Module):
         hidden_states = fused_kernels.linear(context, attention.dense.weight, attention.dense.bias, hidden_states)
         intermediate = fused_kernels.layer_norm_linear(hidden_states, second.weight, second.bias, second.eps,
                                                        mlp.dense_h_to_4h.weight, mlp.dense_h_to_4h.bias,
-                                                       self.mlp_activation)
+                                                       mlp.gelu_form)
         return fused_kernels.linear(intermediate, mlp.dense_4h_to_h.weight, mlp.dense_4h_to_h.bias, hidden_states)
 
     def _bias_dropout_add(self, x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
