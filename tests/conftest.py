@@ -13,6 +13,11 @@ pytest_plugins = ["tests.fixtures_tokenizer"]
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
+# Before any test imports DeepSpeed: JIT-built ops go where this environment's runs find them.
+from megatron.training.initialize import use_environment_extensions_dir  # noqa: E402
+
+use_environment_extensions_dir()
+
 
 def _cuda_available():
     try:

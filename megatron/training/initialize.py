@@ -8,17 +8,21 @@ DeepSpeed chooses its accelerator when it is first imported. Without CUDA we set
 ``DS_ACCELERATOR=cpu`` first, so DeepSpeed runs on its CPU accelerator with gloo (the arguments
 module already replaced nccl by gloo). On its first start there, DeepSpeed compiles a small
 shared-memory op (about a minute on two cores, cached in torch's extensions directory); the
-trainer says so before the wait.
+trainer says so before the wait. Unless ``TORCH_EXTENSIONS_DIR`` is set, that directory is one per
+Python environment: torch's default is one per user, and environments sharing it overwrite each
+other's build files, so each would rebuild DeepSpeed's ops after another one ran.
 
 Rank, world size and rendezvous come from the launcher's environment as the arguments module read
 it (deepspeed, torchrun, torch.distributed.launch, SLURM srun, plain variables, or none at all for
 a single process); they are written back to the environment torch's env:// rendezvous reads, so a
 lone ``python pretrain_gpt.py ...`` becomes rank 0 of 1 on a local address.
 """
+import hashlib
 import importlib.util
 import logging
 import os
 import random
+import sys
 
 import numpy as np
 import torch
@@ -30,6 +34,7 @@ from megatron.training.config import LoggingConfig, ParallelConfig
 from megatron.training.dist_utils import print_line, print_rank_0
 
 ACCELERATOR_ENV = "DS_ACCELERATOR"
+EXTENSIONS_DIR_ENV = "TORCH_EXTENSIONS_DIR"
 LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
               "error": logging.ERROR, "critical": logging.CRITICAL}
 # Loggers whose level --log-level / --log-level-replica set: ours, DeepSpeed's, transformers'.
@@ -38,14 +43,31 @@ LOGGER_NAMES = ("megatron", "DeepSpeed", "transformers")
 
 def select_accelerator(cuda_available: bool | None = None) -> str:
     """Set DS_ACCELERATOR=cpu when there is no CUDA device (unless the user chose one); return it.
+    Also gives this environment its own extensions directory (``use_environment_extensions_dir``).
 
     Must run before deepspeed is imported, which fixes the accelerator for the process.
     """
+    use_environment_extensions_dir()
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()
     if not cuda_available and not os.environ.get(ACCELERATOR_ENV):
         os.environ[ACCELERATOR_ENV] = "cpu"
     return os.environ.get(ACCELERATOR_ENV, "cuda")
+
+
+def use_environment_extensions_dir() -> str:
+    """Point TORCH_EXTENSIONS_DIR at this Python environment's own directory unless the user set it; return it.
+
+    The directory sits under torch's default root, named after the Python and torch versions and a
+    hash of ``sys.prefix``, so the install script builds DeepSpeed's ops where the runs look for them.
+    """
+    if not os.environ.get(EXTENSIONS_DIR_ENV):
+        from torch.utils.cpp_extension import get_default_build_root
+
+        prefix_hash = hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:12]
+        name = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}_{prefix_hash}"
+        os.environ[EXTENSIONS_DIR_ENV] = os.path.join(get_default_build_root(), name)
+    return os.environ[EXTENSIONS_DIR_ENV]
 
 
 def _rendezvous_environment(parallel: ParallelConfig) -> dict:

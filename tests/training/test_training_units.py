@@ -330,6 +330,27 @@ def test_select_accelerator_sets_cpu_without_cuda(monkeypatch):
     assert select_accelerator(cuda_available=False) == "cuda"  # the user's choice stays
 
 
+def test_each_python_environment_builds_its_ops_in_its_own_directory(monkeypatch, tmp_path):
+    import sys
+
+    import torch.utils.cpp_extension as cpp_extension
+    from megatron.training.initialize import EXTENSIONS_DIR_ENV, use_environment_extensions_dir
+
+    monkeypatch.setattr(cpp_extension, "get_default_build_root", lambda: str(tmp_path))
+    monkeypatch.delenv(EXTENSIONS_DIR_ENV, raising=False)
+    first = use_environment_extensions_dir()
+    assert os.path.dirname(first) == str(tmp_path) and os.environ[EXTENSIONS_DIR_ENV] == first
+    assert cpp_extension._get_build_directory("op", verbose=False) == os.path.join(first, "op")
+    monkeypatch.delenv(EXTENSIONS_DIR_ENV)
+    assert use_environment_extensions_dir() == first  # the same environment finds its builds again
+    monkeypatch.delenv(EXTENSIONS_DIR_ENV)
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "another-venv"))
+    second = use_environment_extensions_dir()
+    assert os.path.dirname(second) == str(tmp_path) and second != first
+    monkeypatch.setenv(EXTENSIONS_DIR_ENV, str(tmp_path / "mine"))
+    assert use_environment_extensions_dir() == str(tmp_path / "mine")  # the user's choice stays
+
+
 def test_fused_kernel_constraints_name_each_kernel_that_would_fall_back(monkeypatch):
     from megatron.core.fused_kernels import dispatch
     from megatron.training.initialize import (FusedKernelConstraintError, check_fused_kernel_constraints,
