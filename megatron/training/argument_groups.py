@@ -228,6 +228,10 @@ def add_distributed_args(parser):
                        help="with TP > 1, split the activations outside the TP regions (norms, dropouts, "
                             "residual adds) along the sequence over the TP ranks: reduce-scatter and all-gather "
                             "instead of all-reduce (no effect at TP 1)")
+    group.add_argument("--tp-comm-overlap", action="store_true",
+                       help="with --sequence-parallel, pipeline each all-gather and reduce-scatter of the TP "
+                            "group with its GEMM through symmetric GPU memory (NVLink peer copies while the GEMM "
+                            "runs; the TP group must sit on one node); keeps the gathered GEMM inputs for backward")
     group.add_argument("--distributed-backend", choices=("nccl", "gloo"), default="nccl",
                        help="collective backend (gloo is used automatically without CUDA)")
     group.add_argument("--local_rank", "--local-rank", dest="local_rank", type=parse_int, default=None,

@@ -381,7 +381,8 @@ def model_config_from_args(flags, derived: DerivedValues, padded_vocab_size: int
                "distribute_checkpointed_activations": bool(flags.distribute_checkpointed_activations
                                                            or flags.partition_activations),
                "use_cpu_initialization": bool(flags.use_cpu_initialization),
-               "sequence_parallel": bool(flags.sequence_parallel and flags.tensor_model_parallel_size > 1)}
+               "sequence_parallel": bool(flags.sequence_parallel and flags.tensor_model_parallel_size > 1),
+               "tp_comm_overlap": bool(flags.tp_comm_overlap and flags.tensor_model_parallel_size > 1)}
     values = {f.name: getattr(flags, f.name) for f in dataclasses.fields(GPTModelConfig)
               if f.name not in renamed and hasattr(flags, f.name)}
     try:

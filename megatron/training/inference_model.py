@@ -165,7 +165,8 @@ def inference_config(flags, checkpoint: SavedCheckpoint, params_dtype: torch.dty
     checkpointing, no sequence parallelism (decoding steps one position at a time); tensors built
     directly on the device (their values are overwritten on load)."""
     return gpt_model_config(checkpoint, hidden_dropout=0.0, attention_dropout=0.0, attention_impl="sdpa",
-                            checkpoint_activations=False, sequence_parallel=False, use_cpu_initialization=False,
+                            checkpoint_activations=False, sequence_parallel=False, tp_comm_overlap=False,
+                            use_cpu_initialization=False,
                             **model_dtype(flags, params_dtype))
 
 

@@ -4,7 +4,7 @@
 # GPU tests, fused-kernel table, 1.3B forward+backward, text generation, the decode layer chain, then the trainer runs of run_trainer.sh
 # (with 2 or more GPUs also the DP/TP/PP layout comparison), the trainer against transformers +
 # torch.compile (bench_vs_peer.sh) and, with 2 or more GPUs, the bandwidth of TP's collectives
-# (bench_collectives.py) and the scaling table (bench_scaling.sh).
+# (bench_collectives.py), the fused collectives of --tp-comm-overlap (bench_async_tp.py) and the scaling table (bench_scaling.sh).
 # Takes about 15 minutes on one H100.
 # The GPU machine has no network and no DeepSpeed: carry DeepSpeed's wheel (and any other missing
 # package) in .whl/ at the repository root, and it is installed from there.
@@ -36,9 +36,12 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then  # 1 GPU, DP=2, TP=2 (with and wit
         env $([ $proto = Simple ] && echo NCCL_PROTO=Simple) CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc_per_node 2 \
             tools/benchmarks/bench_collectives.py 2>&1 | grep -E "^\||^backend" | tee "$OUT/collectives_$proto.md" || status=1
     done
+    # sequence parallelism's collectives pipelined with their GEMMs (--tp-comm-overlap) against NCCL, then the GEMM
+    CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc_per_node 2 tools/benchmarks/bench_async_tp.py 2>&1 \
+        | grep -E "^\||^TP=" | tee "$OUT/async_tp.md" || status=1
     OUT=$OUT/scaling bash tools/benchmarks/bench_scaling.sh > "$OUT/scaling.log" 2>&1 || status=1
-    # one profiled iteration of 1 GPU, TP=2 and TP=2 with sequence parallelism: traces and operator tables
-    RUNS="profile_1gpu profile_tp2 profile_tp2_sp" OUT=$OUT/profiles bash tests/gpu/run_trainer.sh \
+    # one profiled iteration of 1 GPU, TP=2, TP=2 with sequence parallelism, and with --tp-comm-overlap
+    RUNS="profile_1gpu profile_tp2 profile_tp2_sp profile_tp2_overlap" OUT=$OUT/profiles bash tests/gpu/run_trainer.sh \
         > "$OUT/profiles.log" 2>&1 || status=1
     python3 tools/benchmarks/trace_summary.py "$OUT"/profiles/profile_*/*.pt.trace.json \
         > "$OUT/profiles/trace_summary.md" || status=1
@@ -46,6 +49,6 @@ fi
 if [ -f runs/bnb_gpu/data/python-docs_text_document.idx ]; then  # 8-bit against 32-bit AdamW (run_bnb_adam.sh)
     OUT=$OUT/bnb bash tests/gpu/run_bnb_adam.sh > "$OUT/bnb.log" 2>&1 || status=1
 fi
-cat "$OUT/trainer/summary.txt" "$OUT/trainer/layouts.txt" "$OUT/vs_peer/vs_peer.txt" "$OUT"/collectives_*.md \
+cat "$OUT/trainer/summary.txt" "$OUT/trainer/layouts.txt" "$OUT/vs_peer/vs_peer.txt" "$OUT"/collectives_*.md "$OUT/async_tp.md" \
     "$OUT/scaling/scaling_losses.txt" "$OUT/scaling/scaling_table.md" "$OUT/profiles/trace_summary.md" 2>/dev/null
 exit $status

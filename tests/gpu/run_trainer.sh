@@ -222,15 +222,21 @@ for run in $RUNS; do
         scale_dp2) scale_run scale_dp2 2 ;;
         scale_tp2) scale_run scale_tp2 2 --tensor-model-parallel-size 2 ;;
         scale_tp2_sp) scale_run scale_tp2_sp 2 --tensor-model-parallel-size 2 --sequence-parallel ;;
+        scale_tp2_overlap) scale_run scale_tp2_overlap 2 --tensor-model-parallel-size 2 --sequence-parallel \
+                               --tp-comm-overlap ;;
         scale_pp2) scale_run scale_pp2 2 --pipeline-model-parallel-size 2 ;;
         scale_pp2_flops) scale_run scale_pp2_flops 2 --pipeline-model-parallel-size 2 --pp-partition-method flops ;;
         scale_tp2dp2) scale_run scale_tp2dp2 4 --tensor-model-parallel-size 2 ;;
         scale_tp2dp2_sp) scale_run scale_tp2dp2_sp 4 --tensor-model-parallel-size 2 --sequence-parallel ;;
+        scale_tp2dp2_overlap) scale_run scale_tp2dp2_overlap 4 --tensor-model-parallel-size 2 --sequence-parallel \
+                                  --tp-comm-overlap ;;
         scale_pp4) scale_run scale_pp4 4 --pipeline-model-parallel-size 4 ;;
         scale_pp4_flops) scale_run scale_pp4_flops 4 --pipeline-model-parallel-size 4 --pp-partition-method flops ;;
         profile_1gpu) profile_run profile_1gpu 1 ;;
         profile_tp2) profile_run profile_tp2 2 --tensor-model-parallel-size 2 ;;
         profile_tp2_sp) profile_run profile_tp2_sp 2 --tensor-model-parallel-size 2 --sequence-parallel ;;
+        profile_tp2_overlap) profile_run profile_tp2_overlap 2 --tensor-model-parallel-size 2 --sequence-parallel \
+                                 --tp-comm-overlap ;;
         universal_fp16) universal_runs fp16 ;;
         rel_bf16) reliability_runs bf16 ;;
         rel_fp16) reliability_runs fp16 ;;
@@ -240,6 +246,8 @@ for run in $RUNS; do
         w4096_mbs2) ITERS=20 gpt_run w4096_mbs2 16 4096 32 bf16 2 16 ;;
         w4096_mbs4) ITERS=20 LOG_INTERVAL=1 gpt_run w4096_mbs4 16 4096 32 bf16 4 16 ;;
         w4096_tp2) NGPUS=2 ITERS=20 LOG_INTERVAL=1 gpt_run w4096_tp2 16 4096 32 bf16 4 16 --tensor-model-parallel-size 2 ;;
+        w4096_tp2_overlap) NGPUS=2 ITERS=20 LOG_INTERVAL=1 gpt_run w4096_tp2_overlap 16 4096 32 bf16 4 16 \
+                               --tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap ;;
         *) echo "unknown run $run" >&2; status=1 ;;
     esac
 done

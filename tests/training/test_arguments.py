@@ -684,6 +684,16 @@ def test_sequence_parallel_needs_tp_and_whole_blocks_of_the_sequence(ds_file):
     assert "pipeline.pipe_partitioned" in message and "set it to false" in message
 
 
+def test_tp_comm_overlap_needs_sequence_parallelism():
+    tp2 = ["--tensor-model-parallel-size", "2"]
+    config = build_config(parse(tp2 + ["--sequence-parallel", "--tp-comm-overlap"], env=world(2)),
+                          tokenizer_vocab_size=1000)
+    assert config.model.tp_comm_overlap and config.model.sequence_parallel
+    message = model_config_error(tp2 + ["--tp-comm-overlap"], world(2))
+    assert "--tp-comm-overlap" in message and "--sequence-parallel" in message
+    assert not build_config(parse(["--tp-comm-overlap"]), tokenizer_vocab_size=1000).model.tp_comm_overlap  # TP 1
+
+
 @pytest.mark.parametrize("method", ["flops", "type:transformer|embedding", "parameters", "uniform"])
 def test_partition_methods_reach_the_config(method):
     parsed = parse(["--pp-partition-method", method, "--pipeline-model-parallel-size", "2"], env=world(2))

@@ -1,7 +1,8 @@
 """Every parallel layout trains the same model: single process, DP=2 with ZeRO-1 and ZeRO-2, TP=2, PP=2
-and TP=2 x PP=2, and TP=2 (pipeline engine and ZeRO-2's plain module) and TP=2 x PP=2 with
---sequence-parallel give the same losses and gradient norms, iteration by iteration, and all of them equal
-a plain single-process PyTorch AdamW loop (reference_loop.py) on the same model and batches.
+and TP=2 x PP=2, and TP=2 (pipeline engine and ZeRO-2's plain module, and with --tp-comm-overlap
+through the fused collectives' CPU path) and TP=2 x PP=2 with --sequence-parallel give the same
+losses and gradient norms, iteration by iteration, and all of them equal a plain single-process
+PyTorch AdamW loop (reference_loop.py) on the same model and batches.
 
 Set-up shared by the layouts: CPU, gloo, fp32, dropout 0, --use-cpu-initialization (every layout
 draws the same full weights, then keeps its slice), the vocabulary padded to 1152 (tokenizer 1000)
@@ -46,6 +47,7 @@ LAYOUTS = {
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
     "tp2-pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
     "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "tp2-sp-overlap": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"]),
     "tp2-sp-zero2": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--zero-stage", "2"]),
     "tp2-pp2-sp": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                        "--sequence-parallel"]),

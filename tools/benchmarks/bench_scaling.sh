@@ -2,7 +2,7 @@
 # Scaling of the trainer across the GPUs of one machine: the 1.3B GPT (24 layers, hidden 2048, 16 heads,
 # seq 2048, bf16, ZeRO-1, micro-batch 8, global batch 64, CPU initialization so every layout starts
 # from the same weights) through the deepspeed launcher on the python-docs corpus of examples/data, at
-# 1 GPU, DP=2, TP=2 without and with --sequence-parallel, PP=2 (8 micro-batches; DeepSpeed's default split and
+# 1 GPU, DP=2, TP=2 without and with --sequence-parallel (and with --tp-comm-overlap), PP=2 (8 micro-batches; DeepSpeed's default split and
 # --pp-partition-method flops, which gives the head's stage fewer layers), and with 4 GPUs also
 # TP=2 x DP=2 (without and with sequence parallelism) and PP=4 (both splits). Prints
 #   - the losses and grad norms of the first 5 iterations of every layout against the single GPU
@@ -16,8 +16,8 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/gpu_scaling}
 mkdir -p "$OUT"
 gpus=$(nvidia-smi -L | wc -l)
-default="scale_1gpu scale_dp2 scale_tp2 scale_tp2_sp scale_pp2 scale_pp2_flops"
-[ "$gpus" -ge 4 ] && default="$default scale_tp2dp2 scale_tp2dp2_sp scale_pp4 scale_pp4_flops"
+default="scale_1gpu scale_dp2 scale_tp2 scale_tp2_sp scale_tp2_overlap scale_pp2 scale_pp2_flops"
+[ "$gpus" -ge 4 ] && default="$default scale_tp2dp2 scale_tp2dp2_sp scale_tp2dp2_overlap scale_pp4 scale_pp4_flops"
 LAYOUTS=${LAYOUTS:-$default}
 status=0
 RUNS=$LAYOUTS OUT=$OUT bash tests/gpu/run_trainer.sh > "$OUT/trainer.log" 2>&1 || status=1

@@ -26,9 +26,9 @@ from megatron.core.tensor_parallel.mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 from megatron.core.tensor_parallel.random import get_rng_tracker
-from megatron.core.tensor_parallel.utils import (VocabUtility, all_gather_along_first_dim, divide,
-                                                 start_all_gather_along_first_dim, start_all_reduce,
-                                                 start_reduce_scatter_along_first_dim)
+from megatron.core.tensor_parallel.utils import (VocabUtility, all_gather_along_first_dim, all_gather_matmul,
+                                                 divide, matmul_reduce_scatter, start_all_gather_along_first_dim,
+                                                 start_all_reduce, start_reduce_scatter_along_first_dim)
 
 InitMethod = Callable[[torch.Tensor], None]
 
@@ -38,6 +38,12 @@ def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool
     tensor.tensor_model_parallel = is_parallel
     tensor.partition_dim = dim
     tensor.partition_stride = stride
+
+
+def _check_comm_overlap(layer: str, sequence_parallel: bool, comm_overlap: bool) -> None:
+    if comm_overlap and not sequence_parallel:
+        raise ValueError(f"{layer}: comm_overlap pipelines the collectives of sequence parallelism; "
+                         "it needs sequence_parallel=True")
 
 
 def _slice_of_master(master: torch.Tensor, partition_dim: int, stride: int, rank: int, world_size: int) -> torch.Tensor:
@@ -77,17 +83,26 @@ class _ColumnParallelMatmul(torch.autograd.Function):
 
     Under sequence parallelism only the local block of X is saved: backward all-gathers it again,
     while dY W runs, so the activation memory of the gathered input is not held between passes.
+    With ``comm_overlap`` (sequence parallelism only) the gather is pipelined with the GEMM in
+    forward and the gathered X kept; backward's dX = dY W is pipelined with its reduce-scatter.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel):
+    def forward(ctx, x, weight, bias, group, sequence_parallel, comm_overlap):
         ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
+        ctx.comm_overlap = comm_overlap
+        if comm_overlap:
+            total, y = all_gather_matmul(x, weight.t(), group, bias)  # [s, .., in], [s, .., out]
+            ctx.save_for_backward(total, weight)
+            return y
         ctx.save_for_backward(x, weight)
         total = all_gather_along_first_dim(x, group) if sequence_parallel else x  # [s, .., in]
         return F.linear(total, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_output):
+        if ctx.comm_overlap:
+            return _ColumnParallelMatmul.overlapped_backward(ctx, grad_output)
         x, weight = ctx.saved_tensors
         group = ctx.group
         if ctx.sequence_parallel:
@@ -101,11 +116,43 @@ class _ColumnParallelMatmul(torch.autograd.Function):
             reduction = start_all_reduce(grad_input, group)
         if gather is not None:
             gather.wait()
-        grad_output_2d = grad_output.reshape(-1, grad_output.shape[-1])  # [s * .., out]
-        grad_weight = grad_output_2d.t().matmul(total.reshape(-1, total.shape[-1]))  # [out, in]
-        grad_bias = grad_output_2d.sum(dim=0) if ctx.has_bias else None
+        grad_weight, grad_bias = _weight_and_bias_grads(grad_output, total, ctx.has_bias)
         reduction.wait()
-        return grad_input, grad_weight, grad_bias, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None
+
+    @staticmethod
+    def overlapped_backward(ctx, grad_output):
+        total, weight = ctx.saved_tensors  # [s, .., in] gathered in forward, [out, in]
+        grad_input = matmul_reduce_scatter(grad_output, weight, ctx.group)  # [s / k, .., in]
+        grad_weight, grad_bias = _weight_and_bias_grads(grad_output, total, ctx.has_bias)
+        return grad_input, grad_weight, grad_bias, None, None, None
+
+
+def _weight_and_bias_grads(grad_output: torch.Tensor, x: torch.Tensor,
+                           has_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """dW = dY^T X [out, in] and db = sum of dY over every row (None without a bias)."""
+    grad_output_2d = grad_output.reshape(-1, grad_output.shape[-1])  # [s * .., out]
+    grad_weight = grad_output_2d.t().matmul(x.reshape(-1, x.shape[-1]))
+    return grad_weight, (grad_output_2d.sum(dim=0) if has_bias else None)
+
+
+class _RowParallelOverlappedMatmul(torch.autograd.Function):
+    """Rank r's sequence block of sum over ranks of X_r A_r^T under sequence parallelism, the
+    reduce-scatter pipelined with the GEMM (``matmul_reduce_scatter``); backward all-gathers dY
+    pipelined with dX = dY A_r and keeps the gathered dY for dA_r = dY^T X_r."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group):
+        ctx.group = group
+        ctx.save_for_backward(x, weight)
+        return matmul_reduce_scatter(x, weight.t(), group)  # [s / k, .., out]
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        grad_total, grad_input = all_gather_matmul(grad_output, weight, ctx.group)  # [s, .., out], [s, .., in / k]
+        grad_weight, _ = _weight_and_bias_grads(grad_total, x, has_bias=False)
+        return grad_input, grad_weight, None
 
 
 class ColumnParallelLinear(nn.Module):
@@ -116,7 +163,8 @@ class ColumnParallelLinear(nn.Module):
     X is replicated (its gradient is all-reduced over the group in backward); with
     ``sequence_parallel`` each rank passes its block of the sequence X_r [s / k, ...], all-gathered
     here (backward: reduce-scatter of the gradient). Either collective of backward overlaps the
-    weight-gradient GEMM (``_ColumnParallelMatmul``). The output stays split
+    weight-gradient GEMM (``_ColumnParallelMatmul``); with ``comm_overlap`` (sequence parallelism)
+    forward's gather and backward's reduce-scatter are pipelined with their GEMMs instead. The output stays split
     ([.., output_size / k]) unless ``gather_output``, which all-gathers it to [.., output_size].
     ``stride`` s splits each of s stacked sub-matrices of A separately (fused QKV), see
     ``_slice_of_master``. With ``skip_bias_add`` the bias is returned instead of added, so that a
@@ -128,8 +176,10 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, *, tp_group: ProcessGroup | None, bias: bool = True,
                  gather_output: bool = False, init_method: InitMethod, use_cpu_initialization: bool = False,
                  params_dtype: torch.dtype = torch.float32, skip_bias_add: bool = False, stride: int = 1,
-                 sequence_parallel: bool = False, device: torch.device | str | None = None):
+                 sequence_parallel: bool = False, comm_overlap: bool = False,
+                 device: torch.device | str | None = None):
         super().__init__()
+        _check_comm_overlap(type(self).__name__, sequence_parallel, comm_overlap)
         if gather_output and stride > 1:
             raise ValueError("ColumnParallelLinear: gather_output with stride > 1 would interleave the strided "
                              "blocks of the output; keep the output split (gather_output=False)")
@@ -140,7 +190,7 @@ class ColumnParallelLinear(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.output_size_per_partition = divide(output_size, tp_size)
         self.tp_group, self.gather_output, self.skip_bias_add = tp_group, gather_output, skip_bias_add
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel, self.comm_overlap = sequence_parallel, comm_overlap
         self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size,
                                                dtype=params_dtype, device=device))
         _init_weight(self.weight, (output_size, input_size), 0, stride, init_method, use_cpu_initialization, tp_group)
@@ -155,7 +205,8 @@ class ColumnParallelLinear(nn.Module):
         if group_size(self.tp_group) == 1:
             y = fused_kernels.linear(x, self.weight, bias)
         else:  # [s / k or s, .., input_size] -> [s, .., output_size / k]
-            y = _ColumnParallelMatmul.apply(x, self.weight, bias, self.tp_group, self.sequence_parallel)
+            y = _ColumnParallelMatmul.apply(x, self.weight, bias, self.tp_group, self.sequence_parallel,
+                                            self.comm_overlap)
         if self.gather_output:
             y = gather_from_tensor_model_parallel_region(y, self.tp_group)  # [.., output_size]
         return y, (self.bias if self.skip_bias_add else None)
@@ -176,6 +227,8 @@ class RowParallelLinear(nn.Module):
     ``sequence_parallel`` they are reduce-scattered along the sequence instead (dim 0: y is rank r's
     [s / k, ..] block); b then meets only that block, so its gradient is partial and the bias is
     marked ``sequence_parallel`` for the TP all-reduce of such gradients (``allreduce_sequence_parallel_grads``).
+    With ``comm_overlap`` that reduce-scatter, and backward's all-gather of dY, are pipelined with
+    their GEMMs (``_RowParallelOverlappedMatmul``).
 
     forward(x) -> (y [.., output_size], bias or None).
     """
@@ -183,14 +236,16 @@ class RowParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, *, tp_group: ProcessGroup | None, bias: bool = True,
                  input_is_parallel: bool = True, init_method: InitMethod, use_cpu_initialization: bool = False,
                  params_dtype: torch.dtype = torch.float32, skip_bias_add: bool = False,
-                 sequence_parallel: bool = False, device: torch.device | str | None = None):
+                 sequence_parallel: bool = False, comm_overlap: bool = False,
+                 device: torch.device | str | None = None):
         super().__init__()
+        _check_comm_overlap(type(self).__name__, sequence_parallel, comm_overlap)
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True (the input "
                              "comes from a column-parallel layer)")
         tp_size = group_size(tp_group)
         self.input_size, self.output_size = input_size, output_size
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel, self.comm_overlap = sequence_parallel, comm_overlap
         self.input_size_per_partition = divide(input_size, tp_size)
         self.tp_group, self.input_is_parallel, self.skip_bias_add = tp_group, input_is_parallel, skip_bias_add
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition,
@@ -206,11 +261,17 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)  # [.., input_size / k]
+        if self.comm_overlap and group_size(self.tp_group) > 1:
+            y = _RowParallelOverlappedMatmul.apply(x, self.weight, self.tp_group)  # [s / k, .., output_size]
+            return self._add_bias(y)
         partial = fused_kernels.linear(x, self.weight)  # [.., output_size], this rank's X_r A_r
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # [s / k, .., output_size]
         else:
             y = reduce_from_tensor_model_parallel_region(partial, self.tp_group)
+        return self._add_bias(y)
+
+    def _add_bias(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.skip_bias_add:
             return y, self.bias
         if self.bias is not None:

@@ -1,4 +1,8 @@
-"""Small helpers of tensor parallelism: exact division, splits, vocabulary ranges, 1-D partitions."""
+"""Small helpers of tensor parallelism: exact division, splits, vocabulary ranges, 1-D partitions, and
+the collectives of the TP group (alone, or fused with the product that consumes or produces them)."""
+import functools
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -50,6 +54,138 @@ def reduce_scatter_along_first_dim(tensor: torch.Tensor, group: ProcessGroup) ->
 def start_all_reduce(tensor: torch.Tensor, group: ProcessGroup) -> object:
     """Sum ``tensor`` over the group in place, asynchronously: the work to wait on."""
     return dist.all_reduce(tensor, group=group, async_op=True)
+
+
+class _PeerBuffers:
+    """Two slots of symmetric memory per TP group (each rank's slots readable by its peers over
+    NVLink), used in turn by the fused collectives below, and a side stream for the peer copies.
+
+    Each call writes its slot, passes one group barrier (on the current stream: a barrier kernel
+    beside a GEMM waits for SMs), then reads the peers' slot of the same call on the side stream
+    and joins those reads into the current stream before the call returns. A rank writes a slot
+    again two calls later, after the barrier of the call between, which every peer reaches only
+    once its reads of the slot are done: one barrier per call keeps the slots safe.
+    """
+
+    def __init__(self, group: ProcessGroup):
+        import torch.distributed._symmetric_memory as symmetric_memory
+
+        with warnings.catch_warnings():  # torch 2.11 needs the registration; later versions deprecate it
+            warnings.simplefilter("ignore", FutureWarning)
+            symmetric_memory.enable_symm_mem_for_group(group.group_name)
+        self.group, self.rank, self.size = group, group_rank(group), group_size(group)
+        self.stream = torch.cuda.Stream()
+        self.slot_bytes, self.calls = 0, 0
+        self.memory = self.handle = None
+        self.views: dict = {}
+
+    def _grow(self, slot_bytes: int, device: torch.device) -> None:
+        """Reallocate both slots (a collective): every rank first finishes its work, peer reads of
+        the old slots included, so that they can be freed."""
+        import torch.distributed._symmetric_memory as symmetric_memory
+
+        torch.cuda.synchronize()
+        dist.barrier(group=self.group)
+        self.memory = symmetric_memory.empty(2 * slot_bytes, dtype=torch.uint8, device=device)
+        self.handle = symmetric_memory.rendezvous(self.memory, self.group.group_name)
+        self.slot_bytes, self.views = slot_bytes, {}
+
+    def next_slot(self, nbytes: int, device: torch.device) -> int:
+        """Byte offset of this call's slot, holding at least ``nbytes``."""
+        if nbytes > self.slot_bytes:
+            self._grow(nbytes, device)
+        self.calls += 1
+        return (self.calls % 2) * self.slot_bytes
+
+    def view(self, rank: int, offset: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """Rank ``rank``'s slot memory at byte ``offset`` as a contiguous tensor of ``shape``."""
+        key = (rank, offset, tuple(shape), dtype)
+        if key not in self.views:
+            self.views[key] = self.handle.get_buffer(rank, tuple(shape), dtype, offset // dtype.itemsize)
+        return self.views[key]
+
+    def barrier(self) -> None:
+        self.handle.barrier(channel=0)
+
+
+@functools.cache
+def _peer_buffers(group: ProcessGroup) -> _PeerBuffers:
+    return _PeerBuffers(group)
+
+
+def _uses_peer_memory(tensor: torch.Tensor, group: ProcessGroup) -> bool:
+    return tensor.is_cuda and group_size(group) > 1
+
+
+def all_gather_matmul(shard: torch.Tensor, matrix: torch.Tensor, group: ProcessGroup,
+                      bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(X, X B + c) with X the all-gather of the k ranks' ``shard`` [n, .., m] along dim 0 ([k n, .., m]),
+    B = ``matrix`` [m, p] and c = ``bias`` [p] (or none).
+
+    On CUDA the gather is pipelined with the product: rank r's block is multiplied while the side
+    stream copies the peers' blocks out of their symmetric memory (copy engines over NVLink, no
+    SMs taken from the GEMM), then each peer block as it lands. Elsewhere (gloo) the all-gather,
+    then the product.
+    """
+    if not _uses_peer_memory(shard, group):
+        gathered = all_gather_along_first_dim(shard, group)
+        return gathered, torch.nn.functional.linear(gathered, matrix.t(), bias)
+    peers, current = _peer_buffers(group), torch.cuda.current_stream()
+    x = shard.reshape(-1, shard.shape[-1])  # [n, m]
+    rows = x.shape[0]
+    gathered = x.new_empty(peers.size * rows, x.shape[1])  # [k n, m]
+    product = x.new_empty(peers.size * rows, matrix.shape[1])  # [k n, p]
+    offset = peers.next_slot(x.numel() * x.element_size(), x.device)
+    peers.view(peers.rank, offset, x.shape, x.dtype).copy_(x)
+    peers.barrier()
+    peers.stream.wait_stream(current)
+    arrived = {}
+    with torch.cuda.stream(peers.stream):
+        for rank in range(peers.size):
+            if rank != peers.rank:
+                gathered[rank * rows:(rank + 1) * rows].copy_(peers.view(rank, offset, x.shape, x.dtype))
+                arrived[rank] = torch.cuda.Event()
+                arrived[rank].record()
+    multiply = torch.mm if bias is None else functools.partial(torch.addmm, bias)
+    multiply(x, matrix, out=product[peers.rank * rows:(peers.rank + 1) * rows])
+    gathered[peers.rank * rows:(peers.rank + 1) * rows].copy_(x)
+    for rank, event in arrived.items():
+        current.wait_event(event)
+        multiply(gathered[rank * rows:(rank + 1) * rows], matrix, out=product[rank * rows:(rank + 1) * rows])
+    leading = (peers.size * shard.shape[0], *shard.shape[1:-1])
+    return gathered.view(*leading, x.shape[1]), product.view(*leading, matrix.shape[1])
+
+
+def matmul_reduce_scatter(a: torch.Tensor, matrix: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Rank r's block [n / k, .., p] of sum over ranks of A B, A = ``a`` [n, .., m], B = ``matrix`` [m, p].
+
+    On CUDA each rank first multiplies the blocks its peers need into its symmetric memory; after a
+    barrier the side stream pulls the peers' partial products of its own block over NVLink while the
+    GEMM of that block runs, and they are summed into it. Elsewhere the product, then the plain
+    reduce-scatter.
+    """
+    if not _uses_peer_memory(a, group):
+        return reduce_scatter_along_first_dim(a.matmul(matrix), group)
+    peers, current = _peer_buffers(group), torch.cuda.current_stream()
+    x = a.reshape(-1, a.shape[-1])  # [n, m]
+    rows = divide(x.shape[0], peers.size)
+    block_shape = torch.Size((rows, matrix.shape[1]))
+    block_bytes = rows * matrix.shape[1] * x.element_size()
+    offset = peers.next_slot(peers.size * block_bytes, x.device)
+    for rank in range(peers.size):
+        if rank != peers.rank:
+            torch.mm(x[rank * rows:(rank + 1) * rows], matrix,
+                     out=peers.view(peers.rank, offset + rank * block_bytes, block_shape, x.dtype))
+    received = x.new_empty(peers.size, rows, matrix.shape[1])
+    peers.barrier()
+    peers.stream.wait_stream(current)
+    with torch.cuda.stream(peers.stream):
+        for rank in range(peers.size):
+            if rank != peers.rank:
+                received[rank].copy_(peers.view(rank, offset + peers.rank * block_bytes, block_shape, x.dtype))
+    torch.mm(x[peers.rank * rows:(peers.rank + 1) * rows], matrix, out=received[peers.rank])
+    current.wait_stream(peers.stream)
+    return received.sum(dim=0).view(a.shape[0] // peers.size, *a.shape[1:-1], matrix.shape[1])
 
 
 def divide(numerator: int, denominator: int) -> int:

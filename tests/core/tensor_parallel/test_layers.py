@@ -134,17 +134,18 @@ def _check_embedding(group, k, me):
             layer(torch.tensor([[1, bad]]))
 
 
-def _check_sequence_parallel_pair(group, k, me):
+def _check_sequence_parallel_pair(group, k, me, comm_overlap):
     """Column- then row-parallel layer with sequence_parallel on this rank's block of 4 positions each:
     Y_r = block r of (X W1^T + b1) W2^T + b2; the gradients equal the full computation's, and the
-    column layer keeps only the input block for backward (it gathers it again there)."""
+    column layer keeps only the input block for backward (it gathers it again there), or with
+    comm_overlap the gathered input (the fused collectives' CPU path)."""
     seq = 4 * k
     torch.manual_seed(SEED)  # each layer's full weight is _master_weight's draw
     column = ColumnParallelLinear(IN, OUT, tp_group=group, init_method=init_normal, use_cpu_initialization=True,
-                                  sequence_parallel=True)
+                                  sequence_parallel=True, comm_overlap=comm_overlap)
     torch.manual_seed(SEED)
     row = RowParallelLinear(OUT, IN, tp_group=group, init_method=init_normal, use_cpu_initialization=True,
-                            sequence_parallel=True)
+                            sequence_parallel=True, comm_overlap=comm_overlap)
     w1, b1, w2, b2 = _master_weight((OUT, IN)), _randn(OUT, seed=21), _master_weight((IN, OUT)), _randn(IN, seed=22)
     with torch.no_grad():
         column.bias.copy_(_chunk(b1, 0, k, me))
@@ -158,7 +159,7 @@ def _check_sequence_parallel_pair(group, k, me):
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
         hidden, _ = column(x_block)
-    assert (seq, BATCH, IN) not in saved and (4, BATCH, IN) in saved
+    assert ((seq, BATCH, IN) in saved) == comm_overlap and ((4, BATCH, IN) in saved) != comm_overlap
     y, _ = row(hidden)
     assert_normwise_close(y.detach(), _chunk(y_ref.detach(), 0, k, me))
     y.backward(_chunk(grad_y, 0, k, me))
@@ -210,7 +211,8 @@ def _layers_world4(rank, world_size):
         for check in (_check_column, _check_row, _check_embedding, _check_column_stride, _check_device_init):
             check(group, k, me)
         if group is not None:
-            _check_sequence_parallel_pair(group, k, me)
+            for comm_overlap in (False, True):
+                _check_sequence_parallel_pair(group, k, me, comm_overlap)
 
 
 @pytest.mark.distributed
@@ -221,6 +223,12 @@ def test_layers_match_tp1_reference_for_tp_1_2_4():
 def test_single_process_layers_equal_torch_modules():
     for check in (_check_column, _check_row, _check_embedding, _check_column_stride, _check_device_init):
         check(None, 1, 0)
+
+
+def test_comm_overlap_without_sequence_parallelism_is_refused():
+    for layer in (ColumnParallelLinear, RowParallelLinear):
+        with pytest.raises(ValueError, match="sequence_parallel"):
+            layer(IN, OUT, tp_group=None, init_method=init_normal, comm_overlap=True)
 
 
 def test_device_init_without_seeding_names_the_fix():

@@ -65,3 +65,72 @@ def _utils_world2(rank, world_size):
 @pytest.mark.distributed
 def test_1d_split_and_gather_on_2_ranks():
     run_distributed(_utils_world2, 2)
+
+
+def _normwise_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((got.double() - expected.double()).norm() / expected.double().norm()).item()
+
+
+def _fused_collectives_match_nccl(rank, world_size):
+    """all_gather_matmul / matmul_reduce_scatter through symmetric memory against NCCL's collective and
+    the plain product, for several shapes in turn (the slots grow and alternate), with new values
+    every call so that a slot read before its peer wrote it, or overwritten while read, shows."""
+    import torch.nn.functional as F
+
+    from megatron.core.tensor_parallel.utils import (all_gather_matmul, matmul_reduce_scatter,
+                                                     reduce_scatter_along_first_dim)
+
+    group, device = dist.group.WORLD, torch.device("cuda", rank)
+    generator = torch.Generator(device).manual_seed(100 + rank)
+    shapes = [(64, 3, 96, 80), (512, 2, 256, 384), (64, 3, 96, 80), (1000, 1, 128, 72)] * 4
+    for call, (rows, batch, inner, columns) in enumerate(shapes):
+        def randn(*shape):
+            return torch.randn(*shape, generator=generator, device=device, dtype=torch.bfloat16)
+
+        shard, weight, bias = randn(rows, batch, inner), randn(columns, inner), randn(columns)
+        gathered, product = all_gather_matmul(shard, weight.t(), group, bias if call % 2 else None)
+        expected_gathered = all_gather_along_first_dim(shard, group)
+        assert torch.equal(gathered, expected_gathered), f"call {call}: gathered input"
+        expected = F.linear(expected_gathered, weight, bias if call % 2 else None)
+        assert product.shape == expected.shape and _normwise_error(product, expected) < 1e-2, f"call {call}"
+        full = randn(world_size * rows, batch, inner)
+        block = matmul_reduce_scatter(full, weight.t(), group)
+        expected_block = reduce_scatter_along_first_dim(F.linear(full, weight), group)
+        assert block.shape == expected_block.shape and _normwise_error(block, expected_block) < 1e-2, f"call {call}"
+
+
+def _overlapped_layers_match_plain_sequence_parallelism(rank, world_size):
+    """Column- then row-parallel layer under sequence parallelism, fp32 on the GPU: --tp-comm-overlap's
+    pipelined collectives give the outputs and gradients of the plain NCCL ones."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    group, device = dist.group.WORLD, torch.device("cuda", rank)
+    hidden, ffn, seq, batch = 64, 256, 32, 3
+    torch.manual_seed(5 + rank)
+    x_block = torch.randn(seq // world_size, batch, hidden, device=device)
+    grad_block = torch.randn(seq // world_size, batch, hidden, device=device)
+    results = []
+    for comm_overlap in (False, True):
+        layers = []
+        for layer, sizes in ((ColumnParallelLinear, (hidden, ffn)), (RowParallelLinear, (ffn, hidden))):
+            torch.manual_seed(1234)
+            layers.append(layer(*sizes, tp_group=group, init_method=torch.nn.init.normal_, device=device,
+                                use_cpu_initialization=True, sequence_parallel=True, comm_overlap=comm_overlap))
+        x = x_block.clone().requires_grad_(True)
+        y, _ = layers[1](torch.relu(layers[0](x)[0]))
+        y.backward(grad_block)
+        results.append([y, x.grad] + [p.grad for layer in layers for p in layer.parameters()])
+    for plain, overlapped in zip(*results):
+        assert _normwise_error(overlapped, plain) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_fused_collectives_match_nccl_on_two_gpus():
+    run_distributed(_fused_collectives_match_nccl, 2, backend="nccl")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_overlapped_sequence_parallel_layers_on_two_gpus():
+    run_distributed(_overlapped_layers_match_plain_sequence_parallelism, 2, backend="nccl")

@@ -50,7 +50,8 @@ class ParallelSelfAttention(nn.Module):
         self.head_dim = config.kv_channels
         common = dict(tp_group=groups.tp, use_cpu_initialization=config.use_cpu_initialization,
                       params_dtype=config.params_dtype, device=device,
-                      sequence_parallel=config.sequence_parallel)
+                      sequence_parallel=config.sequence_parallel,
+                      comm_overlap=config.tp_comm_overlap)
         self.query_key_value = ColumnParallelLinear(
             config.hidden_size, 3 * config.projection_size, gather_output=False,
             init_method=weight_init_method(config, layer_number, "self_attention.query_key_value.weight"), **common)

@@ -46,6 +46,10 @@ class GPTModelConfig:
     regions the activations [s, b, h] are split along the sequence over the TP ranks, so layer norms,
     dropouts and residual adds run on s / tp positions; the column-parallel GEMMs all-gather their
     input and the row-parallel ones reduce-scatter their output instead of one all-reduce.
+    ``tp_comm_overlap`` (--tp-comm-overlap, with sequence parallelism) pipelines those collectives
+    with their GEMMs through symmetric GPU memory (``tensor_parallel.utils.all_gather_matmul``,
+    ``matmul_reduce_scatter``); it keeps each gathered column-parallel input for backward instead
+    of gathering it again. On CPU the same arithmetic runs through the plain collectives.
 
     ``attention_impl`` chooses how attention is computed:
     "sdpa" (default) runs torch's scaled_dot_product_attention (flash / cuDNN / memory-efficient on
@@ -84,6 +88,7 @@ class GPTModelConfig:
     checkpoint_num_layers: int = 1
     distribute_checkpointed_activations: bool = False
     sequence_parallel: bool = False
+    tp_comm_overlap: bool = False
     attention_impl: str = "sdpa"
 
     def __post_init__(self):
@@ -157,6 +162,9 @@ class GPTModelConfig:
         if self.sequence_parallel and self.distribute_checkpointed_activations:
             raise GPTConfigError("--sequence-parallel already splits the checkpointed activations over the TP "
                                  "ranks: drop --distribute-checkpointed-activations / --partition-activations")
+        if self.tp_comm_overlap and not self.sequence_parallel:
+            raise GPTConfigError("--tp-comm-overlap pipelines the all-gathers and reduce-scatters of sequence "
+                                 "parallelism with their GEMMs: add --sequence-parallel (with TP > 1)")
         if self.stable_embedding and not self.embed_layernorm:
             raise GPTConfigError("a stable embedding (--use-bnb-optimizer) has a LayerNorm after the word embedding: "
                                  "it needs embed_layernorm")

@@ -44,7 +44,8 @@ class ParallelMLP(nn.Module):
         gated = config.glu_activation is not None
         common = dict(tp_group=groups.tp, use_cpu_initialization=config.use_cpu_initialization,
                       params_dtype=config.params_dtype, device=device,
-                      sequence_parallel=config.sequence_parallel, skip_bias_add=True)
+                      sequence_parallel=config.sequence_parallel,
+                      comm_overlap=config.tp_comm_overlap, skip_bias_add=True)
         self.dense_h_to_4h = ColumnParallelLinear(
             config.hidden_size, (2 if gated else 1) * config.ffn_hidden_size, gather_output=False,
             stride=2 if gated else 1,

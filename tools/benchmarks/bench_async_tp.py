@@ -1,0 +1,111 @@
+"""Tensor parallelism's collectives fused with their GEMMs (async TP) against the collective, then the GEMM.
+
+    torchrun --nproc_per_node 2 tools/benchmarks/bench_async_tp.py [--iterations 20]
+
+Under sequence parallelism every column-parallel product starts from an all-gather of the
+sequence blocks and every row-parallel product ends in a reduce-scatter; backward swaps the two.
+For each product of a transformer layer of the 1.3B GPT (hidden 2048, micro-batch 8, seq 2048) and
+of a width-4096 GPT (micro-batch 4), at TP = world size and in bf16, rank 0 prints the mean time of
+``--iterations`` calls after 5 warm-up calls of:
+
+    gemm        the product alone, on the gathered (or full) operand
+    serial      NCCL's collective, then the GEMM (or the GEMM, then the collective)
+    fused       megatron.core.tensor_parallel.utils.all_gather_matmul / matmul_reduce_scatter
+
+and checks once that fused and serial agree (relative error of bf16 GEMMs summed over ranks).
+"""
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from megatron.core.tensor_parallel.utils import (all_gather_along_first_dim, all_gather_matmul,  # noqa: E402
+                                                 matmul_reduce_scatter, reduce_scatter_along_first_dim)
+
+WARMUP_CALLS = 5
+# (model, product, kind, rows of the full operand, its columns, the product's columns at TP=k)
+# rows = s * b tokens; columns of column-parallel outputs and row-parallel inputs are divided by k.
+PRODUCTS = (
+    ("1.3B", "qkv", "gather", 16384, 2048, lambda k: 3 * 2048 // k),
+    ("1.3B", "fc1", "gather", 16384, 2048, lambda k: 4 * 2048 // k),
+    ("1.3B", "dense", "scatter", 16384, lambda k: 2048 // k, 2048),
+    ("1.3B", "fc2", "scatter", 16384, lambda k: 4 * 2048 // k, 2048),
+    ("width 4096", "qkv", "gather", 8192, 4096, lambda k: 3 * 4096 // k),
+    ("width 4096", "fc1", "gather", 8192, 4096, lambda k: 4 * 4096 // k),
+    ("width 4096", "dense", "scatter", 8192, lambda k: 4096 // k, 4096),
+    ("width 4096", "fc2", "scatter", 8192, lambda k: 4 * 4096 // k, 4096),
+)
+
+
+def _resolve(size, world_size: int) -> int:
+    return size(world_size) if callable(size) else size
+
+
+def _time_ms(call, iterations: int) -> float:
+    for _ in range(WARMUP_CALLS):
+        call()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    dist.barrier()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iterations):
+        call()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iterations
+
+
+def _operands(kind: str, rows: int, inner: int, columns: int, world_size: int, device):
+    """(this rank's operand, the weight's transposed view [inner, columns]) as the layers pass them."""
+    torch.manual_seed(1234 + dist.get_rank())
+    local_rows = rows // world_size if kind == "gather" else rows
+    a = torch.randn(local_rows, inner, dtype=torch.bfloat16, device=device)
+    weight = torch.randn(columns, inner, dtype=torch.bfloat16, device=device) / inner ** 0.5  # [out, in]
+    return a, weight.t()
+
+
+def _calls(kind: str, a: torch.Tensor, matrix: torch.Tensor, group):
+    """(gemm alone, serial, fused) callables returning the product."""
+    if kind == "gather":
+        gathered = all_gather_along_first_dim(a, group)
+        return (lambda: gathered.matmul(matrix),
+                lambda: all_gather_along_first_dim(a, group).matmul(matrix),
+                lambda: all_gather_matmul(a, matrix, group)[1])
+    return (lambda: a.matmul(matrix),
+            lambda: reduce_scatter_along_first_dim(a.matmul(matrix), group),
+            lambda: matmul_reduce_scatter(a, matrix, group))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=20)
+    args = parser.parse_args()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    world_size, group, device = dist.get_world_size(), dist.group.WORLD, torch.device("cuda", local_rank)
+    lines = [f"TP={world_size}, bf16, {torch.cuda.get_device_name()}, ms per call",
+             "| model | product | collective | operand (full) | gemm | serial | fused | fused / serial "
+             "| relative error |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for model, name, kind, rows, inner, columns in PRODUCTS:
+        inner, columns = _resolve(inner, world_size), _resolve(columns, world_size)
+        a, matrix = _operands(kind, rows, inner, columns, world_size, device)
+        gemm, serial, fused = _calls(kind, a, matrix, group)
+        expected, got = serial().float(), fused().float()
+        error = ((got - expected).norm() / expected.norm()).item()
+        times = [_time_ms(call, args.iterations) for call in (gemm, serial, fused)]
+        lines.append(f"| {model} | {name} | {'all-gather' if kind == 'gather' else 'reduce-scatter'} "
+                     f"| [{rows}, {inner}] x [{inner}, {columns}] | {times[0]:.3f} | {times[1]:.3f} "
+                     f"| {times[2]:.3f} | {times[2] / times[1]:.2f} | {error:.1e} |")
+    if dist.get_rank() == 0:
+        print("\n".join(lines))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
