@@ -24,6 +24,16 @@ def test_kernel_classes():
     assert kernel_class("nvjet_tst_256x128_64x4_2x1_v_bz_coopA_TNT") == "GEMM"
     assert kernel_class("flash_fwd_kernel") == "attention"
     assert kernel_class("vectorized_elementwise_kernel") == "other"
+    assert kernel_class("c10d::symmetric_memory::barrier_kernel(unsigned int**, int, int)") == "communication"
+
+
+def test_peer_copies_count_as_communication_and_other_copies_do_not():
+    copy = lambda name, start, duration: {**kernel(name, start, duration), "cat": "gpu_memcpy"}  # noqa: E731
+    events = [kernel("nvjet_tst_gemm", 0, 100), copy("Memcpy PtoP (Device -> Device)", 50, 80),  # 30 µs exposed
+              copy("Memcpy DtoD (Device -> Device)", 200, 10)]
+    figures = summarize(events)
+    assert figures["communication"] == pytest.approx(0.08) and figures["exposed communication"] == pytest.approx(0.03)
+    assert figures["span"] == pytest.approx(0.13)
 
 
 def test_summary_of_a_step_with_overlapped_and_exposed_communication(tmp_path):

@@ -4,7 +4,8 @@
 
 For each trace (one device), with W the span from the first to the last kernel:
 - busy: the union of all kernel intervals; idle = W - busy;
-- communication: the union of NCCL kernels; exposed communication = the part of it during which no
+- communication: the union of NCCL kernels, symmetric-memory barriers and peer-to-peer copies
+  (--tp-comm-overlap's transfers run on the copy engines, not as kernels); exposed communication = the part of it during which no
   other kernel runs (the time a faster network or more overlap could save);
 - the kernel time by class (GEMM, attention, communication, other), summed over kernels, so that
   kernels running side by side each count.
@@ -14,7 +15,7 @@ import json
 import re
 
 CLASSES = (  # first match wins
-    ("communication", re.compile(r"nccl", re.I)),
+    ("communication", re.compile(r"nccl|symmetric_memory|PtoP", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn", re.I)),
     ("GEMM", re.compile(r"gemm|xmma|cutlass|nvjet|cublas|matmul", re.I)),
 )
@@ -59,9 +60,10 @@ def subtract(intervals: list[tuple[float, float]], cover: list[tuple[float, floa
 
 
 def summarize(events: list[dict]) -> dict[str, float]:
-    """Figures in milliseconds of the kernel events (``cat`` == "kernel", ``ts``/``dur`` in µs)."""
-    kernels = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
-               if e.get("cat") == "kernel" and e.get("ph") == "X"]
+    """Figures in milliseconds of the kernel events (``cat`` == "kernel", ``ts``/``dur`` in µs) and the
+    peer-to-peer copies (``cat`` == "gpu_memcpy", "Memcpy PtoP ...")."""
+    kernels = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("ph") == "X" and (
+        e.get("cat") == "kernel" or (e.get("cat") == "gpu_memcpy" and "PtoP" in e.get("name", "")))]
     if not kernels:
         raise ValueError("the trace has no GPU kernels")
     everything = union([(start, end) for start, end, _ in kernels])

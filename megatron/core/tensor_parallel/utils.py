@@ -86,8 +86,13 @@ class _PeerBuffers:
 
         torch.cuda.synchronize()
         dist.barrier(group=self.group)
-        self.memory = symmetric_memory.empty(2 * slot_bytes, dtype=torch.uint8, device=device)
-        self.handle = symmetric_memory.rendezvous(self.memory, self.group.group_name)
+        try:
+            self.memory = symmetric_memory.empty(2 * slot_bytes, dtype=torch.uint8, device=device)
+            self.handle = symmetric_memory.rendezvous(self.memory, self.group.group_name)
+        except RuntimeError as error:
+            raise RuntimeError("the TP group's GPUs cannot map each other's memory (symmetric memory: "
+                               f"{error}); --tp-comm-overlap needs the TP group on one node with peer access "
+                               "(NVLink or PCIe P2P): drop the flag") from error
         self.slot_bytes, self.views = slot_bytes, {}
 
     def next_slot(self, nbytes: int, device: torch.device) -> int:
@@ -146,12 +151,13 @@ def all_gather_matmul(shard: torch.Tensor, matrix: torch.Tensor, group: ProcessG
                 gathered[rank * rows:(rank + 1) * rows].copy_(peers.view(rank, offset, x.shape, x.dtype))
                 arrived[rank] = torch.cuda.Event()
                 arrived[rank].record()
+        gathered[peers.rank * rows:(peers.rank + 1) * rows].copy_(x)  # off the GEMMs' stream too
     multiply = torch.mm if bias is None else functools.partial(torch.addmm, bias)
     multiply(x, matrix, out=product[peers.rank * rows:(peers.rank + 1) * rows])
-    gathered[peers.rank * rows:(peers.rank + 1) * rows].copy_(x)
     for rank, event in arrived.items():
         current.wait_event(event)
         multiply(gathered[rank * rows:(rank + 1) * rows], matrix, out=product[rank * rows:(rank + 1) * rows])
+    current.wait_stream(peers.stream)
     leading = (peers.size * shard.shape[0], *shard.shape[1:-1])
     return gathered.view(*leading, x.shape[1]), product.view(*leading, matrix.shape[1])
 
@@ -176,16 +182,17 @@ def matmul_reduce_scatter(a: torch.Tensor, matrix: torch.Tensor, group: ProcessG
         if rank != peers.rank:
             torch.mm(x[rank * rows:(rank + 1) * rows], matrix,
                      out=peers.view(peers.rank, offset + rank * block_bytes, block_shape, x.dtype))
-    received = x.new_empty(peers.size, rows, matrix.shape[1])
+    received = x.new_empty(peers.size - 1, rows, matrix.shape[1])  # the peers' partial sums of this block
     peers.barrier()
     peers.stream.wait_stream(current)
     with torch.cuda.stream(peers.stream):
-        for rank in range(peers.size):
-            if rank != peers.rank:
-                received[rank].copy_(peers.view(rank, offset + peers.rank * block_bytes, block_shape, x.dtype))
-    torch.mm(x[peers.rank * rows:(peers.rank + 1) * rows], matrix, out=received[peers.rank])
+        for index, rank in enumerate(rank for rank in range(peers.size) if rank != peers.rank):
+            received[index].copy_(peers.view(rank, offset + peers.rank * block_bytes, block_shape, x.dtype))
+    block = torch.mm(x[peers.rank * rows:(peers.rank + 1) * rows], matrix)  # [n / k, p]
     current.wait_stream(peers.stream)
-    return received.sum(dim=0).view(a.shape[0] // peers.size, *a.shape[1:-1], matrix.shape[1])
+    for partial in received:  # elementwise adds: a reduction kernel over the k blocks is slower
+        block.add_(partial)
+    return block.view(a.shape[0] // peers.size, *a.shape[1:-1], matrix.shape[1])
 
 
 def divide(numerator: int, denominator: int) -> int:
