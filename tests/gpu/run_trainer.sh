@@ -14,9 +14,10 @@
 #      continue 6p7b_tp2pp2 (counters and LR equal); RUNS="6p7b_tp2pp2_saving 6p7b_tp2pp2_rollback
 #      6p7b_rollback_compare" saves at 30 and 60, points latest back at 30 and resumes (CKPT_NGPUS=8
 #      runs these at TP=2 x PP=2 x DP=2); on 8 GPUs RUNS="6p7b_tp2pp2dp2 6p7b_tp4pp2 6p7b_tp2pp4
-#      6p7b_compare_8"
+#      6p7b_compare_8"; for speed on 4 GPUs RUNS="6p7b_tp2dp2_mbs4 6p7b_tp2dp2_mbs4_overlap" (TP=2 x DP=2 with
+#      sequence parallelism, without and with --tp-comm-overlap; micro-batch 4, GPU initialization)
 #   6. the best single-GPU figure at the same width (RUNS="w4096_mbs2 w4096_mbs4"): 16 layers, hidden
-#      4096, bf16, the scaling-efficiency reference for 5; the same model at TP=2 on 2 GPUs (RUNS="w4096_tp2")
+#      4096, bf16, the scaling-efficiency reference for 5; the same model at TP=2 on 2 GPUs (RUNS="w4096_tp2 w4096_tp2_overlap")
 #   7. against the peer (RUNS="peer_1p3b peer_1p3b_mbs16 peer_350m peer_350m_mbs32", log interval 1): the
 #      1.3B at micro-batch 8 and 16 and the 350M at 16 and 32, bf16, ZeRO-1; tools/benchmarks/bench_vs_peer.sh
 #      runs them and the peer
@@ -140,6 +141,13 @@ big_run() {  # name ngpus [flags...]: the 6.7B GPT of issue 5 (bf16, CPU initial
         --use-cpu-initialization --lr-warmup-iters 10 "$@"
 }
 
+big_fast_run() {  # name [flags...]: the 6.7B GPT at TP=2 x DP=2 for speed: micro-batch 4, global batch 32,
+    # initialized on the GPUs (minutes faster than on the CPU), 12 iterations
+    local name=$1
+    shift
+    NGPUS=4 ITERS=12 LOG_INTERVAL=1 gpt_run "$name" 32 4096 32 bf16 4 32 --tensor-model-parallel-size 2 "$@"
+}
+
 universal_runs() {  # precision: a 125M GPT at ZeRO-1 saved at 10 of 20 iterations, converted to a universal
     # checkpoint, resumed at ZeRO-2 (the plain engine) with --universal-checkpoint; compared with the full run
     local precision=$1 checkpoint=$WORK/checkpoint_universal_$1
@@ -216,6 +224,8 @@ for run in $RUNS; do
         6p7b_tp2pp2dp2) big_run 6p7b_tp2pp2dp2 8 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 ;;
         6p7b_tp4pp2) big_run 6p7b_tp4pp2 8 --tensor-model-parallel-size 4 --pipeline-model-parallel-size 2 ;;
         6p7b_tp2pp4) big_run 6p7b_tp2pp4 8 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 4 ;;
+        6p7b_tp2dp2_mbs4) big_fast_run 6p7b_tp2dp2_mbs4 --sequence-parallel ;;
+        6p7b_tp2dp2_mbs4_overlap) big_fast_run 6p7b_tp2dp2_mbs4_overlap --sequence-parallel --tp-comm-overlap ;;
         6p7b_compare_8) compare_layouts 2e-2 5 6p7b_tp2pp2dp2 6p7b_tp4pp2 6p7b_tp2pp4 \
                             | tee "$OUT/layouts_6p7b_8gpu.txt" || status=1 ;;
         scale_1gpu) scale_run scale_1gpu 1 ;;

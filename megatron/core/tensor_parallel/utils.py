@@ -60,11 +60,11 @@ class _PeerBuffers:
     """Two slots of symmetric memory per TP group (each rank's slots readable by its peers over
     NVLink), used in turn by the fused collectives below, and a side stream for the peer copies.
 
-    Each call writes its slot, passes one group barrier (on the current stream: a barrier kernel
-    beside a GEMM waits for SMs), then reads the peers' slot of the same call on the side stream
-    and joins those reads into the current stream before the call returns. A rank writes a slot
-    again two calls later, after the barrier of the call between, which every peer reaches only
-    once its reads of the slot are done: one barrier per call keeps the slots safe.
+    Each call writes a slot (its own, or its peers' at its place), passes one group barrier (on the
+    current stream: a barrier kernel beside a GEMM waits for SMs), then reads the slot of the same
+    call and joins those reads into the current stream before the call returns. A rank writes a
+    slot again two calls later, after the barrier of the call between, which every peer reaches
+    only once its reads of the slot are done: one barrier per call keeps the slots safe.
     """
 
     def __init__(self, group: ProcessGroup):
@@ -165,33 +165,30 @@ def all_gather_matmul(shard: torch.Tensor, matrix: torch.Tensor, group: ProcessG
 def matmul_reduce_scatter(a: torch.Tensor, matrix: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Rank r's block [n / k, .., p] of sum over ranks of A B, A = ``a`` [n, .., m], B = ``matrix`` [m, p].
 
-    On CUDA each rank first multiplies the blocks its peers need into its symmetric memory; after a
-    barrier the side stream pulls the peers' partial products of its own block over NVLink while the
-    GEMM of that block runs, and they are summed into it. Elsewhere the product, then the plain
-    reduce-scatter.
+    On CUDA each rank first computes the blocks of its partial product that its peers own, writing
+    each straight into that peer's symmetric memory over NVLink (the GEMM's stores cross the link
+    while it computes; no copy, no side stream); after the group's barrier it computes its own
+    block with the received partial sums as the GEMM's addend (cuBLAS's beta = 1: the sum is
+    rounded once). Elsewhere the product, then the plain reduce-scatter.
     """
     if not _uses_peer_memory(a, group):
         return reduce_scatter_along_first_dim(a.matmul(matrix), group)
-    peers, current = _peer_buffers(group), torch.cuda.current_stream()
+    peers = _peer_buffers(group)
     x = a.reshape(-1, a.shape[-1])  # [n, m]
     rows = divide(x.shape[0], peers.size)
     block_shape = torch.Size((rows, matrix.shape[1]))
     block_bytes = rows * matrix.shape[1] * x.element_size()
-    offset = peers.next_slot(peers.size * block_bytes, x.device)
-    for rank in range(peers.size):
-        if rank != peers.rank:
-            torch.mm(x[rank * rows:(rank + 1) * rows], matrix,
-                     out=peers.view(peers.rank, offset + rank * block_bytes, block_shape, x.dtype))
-    received = x.new_empty(peers.size - 1, rows, matrix.shape[1])  # the peers' partial sums of this block
+    offset = peers.next_slot(peers.size * block_bytes, x.device)  # a block per sending rank
+    others = [rank for rank in range(peers.size) if rank != peers.rank]
+    for rank in others:  # into the peer's slot, at this rank's place
+        torch.mm(x[rank * rows:(rank + 1) * rows], matrix,
+                 out=peers.view(rank, offset + peers.rank * block_bytes, block_shape, x.dtype))
     peers.barrier()
-    peers.stream.wait_stream(current)
-    with torch.cuda.stream(peers.stream):
-        for index, rank in enumerate(rank for rank in range(peers.size) if rank != peers.rank):
-            received[index].copy_(peers.view(rank, offset + peers.rank * block_bytes, block_shape, x.dtype))
-    block = torch.mm(x[peers.rank * rows:(peers.rank + 1) * rows], matrix)  # [n / k, p]
-    current.wait_stream(peers.stream)
-    for partial in received:  # elementwise adds: a reduction kernel over the k blocks is slower
-        block.add_(partial)
+    received = [peers.view(peers.rank, offset + rank * block_bytes, block_shape, x.dtype) for rank in others]
+    addend = received[0]
+    for partial in received[1:]:
+        addend = addend + partial
+    block = torch.addmm(addend, x[peers.rank * rows:(peers.rank + 1) * rows], matrix)  # [n / k, p]
     return block.view(a.shape[0] // peers.size, *a.shape[1:-1], matrix.shape[1])
 
 
