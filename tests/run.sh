@@ -1,6 +1,6 @@
 #!/bin/bash
 # The test command of the README: installs what is needed, then runs the CPU test suite.
-# Extra arguments go to pytest (e.g. `bash tests/run.sh -m "not slow"`).
+# Extra arguments go to pytest (e.g. `bash tests/run.sh -m "not slow"`); the 25 slowest tests are listed at the end.
 # The installation is skipped when this Python already holds it: a stamp in the environment's prefix
 # records the hash of the files that decide what is installed (set FORCE_INSTALL=1 to redo it).
 set -euo pipefail
@@ -14,4 +14,4 @@ if [ "${FORCE_INSTALL:-0}" = 1 ] || [ "$(cat "$stamp" 2>/dev/null)" != "$wanted"
     bash tools/install.sh
     echo "$wanted" > "$stamp" || echo "note: cannot write $stamp; the next run installs again"
 fi
-exec $py -m pytest -q "$@"
+exec $py -m pytest -q --durations=25 "$@"

@@ -110,9 +110,10 @@ layout_run() {  # name ngpus [parallel flags...]: a 100M-class GPT at seq 1024, 
 }
 
 scale_run() {  # name ngpus [parallel flags...]: the 1.3B GPT of the scaling table, log interval 1
+    # (micro-batch MBS_SCALE, default 8)
     local name=$1 ngpus=$2
     shift 2
-    NGPUS=$ngpus ITERS=${ITERS_SCALE:-10} LOG_INTERVAL=1 gpt_run "$name" 24 2048 16 bf16 8 64 \
+    NGPUS=$ngpus ITERS=${ITERS_SCALE:-10} LOG_INTERVAL=1 gpt_run "$name" 24 2048 16 bf16 "${MBS_SCALE:-8}" 64 \
         --use-cpu-initialization "$@"
 }
 
