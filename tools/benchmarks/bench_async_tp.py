@@ -80,10 +80,19 @@ def _calls(kind: str, a: torch.Tensor, matrix: torch.Tensor, group):
             lambda: matmul_reduce_scatter(a, matrix, group))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iterations", type=int, default=20)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.iterations < 1:
+        parser.error(f"--iterations must be at least 1, got {args.iterations}")
+    if not torch.cuda.is_available():
+        parser.error("it times CUDA kernels on the GPUs of one machine: run it under torchrun on a GPU machine")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))

@@ -68,8 +68,9 @@ class _PeerBuffers:
     """
 
     def __init__(self, group: ProcessGroup):
-        import torch.distributed._symmetric_memory as symmetric_memory
+        import torch.distributed._symmetric_memory as symmetric_memory  # here: CUDA runs only, not every start-up
 
+        self.symmetric_memory = symmetric_memory
         with warnings.catch_warnings():  # torch 2.11 needs the registration; later versions deprecate it
             warnings.simplefilter("ignore", FutureWarning)
             symmetric_memory.enable_symm_mem_for_group(group.group_name)
@@ -82,8 +83,7 @@ class _PeerBuffers:
     def _grow(self, slot_bytes: int, device: torch.device) -> None:
         """Reallocate both slots (a collective): every rank first finishes its work, peer reads of
         the old slots included, so that they can be freed."""
-        import torch.distributed._symmetric_memory as symmetric_memory
-
+        symmetric_memory = self.symmetric_memory
         torch.cuda.synchronize()
         dist.barrier(group=self.group)
         try:
