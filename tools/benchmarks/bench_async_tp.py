@@ -1,6 +1,6 @@
 """Tensor parallelism's collectives fused with their GEMMs (async TP) against the collective, then the GEMM.
 
-    torchrun --nproc_per_node 2 tools/benchmarks/bench_async_tp.py [--iterations 20]
+    torchrun --nproc_per_node 2 tools/benchmarks/bench_async_tp.py [--iterations 20] [--trace-dir DIR]
 
 Under sequence parallelism every column-parallel product starts from an all-gather of the
 sequence blocks and every row-parallel product ends in a reduce-scatter; backward swaps the two.
@@ -13,9 +13,19 @@ of a width-4096 GPT (micro-batch 4), at TP = world size and in bf16, rank 0 prin
     fused       megatron.core.tensor_parallel.utils.all_gather_matmul / matmul_reduce_scatter
 
 and checks once that fused and serial agree (relative error of bf16 GEMMs summed over ranks).
+
+The column-parallel layers' backward ("qkv dX + dW", "fc1 dX + dW") reduce-scatters dX = dY W and
+computes the weight gradient dW = dY^T X: there gemm is both products, serial the plain
+sequence-parallel backward (dX, NCCL's reduce-scatter launched asynchronously, dW while it runs,
+wait), fused the --tp-comm-overlap backward (matmul_reduce_scatter, then dW).
+
+``--trace-dir`` also writes rank 0's torch.profiler trace of three fused calls per product there
+(``<model>_<product>.json``, spaces and signs as "_"; for Perfetto: where the copies and GEMMs of
+a call overlap).
 """
 import argparse
 import os
+import re
 import sys
 
 import torch
@@ -24,7 +34,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatron.core.tensor_parallel.utils import (all_gather_along_first_dim, all_gather_matmul,  # noqa: E402
-                                                 matmul_reduce_scatter, reduce_scatter_along_first_dim)
+                                                 matmul_reduce_scatter, reduce_scatter_along_first_dim,
+                                                 start_reduce_scatter_along_first_dim)
 
 WARMUP_CALLS = 5
 # (model, product, kind, rows of the full operand, its columns, the product's columns at TP=k)
@@ -34,6 +45,8 @@ PRODUCTS = (
     ("1.3B", "fc1", "gather", 16384, 2048, lambda k: 4 * 2048 // k),
     ("1.3B", "dense", "scatter", 16384, lambda k: 2048 // k, 2048),
     ("1.3B", "fc2", "scatter", 16384, lambda k: 4 * 2048 // k, 2048),
+    ("1.3B", "qkv dX + dW", "scatter+dW", 16384, lambda k: 3 * 2048 // k, 2048),
+    ("1.3B", "fc1 dX + dW", "scatter+dW", 16384, lambda k: 4 * 2048 // k, 2048),
     ("width 4096", "qkv", "gather", 8192, 4096, lambda k: 3 * 4096 // k),
     ("width 4096", "fc1", "gather", 8192, 4096, lambda k: 4 * 4096 // k),
     ("width 4096", "dense", "scatter", 8192, lambda k: 4096 // k, 4096),
@@ -62,7 +75,7 @@ def _time_ms(call, iterations: int) -> float:
 def _operands(kind: str, rows: int, inner: int, columns: int, world_size: int, device):
     """(this rank's operand, the weight's transposed view [inner, columns]) as the layers pass them."""
     torch.manual_seed(1234 + dist.get_rank())
-    local_rows = rows // world_size if kind == "gather" else rows
+    local_rows = rows // world_size if kind == "gather" else rows  # a scatter's operand is whole
     a = torch.randn(local_rows, inner, dtype=torch.bfloat16, device=device)
     weight = torch.randn(columns, inner, dtype=torch.bfloat16, device=device) / inner ** 0.5  # [out, in]
     return a, weight.t()
@@ -75,14 +88,40 @@ def _calls(kind: str, a: torch.Tensor, matrix: torch.Tensor, group):
         return (lambda: gathered.matmul(matrix),
                 lambda: all_gather_along_first_dim(a, group).matmul(matrix),
                 lambda: all_gather_matmul(a, matrix, group)[1])
-    return (lambda: a.matmul(matrix),
-            lambda: reduce_scatter_along_first_dim(a.matmul(matrix), group),
-            lambda: matmul_reduce_scatter(a, matrix, group))
+    if kind == "scatter":
+        return (lambda: a.matmul(matrix),
+                lambda: reduce_scatter_along_first_dim(a.matmul(matrix), group),
+                lambda: matmul_reduce_scatter(a, matrix, group))
+    x = torch.randn(a.shape[0], matrix.shape[1], dtype=a.dtype, device=a.device)  # the layer's gathered input
+
+    def weight_grad():
+        return a.t().matmul(x)  # dW = dY^T X
+
+    def serial():
+        grad_input, reduction = start_reduce_scatter_along_first_dim(a.matmul(matrix), group)
+        weight_grad()
+        reduction.wait()
+        return grad_input
+
+    return (lambda: (a.matmul(matrix), weight_grad())[0], serial,
+            lambda: (matmul_reduce_scatter(a, matrix, group), weight_grad())[0])
+
+
+def _write_trace(call, path: str) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        for _ in range(3):
+            call()
+        torch.cuda.synchronize()
+    if dist.get_rank() == 0:
+        profiler.export_chrome_trace(path)
 
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--trace-dir", help="write a trace of three fused calls per product here (rank 0)")
     args = parser.parse_args(argv)
     if args.iterations < 1:
         parser.error(f"--iterations must be at least 1, got {args.iterations}")
@@ -108,6 +147,10 @@ def main(argv=None) -> None:
         expected, got = serial().float(), fused().float()
         error = ((got - expected).norm() / expected.norm()).item()
         times = [_time_ms(call, args.iterations) for call in (gemm, serial, fused)]
+        if args.trace_dir:
+            os.makedirs(args.trace_dir, exist_ok=True)
+            stem = re.sub(r"[^A-Za-z0-9.]+", "_", f"{model}_{name}")
+            _write_trace(fused, os.path.join(args.trace_dir, stem + ".json"))
         lines.append(f"| {model} | {name} | {'all-gather' if kind == 'gather' else 'reduce-scatter'} "
                      f"| [{rows}, {inner}] x [{inner}, {columns}] | {times[0]:.3f} | {times[1]:.3f} "
                      f"| {times[2]:.3f} | {times[2] / times[1]:.2f} | {error:.1e} |")

@@ -106,6 +106,11 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
     loss afterwards (a loss mask), not with a special id. The loss is fp32 whatever the logits' dtype.
     On a GPU the Triton kernels compute it when the fused kernels may run (fused_kernels.dispatch).
     """
+    if logits.dim() == 3 and not logits.is_contiguous() and logits.transpose(0, 1).is_contiguous():
+        # a batch-first view of sequence-first logits (the pipeline's head under sequence
+        # parallelism): the loss is per token, so compute it on the logits as they lie in memory
+        # rather than copying them (and their gradient) into the view's order
+        return vocab_parallel_cross_entropy(logits.transpose(0, 1), target.transpose(0, 1), tp_group).transpose(0, 1)
     group = tp_group if group_size(tp_group) > 1 else None
     fused = dispatch.runtime_blocker(logits, target) is None \
         and dispatch.cross_entropy_constraint_violation(logits) is None and _triton_kernels() is not None

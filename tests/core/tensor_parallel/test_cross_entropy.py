@@ -109,6 +109,27 @@ def test_bf16_logits_give_fp32_loss_and_bf16_grad():
     assert_normwise_close(local.grad, grad_ref, tol=1e-2)
 
 
+def _check_batch_first_view(device):
+    """Logits [b, s, V] that are a transposed view of sequence-first ones (the pipeline's head under
+    sequence parallelism) give the losses of their copy, and the gradient reaches the sequence-first
+    logits contiguous: neither the logits nor their gradient is copied into the view's order."""
+    logits, target, grad_loss = _inputs()
+    sequence_first = logits.to(device).bfloat16().requires_grad_(True)  # [s, b, V]
+    batch_first = sequence_first.transpose(0, 1)  # [b, s, V], strided
+    loss = vocab_parallel_cross_entropy(batch_first, target.t().to(device), None)  # [b, s]
+    copied = batch_first.detach().contiguous().requires_grad_(True)
+    loss_of_copy = vocab_parallel_cross_entropy(copied, target.t().to(device), None)
+    assert loss.shape == (BATCH, SEQ) and torch.equal(loss.detach(), loss_of_copy.detach())
+    loss.backward(grad_loss.t().to(device))
+    loss_of_copy.backward(grad_loss.t().to(device))
+    assert sequence_first.grad.is_contiguous()
+    assert torch.equal(sequence_first.grad.transpose(0, 1), copied.grad)
+
+
+def test_batch_first_view_gives_the_losses_and_gradients_of_its_copy():
+    _check_batch_first_view("cpu")
+
+
 def _unfused_forbidden(*args):
     raise AssertionError("the unfused cross entropy ran")
 
@@ -124,6 +145,12 @@ def test_fused_kernels_match_torch_on_the_gpu(fused_path_only):
     _check(None, 1, 0, device="cuda")
     _check(None, 1, 0, scale=10.0, offset=1e4, dtype=torch.float64, device="cuda")
     _check(None, 1, 0, scale=10.0, offset=-1e4, dtype=torch.float64, device="cuda")
+
+
+@pytest.mark.gpu
+def test_batch_first_view_is_not_copied_in_the_fused_kernels(fused_path_only):
+    """The Triton path reads rows of a 2-D view: a strided batch-first view used to be copied first."""
+    _check_batch_first_view("cuda")
 
 
 def _fused_tp2_on_one_gpu(rank, world_size):
