@@ -45,6 +45,10 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then  # 1 GPU, DP=2, TP=2 (with and wit
         > "$OUT/profiles.log" 2>&1 || status=1
     python3 tools/benchmarks/trace_summary.py "$OUT"/profiles/profile_*/*.pt.trace.json \
         > "$OUT/profiles/trace_summary.md" || status=1
+    # GPU time by launching operator: one GPU against a TP=2 rank (doubled)
+    python3 tools/benchmarks/trace_summary.py --by-operator --multiply 1 2 -- \
+        "$OUT"/profiles/profile_1gpu/*.pt.trace.json "$OUT"/profiles/profile_tp2_overlap/*.pt.trace.json \
+        > "$OUT/profiles/by_operator.md" || status=1
 fi
 if [ -f runs/bnb_gpu/data/python-docs_text_document.idx ]; then  # 8-bit against 32-bit AdamW (run_bnb_adam.sh)
     OUT=$OUT/bnb bash tests/gpu/run_bnb_adam.sh > "$OUT/bnb.log" 2>&1 || status=1

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from tools.benchmarks.trace_summary import kernel_class, main, subtract, summarize, union
+from tools.benchmarks.trace_summary import kernel_class, main, subtract, summarize, time_by_operator, union
 
 
 def kernel(name, start, duration):
@@ -63,3 +63,64 @@ def test_a_bad_trace_is_named(tmp_path, capsys, content):
     with pytest.raises(SystemExit) as exit_info:
         main([str(path)])
     assert exit_info.value.code == 2 and f"{path}: not a torch.profiler trace" in capsys.readouterr().err
+
+
+def cpu_op(name, start, duration, tid=1):
+    return {"ph": "X", "cat": "cpu_op", "name": name, "ts": start, "dur": duration, "tid": tid}
+
+
+def launch(correlation, start, tid=1):
+    return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": start, "dur": 1, "tid": tid,
+            "args": {"correlation": correlation}}
+
+
+def launched_kernel(name, correlation, start, duration, category="kernel"):
+    return {**kernel(name, start, duration), "cat": category, "args": {"correlation": correlation}}
+
+
+def operator_events():
+    """A backward node around a GEMM and a copy, a bare operator, a second thread, and a kernel whose
+    launch was not recorded."""
+    return [
+        cpu_op("iteration 6", 0, 1000),
+        cpu_op("autograd::engine::evaluate_function: _ColumnParallelMatmulBackward", 10, 100),
+        cpu_op("_ColumnParallelMatmulBackward", 11, 98),
+        cpu_op("aten::mm", 20, 10), launch(1, 21),
+        cpu_op("aten::copy_", 40, 10), launch(2, 41),
+        cpu_op("aten::mm", 60, 10), launch(3, 61),
+        cpu_op("aten::add_", 200, 5), launch(4, 201),
+        cpu_op("MmBackward0", 300, 50, tid=2), cpu_op("aten::mm", 310, 10, tid=2), launch(5, 311, tid=2),
+        launched_kernel("nvjet_gemm", 1, 500, 300), launched_kernel("Memcpy PtoP", 2, 500, 100, "gpu_memcpy"),
+        launched_kernel("nvjet_gemm", 3, 800, 200), launched_kernel("elementwise", 4, 1000, 40),
+        launched_kernel("nvjet_gemm", 5, 1100, 60), launched_kernel("orphan", 99, 1200, 20),
+    ]
+
+
+def test_time_by_operator_names_the_innermost_function_and_operator():
+    assert time_by_operator(operator_events()) == pytest.approx({
+        "_ColumnParallelMatmulBackward: aten::mm": 0.5, "_ColumnParallelMatmulBackward: aten::copy_": 0.1,
+        "aten::add_": 0.04, "MmBackward0: aten::mm": 0.06, "(no operator)": 0.02})
+
+
+def test_by_operator_table_multiplies_each_trace(tmp_path, capsys):
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    one.write_text(json.dumps({"traceEvents": operator_events()}))
+    two.write_text(json.dumps({"traceEvents": operator_events()[:-2]}))
+    main(["--by-operator", "--multiply", "1", "2", "--minimum-ms", "0.07", str(one), str(two)])
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[2:] == ["| _ColumnParallelMatmulBackward: aten::mm | 0.5 | 1.0 |",  # largest first
+                        "| _ColumnParallelMatmulBackward: aten::copy_ | 0.1 | 0.2 |",
+                        "| aten::add_ | 0.0 | 0.1 |",  # 0.08 ms doubled: above the minimum in one column
+                        "| total | 0.7 | 1.3 |"]  # MmBackward0 (0.06 ms) and the orphan (0.02) only counted here
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--multiply", "2"], "give --by-operator too"),
+    (["--by-operator", "--multiply", "1", "2"], "one factor per trace: 1 traces, 2 factors"),
+])
+def test_multiply_needs_by_operator_and_one_factor_per_trace(tmp_path, capsys, flags, message):
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": operator_events()}))
+    with pytest.raises(SystemExit) as exit_info:
+        main(flags + ["--", str(path)])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

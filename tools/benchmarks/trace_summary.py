@@ -5,12 +5,21 @@
 For each trace (one device), with W the span from the first to the last kernel:
 - busy: the union of all kernel intervals; idle = W - busy;
 - communication: the union of NCCL kernels, symmetric-memory barriers and peer-to-peer copies
-  (--tp-comm-overlap's transfers run on the copy engines, not as kernels); exposed communication = the part of it during which no
-  other kernel runs (the time a faster network or more overlap could save);
+  (--tp-comm-overlap's transfers run on the copy engines, not as kernels); exposed communication =
+  the part of it during which no other kernel runs (the time a faster network or more overlap
+  could save);
 - the kernel time by class (GEMM, attention, communication, other), summed over kernels, so that
   kernels running side by side each count.
+
+    python tools/benchmarks/trace_summary.py --by-operator [--multiply K ...] TRACE [TRACE ...]
+
+instead sums each trace's GPU time (kernels and copies) by what launched it: the innermost operator
+around the launch, under the innermost autograd function or backward node around that
+("_ColumnParallelMatmulBackward: aten::mm"), one column per trace, each multiplied by its K
+(e.g. 1 2 to compare one GPU with a rank of TP=2, whose work is halved); the largest rows first.
 """
 import argparse
+import collections
 import json
 import re
 
@@ -77,17 +86,94 @@ def summarize(events: list[dict]) -> dict[str, float]:
     return {key: value / 1000.0 for key, value in figures.items()}
 
 
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+# host ranges that name no operator: the trainer's iteration range, the autograd engine's wrappers
+# around each backward node, the profiler's step ranges
+_NOT_LAUNCHERS = re.compile(r"^(aten::|iteration |autograd::engine|ProfilerStep|cuda[A-Z])")
+
+
+def _launch_chains(events: list[dict]) -> dict[object, list[str]]:
+    """correlation id -> names of the CPU operators enclosing the runtime call with that id, outermost
+    first (a sweep over each thread's operators and calls, in time order)."""
+    by_thread = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        if e.get("cat") == "cpu_op":
+            by_thread[e.get("tid")].append((e["ts"], 0, -e["dur"], e))
+        elif e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
+            by_thread[e.get("tid")].append((e["ts"], 1, 0, e))
+    chains = {}
+    for items in by_thread.values():
+        stack: list[dict] = []
+        for ts, is_call, _, e in sorted(items, key=lambda item: item[:3]):
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= ts:
+                stack.pop()
+            if is_call:
+                chains[e["args"]["correlation"]] = [op["name"] for op in stack]
+            else:
+                stack.append(e)
+    return chains
+
+
+def launcher(chain: list[str]) -> str:
+    """"<innermost autograd function or node>: <innermost operator>" of a launch's enclosing
+    operators (outermost first); the operator alone when no function encloses it."""
+    if not chain:
+        return "(no operator)"
+    functions = [name for name in chain if not _NOT_LAUNCHERS.match(name)]
+    return f"{functions[-1]}: {chain[-1]}" if functions else chain[-1]
+
+
+def time_by_operator(events: list[dict]) -> dict[str, float]:
+    """GPU time in milliseconds of the trace's kernels, copies and memsets, by ``launcher``."""
+    chains = _launch_chains(events)
+    totals: dict[str, float] = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES:
+            totals[launcher(chains.get(e.get("args", {}).get("correlation"), []))] += e["dur"] / 1000.0
+    if not totals:
+        raise ValueError("the trace has no GPU kernels")
+    return dict(totals)
+
+
+def print_by_operator(paths: list[str], tables: list[dict[str, float]], multipliers: list[float],
+                      minimum_ms: float) -> None:
+    scaled = [{key: value * k for key, value in table.items()} for table, k in zip(tables, multipliers)]
+    keys = sorted({key for table in scaled for key in table}, key=lambda key: -max(t.get(key, 0.0) for t in scaled))
+    print("| launched by | " + " | ".join(f"{path} x{k:g} (ms)" for path, k in zip(paths, multipliers)) + " |")
+    print("|---" * (len(paths) + 1) + "|")
+    for key in keys:
+        if max(t.get(key, 0.0) for t in scaled) >= minimum_ms:
+            print(f"| {key} | " + " | ".join(f"{t.get(key, 0.0):.1f}" for t in scaled) + " |")
+    print("| total | " + " | ".join(f"{sum(t.values()):.1f}" for t in scaled) + " |")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("traces", nargs="+")
+    parser.add_argument("--by-operator", action="store_true", help="GPU time by the operator that launched it")
+    parser.add_argument("--multiply", type=float, nargs="+", metavar="K",
+                        help="with --by-operator: one factor per trace (default 1 each)")
+    parser.add_argument("--minimum-ms", type=float, default=1.0,
+                        help="with --by-operator: leave out rows below this in every column (default 1)")
     args = parser.parse_args(argv)
+    multipliers = args.multiply or [1.0] * len(args.traces)
+    if args.multiply and not args.by_operator:
+        parser.error("--multiply scales the columns of --by-operator: give --by-operator too")
+    if len(multipliers) != len(args.traces):
+        parser.error(f"--multiply takes one factor per trace: {len(args.traces)} traces, {len(multipliers)} factors")
+    summary = time_by_operator if args.by_operator else summarize
     rows = []
     for path in args.traces:
         try:
             with open(path) as f:
-                rows.append((path, summarize(json.load(f)["traceEvents"])))
+                rows.append((path, summary(json.load(f)["traceEvents"])))
         except (OSError, ValueError, KeyError, TypeError) as error:
             parser.error(f"{path}: not a torch.profiler trace with GPU kernels ({type(error).__name__}: {error})")
+    if args.by_operator:
+        print_by_operator(args.traces, [table for _, table in rows], multipliers, args.minimum_ms)
+        return
     keys = list(rows[0][1])
     print("| trace | " + " | ".join(f"{key} (ms)" for key in keys) + " |")
     print("|---" * (len(keys) + 1) + "|")
