@@ -17,17 +17,18 @@ The first pipeline stage holds the embeddings, the last the final LayerNorm and 
 (type:transformer) gives the first L mod p stages one layer more.
 
 Model states per GPU, for P parameters on the GPU (ZeRO, Rajbhandari et al. 2020): weights 2P (4P
-in fp32), gradients 2P (4P in fp32; + 4P with fp32 gradient accumulation), Adam 12P (fp32 master
-copy and two moments; 8P in fp32). ZeRO 1 divides the optimizer states by d, 2 the gradients too, 3
-the weights too.
+in fp32), gradients 2P (4P in fp32; + 4P with fp32 gradient accumulation, or that 4P alone with
+bf16's immediate_grad_update, the trainer's default), Adam 12P (fp32 master copy and two moments; 8P
+in fp32). ZeRO 1 divides the optimizer states by d, 2 the gradients too, 3 the weights too.
 
-Activations of one layer and micro-batch (estimate, Korthikanti et al. 2022, no sequence
-parallelism), with e = 2, f = 4h:  s b h (10 + 24/t) bytes, + 5 a s^2 b / t when the attention
+Activations of one layer and micro-batch (estimate, Korthikanti et al. 2022), with e = 2, f = 4h:
+s b h (10 + 24/t) bytes, s b h (34/t) with --sequence-parallel, + 2 e s b h (1 - 1/t) with
+--tp-comm-overlap (the QKV and first MLP inputs kept gathered); + 5 a s^2 b / t when the attention
 scores are materialized (the trainer's --deterministic; its default fused attention keeps none).
-With full checkpointing a layer keeps only its input (e s b h) and one chunk is recomputed at a
-time. 1F1B keeps min(p - stage, micro-batches per step) micro-batches in flight. The last stage adds
-2 e s b V_p / t at the loss (the logits, which the fused cross entropy keeps for the backward, and
-their gradient).
+With full checkpointing a layer keeps only its input (e s b h, / t with sequence parallelism) and
+one chunk is recomputed at a time. 1F1B keeps min(p - stage, micro-batches per step) micro-batches
+in flight. The last stage adds 2 e s b V_p / t at the loss (the logits, which the fused cross
+entropy keeps for the backward, and their gradient).
 
 FLOPs per iteration (Narayanan et al. 2021), matmuls only:
     model     F = 3 B s [L (8h^2 + 4sh + 4hf) + 2hV_p]   = 72 B s L h^2 (1 + s/6h + V_p/12Lh) at f = 4h
@@ -103,9 +104,12 @@ class Layout:
     zero_stage: int = 0
     precision: str = "fp32"
     fp32_grad_accumulation: bool = False
+    immediate_grad_update: bool = True  # DeepSpeed's bf16.immediate_grad_update (the trainer's default)
     checkpoint_activations: bool = False
     checkpoint_num_layers: int = 1
     materialized_attention: bool = False
+    sequence_parallel: bool = False
+    tp_comm_overlap: bool = False
 
     @property
     def data_parallel(self) -> int:
@@ -179,9 +183,19 @@ def _check_parallel_sizes(shape: ModelShape, layout: Layout) -> None:
                               f"{t} x --pipeline-model-parallel-size {p} = {t * p}")
 
 
+def _check_sequence_parallel(shape: ModelShape, layout: Layout) -> None:
+    if layout.tp_comm_overlap and not layout.sequence_parallel:
+        raise CalculatorError("--tp-comm-overlap pipelines the all-gathers and reduce-scatters of sequence "
+                              "parallelism with their GEMMs: add --sequence-parallel (with TP > 1)")
+    if layout.sequence_parallel and shape.seq_length % layout.tensor_parallel:
+        raise CalculatorError(f"--tensor-model-parallel-size {layout.tensor_parallel} does not divide --seq-length "
+                              f"{shape.seq_length}: --sequence-parallel splits the sequence over the TP ranks")
+
+
 def check_layout(shape: ModelShape, layout: Layout) -> None:
     """Raise CalculatorError naming the flag if ``layout`` cannot run ``shape``."""
     _check_parallel_sizes(shape, layout)
+    _check_sequence_parallel(shape, layout)
     per_step = layout.micro_batch_size * layout.data_parallel
     if layout.batch % per_step:
         raise CalculatorError(f"--global-batch-size {layout.batch} is not a multiple of --micro-batch-size "
@@ -301,15 +315,21 @@ class StateMemory:
         return self.weights + self.gradients + self.optimizer
 
 
-def bytes_per_parameter(precision: str, fp32_grad_accumulation: bool = False) -> tuple[int, int, int]:
+def bytes_per_parameter(precision: str, fp32_grad_accumulation: bool = False,
+                        immediate_grad_update: bool = True) -> tuple[int, int, int]:
     """(weights, gradients, Adam states) bytes per parameter before ZeRO partitioning.
 
     Mixed precision: 2, 2 (+ 4 for an fp32 accumulation buffer), 12 (fp32 master, two fp32 moments).
+    bf16 with fp32 accumulation and immediate_grad_update: 2, 4, 12; each bf16 gradient is added into
+    its accumulator as backward produces it and dropped (that one parameter's gradient is ignored).
     fp32: 4, 4, 8 (the two moments; the weights are already the fp32 copy).
     """
     if precision == "fp32":
         return 4, 4, 8
-    return 2, 2 + (4 if fp32_grad_accumulation else 0), 12
+    if not fp32_grad_accumulation:
+        return 2, 2, 12
+    drops_16_bit_gradients = precision == "bf16" and immediate_grad_update
+    return 2, 4 if drops_16_bit_gradients else 6, 12
 
 
 def model_state_bytes(parameters: int, layout: Layout, zero_stage: int | None = None) -> StateMemory:
@@ -317,7 +337,8 @@ def model_state_bytes(parameters: int, layout: Layout, zero_stage: int | None = 
     the gradients (z >= 2) and the weights (z = 3)."""
     stage = layout.zero_stage if zero_stage is None else zero_stage
     d = layout.data_parallel
-    weights, gradients, optimizer = bytes_per_parameter(layout.precision, layout.fp32_grad_accumulation)
+    weights, gradients, optimizer = bytes_per_parameter(layout.precision, layout.fp32_grad_accumulation,
+                                                        layout.immediate_grad_update)
     return StateMemory(weights=weights * parameters / (d if stage >= 3 else 1),
                        gradients=gradients * parameters / (d if stage >= 2 else 1),
                        optimizer=optimizer * parameters / (d if stage >= 1 else 1))
@@ -328,16 +349,26 @@ def activation_element_bytes(precision: str) -> int:
 
 
 def layer_activation_bytes(shape: ModelShape, layout: Layout) -> float:
-    """Bytes one layer keeps for the backward, per micro-batch (Korthikanti et al. 2022, no sequence
-    parallelism): s b h (4e + 2) replicated over TP (two LayerNorm inputs, the QKV and MLP inputs, two
-    1-byte dropout masks) + s b h (4e + 2ef/h) / t split (Q, K, V, attention output, GeLU input and
-    output) [+ (2e + 1) a s^2 b / t: softmax output, its dropout mask and output, when materialized].
-    At e = 2, f = 4h: s b h (10 + 24/t + 5as/(ht))."""
+    """Bytes one layer keeps for the backward, per micro-batch (Korthikanti et al. 2022): s b h (4e + 2)
+    outside the TP regions (two LayerNorm inputs, the QKV and MLP inputs, two 1-byte dropout masks),
+    replicated over TP, or split (/ t) by sequence parallelism, + s b h (4e + 2ef/h) / t split (Q, K,
+    V, attention output, GeLU input and output) [+ 2 e s b h (1 - 1/t) with --tp-comm-overlap, which
+    keeps the QKV and MLP inputs gathered] [+ (2e + 1) a s^2 b / t: softmax output, its dropout mask
+    and output, when materialized]. At e = 2, f = 4h: s b h (10 + 24/t + 5as/(ht)), and with sequence
+    parallelism s b h / t (34 + 5as/h)."""
     s, b, h = shape.seq_length, layout.micro_batch_size, shape.hidden_size
     e, t = activation_element_bytes(layout.precision), layout.tensor_parallel
-    per_sbh = 4 * e + 2 + (4 * e + 2 * e * shape.ffn / h) / t
+    outside_tp = (4 * e + 2) / (t if layout.sequence_parallel else 1)
+    inside_tp = (4 * e + 2 * e * shape.ffn / h) / t
+    gathered_inputs = 2 * e * (1 - 1 / t) if layout.tp_comm_overlap else 0.0
     scores = (2 * e + 1) * shape.num_attention_heads * s * s * b / t if layout.materialized_attention else 0.0
-    return s * b * h * per_sbh + scores
+    return s * b * h * (outside_tp + inside_tp + gathered_inputs) + scores
+
+
+def layer_input_bytes(shape: ModelShape, layout: Layout) -> float:
+    """e s b h: the input a checkpointed chunk keeps; / t under sequence parallelism (the rank's block)."""
+    sequence = shape.seq_length / (layout.tensor_parallel if layout.sequence_parallel else 1)
+    return activation_element_bytes(layout.precision) * sequence * layout.micro_batch_size * shape.hidden_size
 
 
 def logits_activation_bytes(shape: ModelShape, layout: Layout) -> float:
@@ -369,7 +400,7 @@ class ActivationMemory:
 
 def stage_activation_bytes(shape: ModelShape, layout: Layout, stage: int, layers: int) -> ActivationMemory:
     """Activations of a stage with ``layers`` layers; with checkpointing each chunk of
-    --checkpoint-num-layers k layers keeps its e s b h input, and one chunk is rebuilt at a time."""
+    --checkpoint-num-layers k layers keeps its input, and one chunk is rebuilt at a time."""
     full_layer = layer_activation_bytes(shape, layout)
     logits = logits_activation_bytes(shape, layout) if stage == layout.pipeline_parallel - 1 else 0.0
     in_flight = micro_batches_in_flight(layout, stage)
@@ -377,10 +408,8 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, stage: int, layers
         return ActivationMemory(per_micro_batch=layers * full_layer, in_flight=in_flight, recompute=0.0,
                                 logits=logits)
     chunk = min(layout.checkpoint_num_layers, layers)
-    layer_input = activation_element_bytes(layout.precision) * shape.seq_length * layout.micro_batch_size \
-        * shape.hidden_size
-    return ActivationMemory(per_micro_batch=math.ceil(layers / chunk) * layer_input, in_flight=in_flight,
-                            recompute=chunk * full_layer, logits=logits)
+    return ActivationMemory(per_micro_batch=math.ceil(layers / chunk) * layer_input_bytes(shape, layout),
+                            in_flight=in_flight, recompute=chunk * full_layer, logits=logits)
 
 
 # ------------------------------------------------------------------------------------------ FLOPs and time
@@ -474,6 +503,17 @@ def _gib(size: float) -> str:
     return f"{size / GIB:8.2f}"
 
 
+def _options(lay: dict) -> str:
+    """The header's third line: attention, gradient accumulation and sequence parallelism."""
+    options = ["materialized scores" if lay["materialized_attention"] else "fused (SDPA)"]
+    if lay["fp32_grad_accumulation"]:
+        immediate = lay["precision"] == "bf16" and lay["immediate_grad_update"]
+        options.append("fp32 gradient accumulation" + (" (immediate_grad_update)" if immediate else ""))
+    if lay["sequence_parallel"]:
+        options.append("sequence parallel" + (" with TP comm overlap" if lay["tp_comm_overlap"] else ""))
+    return "        attention: " + ", ".join(options)
+
+
 def _format_header(figures: dict) -> list[str]:
     m, lay = figures["model"], figures["layout"]
     positions = {"absolute": "learned", "learned": "learned"}.get(m["position_embedding_type"],
@@ -489,8 +529,7 @@ def _format_header(figures: dict) -> list[str]:
             f"{lay['data_parallel']}; micro batch {lay['micro_batch_size']}, global batch {lay['global_batch_size']} "
             f"({lay['micro_batches_per_step']} micro-batches per step); {lay['precision']}, ZeRO "
             f"{lay['zero_stage']}, recomputation {recompute}",
-            f"        attention: {'materialized scores' if lay['materialized_attention'] else 'fused (SDPA)'}"
-            f"{', fp32 gradient accumulation' if lay['fp32_grad_accumulation'] else ''}"]
+            _options(lay)]
 
 
 def _table_names(parameters: dict) -> str:
@@ -593,6 +632,13 @@ def build_parser() -> argparse.ArgumentParser:
     precision.add_argument("--bf16", action="store_true")
     layout.add_argument("--grad-accum-dtype", choices=PRECISIONS, default=None,
                         help="ds_config data_types.grad_accum_dtype (the trainer's default: fp32 with --bf16)")
+    layout.add_argument("--no-immediate-grad-update", dest="immediate_grad_update", action="store_false",
+                        help="ds_config bf16.immediate_grad_update false: bf16 gradients are kept beside their fp32 "
+                             "accumulators until the step (the trainer's default is true)")
+    layout.add_argument("--sequence-parallel", action="store_true",
+                        help="split the activations outside the TP regions along the sequence (no effect at TP 1)")
+    layout.add_argument("--tp-comm-overlap", action="store_true",
+                        help="with --sequence-parallel, keep each column-parallel GEMM's gathered input")
     layout.add_argument("--checkpoint-activations", action="store_true", help="full activation recomputation")
     layout.add_argument("--checkpoint-num-layers", type=parse_int, default=1, help="layers per checkpointed chunk")
     layout.add_argument("--deterministic", action="store_true",
@@ -624,13 +670,17 @@ def inputs_from_args(args: argparse.Namespace) -> tuple[ModelShape, Layout, Trai
         embed_layernorm=args.embed_layernorm)
     precision = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    split_over_tp = tp > 1  # the trainer turns --sequence-parallel and --tp-comm-overlap off at TP 1
     layout = Layout(tensor_parallel=tp, pipeline_parallel=pp,
                     num_gpus=tp * pp if args.num_gpus is None else args.num_gpus,
                     micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
                     zero_stage=args.zero_stage, precision=precision,
                     fp32_grad_accumulation=fp32_grad_accumulation(precision, args.grad_accum_dtype),
+                    immediate_grad_update=args.immediate_grad_update,
                     checkpoint_activations=args.checkpoint_activations,
-                    checkpoint_num_layers=args.checkpoint_num_layers, materialized_attention=args.deterministic)
+                    checkpoint_num_layers=args.checkpoint_num_layers, materialized_attention=args.deterministic,
+                    sequence_parallel=args.sequence_parallel and split_over_tp,
+                    tp_comm_overlap=args.tp_comm_overlap and split_over_tp)
     return shape, layout, TrainingBudget(train_tokens=args.train_tokens, mfu=args.mfu, peak_tflops=args.peak_tflops)
 
 

@@ -138,6 +138,33 @@ def test_activations_per_layer_follow_the_papers_terms(changes, per_layer, logit
     assert checkpointed.total < plain.total
 
 
+SBH = 32 * 2 * 64  # s b h of SMALL at micro batch 2
+
+
+@pytest.mark.parametrize("changes, per_layer", [
+    ({}, SBH / 2 * 34),  # s b h / t (34 + 5as/h), fused attention: no scores
+    ({"materialized_attention": True}, SBH / 2 * 34 + 5 * 4 * 32 ** 2 * 2 / 2),
+    ({"tp_comm_overlap": True}, SBH / 2 * 34 + 2 * 2 * (SBH - SBH / 2)),  # QKV and MLP inputs kept gathered
+])
+def test_sequence_parallelism_splits_the_replicated_activations(changes, per_layer):
+    layout = Layout(**{"tensor_parallel": 2, "num_gpus": 2, "micro_batch_size": 2, "precision": "bf16",
+                       "sequence_parallel": True, **changes})
+    plain = stage_activation_bytes(SMALL, layout, 0, layers=2)
+    assert plain.per_micro_batch == pytest.approx(2 * per_layer, rel=1e-12)
+    assert plain.logits == pytest.approx(4 * 32 * 2 * 1008 / 2)  # the loss is not sequence-split
+    checkpointed = stage_activation_bytes(SMALL, replace(layout, checkpoint_activations=True), 0, layers=2)
+    assert checkpointed.per_micro_batch == 2 * 2 * SBH / 2  # each layer's input: the rank's block
+    assert checkpointed.recompute == pytest.approx(per_layer, rel=1e-12)
+
+
+def test_tp_comm_overlap_adds_four_sbh_over_t_per_extra_rank():
+    # s b h / t (34 + 4 (t - 1)) at e = 2, f = 4h: the two gathered inputs at t = 4
+    layout = Layout(tensor_parallel=4, num_gpus=4, micro_batch_size=2, precision="fp16", sequence_parallel=True,
+                    tp_comm_overlap=True)
+    per_layer = calculate(SMALL, layout)["memory_per_gpu"]["activation_bytes_per_layer"]
+    assert per_layer == pytest.approx(SBH / 4 * (34 + 4 * 3), rel=1e-12)
+
+
 def test_pipeline_stages_hold_the_micro_batches_of_1f1b():
     shape = ModelShape(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=1000)
     for global_batch, first_stage in ((8, 4), (2, 2)):
@@ -145,6 +172,23 @@ def test_pipeline_stages_hold_the_micro_batches_of_1f1b():
         stages = calculate(shape, layout)["memory_per_gpu"]["stages"]
         assert [stage["activations"]["in_flight"] for stage in stages] == [first_stage, min(3, global_batch), 2, 1]
         assert [stage["activations"]["logits"] > 0 for stage in stages] == [False, False, False, True]
+
+
+SMALL_PARAMETERS = 2 * (12 * 64 ** 2 + 13 * 64) + 1000 * 64 + 32 * 64 + 2 * 64  # P of SMALL at TP 1
+
+
+@pytest.mark.parametrize("precision, fp32_accumulation, immediate, gradient_bytes", [
+    ("bf16", True, True, 4),  # the fp32 accumulators only: each bf16 gradient is dropped once added
+    ("bf16", True, False, 2 + 4),  # the bf16 gradients kept beside their accumulators
+    ("bf16", False, True, 2),
+    ("fp16", True, True, 2 + 4),  # immediate_grad_update is bf16's
+    ("fp32", False, True, 4),
+])
+def test_gradient_memory_follows_immediate_grad_update(precision, fp32_accumulation, immediate, gradient_bytes):
+    layout = Layout(num_gpus=4, precision=precision, fp32_grad_accumulation=fp32_accumulation,
+                    immediate_grad_update=immediate)
+    assert model_state_bytes(SMALL_PARAMETERS, layout, 0).gradients == gradient_bytes * SMALL_PARAMETERS
+    assert model_state_bytes(SMALL_PARAMETERS, layout, 2).gradients == gradient_bytes * SMALL_PARAMETERS / 4
 
 
 def test_flops_and_days_equal_the_closed_forms():
@@ -173,6 +217,11 @@ SMALL_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-head
     (["--pipeline-model-parallel-size", "2", "--num-gpus", "2", "--zero-stage", "2"], "--zero-stage 2"),
     (["--mfu", "1.5"], "--mfu"),
     (["--fp16", "--grad-accum-dtype", "bf16"], "--grad-accum-dtype"),
+    (["--tensor-model-parallel-size", "2", "--num-gpus", "2", "--tp-comm-overlap"],
+     "--tp-comm-overlap pipelines the all-gathers and reduce-scatters of sequence parallelism with their GEMMs: "
+     "add --sequence-parallel"),
+    (["--seq-length", "30", "--tensor-model-parallel-size", "4", "--num-gpus", "4", "--sequence-parallel"],
+     "--tensor-model-parallel-size 4 does not divide --seq-length 30: --sequence-parallel"),
 ])
 def test_a_bad_flag_exits_2_naming_it(flags, named, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -184,6 +233,33 @@ def test_a_bad_flag_exits_2_naming_it(flags, named, capsys):
 def test_a_bad_layout_raises_from_the_functions_too():
     with pytest.raises(CalculatorError, match="--tensor-model-parallel-size 8 does not divide --num-attention-heads"):
         calculate(SMALL, Layout(tensor_parallel=8, num_gpus=8))
+    with pytest.raises(CalculatorError, match="--tp-comm-overlap .* add --sequence-parallel"):
+        calculate(SMALL, Layout(tensor_parallel=2, num_gpus=2, tp_comm_overlap=True))
+
+
+def test_sequence_parallel_flags_are_off_by_default_and_at_tp_1(capsys):
+    tp2 = ["--tensor-model-parallel-size", "2", "--num-gpus", "2", "--bf16"]
+    plain = main(SMALL_FLAGS + tp2)
+    assert not plain["layout"]["sequence_parallel"] and not plain["layout"]["tp_comm_overlap"]
+    assert plain["memory_per_gpu"]["activation_bytes_per_layer"] == 32 * 64 * (10 + 12)  # s b h (10 + 24/t)
+    assert "sequence parallel" not in capsys.readouterr().out
+    overlapped = main(SMALL_FLAGS + tp2 + ["--sequence-parallel", "--tp-comm-overlap"])
+    assert overlapped["memory_per_gpu"]["activation_bytes_per_layer"] == 32 * 64 * (34 + 4) / 2
+    assert "sequence parallel with TP comm overlap" in capsys.readouterr().out
+    alone = main(SMALL_FLAGS + ["--bf16", "--json"])
+    ignored = main(SMALL_FLAGS + ["--bf16", "--json", "--sequence-parallel", "--tp-comm-overlap"])
+    assert ignored == alone  # the trainer turns both off at TP 1
+
+
+def test_bf16_counts_the_fp32_accumulators_unless_immediate_grad_update_is_off(capsys):
+    def gradients(*flags):
+        figures = main(SMALL_FLAGS + ["--bf16", *flags])
+        return figures["memory_per_gpu"]["stages"][0]["by_zero_stage"]["0"]["gradients"]
+
+    assert gradients() == 4 * SMALL_PARAMETERS
+    assert "fp32 gradient accumulation (immediate_grad_update)" in capsys.readouterr().out
+    assert gradients("--no-immediate-grad-update") == 6 * SMALL_PARAMETERS
+    assert gradients("--grad-accum-dtype", "bf16") == 2 * SMALL_PARAMETERS
 
 
 def test_the_report_prints_the_figures(capsys):
