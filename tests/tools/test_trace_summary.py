@@ -116,9 +116,12 @@ def test_by_operator_table_multiplies_each_trace(tmp_path, capsys):
 
 @pytest.mark.parametrize("flags, message", [
     (["--multiply", "2"], "give --by-operator too"),
+    (["--minimum-ms", "2"], "--minimum-ms shapes the table of --by-operator"),
     (["--by-operator", "--multiply", "1", "2"], "one factor per trace: 1 traces, 2 factors"),
+    (["--by-operator", "--multiply", "0"], "factors must be positive"),
+    (["--by-operator", "--minimum-ms", "-1"], "--minimum-ms must be at least 0"),
 ])
-def test_multiply_needs_by_operator_and_one_factor_per_trace(tmp_path, capsys, flags, message):
+def test_table_options_need_by_operator_and_sane_values(tmp_path, capsys, flags, message):
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": operator_events()}))
     with pytest.raises(SystemExit) as exit_info:

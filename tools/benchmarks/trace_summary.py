@@ -149,20 +149,31 @@ def print_by_operator(paths: list[str], tables: list[dict[str, float]], multipli
     print("| total | " + " | ".join(f"{sum(t.values()):.1f}" for t in scaled) + " |")
 
 
+def _check_by_operator_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for flag, value in (("--multiply", args.multiply), ("--minimum-ms", args.minimum_ms)):
+        if value is not None and not args.by_operator:
+            parser.error(f"{flag} shapes the table of --by-operator: give --by-operator too")
+    if args.multiply is not None:
+        if len(args.multiply) != len(args.traces):
+            parser.error(f"--multiply takes one factor per trace: {len(args.traces)} traces, "
+                         f"{len(args.multiply)} factors")
+        if min(args.multiply) <= 0:
+            parser.error(f"--multiply factors must be positive, got {args.multiply}")
+    if args.minimum_ms is not None and args.minimum_ms < 0:
+        parser.error(f"--minimum-ms must be at least 0, got {args.minimum_ms}")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("traces", nargs="+")
     parser.add_argument("--by-operator", action="store_true", help="GPU time by the operator that launched it")
     parser.add_argument("--multiply", type=float, nargs="+", metavar="K",
                         help="with --by-operator: one factor per trace (default 1 each)")
-    parser.add_argument("--minimum-ms", type=float, default=1.0,
+    parser.add_argument("--minimum-ms", type=float, default=None,
                         help="with --by-operator: leave out rows below this in every column (default 1)")
     args = parser.parse_args(argv)
+    _check_by_operator_options(parser, args)
     multipliers = args.multiply or [1.0] * len(args.traces)
-    if args.multiply and not args.by_operator:
-        parser.error("--multiply scales the columns of --by-operator: give --by-operator too")
-    if len(multipliers) != len(args.traces):
-        parser.error(f"--multiply takes one factor per trace: {len(args.traces)} traces, {len(multipliers)} factors")
     summary = time_by_operator if args.by_operator else summarize
     rows = []
     for path in args.traces:
@@ -172,7 +183,8 @@ def main(argv=None) -> None:
         except (OSError, ValueError, KeyError, TypeError) as error:
             parser.error(f"{path}: not a torch.profiler trace with GPU kernels ({type(error).__name__}: {error})")
     if args.by_operator:
-        print_by_operator(args.traces, [table for _, table in rows], multipliers, args.minimum_ms)
+        minimum_ms = 1.0 if args.minimum_ms is None else args.minimum_ms
+        print_by_operator(args.traces, [table for _, table in rows], multipliers, minimum_ms)
         return
     keys = list(rows[0][1])
     print("| trace | " + " | ".join(f"{key} (ms)" for key in keys) + " |")

@@ -83,12 +83,11 @@ class _PeerBuffers:
     def _grow(self, slot_bytes: int, device: torch.device) -> None:
         """Reallocate both slots (a collective): every rank first finishes its work, peer reads of
         the old slots included, so that they can be freed."""
-        symmetric_memory = self.symmetric_memory
         torch.cuda.synchronize()
         dist.barrier(group=self.group)
         try:
-            self.memory = symmetric_memory.empty(2 * slot_bytes, dtype=torch.uint8, device=device)
-            self.handle = symmetric_memory.rendezvous(self.memory, self.group.group_name)
+            self.memory = self.symmetric_memory.empty(2 * slot_bytes, dtype=torch.uint8, device=device)
+            self.handle = self.symmetric_memory.rendezvous(self.memory, self.group.group_name)
         except RuntimeError as error:
             raise RuntimeError("the TP group's GPUs cannot map each other's memory (symmetric memory: "
                                f"{error}); --tp-comm-overlap needs the TP group on one node with peer access "
