@@ -217,6 +217,10 @@ def add_mixed_precision_args(parser):
     group.add_argument("--no-query-key-layer-scaling", dest="apply_query_key_layer_scaling",
                        action="store_false", help="do not scale the attention scores by 1/layer_number")
     group.add_argument("--attention-softmax-in-fp32", action="store_true", help="softmax in fp32")
+    group.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false",
+                       help="under bf16 with fp32 gradient accumulation, let autograd return each linear layer's "
+                            "bf16 weight gradient for DeepSpeed to add into its fp32 accumulator, instead of the "
+                            "weight-gradient GEMM adding into the accumulator itself")
 
 
 def add_distributed_args(parser):

@@ -302,6 +302,8 @@ class PrecisionConfig:
         loss_scale_window: iterations without overflow before the scale doubles, None without fp16.
         hysteresis: overflows tolerated before the scale halves, None without fp16.
         grad_accum_dtype: dtype gradients accumulate in: "fp32", "bf16" or "fp16".
+        gradient_accumulation_fusion: under bf16 with fp32 accumulation, the weight-gradient GEMMs of
+            the linear layers add into the fp32 accumulators themselves (off: --no-gradient-accumulation-fusion).
     """
 
     fp16: bool
@@ -313,6 +315,7 @@ class PrecisionConfig:
     loss_scale_window: float | None
     hysteresis: int | None
     grad_accum_dtype: str
+    gradient_accumulation_fusion: bool
 
 
 @dataclass(frozen=True)
@@ -440,7 +443,7 @@ def _schedule_config(flags, derived: DerivedValues) -> ScheduleConfig:
                                      derived.seq_length))
 
 
-def _precision_config(derived: DerivedValues) -> PrecisionConfig:
+def _precision_config(flags, derived: DerivedValues) -> PrecisionConfig:
     ds_config = derived.ds_config
     fp16 = ds_config["fp16"]
     accum = ds_config.get("data_types", {}).get("grad_accum_dtype")
@@ -453,7 +456,8 @@ def _precision_config(derived: DerivedValues) -> PrecisionConfig:
         min_loss_scale=fp16["min_loss_scale"] if scaled else None,
         loss_scale_window=fp16["loss_scale_window"] if scaled else None,
         hysteresis=fp16["hysteresis"] if scaled else None,
-        grad_accum_dtype=canonical_dtype_name(accum) or model_dtype)
+        grad_accum_dtype=canonical_dtype_name(accum) or model_dtype,
+        gradient_accumulation_fusion=bool(flags.gradient_accumulation_fusion))
 
 
 def _parallel_config(flags, derived: DerivedValues) -> ParallelConfig:
@@ -510,7 +514,7 @@ def build_config(parsed: ParsedArguments, tokenizer_vocab_size: int) -> TrainCon
         profile=ProfileConfig(enabled=flags.profile, step_start=flags.profile_step_start,
                               step_end=flags.profile_step_end, ranks=tuple(flags.profile_ranks),
                               directory=flags.tensorboard_dir),
-        precision=_precision_config(derived),
+        precision=_precision_config(flags, derived),
         deepspeed=DeepSpeedSettings(config_path=flags.deepspeed_config or flags.deepscale_config,
                                     config=copy.deepcopy(derived.ds_config)),
         abort_on_unmet_fused_kernel_constraints=flags.abort_on_unmet_fused_kernel_constraints,

@@ -40,6 +40,8 @@
 #      cost of determinism); the 1.3B GPT in bf16 at ZeRO-2 with the optimizer offloaded to the CPU
 # Run from the repository root on the GPU machine with .whl carried; logs go to $OUT.
 #   RUNS="350m_bf16 overflow" bash tests/gpu/run_trainer.sh    (a subset)
+#   EXTRA_ARGS="--no-gradient-accumulation-fusion" RUNS=scale_1gpu OUT=... bash tests/gpu/run_trainer.sh
+#                                                              (flags added to every run, for A/B comparisons)
 set -o pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/gpu_trainer}
@@ -100,6 +102,7 @@ gpt_run() {  # name layers hidden heads precision mbs gbs [extra flags...]
         --data-path "$WORK/data/python-docs_text_document" --split 98,1,1 --data-cache-path "$WORK/cache" \
         --log-interval "${LOG_INTERVAL:-5}" --eval-interval 1000 --eval-iters 0 \
         --deepspeed --deepspeed_config "$config" --zero-stage "${ZERO_STAGE:-1}" --distributed-backend nccl "$@" \
+        ${EXTRA_ARGS:-} \
         2>&1 | tee -a "$OUT/$name.log" || status=1
 }
 

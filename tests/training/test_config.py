@@ -143,6 +143,8 @@ def test_effective_values_come_from_the_ds_config(tmp_path):
     assert config.deepspeed.config_path == str(path)
     # No stage in the config means stage 0, which fp16 runs as stage 1 (argument_ds_config.fp16_stage).
     assert config.parallel.distributed_backend == "nccl" and config.parallel.zero_stage == 1
+    unfused = config_of(["--bf16", "--no-gradient-accumulation-fusion"], env=world(2), cuda=True)
+    assert not unfused.precision.gradient_accumulation_fusion and unfused.precision.grad_accum_dtype == "fp32"
 
 
 def test_parallel_config_from_slurm():
@@ -176,6 +178,7 @@ def test_tr11_config(tmp_path):
     assert config.schedule.rampup_batch_size == (16, 16, 2000)
     assert (config.schedule.lr_warmup_steps, config.schedule.lr_decay_steps) == (216_320, 200_000_000)
     assert config.precision.grad_accum_dtype == "fp32" and config.parallel.zero_stage == 1
+    assert config.precision.gradient_accumulation_fusion
     assert (config.optimizer.adam_beta2, config.optimizer.weight_decay, config.optimizer.lr) == (0.95, 0.1, 6e-5)
     assert (config.logging.tensorboard_queue_size, config.logging.log_validation_ppl_to_tensorboard) == (5, True)
     assert (config.logging.log_level, config.logging.log_level_replica) == ("info", "error")

@@ -1,12 +1,27 @@
-"""megatron/training/engine.py: the fused fp32 accumulation of bf16 gradients on DeepSpeed's BF16_Optimizer."""
+"""megatron/training/engine.py: the fused fp32 accumulation of bf16 gradients on DeepSpeed's BF16_Optimizer,
+and the weight-gradient GEMMs adding into its fp32 accumulators (gradient-accumulation fusion)."""
+import functools
+import os
+
 import torch
 
-from megatron.training.engine import accumulate_bf16_gradients_in_one_kernel
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.training.engine import (accumulate_bf16_gradients_in_one_kernel,
+                                      accumulate_linear_weight_gradients_in_their_gemms)
 from tests.dist_utils import run_distributed
 
 
-def _bf16_engine(fused: bool):
+def _import_deepspeed_on_the_cpu():
+    """DeepSpeed on its CPU accelerator also where CUDA exists: the comparisons below are bit for bit,
+    which holds for the CPU's arithmetic (on CUDA the fused GEMM sums dW unrounded)."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
     import deepspeed
+
+    return deepspeed
+
+
+def _bf16_engine(fused: bool):
+    deepspeed = _import_deepspeed_on_the_cpu()
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 8))
@@ -41,3 +56,62 @@ def _fused_equals_deepspeeds(rank, world_size):
 
 def test_fused_accumulation_equals_deepspeeds_bit_for_bit():
     run_distributed(_fused_equals_deepspeeds, 1)
+
+
+class _ParallelMLP(torch.nn.Module):
+    """h -> 4h -> h through a column- and a row-parallel layer at TP 1, biases added by the layers."""
+
+    def __init__(self):
+        super().__init__()
+        init = functools.partial(torch.nn.init.normal_, std=0.2)
+        torch.manual_seed(0)
+        self.column = ColumnParallelLinear(24, 40, tp_group=None, init_method=init, use_cpu_initialization=True)
+        self.row = RowParallelLinear(40, 24, tp_group=None, init_method=init, use_cpu_initialization=True)
+
+    def forward(self, x):
+        return self.row(torch.nn.functional.gelu(self.column(x)[0]))[0]
+
+
+def _mlp_engine(fused: bool):
+    deepspeed = _import_deepspeed_on_the_cpu()
+
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3, "bf16": {"enabled": True},
+              "data_types": {"grad_accum_dtype": "fp32"}, "zero_optimization": {"stage": 1},
+              "gradient_clipping": 0.5,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
+    model = _ParallelMLP().to(torch.bfloat16)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    accumulate_bf16_gradients_in_one_kernel(engine)
+    if fused:
+        assert accumulate_linear_weight_gradients_in_their_gemms(engine) == 2  # the two layers' weights
+    return engine
+
+
+def _two_steps(engine) -> tuple[list[float], list[torch.Tensor]]:
+    """Grad norms of two optimizer steps of 3 micro-batches each, and the bf16 parameters after them."""
+    generator = torch.Generator().manual_seed(1)
+    norms = []
+    for _ in range(2):
+        for _ in range(3):
+            x = torch.randn(4, 5, 24, generator=generator, dtype=torch.bfloat16)
+            loss = engine(x).float().square().mean()
+            engine.backward(loss)
+            engine.step()
+        norms.append(float(engine.get_global_grad_norm()))
+    return norms, [param.detach().clone() for param in engine.module.parameters()]
+
+
+def _fused_steps_equal_autograds(rank, world_size):
+    reference_norms, reference_params = _two_steps(_mlp_engine(fused=False))
+    engine = _mlp_engine(fused=True)
+    weights = [engine.module.column.weight, engine.module.row.weight]
+    assert all(weight.main_grad.dtype == torch.float32 for weight in weights)
+    norms, params = _two_steps(engine)
+    assert all(weight.grad is None for weight in weights)  # dW went straight into the accumulators
+    assert norms == reference_norms and norms[0] > 0.5  # clipped: the norm counts the fused weights
+    for ours, theirs in zip(params, reference_params):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_weight_gradient_gemms_accumulating_into_fp32_give_deepspeeds_steps():
+    run_distributed(_fused_steps_equal_autograds, 1)

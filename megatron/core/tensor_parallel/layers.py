@@ -116,7 +116,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
             reduction = start_all_reduce(grad_input, group)
         if gather is not None:
             gather.wait()
-        grad_weight, grad_bias = _weight_and_bias_grads(grad_output, total, ctx.has_bias)
+        grad_weight, grad_bias = _weight_and_bias_grads(grad_output, total, weight, ctx.has_bias)
         reduction.wait()
         return grad_input, grad_weight, grad_bias, None, None, None
 
@@ -124,16 +124,54 @@ class _ColumnParallelMatmul(torch.autograd.Function):
     def overlapped_backward(ctx, grad_output):
         total, weight = ctx.saved_tensors  # [s, .., in] gathered in forward, [out, in]
         grad_input = matmul_reduce_scatter(grad_output, weight, ctx.group)  # [s / k, .., in]
-        grad_weight, grad_bias = _weight_and_bias_grads(grad_output, total, ctx.has_bias)
+        grad_weight, grad_bias = _weight_and_bias_grads(grad_output, total, weight, ctx.has_bias)
         return grad_input, grad_weight, grad_bias, None, None, None
 
 
-def _weight_and_bias_grads(grad_output: torch.Tensor, x: torch.Tensor,
-                           has_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """dW = dY^T X [out, in] and db = sum of dY over every row (None without a bias)."""
+def _weight_and_bias_grads(grad_output: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                           has_bias: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """dW = dY^T X [out, in] and db = sum of dY over every row (None without a bias).
+
+    A weight with a ``main_grad`` (its gradient accumulator, set by the trainer: DeepSpeed's fp32
+    buffer under bf16) gets dW added there by the GEMM itself, and None is returned for it: on CUDA
+    cuBLAS computes main_grad + dY^T X with fp32 output (beta = 1), so no bf16 dW is written, read
+    back and added per micro-batch, and dW is never rounded to bf16; elsewhere the product is added.
+    """
     grad_output_2d = grad_output.reshape(-1, grad_output.shape[-1])  # [s * .., out]
-    grad_weight = grad_output_2d.t().matmul(x.reshape(-1, x.shape[-1]))
-    return grad_weight, (grad_output_2d.sum(dim=0) if has_bias else None)
+    grad_bias = grad_output_2d.sum(dim=0) if has_bias else None
+    x_2d = x.reshape(-1, x.shape[-1])  # [s * .., in]
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None:
+        return grad_output_2d.t().matmul(x_2d), grad_bias
+    if main_grad.is_cuda:
+        torch.addmm(main_grad, grad_output_2d.t(), x_2d, out_dtype=main_grad.dtype, out=main_grad)
+    else:
+        main_grad.add_(grad_output_2d.t().matmul(x_2d))
+    return None, grad_bias
+
+
+class _LocalMatmul(torch.autograd.Function):
+    """Y = X W^T + b on this rank alone (no collective), for weights with a ``main_grad``: backward
+    adds dW into it (``_weight_and_bias_grads``) instead of returning dW to autograd."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        grad_weight, grad_bias = _weight_and_bias_grads(grad_output, x, weight, ctx.has_bias)
+        return grad_output.matmul(weight), grad_weight, grad_bias
+
+
+def _local_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """X W^T + b on this rank: through ``_LocalMatmul`` when backward must add dW into ``weight.main_grad``."""
+    if getattr(weight, "main_grad", None) is not None and torch.is_grad_enabled() and weight.requires_grad:
+        return _LocalMatmul.apply(x, weight, bias)
+    return fused_kernels.linear(x, weight, bias)
 
 
 class _RowParallelOverlappedMatmul(torch.autograd.Function):
@@ -151,7 +189,7 @@ class _RowParallelOverlappedMatmul(torch.autograd.Function):
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
         grad_total, grad_input = all_gather_matmul(grad_output, weight, ctx.group)  # [s, .., out], [s, .., in / k]
-        grad_weight, _ = _weight_and_bias_grads(grad_total, x, has_bias=False)
+        grad_weight, _ = _weight_and_bias_grads(grad_total, x, weight, has_bias=False)
         return grad_input, grad_weight, None
 
 
@@ -203,7 +241,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         bias = None if self.skip_bias_add else self.bias
         if group_size(self.tp_group) == 1:
-            y = fused_kernels.linear(x, self.weight, bias)
+            y = _local_linear(x, self.weight, bias)
         else:  # [s / k or s, .., input_size] -> [s, .., output_size / k]
             y = _ColumnParallelMatmul.apply(x, self.weight, bias, self.tp_group, self.sequence_parallel,
                                             self.comm_overlap)
@@ -264,7 +302,7 @@ class RowParallelLinear(nn.Module):
         if self.comm_overlap and group_size(self.tp_group) > 1:
             y = _RowParallelOverlappedMatmul.apply(x, self.weight, self.tp_group)  # [s / k, .., output_size]
             return self._add_bias(y)
-        partial = fused_kernels.linear(x, self.weight)  # [.., output_size], this rank's X_r A_r
+        partial = _local_linear(x, self.weight)  # [.., output_size], this rank's X_r A_r
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # [s / k, .., output_size]
         else:

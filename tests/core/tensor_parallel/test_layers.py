@@ -172,6 +172,43 @@ def _check_sequence_parallel_pair(group, k, me, comm_overlap):
     assert_normwise_close(bias_grad, leaves[4].grad)
 
 
+def _linear_pair(group, sequence_parallel, comm_overlap):
+    """A column- then a row-parallel layer from _master_weight's draws, biases included."""
+    torch.manual_seed(SEED)
+    column = ColumnParallelLinear(IN, OUT, tp_group=group, init_method=init_normal, use_cpu_initialization=True,
+                                  sequence_parallel=sequence_parallel, comm_overlap=comm_overlap)
+    torch.manual_seed(SEED)
+    row = RowParallelLinear(OUT, IN, tp_group=group, init_method=init_normal, use_cpu_initialization=True,
+                            sequence_parallel=sequence_parallel, comm_overlap=comm_overlap)
+    return column, row
+
+
+def _check_weight_grads_accumulate_into_main_grad(group, k, me):
+    """Weights with a ``main_grad`` get dW added there by their backward, over two backward passes,
+    and no .grad; inputs and biases get what the same layers without main_grad give them. Every
+    path: TP 1 (the local matmul), and at TP > 1 plain, sequence-parallel and comm-overlapped."""
+    modes = [(False, False)] + ([(True, False), (True, True)] if group is not None else [])
+    for sequence_parallel, comm_overlap in modes:
+        seq = 4 * k if sequence_parallel else 4
+        pairs = {fused: _linear_pair(group, sequence_parallel, comm_overlap) for fused in (False, True)}
+        for layer in pairs[True]:
+            layer.weight.main_grad = torch.full(layer.weight.shape, 0.25)
+        inputs = {fused: [] for fused in pairs}
+        for seed in (31, 32):
+            x = _randn(seq // k if sequence_parallel else seq, BATCH, IN, seed=seed + 10 * me)
+            grad_y = _randn(seq // k if sequence_parallel else seq, BATCH, IN, seed=seed + 100)
+            for fused, (column, row) in pairs.items():
+                leaf = x.clone().requires_grad_(True)
+                row(column(leaf)[0])[0].backward(grad_y)
+                inputs[fused].append(leaf.grad)
+        for ours, theirs in zip(inputs[True], inputs[False]):
+            torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+        for ours, theirs in zip(pairs[True], pairs[False]):
+            assert ours.weight.grad is None
+            torch.testing.assert_close(ours.weight.main_grad - 0.25, theirs.weight.grad, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(ours.bias.grad, theirs.bias.grad, rtol=1e-6, atol=1e-6)
+
+
 def _check_column_stride(group, k, me):
     """A fused [Q; K; V] weight with stride 3: each rank holds its share of Q, of K and of V."""
     hidden = 8
@@ -208,7 +245,8 @@ def _layers_world4(rank, world_size):
     pair_group = [dist.new_group(ranks) for ranks in pairs][rank // 2]
     world_group = dist.new_group(list(range(world_size)))
     for group, k, me in ((None, 1, 0), (pair_group, 2, rank % 2), (world_group, 4, rank)):
-        for check in (_check_column, _check_row, _check_embedding, _check_column_stride, _check_device_init):
+        for check in (_check_column, _check_row, _check_embedding, _check_column_stride, _check_device_init,
+                      _check_weight_grads_accumulate_into_main_grad):
             check(group, k, me)
         if group is not None:
             for comm_overlap in (False, True):
@@ -221,7 +259,8 @@ def test_layers_match_tp1_reference_for_tp_1_2_4():
 
 
 def test_single_process_layers_equal_torch_modules():
-    for check in (_check_column, _check_row, _check_embedding, _check_column_stride, _check_device_init):
+    for check in (_check_column, _check_row, _check_embedding, _check_column_stride, _check_device_init,
+                  _check_weight_grads_accumulate_into_main_grad):
         check(None, 1, 0)
 
 
@@ -241,3 +280,26 @@ def test_invalid_column_options():
     with pytest.raises(ValueError, match="skip_bias_add"):
         ColumnParallelLinear(IN, OUT, tp_group=None, init_method=init_normal, use_cpu_initialization=True,
                              gather_output=True, skip_bias_add=True)
+
+
+@pytest.mark.gpu
+def test_cuda_weight_gradients_accumulate_unrounded_in_fp32():
+    """On CUDA the GEMM adds dW into the fp32 main_grad with fp32 output: over three bf16 backward
+    passes main_grad matches the fp32 sum of the dWs far closer than the bf16-rounded dWs do."""
+    torch.manual_seed(SEED)
+    layer = ColumnParallelLinear(512, 256, tp_group=None, init_method=init_normal, use_cpu_initialization=True,
+                                 params_dtype=torch.bfloat16, device="cuda")
+    layer.weight.main_grad = torch.zeros(layer.weight.shape, device="cuda")
+    exact = torch.zeros(layer.weight.shape, dtype=torch.float64, device="cuda")
+    rounded = torch.zeros(layer.weight.shape, device="cuda")
+    for seed in range(3):
+        x = _randn(64, 4, 512, seed=seed).to("cuda", torch.bfloat16)
+        grad_y = _randn(64, 4, 256, seed=seed + 10).to("cuda", torch.bfloat16)
+        layer(x)[0].backward(grad_y)
+        product = grad_y.reshape(-1, 256).double().t() @ x.reshape(-1, 512).double()
+        exact += product
+        rounded += product.to(torch.bfloat16).float()
+    assert layer.weight.grad is None and layer.weight.main_grad.dtype == torch.float32
+    fused_error = (layer.weight.main_grad.double() - exact).norm() / exact.norm()
+    rounded_error = (rounded.double() - exact).norm() / exact.norm()
+    assert fused_error < 1e-5 and fused_error < rounded_error / 10, (fused_error, rounded_error)
