@@ -114,4 +114,5 @@ def _fused_steps_equal_autograds(rank, world_size):
 
 
 def test_weight_gradient_gemms_accumulating_into_fp32_give_deepspeeds_steps():
-    run_distributed(_fused_steps_equal_autograds, 1)
+    """Over two data-parallel ranks: ZeRO-1 reduces the accumulators and steps each rank's partition."""
+    run_distributed(_fused_steps_equal_autograds, 2)
