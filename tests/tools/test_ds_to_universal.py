@@ -7,9 +7,11 @@ schedule and the data position, so this checks that the optimizer state moved, n
 run started.
 
 Set-up: test_layout_equivalence's flags (fp32, dropout 0, weight decay 1.0, clipping that triggers),
-4 layers, 4 heads, hidden 64, sequence 32, global batch 8, 6 iterations, a save at iteration 2.
-Layouts are TP_PP_DP; the source runs once per source layout (it is the uninterrupted reference),
-each target resumes from its own copy of the conversion.
+4 layers, 4 heads, hidden 64, sequence 32, global batch 8, 6 iterations, a save at iteration 2: the
+sizes of tests/training/test_3d_parallel_cpu.py, whose saving TP=2 x PP=2 x DP=2 run at ZeRO-1 is
+the 2_2_2 source here (launched once per session, by whichever module asks first). Layouts are
+TP_PP_DP; the source runs once per source layout (it is the uninterrupted reference), each target
+resumes from its own copy of the conversion.
 """
 import argparse
 import os
@@ -23,16 +25,19 @@ from megatron.core.checkpoint.reader import open_checkpoint
 from megatron.core.checkpoint.universal_writer import write_universal_zero
 from megatron.training.log_reader import iteration_records
 from tests.training.e2e_utils import e2e_data, read_scalars, run_pretrain  # noqa: F401
+from tests.training.test_3d_parallel_cpu import (GLOBAL_BATCH, NUM_LAYERS, SAVE_ITERATION, SEQ_LENGTH, TRAIN_ITERS,
+                                                 saving_layout_run)
 from tests.training.test_layout_equivalence import common_flags, series
 from tools.convert_checkpoint import ds_to_universal
 from tools.convert_checkpoint.ds_to_universal import write_model_states
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-NUM_LAYERS, SEQ_LENGTH, GLOBAL_BATCH, TRAIN_ITERS, SAVE_ITERATION = 4, 32, 8, 6, 2
 RESUMED = list(range(SAVE_ITERATION + 1, TRAIN_ITERS + 1))
 LOSS_TAG, LR_TAG = "lm-loss-training/lm loss", "learning-rate/learning-rate"
 BF16 = ["--bf16"]
+# (layout, ZeRO stage, precision) of test_3d_parallel_cpu's saving run, whose checkpoint is converted as it is
+SHARED_SOURCE = ("2_2_2", 1, ())
 # (source layout, target layout, ZeRO stage of the source, of the target, precision flags)
 PAIRS = [
     ("1_1_1", "2_2_2", 1, 1, []),
@@ -71,6 +76,9 @@ def sources(e2e_data, tmp_path_factory):  # noqa: F811
 
     def source(layout, zero_stage, precision):
         key = (layout, zero_stage, tuple(precision))
+        if key == SHARED_SOURCE:
+            shared = saving_layout_run(e2e_data, tmp_path_factory)
+            return {"scalars": shared["scalars"], "output": shared["output"], "save": str(shared["save"])}
         if key not in found:
             directory = tmp_path_factory.mktemp(f"source_{layout}_z{zero_stage}")
             save = str(directory / "checkpoints")

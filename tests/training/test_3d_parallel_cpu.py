@@ -6,7 +6,7 @@ Set-up shared by the runs (as test_layout_equivalence.py, scaled so every layout
 CPU, gloo, fp32, dropout 0, --use-cpu-initialization, the vocabulary padded to 1152 (tokenizer 1000)
 whatever the TP degree, 4 layers (PP=4: one per stage; PP=2: two), 4 heads (TP=4: one per rank),
 hidden 64, sequence 32, micro batch 1, global batch 8 (4 micro batches per data-parallel rank at
-DP=2, 8 at DP=1), 5 iterations with a warmup step at lr 0 then a cosine decay, weight decay 1.0 and
+DP=2, 8 at DP=1), 6 iterations with a warmup step at lr 0 then a cosine decay, weight decay 1.0 and
 clipping at 1.0, which iterations 1-4 trigger (gradient norms ~2.1 down to ~1.25): gradient
 reduction over TP, DP and the pipeline's tied embedding, clipping and the optimizer step are all in
 the losses from iteration 2 on.
@@ -14,10 +14,12 @@ the losses from iteration 2 on.
 Values are read at full precision from TensorBoard; the tolerances are test_layout_equivalence.py's
 (its docstring says why): losses 1e-5 relative, gradient norms 1e-4 relative.
 
-The TP=2 x PP=2 x DP=2 run saves at iteration 3 (and at its end). Its global_step3 is copied into a
-fresh directory whose ``latest`` names it, and a fifth launch resumes from there: it must report
-iteration 3 loaded, then log iterations 4-5 with the uninterrupted run's consumed samples/tokens and
-learning rates, and the same losses and gradient norms.
+The TP=2 x PP=2 x DP=2 run saves every 2 iterations. Its global_step2 is copied into a fresh
+directory whose ``latest`` names it, and a fifth launch resumes from there: it must report iteration
+2 loaded, then log iterations 3-6 with the uninterrupted run's consumed samples/tokens and learning
+rates, and the same losses and gradient norms. That saving run is launched once per session
+(saving_layout_run): tests/tools/test_ds_to_universal.py converts its global_step2 as its 2_2_2
+source, so its sizes are this module's.
 
 Five launches (one single process, four of 8 processes, ~25 s each): about 2 minutes on 2 cores.
 """
@@ -35,7 +37,7 @@ from tests.training.test_layout_equivalence import (GRAD_NORM_RTOL, LOSS_RTOL, a
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 # The optimizer and schedule flags are test_layout_equivalence's (common_flags); only the sizes differ.
-NUM_LAYERS, SEQ_LENGTH, GLOBAL_BATCH, TRAIN_ITERS, SAVE_ITERATION = 4, 32, 8, 5, 3
+NUM_LAYERS, SEQ_LENGTH, GLOBAL_BATCH, TRAIN_ITERS, SAVE_ITERATION = 4, 32, 8, 6, 2
 PROCESSES = 8
 LAUNCH_TIMEOUT = 600
 SAVING_LAYOUT = "tp2-pp2-dp2"
@@ -46,15 +48,18 @@ LAYOUTS = {
     "tp2-pp4": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4"],
 }
 LOSS_TAG, GRAD_NORM_TAG, LR_TAG = "lm-loss-training/lm loss", "grad-norm/grad-norm", "learning-rate/learning-rate"
+_SHARED = {}
 
 
 def train(flags: list[str], nproc: int, tensorboard_dir: str, steps: list[int]) -> dict:
-    """One pretrain_gpt.py launch -> {"loss", "grad_norm", "lr": per-step values, "lines": log lines, "output"}."""
+    """One pretrain_gpt.py launch -> {"loss", "grad_norm", "lr": per-step values, "lines": log lines, "output",
+    "scalars": every TensorBoard scalar}."""
     result = run_pretrain(flags + ["--tensorboard-dir", tensorboard_dir], nproc=nproc, timeout=LAUNCH_TIMEOUT)
     result.assert_ok()
     scalars = read_scalars(tensorboard_dir)
     return {"loss": series(scalars, LOSS_TAG, steps), "grad_norm": series(scalars, GRAD_NORM_TAG, steps),
-            "lr": series(scalars, LR_TAG, steps), "lines": result.log_lines(), "output": result.output}
+            "lr": series(scalars, LR_TAG, steps), "lines": result.log_lines(), "output": result.output,
+            "scalars": scalars}
 
 
 def shared_flags(e2e_data) -> list[str]:  # noqa: F811
@@ -63,18 +68,32 @@ def shared_flags(e2e_data) -> list[str]:  # noqa: F811
                         train_iters=TRAIN_ITERS)
 
 
+def saving_layout_run(data, tmp_path_factory) -> dict:
+    """train() of the saving layout, saved every SAVE_ITERATION iterations, with "save": its --save
+    directory (a Path); launched once per session, whichever module asks first."""
+    if "run" not in _SHARED:
+        checkpoints = tmp_path_factory.mktemp("checkpoints")
+        flags = shared_flags(data) + LAYOUTS[SAVING_LAYOUT] + [
+            "--zero-stage", "1", "--save", str(checkpoints), "--save-interval", str(SAVE_ITERATION)]
+        run = train(flags, PROCESSES, str(tmp_path_factory.mktemp(f"tb_{SAVING_LAYOUT}")),
+                    list(range(1, TRAIN_ITERS + 1)))
+        _SHARED["run"] = {**run, "save": checkpoints}
+    return _SHARED["run"]
+
+
 @pytest.fixture(scope="module")
 def runs(e2e_data, tmp_path_factory):  # noqa: F811
     """name -> train() of the single-process run and of each 8-process layout; "checkpoints": the
     saving layout's --save directory."""
     steps = list(range(1, TRAIN_ITERS + 1))
     found = {"single": train(shared_flags(e2e_data), 1, str(tmp_path_factory.mktemp("tb_single")), steps)}
-    checkpoints = tmp_path_factory.mktemp("checkpoints")
     for name, flags in LAYOUTS.items():
-        saving = ["--save", str(checkpoints), "--save-interval", str(SAVE_ITERATION)] if name == SAVING_LAYOUT else []
-        found[name] = train(shared_flags(e2e_data) + flags + ["--zero-stage", "1"] + saving, PROCESSES,
-                            str(tmp_path_factory.mktemp(f"tb_{name}")), steps)
-    found["checkpoints"] = checkpoints
+        if name == SAVING_LAYOUT:
+            found[name] = saving_layout_run(e2e_data, tmp_path_factory)
+        else:
+            found[name] = train(shared_flags(e2e_data) + flags + ["--zero-stage", "1"], PROCESSES,
+                                str(tmp_path_factory.mktemp(f"tb_{name}")), steps)
+    found["checkpoints"] = found[SAVING_LAYOUT]["save"]
     return found
 
 
