@@ -1,8 +1,8 @@
 """megatron/training/engine.py: the fused fp32 accumulation of bf16 gradients on DeepSpeed's BF16_Optimizer,
 and the weight-gradient GEMMs adding into its fp32 accumulators (gradient-accumulation fusion)."""
 import functools
-import os
 
+import pytest
 import torch
 
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -11,17 +11,16 @@ from megatron.training.engine import (accumulate_bf16_gradients_in_one_kernel,
 from tests.dist_utils import run_distributed
 
 
-def _import_deepspeed_on_the_cpu():
-    """DeepSpeed on its CPU accelerator also where CUDA exists: the comparisons below are bit for bit,
-    which holds for the CPU's arithmetic (on CUDA the fused GEMM sums dW unrounded)."""
-    os.environ["DS_ACCELERATOR"] = "cpu"
-    import deepspeed
-
-    return deepspeed
+@pytest.fixture
+def deepspeed_on_the_cpu(monkeypatch):
+    """The workers' DeepSpeed on its CPU accelerator also where CUDA exists (they inherit the variable,
+    and DeepSpeed picks its accelerator when imported): the comparisons below are bit for bit, which
+    holds for the CPU's arithmetic (on CUDA the fused GEMM sums dW unrounded)."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
 
 
 def _bf16_engine(fused: bool):
-    deepspeed = _import_deepspeed_on_the_cpu()
+    import deepspeed
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 8))
@@ -29,6 +28,7 @@ def _bf16_engine(fused: bool):
               "data_types": {"grad_accum_dtype": "fp32"}, "zero_optimization": {"stage": 1},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    assert engine.device.type == "cpu"  # deepspeed_on_the_cpu
     if fused:
         before = engine.optimizer._update_hp_grad
         accumulate_bf16_gradients_in_one_kernel(engine)
@@ -54,7 +54,7 @@ def _fused_equals_deepspeeds(rank, world_size):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
-def test_fused_accumulation_equals_deepspeeds_bit_for_bit():
+def test_fused_accumulation_equals_deepspeeds_bit_for_bit(deepspeed_on_the_cpu):
     run_distributed(_fused_equals_deepspeeds, 1)
 
 
@@ -73,7 +73,7 @@ class _ParallelMLP(torch.nn.Module):
 
 
 def _mlp_engine(fused: bool):
-    deepspeed = _import_deepspeed_on_the_cpu()
+    import deepspeed
 
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3, "bf16": {"enabled": True},
               "data_types": {"grad_accum_dtype": "fp32"}, "zero_optimization": {"stage": 1},
@@ -81,6 +81,7 @@ def _mlp_engine(fused: bool):
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
     model = _ParallelMLP().to(torch.bfloat16)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    assert engine.device.type == "cpu"  # deepspeed_on_the_cpu
     accumulate_bf16_gradients_in_one_kernel(engine)
     if fused:
         assert accumulate_linear_weight_gradients_in_their_gemms(engine) == 2  # the two layers' weights
@@ -113,6 +114,6 @@ def _fused_steps_equal_autograds(rank, world_size):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
-def test_weight_gradient_gemms_accumulating_into_fp32_give_deepspeeds_steps():
+def test_weight_gradient_gemms_accumulating_into_fp32_give_deepspeeds_steps(deepspeed_on_the_cpu):
     """Over two data-parallel ranks: ZeRO-1 reduces the accumulators and steps each rank's partition."""
     run_distributed(_fused_steps_equal_autograds, 2)
