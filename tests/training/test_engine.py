@@ -2,7 +2,6 @@
 and the weight-gradient GEMMs adding into its fp32 accumulators (gradient-accumulation fusion)."""
 import functools
 
-import pytest
 import torch
 
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -11,16 +10,20 @@ from megatron.training.engine import (accumulate_bf16_gradients_in_one_kernel,
 from tests.dist_utils import run_distributed
 
 
-@pytest.fixture
-def deepspeed_on_the_cpu(monkeypatch):
-    """The workers' DeepSpeed on its CPU accelerator also where CUDA exists (they inherit the variable,
-    and DeepSpeed picks its accelerator when imported): the comparisons below are bit for bit, which
+def _deepspeed_on_the_cpu():
+    """DeepSpeed with its CPU accelerator also where CUDA exists (it picks one when first imported,
+    which in a test worker has happened already): the comparisons below are bit for bit, which
     holds for the CPU's arithmetic (on CUDA the fused GEMM sums dW unrounded)."""
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    from deepspeed.accelerator import set_accelerator
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    set_accelerator(CPU_Accelerator())
+    return deepspeed
 
 
 def _bf16_engine(fused: bool):
-    import deepspeed
+    deepspeed = _deepspeed_on_the_cpu()
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 8))
@@ -28,7 +31,7 @@ def _bf16_engine(fused: bool):
               "data_types": {"grad_accum_dtype": "fp32"}, "zero_optimization": {"stage": 1},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    assert engine.device.type == "cpu"  # deepspeed_on_the_cpu
+    assert engine.device.type == "cpu"  # _deepspeed_on_the_cpu
     if fused:
         before = engine.optimizer._update_hp_grad
         accumulate_bf16_gradients_in_one_kernel(engine)
@@ -54,7 +57,7 @@ def _fused_equals_deepspeeds(rank, world_size):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
-def test_fused_accumulation_equals_deepspeeds_bit_for_bit(deepspeed_on_the_cpu):
+def test_fused_accumulation_equals_deepspeeds_bit_for_bit():
     run_distributed(_fused_equals_deepspeeds, 1)
 
 
@@ -73,7 +76,7 @@ class _ParallelMLP(torch.nn.Module):
 
 
 def _mlp_engine(fused: bool):
-    import deepspeed
+    deepspeed = _deepspeed_on_the_cpu()
 
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3, "bf16": {"enabled": True},
               "data_types": {"grad_accum_dtype": "fp32"}, "zero_optimization": {"stage": 1},
@@ -81,7 +84,7 @@ def _mlp_engine(fused: bool):
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
     model = _ParallelMLP().to(torch.bfloat16)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    assert engine.device.type == "cpu"  # deepspeed_on_the_cpu
+    assert engine.device.type == "cpu"  # _deepspeed_on_the_cpu
     accumulate_bf16_gradients_in_one_kernel(engine)
     if fused:
         assert accumulate_linear_weight_gradients_in_their_gemms(engine) == 2  # the two layers' weights
@@ -114,6 +117,6 @@ def _fused_steps_equal_autograds(rank, world_size):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
-def test_weight_gradient_gemms_accumulating_into_fp32_give_deepspeeds_steps(deepspeed_on_the_cpu):
+def test_weight_gradient_gemms_accumulating_into_fp32_give_deepspeeds_steps():
     """Over two data-parallel ranks: ZeRO-1 reduces the accumulators and steps each rank's partition."""
     run_distributed(_fused_steps_equal_autograds, 2)
