@@ -9,10 +9,12 @@ gloo workers fork from multiprocessing's fork server, a fresh interpreter starte
 that has imported torch and megatron.core (FORKSERVER_PRELOAD): a spawned worker spends seconds of
 a 2-core machine importing them again, each time. The server holds no state of the test process;
 each worker gets the test process's current environment (the server keeps the one it started
-with), working directory and sys.path, as a spawned one does. NCCL workers are spawned: CUDA does
-not survive a fork.
+with), working directory and sys.path, as a spawned one does, and sets the environment before it
+imports ``fn``'s module (``fn`` travels pickled): DeepSpeed, for one, picks its accelerator when
+imported. NCCL workers are spawned: CUDA does not survive a fork.
 """
 import os
+import pickle
 import socket
 import traceback
 
@@ -28,7 +30,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, errors, backend, environment):
+def _worker(rank, world_size, port, call, errors, backend, environment):
     import torch
     import torch.distributed as dist
 
@@ -36,6 +38,7 @@ def _worker(rank, world_size, port, fn, args, errors, backend, environment):
     os.environ.update(environment)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    fn, args = pickle.loads(call)
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -58,8 +61,8 @@ def run_distributed(fn, world_size, *args, backend="gloo"):
         ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # read once, when the server starts
     errors = ctx.SimpleQueue()
     try:
-        mp.start_processes(_worker, args=(world_size, free_port(), fn, args, errors, backend, dict(os.environ)),
-                           nprocs=world_size, join=True, start_method=start_method)
+        mp.start_processes(_worker, args=(world_size, free_port(), pickle.dumps((fn, args)), errors, backend,
+                                          dict(os.environ)), nprocs=world_size, join=True, start_method=start_method)
     except Exception as exc:
         details = []
         while not errors.empty():
