@@ -8,7 +8,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE_CORPUS = os.path.join(REPO_ROOT, "examples", "data", "python-docs.jsonl.gz")
 
 # Session fixtures shared by many modules, registered once so they are built once per session.
-pytest_plugins = ["tests.fixtures_tokenizer"]
+pytest_plugins = ["tests.fixtures_tokenizer", "tests.training.pretrain_helpers"]
 
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)

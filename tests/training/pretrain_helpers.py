@@ -1,8 +1,8 @@
 """Run pretrain_gpt.py as a subprocess on CPU and read what it prints.
 
-``preprocessed_corpus`` (a fixture: import it into a test module) tokenizes the sample corpus with
-the session's 4k GPT-2 tokenizer into an indexed dataset, once per session (the index caches runs
-write beside it are keyed by their parameters). ``run_pretrain`` starts one process (plain
+``preprocessed_corpus`` (a session fixture, registered in tests/conftest.py) tokenizes the sample
+corpus with the session's 4k GPT-2 tokenizer into an indexed dataset, once per session (the index
+caches runs write beside it are keyed by their parameters). ``run_pretrain`` starts one process (plain
 ``python``, on a free rendezvous port) or several (``python -m torch.distributed.run``).
 ``training_lines`` / ``validation_lines`` read the log lines through megatron.training.log_reader.
 """
@@ -34,22 +34,15 @@ class Corpus:
         return ["--data-path", self.data_prefix, "--vocab-file", self.vocab_file, "--merge-file", self.merge_file]
 
 
-_PREPROCESSED = {}
-
-
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def preprocessed_corpus(tmp_path_factory, gpt2_tokenizer_files):
-    """The Corpus, preprocessed by whichever module asks first (a fixture imported into several modules
-    is set up once per module, whatever its scope)."""
-    if "corpus" not in _PREPROCESSED:
-        vocab_file, merge_file = gpt2_tokenizer_files
-        output = tmp_path_factory.mktemp("corpus")
-        subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "preprocess_data.py"), "--input",
-                        SAMPLE_CORPUS, "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab_file,
-                        "--merge-file", merge_file, "--append-eod", "--output-prefix", str(output / "docs"),
-                        "--workers", "1"], check=True, capture_output=True, cwd=REPO_ROOT)
-        _PREPROCESSED["corpus"] = Corpus(str(output / "docs_text_document"), vocab_file, merge_file)
-    return _PREPROCESSED["corpus"]
+    vocab_file, merge_file = gpt2_tokenizer_files
+    output = tmp_path_factory.mktemp("corpus")
+    subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "preprocess_data.py"), "--input", SAMPLE_CORPUS,
+                    "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab_file, "--merge-file", merge_file,
+                    "--append-eod", "--output-prefix", str(output / "docs"), "--workers", "1"],
+                   check=True, capture_output=True, cwd=REPO_ROOT)
+    return Corpus(str(output / "docs_text_document"), vocab_file, merge_file)
 
 
 def tiny_run_args(corpus: Corpus, *extra: str) -> list[str]:

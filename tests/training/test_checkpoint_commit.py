@@ -15,7 +15,7 @@ import pytest
 from megatron.core.checkpoint.manifest import read_manifest
 from megatron.training.checkpoint_checks import SAVING_MARKER
 from tests.training.e2e_utils import start_ranks
-from tests.training.pretrain_helpers import preprocessed_corpus, run_pretrain, tiny_run_args, training_lines  # noqa: F401
+from tests.training.pretrain_helpers import run_pretrain, tiny_run_args, training_lines
 
 CRASHING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "crash_during_save.py")
 FLAGS = ["--global-batch-size", "4", "--train-iters", "4", "--lr-warmup-iters", "1", "--eval-iters", "0",

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from tests.training.pretrain_helpers import preprocessed_corpus, run_pretrain, tiny_run_args, training_lines  # noqa: F401
+from tests.training.pretrain_helpers import run_pretrain, tiny_run_args, training_lines
 
 FLAGS = ["--global-batch-size", "4", "--lr-warmup-iters", "1", "--lr-decay-iters", "8", "--eval-iters", "0",
          "--zero-stage", "1"]

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from tests.training.pretrain_helpers import preprocessed_corpus, run_pretrain, tiny_run_args, training_lines  # noqa: F401
+from tests.training.pretrain_helpers import run_pretrain, tiny_run_args, training_lines
 
 INJECT_NAN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "inject_nan.py")
 GLOBAL_BATCH, ITERATIONS, SKIPPED = 4, 8, (3, 4, 6)

@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from tests.training.pretrain_helpers import (preprocessed_corpus, run_pretrain, tiny_run_args,  # noqa: F401
+from tests.training.pretrain_helpers import (run_pretrain, tiny_run_args,
                                              training_lines, validation_lines)
 
 GOLDEN_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "tiny_gpt_fp32.json")

@@ -12,7 +12,7 @@ import zlib
 import pytest
 import torch
 
-from tests.training.pretrain_helpers import (PRETRAIN, preprocessed_corpus, run_pretrain, tiny_run_args,  # noqa: F401
+from tests.training.pretrain_helpers import (PRETRAIN, run_pretrain, tiny_run_args,
                                              training_lines, validation_lines)
 from tests.dist_utils import free_port
 from tests.conftest import REPO_ROOT

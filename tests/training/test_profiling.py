@@ -10,7 +10,7 @@ import torch
 
 from megatron.training.config import ProfileConfig
 from megatron.training.profiling import IterationProfiler
-from tests.training.pretrain_helpers import preprocessed_corpus, run_pretrain, tiny_run_args, training_lines  # noqa: F401
+from tests.training.pretrain_helpers import run_pretrain, tiny_run_args, training_lines
 from tests.training.test_arguments import error, parse, world
 
 CPU = torch.device("cpu")

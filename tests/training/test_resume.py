@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from tests.training.pretrain_helpers import (preprocessed_corpus, run_pretrain, tiny_run_args,  # noqa: F401
+from tests.training.pretrain_helpers import (run_pretrain, tiny_run_args,
                                              training_lines, validation_lines)
 
 FLAGS = ["--global-batch-size", "4", "--train-iters", "8", "--lr-warmup-iters", "2", "--hidden-dropout", "0.1",
