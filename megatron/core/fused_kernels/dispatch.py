@@ -204,18 +204,21 @@ def scale_mask_softmax(scores, mask, scale, causal, softmax_in_fp32):
     return reference.scale_mask_softmax_reference(scores, mask, scale, causal, softmax_in_fp32)
 
 
-def layer_norm(x, weight, bias, eps):
+def layer_norm(x, weight, bias, eps, return_input=False):
     """y = (x - mean) / sqrt(var + eps) * weight + bias over the last dim of x [..., h].
 
     weight, bias: [h]; statistics in fp32; y has x's dtype, gradients have their input's dtype.
+    ``return_input``: return (y, x), x to be used again (a pre-LN block's residual); on the Triton
+    path the gradient of that use is added to x's gradient inside the norm's backward kernel.
     """
     _check_hidden_vector("layer_norm", "weight", weight, x.shape[-1])
     _check_hidden_vector("layer_norm", "bias", bias, x.shape[-1])
     if runtime_blocker(x, weight, bias) is None and layer_norm_constraint_violation(x, weight, bias) is None:
         kernels = kernel_module("triton_layer_norm")
         if kernels is not None:
-            return kernels.LayerNormFunction.apply(x, weight, bias, eps)
-    return reference.layer_norm_reference(x, weight, bias, eps)
+            return kernels.LayerNormFunction.apply(x, weight, bias, eps, return_input)
+    y = reference.layer_norm_reference(x, weight, bias, eps)
+    return (y, x) if return_input else y
 
 
 def bias_gelu(bias, y):

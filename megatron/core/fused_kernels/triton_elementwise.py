@@ -17,7 +17,9 @@ bias_dropout_add: out = residual + keep * (x + bias) / (1 - p). keep = (r >> 8) 
              seed instead of storing it.
 
 Backward kernels also reduce grad over rows into the bias gradient: a fixed number of programs per
-column block, each striding over rows with fp32 partial sums, added by torch afterwards.
+column block, each striding over rows with fp32 partial sums, added by torch afterwards (without
+dropout the bias_dropout_add backward is this column sum alone: torch's sum over dim 0 of a
+[n, h] tensor reaches about half the bandwidth).
 
 This module imports triton; ``dispatch`` imports it only when a CUDA tensor needs it.
 """
@@ -32,7 +34,7 @@ _GELU_CUBIC = tl.constexpr(0.044715)
 _KEEP_BITS = tl.constexpr(24)
 _FORWARD_TILE_ELEMENTS = 2048
 _FORWARD_MAX_COLUMNS = 1024
-_BACKWARD_TILE_ELEMENTS = 4096
+_BACKWARD_TILE_ELEMENTS = 8192  # 8 x 1024: bias_gelu backward 12 % faster than 4 x 1024 on an H200, dropout unchanged
 _BACKWARD_MAX_COLUMNS = 1024
 _MIN_COLUMNS = 16  # tiles start at multiples of 4 columns, as the dropout noise needs
 _NUM_WARPS = 4
@@ -118,19 +120,20 @@ def _bias_dropout_add_forward_kernel(
 @triton.jit
 def _dropout_backward_kernel(
     grad_out_ptr, grad_x_ptr, partial_grad_bias_ptr, seed_ptr, n_rows, n_cols, drop_threshold, keep_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     program = tl.program_id(0)
     n_programs = tl.num_programs(0)
-    seed = tl.load(seed_ptr)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     grad_bias = tl.zeros([BLOCK_N], dtype=tl.float32)
     for row_start in range(program * BLOCK_M, n_rows, n_programs * BLOCK_M):
         _, offsets, in_bounds = _tile(n_rows, n_cols, row_start, BLOCK_M, BLOCK_N)
-        grad_out = tl.load(grad_out_ptr + offsets, mask=in_bounds, other=0.0).to(tl.float32)
-        keep = _keep_mask(seed, row_start + tl.arange(0, BLOCK_M), n_cols, drop_threshold, BLOCK_M, BLOCK_N) & in_bounds
-        grad_x = tl.where(keep, grad_out * keep_scale, 0.0)
-        tl.store(grad_x_ptr + offsets, grad_x.to(grad_x_ptr.dtype.element_ty), mask=in_bounds)
+        grad_x = tl.load(grad_out_ptr + offsets, mask=in_bounds, other=0.0).to(tl.float32)
+        if DROPOUT:
+            keep = _keep_mask(tl.load(seed_ptr), row_start + tl.arange(0, BLOCK_M), n_cols, drop_threshold,
+                              BLOCK_M, BLOCK_N)
+            grad_x = tl.where(keep & in_bounds, grad_x * keep_scale, 0.0)
+            tl.store(grad_x_ptr + offsets, grad_x.to(grad_x_ptr.dtype.element_ty), mask=in_bounds)
         grad_bias += tl.sum(grad_x, axis=0)
     tl.store(partial_grad_bias_ptr + program * n_cols + cols, grad_bias, mask=cols < n_cols)
 
@@ -204,15 +207,17 @@ def bias_dropout_add_forward(x2d, bias, residual2d, prob, seed, tile=None, num_w
 
 
 def dropout_backward(grad_out2d, prob, seed, tile=None, num_warps=_NUM_WARPS, programs_per_sm=None):
-    """(grad_x [n, h], grad_bias [h] fp32) of the dropout drawn with ``seed``."""
+    """(grad_x [n, h], grad_bias [h] fp32) of the dropout drawn with ``seed``; with ``seed`` None (no
+    dropout) grad_x is grad_out2d itself and the kernel only sums its columns."""
     n_rows, n_cols = grad_out2d.shape
     tile = tile or backward_tile(n_cols)
     grid = _backward_grid(grad_out2d.device, n_rows, n_cols, tile, programs_per_sm)
-    grad_x = torch.empty_like(grad_out2d)
+    grad_x = grad_out2d if seed is None else torch.empty_like(grad_out2d)
     partial_grad_bias = torch.empty((grid[0], n_cols), dtype=torch.float32, device=grad_out2d.device)
     _dropout_backward_kernel[grid](
-        grad_out2d, grad_x, partial_grad_bias, seed, n_rows, n_cols, _drop_threshold(prob), 1.0 / (1.0 - prob),
-        BLOCK_M=tile[0], BLOCK_N=tile[1], num_warps=num_warps,
+        grad_out2d, grad_x, partial_grad_bias, grad_out2d if seed is None else seed, n_rows, n_cols,
+        _drop_threshold(prob), 1.0 / (1.0 - prob),
+        DROPOUT=seed is not None, BLOCK_M=tile[0], BLOCK_N=tile[1], num_warps=num_warps,
     )
     return grad_x, partial_grad_bias.sum(0)
 
@@ -258,9 +263,8 @@ class BiasDropoutAddFunction(torch.autograd.Function):
         (seed,) = ctx.saved_tensors
         hidden = grad_out.shape[-1]
         grad_out2d = grad_out.contiguous().view(-1, hidden)  # [n, h]
-        if seed is None:
-            grad_x2d, grad_bias = grad_out2d, grad_out2d.sum(0, dtype=torch.float32)
-        else:
-            grad_x2d, grad_bias = dropout_backward(grad_out2d, ctx.prob, seed)
+        if ctx.bias_dtype is None and seed is None:
+            return grad_out, None, grad_out, None, None
+        grad_x2d, grad_bias = dropout_backward(grad_out2d, ctx.prob, seed)
         grad_bias = None if ctx.bias_dtype is None else grad_bias.to(ctx.bias_dtype)
         return grad_x2d.view(grad_out.shape), grad_bias, grad_out, None, None

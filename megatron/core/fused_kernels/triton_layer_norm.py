@@ -5,8 +5,12 @@ xhat = (x - mean) * rstd, y = xhat * w + b. mean and rstd ([n], fp32) are kept f
 
 Backward, with g = dy * w per row::
 
-    dx = rstd * (g - xhat * mean(g * xhat) - mean(g))
+    dx = rstd * (g - xhat * mean(g * xhat) - mean(g))  [+ dr]
     dw = sum_rows dy * xhat,   db = sum_rows dy
+
+The optional dr is the gradient of a second use of x, the residual branch of a pre-LN block: added
+here, it saves autograd's separate add of the two gradients of x (a read of two [n, h] tensors and
+a write of one, against one more read).
 
 dx is written row by row; dw and db are accumulated in fp32 registers by a fixed number of
 programs, each striding over rows, and the per-program partial sums [programs, 2, h] are added by
@@ -48,8 +52,8 @@ def _layer_norm_forward_kernel(
 
 @triton.jit
 def _layer_norm_backward_kernel(
-    x_ptr, weight_ptr, mean_ptr, rstd_ptr, grad_y_ptr, grad_x_ptr, partial_sums_ptr, n_rows, n_cols,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr, weight_ptr, mean_ptr, rstd_ptr, grad_y_ptr, grad_residual_ptr, grad_x_ptr, partial_sums_ptr, n_rows, n_cols,
+    HAS_GRAD_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     program = tl.program_id(0)
     n_programs = tl.num_programs(0)
@@ -72,6 +76,8 @@ def _layer_norm_backward_kernel(
         mean_grad_x_hat = tl.sum(weighted_grad * x_hat, axis=1) / n_cols
         mean_grad = tl.sum(weighted_grad, axis=1) / n_cols
         grad_x = (weighted_grad - x_hat * mean_grad_x_hat[:, None] - mean_grad[:, None]) * rstd[:, None]
+        if HAS_GRAD_RESIDUAL:
+            grad_x += tl.load(grad_residual_ptr + offsets, mask=in_bounds, other=0.0).to(tl.float32)
         tl.store(grad_x_ptr + offsets, grad_x.to(grad_x_ptr.dtype.element_ty), mask=in_bounds)
         grad_weight += tl.sum(grad_y * x_hat, axis=0)
         grad_bias += tl.sum(grad_y, axis=0)
@@ -103,8 +109,10 @@ def layer_norm_forward(x2d, weight, bias, eps, block_m=None, num_warps=None):
     return y, mean, rstd
 
 
-def layer_norm_backward(grad_y2d, x2d, weight, mean, rstd, block_m=None, num_warps=None, programs_per_sm=None):
-    """(grad_x [n, h], grad_weight and grad_bias stacked [2, h] fp32) from contiguous grad_y2d [n, h]."""
+def layer_norm_backward(grad_y2d, x2d, weight, mean, rstd, block_m=None, num_warps=None, programs_per_sm=None,
+                        grad_residual2d=None):
+    """(grad_x [n, h], grad_weight and grad_bias stacked [2, h] fp32) from contiguous grad_y2d [n, h];
+    a contiguous ``grad_residual2d`` [n, h] is added to grad_x."""
     n_rows, n_cols = x2d.shape
     default_block_m, default_warps = default_launch_config(n_cols)
     block_m = block_m or default_block_m
@@ -113,28 +121,38 @@ def layer_norm_backward(grad_y2d, x2d, weight, mean, rstd, block_m=None, num_war
     grad_x = torch.empty_like(x2d)
     partial_sums = torch.empty((n_programs, 2, n_cols), dtype=torch.float32, device=x2d.device)
     _layer_norm_backward_kernel[(n_programs,)](
-        x2d, weight, mean, rstd, grad_y2d, grad_x, partial_sums, n_rows, n_cols,
-        BLOCK_M=block_m, BLOCK_N=next_power_of_2(n_cols), num_warps=num_warps or default_warps,
+        x2d, weight, mean, rstd, grad_y2d, grad_y2d if grad_residual2d is None else grad_residual2d, grad_x,
+        partial_sums, n_rows, n_cols, HAS_GRAD_RESIDUAL=grad_residual2d is not None, BLOCK_M=block_m, BLOCK_N=next_power_of_2(n_cols), num_warps=num_warps or default_warps,
     )
     return grad_x, partial_sums.sum(0)
 
 
 class LayerNormFunction(torch.autograd.Function):
-    """Autograd wrapper over ``layer_norm_forward`` / ``layer_norm_backward``; x may be [..., h]."""
+    """Autograd wrapper over ``layer_norm_forward`` / ``layer_norm_backward``; x may be [..., h].
+
+    With ``return_input`` it returns (y, x) instead of y: x's second use (a residual branch) then
+    sends its gradient here, where the backward kernel adds it to the norm's input gradient.
+    """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps):
+    def forward(ctx, x, weight, bias, eps, return_input):
         hidden = x.shape[-1]
         x2d = x.contiguous().view(-1, hidden)  # [n, h], n = product of the leading dims
         y, mean, rstd = layer_norm_forward(x2d, weight.contiguous(), bias.contiguous(), eps)
         ctx.save_for_backward(x2d, weight, mean, rstd)
         ctx.bias_dtype = bias.dtype
-        return y.view(x.shape)
+        ctx.set_materialize_grads(False)
+        y = y.view(x.shape)
+        return (y, x) if return_input else y
 
     @staticmethod
-    def backward(ctx, grad_y):
+    def backward(ctx, grad_y, grad_input=None):
         x2d, weight, mean, rstd = ctx.saved_tensors
+        if grad_y is None:
+            return grad_input, None, None, None, None
         grad_y2d = grad_y.contiguous().view(x2d.shape)  # [n, h]
-        grad_x, grad_parameters = layer_norm_backward(grad_y2d, x2d, weight.contiguous(), mean, rstd)
+        grad_residual2d = None if grad_input is None else grad_input.contiguous().view(x2d.shape)
+        grad_x, grad_parameters = layer_norm_backward(grad_y2d, x2d, weight.contiguous(), mean, rstd,
+                                                      grad_residual2d=grad_residual2d)
         grad_weight, grad_bias = grad_parameters[0].to(weight.dtype), grad_parameters[1].to(ctx.bias_dtype)
-        return grad_x.view(grad_y.shape), grad_weight, grad_bias, None
+        return grad_x.view(grad_y.shape), grad_weight, grad_bias, None, None

@@ -65,6 +65,8 @@ def test_cpu_calls_return_the_references_exactly_and_never_ask_for_triton(monkey
     )
     x, weight, bias = torch.randn(4, 2, 16), torch.randn(16), torch.randn(16)
     assert torch.equal(fused_kernels.layer_norm(x, weight, bias, 1e-5), fused_kernels.layer_norm_reference(x, weight, bias, 1e-5))
+    normed, same = fused_kernels.layer_norm(x, weight, bias, 1e-5, return_input=True)
+    assert torch.equal(normed, fused_kernels.layer_norm_reference(x, weight, bias, 1e-5)) and same is x
     assert torch.equal(fused_kernels.bias_gelu(bias, x), fused_kernels.bias_gelu_reference(bias, x))
     residual = torch.randn(4, 2, 16)
     torch.manual_seed(1)

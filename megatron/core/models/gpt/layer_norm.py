@@ -24,3 +24,8 @@ class LayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fused_kernels.layer_norm(x, self.weight, self.bias, self.eps)
+
+    def norm_and_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(LN(x), x) for a block whose residual branch is x: the fused backward adds that branch's
+        gradient to x's in the norm's kernel instead of in a separate add."""
+        return fused_kernels.layer_norm(x, self.weight, self.bias, self.eps, return_input=True)

@@ -50,14 +50,20 @@ class ParallelTransformerLayer(nn.Module):
         if (self.fuses_one_row_steps and kv_cache is not None and kv_cache.fixed_size and attention_mask is None
                 and hidden_states.shape[:2] == (1, 1) and not self.training):
             return self._decode_one_row(hidden_states, position_ids, kv_cache)
-        normed = self.input_layernorm(hidden_states).to(self.config.params_dtype)
+        normed, residual = self._norm_and_residual(self.input_layernorm, hidden_states)
         attention_output, attention_bias = self.self_attention(normed, position_ids, attention_mask, kv_cache)
-        residual = normed if self.config.apply_residual_connection_post_layernorm else hidden_states
         hidden_states = self._bias_dropout_add(attention_output, attention_bias, residual)
-        normed = self.post_attention_layernorm(hidden_states).to(self.config.params_dtype)
+        normed, residual = self._norm_and_residual(self.post_attention_layernorm, hidden_states)
         mlp_output, mlp_bias = self.mlp(normed)
-        residual = normed if self.config.apply_residual_connection_post_layernorm else hidden_states
         return self._bias_dropout_add(mlp_output, mlp_bias, residual)
+
+    def _norm_and_residual(self, norm: LayerNorm, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(LN(x) in the params dtype, the residual branch: LN(x) or x)."""
+        if self.config.apply_residual_connection_post_layernorm:
+            normed = norm(x).to(self.config.params_dtype)
+            return normed, normed
+        normed, residual = norm.norm_and_input(x)
+        return normed.to(self.config.params_dtype), residual
 
     def _decode_one_row(self, hidden_states: torch.Tensor, position_ids: torch.Tensor, kv_cache) -> torch.Tensor:
         """``forward`` in eval mode for one token of one sequence over a fixed-size cache, in five ops
