@@ -1,12 +1,14 @@
 """megatron/training/engine.py: the fused fp32 accumulation of bf16 gradients on DeepSpeed's BF16_Optimizer,
-and the weight-gradient GEMMs adding into its fp32 accumulators (gradient-accumulation fusion)."""
+the weight-gradient GEMMs adding into its fp32 accumulators (gradient-accumulation fusion), and the
+clip folded into the fused AdamW step."""
 import functools
 
 import torch
 
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.training.engine import (accumulate_bf16_gradients_in_one_kernel,
-                                      accumulate_linear_weight_gradients_in_their_gemms)
+                                      accumulate_linear_weight_gradients_in_their_gemms,
+                                      clip_inside_the_fused_adamw_step)
 from tests.dist_utils import run_distributed
 
 
@@ -75,15 +77,19 @@ class _ParallelMLP(torch.nn.Module):
         return self.row(torch.nn.functional.gelu(self.column(x)[0]))[0]
 
 
-def _mlp_engine(fused: bool):
+def _mlp_engine(fused: bool, fused_adamw: bool = False):
     deepspeed = _deepspeed_on_the_cpu()
 
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3, "bf16": {"enabled": True},
               "data_types": {"grad_accum_dtype": "fp32"}, "zero_optimization": {"stage": 1},
-              "gradient_clipping": 0.5,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
+              "gradient_clipping": 0.5}
     model = _ParallelMLP().to(torch.bfloat16)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if fused_adamw:  # the trainer's optimizer on CUDA (build_optimizer); torch has a fused CPU kernel too
+        optimizer = {"optimizer": torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)}
+    else:
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}
+        optimizer = {"model_parameters": model.parameters()}
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config, **optimizer)
     assert engine.device.type == "cpu"  # _deepspeed_on_the_cpu
     accumulate_bf16_gradients_in_one_kernel(engine)
     if fused:
@@ -120,3 +126,38 @@ def _fused_steps_equal_autograds(rank, world_size):
 def test_weight_gradient_gemms_accumulating_into_fp32_give_deepspeeds_steps():
     """Over two data-parallel ranks: ZeRO-1 reduces the accumulators and steps each rank's partition."""
     run_distributed(_fused_steps_equal_autograds, 2)
+
+
+def _master_weights(engine) -> torch.Tensor:
+    return torch.cat([flat.detach().clone() for flat in engine.optimizer.fp32_groups_flat_partition])
+
+
+def _clip_in_adamw_equals_deepspeeds_clip(rank, world_size):
+    reference_engine = _mlp_engine(fused=True, fused_adamw=True)
+    reference_norms, _ = _two_steps(reference_engine)
+    engine = _mlp_engine(fused=True, fused_adamw=True)
+    assert clip_inside_the_fused_adamw_step(engine)
+    norms, _ = _two_steps(engine)
+    assert norms == reference_norms and norms[0] > 0.5  # the first step clipped
+    assert engine.optimizer.clip_grad == 0.5 and engine.optimizer.state_dict()["clip_grad"] == 0.5
+    assert not hasattr(engine.optimizer.optimizer, "grad_scale")
+    # g / ((||g|| + eps) / clip) against g * (clip / (||g|| + eps)): fp32 roundings apart
+    torch.testing.assert_close(_master_weights(engine), _master_weights(reference_engine), rtol=1e-6, atol=1e-7)
+    unclipped = _mlp_engine(fused=True, fused_adamw=True)
+    unclipped.optimizer.clip_grad = 0.0
+    _two_steps(unclipped)
+    assert not torch.allclose(_master_weights(unclipped), _master_weights(engine), rtol=1e-4, atol=0)
+
+
+def test_clip_folded_into_the_fused_adamw_step_gives_deepspeeds_clipped_steps():
+    """Over two data-parallel ranks, as above; the unclipped steps differ, so the clip took effect."""
+    run_distributed(_clip_in_adamw_equals_deepspeeds_clip, 2)
+
+
+def test_clip_stays_with_deepspeed_without_a_fused_adamw():
+    run_distributed(_clip_stays_with_deepspeed, 1)
+
+
+def _clip_stays_with_deepspeed(rank, world_size):
+    engine = _mlp_engine(fused=False)  # DeepSpeed's torch_adam: AdamW without fused=True
+    assert not clip_inside_the_fused_adamw_step(engine)
