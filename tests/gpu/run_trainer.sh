@@ -18,8 +18,8 @@
 #      sequence parallelism, without and with --tp-comm-overlap; micro-batch 4, GPU initialization)
 #   6. the best single-GPU figure at the same width (RUNS="w4096_mbs2 w4096_mbs4"): 16 layers, hidden
 #      4096, bf16, the scaling-efficiency reference for 5; the same model at TP=2 on 2 GPUs (RUNS="w4096_tp2 w4096_tp2_overlap")
-#   7. against the peer (RUNS="peer_1p3b peer_1p3b_mbs16 peer_350m peer_350m_mbs32", log interval 1): the
-#      1.3B at micro-batch 8 and 16 and the 350M at 16 and 32, bf16, ZeRO-1; tools/benchmarks/bench_vs_peer.sh
+#   7. against the peer (RUNS="peer_1p3b peer_1p3b_mbs16 peer_1p3b_mbs32 peer_350m peer_350m_mbs32", log interval 1):
+#      the 1.3B at micro-batch 8, 16 and 32 and the 350M at 16 and 32, bf16, ZeRO-1; tools/benchmarks/bench_vs_peer.sh
 #      runs them and the peer
 #   8. scaling (RUNS="scale_1gpu scale_dp2 scale_tp2 scale_tp2_sp scale_pp2 scale_pp2_flops", and with 4 GPUs
 #      "scale_tp2dp2 scale_tp2dp2_sp scale_pp4 scale_pp4_flops"): the 1.3B GPT, bf16, ZeRO-1, micro-batch 8, global
@@ -195,6 +195,7 @@ for run in $RUNS; do
                              --lr-warmup-iters 1 --save "$WORK/checkpoint_1p3b" --save-interval 3 ;;
         peer_350m) LOG_INTERVAL=1 ITERS=12 gpt_run peer_350m 24 1024 16 bf16 16 64 ;;
         peer_1p3b_mbs16) LOG_INTERVAL=1 ITERS=12 gpt_run peer_1p3b_mbs16 24 2048 16 bf16 16 32 ;;
+        peer_1p3b_mbs32) LOG_INTERVAL=1 ITERS=12 gpt_run peer_1p3b_mbs32 24 2048 16 bf16 32 32 ;;
         peer_350m_mbs32) LOG_INTERVAL=1 ITERS=12 gpt_run peer_350m_mbs32 24 1024 16 bf16 32 64 ;;
         overflow) SCALE_POWER=24 HYSTERESIS=1 LOG_INTERVAL=1 ITERS=12 gpt_run overflow 4 1024 16 fp16 4 8 ;;
         layout_single) layout_run layout_single 1 ;;

@@ -31,7 +31,10 @@ def test_ours_is_the_best_of_its_micro_batches(tmp_path, capsys):
     assert ours_best("1p3b", [slow, fast], skip=3) == pytest.approx(535.0)
     assert ours_best("1p3b", [slow], skip=3) == pytest.approx(510.0)
     assert "mbs16.log: 535.0 model TFLOP/s" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="no iteration line after iteration 5"):
+    with pytest.raises(SystemExit, match="none of .* has an iteration line after iteration 5"):
         ours_best("1p3b", [slow], skip=5)
+    out_of_memory = _log(tmp_path, "mbs32", [(1.0, 900.0)] * 2)  # stopped before the steady state
+    assert ours_best("1p3b", [slow, out_of_memory], skip=3) == pytest.approx(510.0)
+    assert "mbs32.log: no iteration line after iteration 3" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="cannot read the trainer log 'missing.log'"):
         ours_best("1p3b", [slow, "missing.log"], skip=3)

@@ -41,7 +41,7 @@ class PeerModel:
 
 
 MODELS = {
-    "1p3b": PeerModel(24, 2048, 16, (4, 8, 16), 32),
+    "1p3b": PeerModel(24, 2048, 16, (16, 32, 8, 4), 32),
     "350m": PeerModel(24, 1024, 16, (8, 16, 32), 64),
 }
 
@@ -151,10 +151,13 @@ def ours_best(name: str, paths: list[str], skip: int) -> float:
                 state = steady_state(name, log.read(), skip)
         except OSError as error:
             sys.exit(f"--ours {name}: cannot read the trainer log {path!r} ({error.strerror})")
-        if state is None:
-            sys.exit(f"{path}: no iteration line after iteration {skip}")
+        if state is None:  # e.g. a micro-batch that did not fit in memory
+            print(f"ours {name} {path}: no iteration line after iteration {skip}")
+            continue
         print(f"ours {name} {path}: {state.model_tflops_per_gpu:.1f} model TFLOP/s")
         best = max(best, state.model_tflops_per_gpu)
+    if best == 0.0:
+        sys.exit(f"--ours {name}: none of {paths} has an iteration line after iteration {skip}")
     return best
 
 
