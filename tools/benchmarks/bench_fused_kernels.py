@@ -324,12 +324,30 @@ def _sweep_softmax(dtype):
     _sweep_one("softmax bwd causal", lambda c: ts.softmax_backward(probs, probs, None, 0.1, True, *c), softmax_configs)
 
 
+def _sweep_qkv_split(dtype):
+    """The query/key/value split's backward (pack dq, dk, dv as attention leaves them, sum the bias
+    gradient) against what autograd does without it: a concatenation, then the projection's row sum."""
+    from megatron.core.fused_kernels import triton_qkv_split as tq
+
+    head_dim = HIDDEN // HEADS
+    grads = [torch.randn(MICRO_BATCH, HEADS, SEQ, head_dim, device="cuda").to(dtype).permute(2, 0, 1, 3)
+             for _ in range(3)]
+
+    def cat_then_sum():  # autograd's split backward on [s, b, np, hn] views, then the linear's db
+        packed = torch.cat(grads, dim=-1)  # [s, b, np, 3 hn]
+        return packed, packed.view(-1, 3 * HIDDEN).sum(0)
+
+    _sweep_one("qkv split bwd", lambda c: tq.pack_qkv_grads(*grads, True, *c), [(4, None), (8, None), (4, 4), (4, 64)])
+    _sweep_one("qkv cat, then bias row sum", lambda c: cat_then_sum(), [None])
+
+
 def sweep(dtype):
     """Times of Triton launch configurations at the benchmark shapes (best first)."""
     from megatron.core.fused_kernels import triton_elementwise as te
     from megatron.core.fused_kernels import triton_layer_norm as tln
 
     _sweep_softmax(dtype)
+    _sweep_qkv_split(dtype)
     x = torch.randn(SEQ * MICRO_BATCH, HIDDEN, device="cuda").to(dtype)
     w, b = torch.randn(HIDDEN, device="cuda").to(dtype), torch.randn(HIDDEN, device="cuda").to(dtype)
     _, mean, rstd = tln.layer_norm_forward(x, w, b, EPS)

@@ -1,12 +1,12 @@
 """Fused kernels for the memory-bound steps of a GPT layer, each with a plain-torch reference.
 
-``scale_mask_softmax``, ``layer_norm``, ``bias_gelu`` and ``bias_dropout_add`` run Triton kernels
-(forward and backward) on CUDA when their constraints hold, and the references
-(``*_reference``) otherwise and always on CPU; ``dispatch`` states the rules. ``linear``,
-``layer_norm_linear`` (one row of input, with a layer norm, activation or residual folded in) and
-``decode_attention`` are the forward-only kernels of a one-token decoding step. The
-environment variable ``MEGATRON_FUSED_KERNELS=0`` or ``set_fused_kernels_enabled(False)`` forces the
-references.
+``scale_mask_softmax``, ``layer_norm``, ``bias_gelu``, ``bias_dropout_add`` and
+``split_query_key_value`` run Triton kernels (forward and backward; the split's forward is views) on
+CUDA when their constraints hold, and the references (``*_reference``) otherwise and always on CPU;
+``dispatch`` states the rules. ``linear``, ``layer_norm_linear`` (one row of input, with a layer
+norm, activation or residual folded in) and ``decode_attention`` are the forward-only kernels of a
+one-token decoding step. The environment variable ``MEGATRON_FUSED_KERNELS=0`` or
+``set_fused_kernels_enabled(False)`` forces the references.
 """
 from megatron.core.fused_kernels.dispatch import (
     FusedKernelArgumentError,
@@ -19,6 +19,7 @@ from megatron.core.fused_kernels.dispatch import (
     linear,
     scale_mask_softmax,
     set_fused_kernels_enabled,
+    split_query_key_value,
 )
 from megatron.core.fused_kernels.reference import (
     bias_dropout_add_reference,
@@ -29,6 +30,7 @@ from megatron.core.fused_kernels.reference import (
     layer_norm_reference,
     linear_reference,
     scale_mask_softmax_reference,
+    split_query_key_value_reference,
 )
 
 __all__ = [
@@ -50,4 +52,6 @@ __all__ = [
     "scale_mask_softmax",
     "scale_mask_softmax_reference",
     "set_fused_kernels_enabled",
+    "split_query_key_value",
+    "split_query_key_value_reference",
 ]

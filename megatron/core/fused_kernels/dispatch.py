@@ -116,7 +116,8 @@ def layer_norm_constraint_violation(x, weight, bias):
 
 
 def _elementwise_violation(x, others):
-    """Shared rules of bias_gelu and bias_dropout_add: x's dtype, the others' equal to it, sizes."""
+    """Shared rules of bias_gelu, bias_dropout_add and split_query_key_value: x's dtype, the others'
+    equal to it, sizes."""
     if x.numel() == 0 or x.numel() > MAX_ELEMENTWISE_NUMEL:
         return f"{x.numel()} elements, the kernel takes 1 to {MAX_ELEMENTWISE_NUMEL}"
     violation = _dtype_violation("the input", x)
@@ -138,6 +139,13 @@ def bias_dropout_add_constraint_violation(x, bias, residual, prob):
     if prob >= 1.0:
         return "prob = 1 drops everything (the reference returns the residual)"
     return _elementwise_violation(x, (("bias", bias), ("residual", residual)))
+
+
+def split_query_key_value_constraint_violation(mixed, bias, head_dim):
+    """Why the Triton split (its backward) cannot take these inputs on any device, or None."""
+    if mixed.dim() != 3 or mixed.shape[-1] % (3 * head_dim) != 0:
+        return f"mixed {tuple(mixed.shape)} is not [s, b, heads * 3 * {head_dim}]"
+    return _elementwise_violation(mixed, (("bias", bias),))
 
 
 def cross_entropy_constraint_violation(logits):
@@ -229,6 +237,23 @@ def bias_gelu(bias, y):
         if kernels is not None:
             return kernels.BiasGeluFunction.apply(bias, y)
     return reference.bias_gelu_reference(bias, y)
+
+
+def split_query_key_value(mixed, bias, head_dim):
+    """q, k, v [s, b, np, hn] as views of the query_key_value projection's output mixed
+    [s, b, np * 3 * hn] (per head: query, key, value rows). ``bias`` [np * 3 * hn] or None is the
+    projection's bias, added into ``mixed`` without its gradient (ColumnParallelLinear's
+    ``bias_grad_by_caller``): it gets the row sum of dmixed here. On CUDA one backward kernel packs
+    dq, dk, dv into dmixed and takes that sum during the copy (triton_qkv_split)."""
+    if bias is not None and tuple(bias.shape) != (mixed.shape[-1],):
+        raise FusedKernelArgumentError(f"split_query_key_value: bias {tuple(bias.shape)} does not match mixed "
+                                       f"{tuple(mixed.shape)}")
+    tensors = (mixed,) if bias is None else (mixed, bias)
+    if runtime_blocker(*tensors) is None and split_query_key_value_constraint_violation(mixed, bias, head_dim) is None:
+        kernels = kernel_module("triton_qkv_split")
+        if kernels is not None:
+            return kernels.QueryKeyValueSplitFunction.apply(mixed, bias, head_dim)
+    return reference.split_query_key_value_reference(mixed, bias, head_dim)
 
 
 def bias_dropout_add(x, bias, residual, prob, training):

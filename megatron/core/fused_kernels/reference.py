@@ -80,6 +80,29 @@ def bias_dropout_add_reference(x, bias, residual, prob, training):
     return residual + F.dropout(x, p=prob, training=training)
 
 
+class _BiasAlreadyAdded(torch.autograd.Function):
+    """y unchanged; backward gives ``bias`` (added into y by its producer, outside autograd) the
+    gradient sum_t dy[t] over every row of y [..., n]."""
+
+    @staticmethod
+    def forward(ctx, y, bias):
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        return grad_y, grad_y.reshape(-1, grad_y.shape[-1]).sum(0)
+
+
+def split_query_key_value_reference(mixed, bias, head_dim):
+    """q, k, v [s, b, np, hn]: views of the query_key_value projection's output mixed [s, b, np * 3 * hn]
+    (per head j its rows [3, hn]: query, key, value). ``bias`` [np * 3 * hn] or None: the projection's
+    bias, already in ``mixed`` but not differentiated there; it receives the row sum of dmixed."""
+    if bias is not None:
+        mixed = _BiasAlreadyAdded.apply(mixed, bias)
+    seq, batch = mixed.shape[:2]
+    return mixed.view(seq, batch, -1, 3 * head_dim).split(head_dim, dim=-1)
+
+
 def decode_attention_reference(query, keys, values, position, slopes, scale, new_key=None, new_value=None):
     """softmax(scale q K^T + B) V for one query per row and head at position p of a fixed-size cache.
 

@@ -89,8 +89,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, sequence_parallel, comm_overlap):
-        ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
-        ctx.comm_overlap = comm_overlap
+        ctx.group, ctx.sequence_parallel, ctx.comm_overlap = group, sequence_parallel, comm_overlap
         if comm_overlap:
             total, y = all_gather_matmul(x, weight.t(), group, bias)  # [s, .., in], [s, .., out]
             ctx.save_for_backward(total, weight)
@@ -116,7 +115,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
             reduction = start_all_reduce(grad_input, group)
         if gather is not None:
             gather.wait()
-        grad_weight, grad_bias = _weight_and_bias_grads(grad_output, total, weight, ctx.has_bias)
+        grad_weight, grad_bias = _weight_and_bias_grads(grad_output, total, weight, ctx.needs_input_grad[2])
         reduction.wait()
         return grad_input, grad_weight, grad_bias, None, None, None
 
@@ -124,13 +123,13 @@ class _ColumnParallelMatmul(torch.autograd.Function):
     def overlapped_backward(ctx, grad_output):
         total, weight = ctx.saved_tensors  # [s, .., in] gathered in forward, [out, in]
         grad_input = matmul_reduce_scatter(grad_output, weight, ctx.group)  # [s / k, .., in]
-        grad_weight, grad_bias = _weight_and_bias_grads(grad_output, total, weight, ctx.has_bias)
+        grad_weight, grad_bias = _weight_and_bias_grads(grad_output, total, weight, ctx.needs_input_grad[2])
         return grad_input, grad_weight, grad_bias, None, None, None
 
 
 def _weight_and_bias_grads(grad_output: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                           has_bias: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """dW = dY^T X [out, in] and db = sum of dY over every row (None without a bias).
+                           bias_needs_grad: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """dW = dY^T X [out, in] and db = sum of dY over every row (None when no bias needs it).
 
     A weight with a ``main_grad`` (its gradient accumulator, set by the trainer: DeepSpeed's fp32
     buffer under bf16) gets dW added there by the GEMM itself, and None is returned for it: on CUDA
@@ -138,7 +137,7 @@ def _weight_and_bias_grads(grad_output: torch.Tensor, x: torch.Tensor, weight: t
     back and added per micro-batch, and dW is never rounded to bf16; elsewhere the product is added.
     """
     grad_output_2d = grad_output.reshape(-1, grad_output.shape[-1])  # [s * .., out]
-    grad_bias = grad_output_2d.sum(dim=0) if has_bias else None
+    grad_bias = grad_output_2d.sum(dim=0) if bias_needs_grad else None
     x_2d = x.reshape(-1, x.shape[-1])  # [s * .., in]
     main_grad = getattr(weight, "main_grad", None)
     if main_grad is None:
@@ -156,14 +155,13 @@ class _LocalMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias):
-        ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
-        grad_weight, grad_bias = _weight_and_bias_grads(grad_output, x, weight, ctx.has_bias)
+        grad_weight, grad_bias = _weight_and_bias_grads(grad_output, x, weight, ctx.needs_input_grad[2])
         return grad_output.matmul(weight), grad_weight, grad_bias
 
 
@@ -189,7 +187,7 @@ class _RowParallelOverlappedMatmul(torch.autograd.Function):
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
         grad_total, grad_input = all_gather_matmul(grad_output, weight, ctx.group)  # [s, .., out], [s, .., in / k]
-        grad_weight, _ = _weight_and_bias_grads(grad_total, x, weight, has_bias=False)
+        grad_weight, _ = _weight_and_bias_grads(grad_total, x, weight, bias_needs_grad=False)
         return grad_input, grad_weight, None
 
 
@@ -206,7 +204,9 @@ class ColumnParallelLinear(nn.Module):
     ([.., output_size / k]) unless ``gather_output``, which all-gathers it to [.., output_size].
     ``stride`` s splits each of s stacked sub-matrices of A separately (fused QKV), see
     ``_slice_of_master``. With ``skip_bias_add`` the bias is returned instead of added, so that a
-    following fused kernel can add it.
+    following fused kernel can add it. ``forward(x, bias_grad_by_caller=True)`` adds the bias but
+    leaves its gradient to the caller, which sums it while reading dY anyway
+    (``fused_kernels.split_query_key_value``) instead of a separate pass over dY here.
 
     forward(x [.., input_size]) -> (y, bias or None).
     """
@@ -238,8 +238,10 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, x: torch.Tensor, bias_grad_by_caller: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         bias = None if self.skip_bias_add else self.bias
+        if bias is not None and bias_grad_by_caller:
+            bias = bias.detach()
         if group_size(self.tp_group) == 1:
             y = _local_linear(x, self.weight, bias)
         else:  # [s / k or s, .., input_size] -> [s, .., output_size / k]

@@ -13,6 +13,7 @@ from megatron.core.fused_kernels import (
     layer_norm_reference,
     linear_reference,
     scale_mask_softmax_reference,
+    split_query_key_value_reference,
 )
 
 
@@ -230,3 +231,23 @@ def test_layer_norm_linear_reference_is_the_norm_the_product_and_the_activation(
                 "gelu": 0.5 * t * (1 + torch.erf(t / math.sqrt(2)))}[activation]
     out = layer_norm_linear_reference(x, norm_weight, norm_bias, 1e-5, weight, bias, activation)
     torch.testing.assert_close(out, expected)
+
+
+def test_split_query_key_value_reference_views_each_heads_rows_and_gives_the_bias_its_gradient():
+    """mixed = x W^T + b computed with b's gradient left out: the split hands b the row sum of
+    dmixed, so b's gradient is what autograd gives when b is added inside the graph."""
+    torch.manual_seed(7)
+    seq, batch, heads, head_dim = 5, 3, 2, 4
+    x, weight = torch.randn(seq, batch, 6), torch.randn(heads * 3 * head_dim, 6)
+    bias = torch.randn(heads * 3 * head_dim, requires_grad=True)
+    grads = [torch.randn(seq, batch, heads, head_dim) for _ in range(3)]
+    query, key, value = split_query_key_value_reference(torch.nn.functional.linear(x, weight, bias.detach()), bias,
+                                                        head_dim)
+    mixed = torch.nn.functional.linear(x, weight).view(seq, batch, heads, 3, head_dim) + bias.view(heads, 3, head_dim)
+    for part, expected in zip((query, key, value), mixed.unbind(3)):
+        torch.testing.assert_close(part, expected)
+    torch.autograd.backward([query, key, value], grads)
+    expected_grad = torch.stack(grads, dim=3).sum((0, 1)).reshape(-1)  # [heads, 3, head_dim] flattened
+    torch.testing.assert_close(bias.grad, expected_grad)
+    query, _, _ = split_query_key_value_reference(torch.randn(seq, batch, heads * 3 * head_dim), None, head_dim)
+    assert query.shape == (seq, batch, heads, head_dim)

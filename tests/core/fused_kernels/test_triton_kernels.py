@@ -26,6 +26,7 @@ _REFERENCE_NAMES = [
     "decode_attention_reference",
     "linear_reference",
     "layer_norm_linear_reference",
+    "split_query_key_value_reference",
 ]
 
 
@@ -186,6 +187,33 @@ def test_layer_norm_returning_its_input_adds_that_branch_gradient_in_its_kernel(
     _, r = fused_kernels.layer_norm(leaf, weight, bias, 1e-5, return_input=True)
     r.backward(grad_r)
     assert torch.equal(leaf.grad, grad_r)
+
+
+@pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=DTYPE_IDS)
+@pytest.mark.parametrize("seq, batch, heads, head_dim", [(64, 3, 4, 128), (33, 2, 3, 80), (7, 1, 2, 64)])
+def test_query_key_value_split_packs_the_gradients_and_sums_the_bias_gradient(references, dtype, seq, batch, heads,
+                                                                               head_dim):
+    """dq as attention's backward leaves it (a [b, np, s, hn] tensor seen as [s, b, np, hn]), dk
+    contiguous, dv with its batch and position strides swapped; then without a value gradient."""
+    torch.manual_seed(8)
+    width = heads * 3 * head_dim
+    mixed = torch.randn(seq, batch, width, device="cuda").to(dtype)
+    bias = torch.randn(width, device="cuda").to(dtype)
+    grad_query = torch.randn(batch, heads, seq, head_dim, device="cuda").to(dtype).permute(2, 0, 1, 3)
+    grad_key = torch.randn(seq, batch, heads, head_dim, device="cuda").to(dtype)
+    grad_value = torch.randn(batch, seq, heads, head_dim, device="cuda").to(dtype).transpose(0, 1)
+    for grads in ((grad_query, grad_key, grad_value), (grad_query, grad_key, None)):
+        results = []
+        for split in (fused_kernels.split_query_key_value, references.split_query_key_value_reference):
+            leaf, bias_leaf = _leaf(mixed), _leaf(bias)
+            parts = split(leaf, bias_leaf, head_dim)
+            used = [(part, grad) for part, grad in zip(parts, grads) if grad is not None]
+            torch.autograd.backward([part for part, _ in used], [grad for _, grad in used])
+            results.append(([part.detach() for part in parts], leaf.grad, bias_leaf.grad))
+        (parts, grad_mixed, grad_bias), (ref_parts, ref_grad_mixed, ref_grad_bias) = results
+        assert all(torch.equal(part, ref) for part, ref in zip(parts, ref_parts))
+        assert torch.equal(grad_mixed, ref_grad_mixed)  # a copy, exact
+        _assert_matches(grad_bias, ref_grad_bias, ulps=2, reduced=seq * batch)
 
 
 @pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=DTYPE_IDS)

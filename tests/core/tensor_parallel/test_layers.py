@@ -209,6 +209,26 @@ def _check_weight_grads_accumulate_into_main_grad(group, k, me):
             torch.testing.assert_close(ours.bias.grad, theirs.bias.grad, rtol=1e-6, atol=1e-6)
 
 
+def _check_bias_grad_left_to_the_caller(group, k, me):
+    """``bias_grad_by_caller``: the same output, input and weight gradients, and no bias gradient (the
+    caller sums it from dY), on every path: TP 1, and at TP > 1 plain, sequence-parallel, comm-overlapped."""
+    modes = [(False, False)] + ([(True, False), (True, True)] if group is not None else [])
+    for sequence_parallel, comm_overlap in modes:
+        x = _randn(4, BATCH, IN, seed=41 + 10 * me)
+        grad_y = _randn(4 * k if sequence_parallel else 4, BATCH, OUT // k, seed=42 + 10 * me)
+        results = []
+        for by_caller in (False, True):
+            column, _ = _linear_pair(group, sequence_parallel, comm_overlap)
+            leaf = x.clone().requires_grad_(True)
+            y, _ = column(leaf, bias_grad_by_caller=by_caller)
+            y.backward(grad_y)
+            results.append((y.detach(), leaf.grad, column.weight.grad, column.bias.grad))
+        (y, grad_x, grad_weight, grad_bias), (y_caller, grad_x_caller, grad_weight_caller, no_grad) = results
+        assert grad_bias is not None and no_grad is None
+        assert torch.equal(y_caller, y) and torch.equal(grad_x_caller, grad_x)
+        assert torch.equal(grad_weight_caller, grad_weight)
+
+
 def _check_column_stride(group, k, me):
     """A fused [Q; K; V] weight with stride 3: each rank holds its share of Q, of K and of V."""
     hidden = 8
@@ -246,7 +266,7 @@ def _layers_world4(rank, world_size):
     world_group = dist.new_group(list(range(world_size)))
     for group, k, me in ((None, 1, 0), (pair_group, 2, rank % 2), (world_group, 4, rank)):
         for check in (_check_column, _check_row, _check_embedding, _check_column_stride, _check_device_init,
-                      _check_weight_grads_accumulate_into_main_grad):
+                      _check_weight_grads_accumulate_into_main_grad, _check_bias_grad_left_to_the_caller):
             check(group, k, me)
         if group is not None:
             for comm_overlap in (False, True):
@@ -260,7 +280,7 @@ def test_layers_match_tp1_reference_for_tp_1_2_4():
 
 def test_single_process_layers_equal_torch_modules():
     for check in (_check_column, _check_row, _check_embedding, _check_column_stride, _check_device_init,
-                  _check_weight_grads_accumulate_into_main_grad):
+                  _check_weight_grads_accumulate_into_main_grad, _check_bias_grad_left_to_the_caller):
         check(None, 1, 0)
 
 

@@ -77,16 +77,17 @@ class ParallelSelfAttention(nn.Module):
         (a decoding step), through ``fused_kernels.decode_attention``, which also stores the step's
         key and value (``buffers`` instead of ``extend``).
         """
-        mixed, _ = self.query_key_value(hidden_states)  # [s, b, np * 3 * hn], whole s under sequence parallelism
-        return self.dense(self.attend(mixed, position_ids, attention_mask, kv_cache))
+        # [s, b, np * 3 * hn], whole s under sequence parallelism; the bias gradient is summed by the split
+        mixed, _ = self.query_key_value(hidden_states, bias_grad_by_caller=True)
+        return self.dense(self.attend(mixed, position_ids, attention_mask, kv_cache, self.query_key_value.bias))
 
     def attend(self, mixed: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-               kv_cache=None) -> torch.Tensor:
+               kv_cache=None, mixed_bias: torch.Tensor | None = None) -> torch.Tensor:
         """What runs between the two projections (arguments as ``forward``'s): query_key_value's
-        output [s, b, np * 3 * hn] -> the heads' outputs [s, b, np * hn], dense's input."""
+        output [s, b, np * 3 * hn] -> the heads' outputs [s, b, np * hn], dense's input. ``mixed_bias``:
+        the projection's bias when it is in ``mixed`` without its gradient (``split_query_key_value``)."""
         seq_length, batch = mixed.shape[:2]
-        mixed = mixed.view(seq_length, batch, self.heads_per_partition, 3 * self.head_dim)
-        query, key, value = mixed.split(self.head_dim, dim=-1)  # 3 x [s, b, np, hn]
+        query, key, value = fused_kernels.split_query_key_value(mixed, mixed_bias, self.head_dim)  # 3 x [s, b, np, hn]
         if self.config.position_embedding_type == "rotary":
             cos, sin = rotary_cos_sin(position_ids, self.head_dim)
             query, key = apply_rotary_embedding(query, cos, sin), apply_rotary_embedding(key, cos, sin)
