@@ -127,12 +127,6 @@ def broadcast_from_first_rank(tensor: torch.Tensor, group=None) -> torch.Tensor:
     return received
 
 
-def sum_tensor_in_place(tensor: torch.Tensor, group=None) -> None:
-    """tensor <- the sum of ``tensor`` over the ranks of ``group`` (nothing to do on one rank)."""
-    if distributed() and dist.get_world_size(group) > 1:
-        dist.all_reduce(tensor, group=group)
-
-
 def barrier(group=None) -> None:
     if not distributed():
         return

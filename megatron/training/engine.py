@@ -31,11 +31,11 @@ import torch
 
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.layer_norm import LayerNorm
-from megatron.core.parallel_state import DeepSpeedMPU, ParallelGroups, group_size
+from megatron.core.parallel_state import DeepSpeedMPU, ParallelGroups
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megatron.training.config import OptimizerConfig, ScheduleConfig, TrainConfig
 from megatron.training.dist_utils import (broadcast_from_first_rank, gather_objects, max_across_ranks, print_rank_0,
-                                         sum_across_group, sum_tensor_in_place)
+                                         sum_across_group)
 from megatron.training.lr_schedule import AnnealingLR
 
 
@@ -315,53 +315,6 @@ def clip_inside_the_fused_adamw_step(engine) -> bool:
     return True
 
 
-def reduce_bf16_gradients_in_place(engine) -> bool:
-    """DeepSpeed's pipeline engine (which also runs PP = 1 at ZeRO 0/1) reduces BF16_Optimizer's fp32
-    gradient accumulators over data parallelism once per step through its bucketed fallback: each
-    flat accumulator is copied into a new flat tensor, cast to the communication dtype (bf16 unless
-    the ds_config says otherwise), scaled and all-reduced, cast back into that copy and copied back:
-    28 bytes of traffic per parameter, the same at DP = 1, where nothing is summed but the rounding to
-    the communication dtype. The accumulators are flat and contiguous already, so here each is cast,
-    scaled and reduced as DeepSpeed does, and written back by the cast: 12 bytes per parameter, the
-    same values. Applies to a pipeline engine on BF16_Optimizer without MoE layers; returns whether
-    it did."""
-    optimizer = engine.optimizer
-    if not (getattr(engine, "using_bf16_optimizer", False) and hasattr(engine, "_bf16_reduce_grads")
-            and hasattr(optimizer, "get_grads_for_reduction") and not engine.has_moe_layers):
-        return False
-    group = engine.mpu.get_data_parallel_group()
-
-    @torch.no_grad()
-    def reduce_in_place():
-        world_size = group_size(group)
-        accumulators, _ = optimizer.get_grads_for_reduction()
-        for accumulator in accumulators:
-            communicated = accumulator.to(engine.communication_data_type)
-            _scale_and_sum(engine, communicated, group, world_size)
-            if communicated is not accumulator:
-                accumulator.copy_(communicated)
-
-    engine._bf16_reduce_grads = reduce_in_place
-    return True
-
-
-def _scale_and_sum(engine, tensor: torch.Tensor, group, world_size: int) -> None:
-    """DeepSpeed's ``allreduce_bucket`` on one tensor: the sum over ``group``, averaged before or after
-    (``prescale_gradients``, ``gradient_predivide_factor``) unless the gradients are summed, not averaged."""
-    if not engine.gradient_average:
-        sum_tensor_in_place(tensor, group)
-    elif engine.postscale_gradients():
-        predivide = engine.gradient_predivide_factor()
-        if predivide != 1.0:
-            tensor.mul_(1.0 / predivide)
-        sum_tensor_in_place(tensor, group)
-        if predivide != world_size:
-            tensor.mul_(predivide / world_size)
-    else:
-        tensor.mul_(1.0 / world_size)
-        sum_tensor_in_place(tensor, group)
-
-
 def initialize_engine(config: TrainConfig, groups: ParallelGroups, model: torch.nn.Module,
                       torch_optimizer: torch.optim.Optimizer, lr_scheduler: AnnealingLR):
     """deepspeed.initialize on our model, optimizer, schedule and groups; checked against our grid."""
@@ -381,7 +334,6 @@ def initialize_engine(config: TrainConfig, groups: ParallelGroups, model: torch.
         if config.precision.gradient_accumulation_fusion:
             accumulate_linear_weight_gradients_in_their_gemms(engine)
         clip_inside_the_fused_adamw_step(engine)
-        reduce_bf16_gradients_in_place(engine)
     if pipeline and (getattr(engine, "using_bf16_optimizer", False) or not engine.zero_optimization()):
         model.reduce_sequence_parallel_gradients_once_per_step()
     if config.logging.log_num_zeros_in_grad:

@@ -1,6 +1,6 @@
 """megatron/training/engine.py: the fused fp32 accumulation of bf16 gradients on DeepSpeed's BF16_Optimizer,
-the weight-gradient GEMMs adding into its fp32 accumulators (gradient-accumulation fusion), the
-clip folded into the fused AdamW step, and the pipeline engine's data-parallel reduction in place."""
+the weight-gradient GEMMs adding into its fp32 accumulators (gradient-accumulation fusion), and the
+clip folded into the fused AdamW step."""
 import functools
 
 import torch
@@ -8,7 +8,7 @@ import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.training.engine import (accumulate_bf16_gradients_in_one_kernel,
                                       accumulate_linear_weight_gradients_in_their_gemms,
-                                      clip_inside_the_fused_adamw_step, reduce_bf16_gradients_in_place)
+                                      clip_inside_the_fused_adamw_step)
 from tests.dist_utils import run_distributed
 
 
@@ -161,63 +161,3 @@ def test_clip_stays_with_deepspeed_without_a_fused_adamw():
 def _clip_stays_with_deepspeed(rank, world_size):
     engine = _mlp_engine(fused=False)  # DeepSpeed's torch_adam: AdamW without fused=True
     assert not clip_inside_the_fused_adamw_step(engine)
-
-
-def _pipeline_engine(in_place: bool):
-    """A one-stage DeepSpeed pipeline engine (the trainer's engine at PP = 1) on BF16_Optimizer."""
-    deepspeed = _deepspeed_on_the_cpu()
-    from deepspeed.pipe import PipelineModule
-
-    deepspeed.init_distributed(dist_backend="gloo")  # the module's topology needs it before initialize
-    torch.manual_seed(0)
-    model = PipelineModule(layers=[torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 24)], num_stages=1,
-                           loss_fn=lambda out, label: (out.float() - label.float()).square().mean())
-    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3, "bf16": {"enabled": True},
-              "data_types": {"grad_accum_dtype": "fp32"}, "zero_optimization": {"stage": 1},
-              "gradient_clipping": 0.5, "steps_per_print": 1000,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    if in_place:
-        assert reduce_bf16_gradients_in_place(engine)
-        reduce = engine._bf16_reduce_grads
-        engine.reductions = []
-        engine._bf16_reduce_grads = lambda: engine.reductions.append(1) or reduce()
-    return engine
-
-
-def _pipeline_steps(engine, rank) -> tuple[list[float], torch.Tensor]:
-    """Losses of two steps of 3 micro-batches on this rank's own data, and the bf16 weights (equal on
-    every rank) with this rank's fp32 master weights."""
-    generator = torch.Generator().manual_seed(1 + rank)
-    batches = iter([(torch.randn(4, 24, generator=generator).bfloat16(), torch.randn(4, 24, generator=generator))
-                    for _ in range(6)])
-    losses = [float(engine.train_batch(batches)) for _ in range(2)]
-    weights = torch.cat([param.detach().float().reshape(-1) for param in engine.module.parameters()])
-    if engine.dp_world_size > 1:  # the ranks trained on different data: the reduction made them agree
-        gathered = [torch.empty_like(weights) for _ in range(engine.dp_world_size)]
-        torch.distributed.all_gather(gathered, weights)
-        assert all(torch.equal(other, gathered[0]) for other in gathered)
-    return losses, torch.cat([weights, _master_weights(engine)])
-
-
-def _in_place_reduction_equals_deepspeeds(rank, world_size):
-    reference_losses, reference_weights = _pipeline_steps(_pipeline_engine(in_place=False), rank)
-    engine = _pipeline_engine(in_place=True)
-    losses, weights = _pipeline_steps(engine, rank)
-    assert len(engine.reductions) == 2  # once per step, by the engine
-    assert losses == reference_losses
-    assert torch.equal(weights, reference_weights)  # same casts, scaling and sums: bit for bit
-
-
-def test_pipeline_engine_reduces_bf16_gradients_in_place_as_deepspeed_does():
-    """Over two data-parallel ranks, and on one (where only the rounding to bf16 happens)."""
-    run_distributed(_in_place_reduction_equals_deepspeeds, 2)
-    run_distributed(_in_place_reduction_equals_deepspeeds, 1)
-
-
-def _plain_engine_keeps_its_reduction(rank, world_size):
-    assert not reduce_bf16_gradients_in_place(_mlp_engine(fused=False))
-
-
-def test_plain_engine_keeps_deepspeeds_reduction():
-    run_distributed(_plain_engine_keeps_its_reduction, 1)
