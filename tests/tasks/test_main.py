@@ -4,7 +4,7 @@ WikiText-103 perplexity and LAMBADA accuracy (plain and strict) of the checkpoin
 in this process, equal the figures recomputed here from its logits without the windows or the
 samples (one forward per target over the context the windowing promises it; the argmax check of
 each passage on its own tokens). Half the LAMBADA passages end with the model's greedy next word,
-so both outcomes occur. Launched on 4 gloo ranks (torchrun) under the saved TP=2 x PP=2, the three
+so both outcomes occur. Launched on 4 gloo ranks (one process each) under the saved TP=2 x PP=2, the three
 figures equal those of the one-process model (rel 1e-6); re-cut to TP=1 x PP=2 with two data-parallel
 replicas, the command prints the one-process line once. Bad flags are named before any process group.
 """
@@ -26,7 +26,7 @@ from tasks.main import evaluate_task, main
 from tests.conftest import REPO_ROOT, SAMPLE_CORPUS
 from tests.core.evaluation.test_zeroshot import WIKITEXT, next_token_log_prob
 from tests.tasks.trained_checkpoint import SEQ_LENGTH, checkpoint_path, model_flags, trained  # noqa: F401
-from tests.training.e2e_utils import run_command, torchrun_command
+from tests.training.e2e_utils import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 OVERLAP = 8
@@ -126,7 +126,7 @@ def test_tp2_pp2_launch_equals_one_process(trained, files, tmp_path):  # noqa: F
     output = tmp_path / "figures.json"
     arguments = ["--load", save, *model_flags(data), *task_arguments("WIKITEXT103", paths),
                  "--lambada-data", paths["lambada.jsonl"], "--output", str(output)]
-    run_command(torchrun_command(4) + [WORKER, *arguments], timeout=240).assert_ok()
+    run_ranks([WORKER, *arguments], 4, timeout=240).assert_ok()
     found = json.loads(output.read_text())
     for name, task, strict in (("WIKITEXT103", "WIKITEXT103", False), ("LAMBADA", "LAMBADA", False),
                                ("LAMBADA strict", "LAMBADA", True)):
@@ -142,9 +142,8 @@ def test_command_line_under_data_parallel_replicas(trained, files):  # noqa: F81
     data, save = trained
     model, tokenizer, _, paths = files
     layout = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"]
-    result = run_command(torchrun_command(4) + [MAIN, "--load", save, "--no-load-optim", "--no-load-rng",
-                                                *model_flags(data), *task_arguments("WIKITEXT103", paths), *layout],
-                         timeout=240)
+    result = run_ranks([MAIN, "--load", save, "--no-load-optim", "--no-load-rng", *model_flags(data),
+                        *task_arguments("WIKITEXT103", paths), *layout], 4, timeout=240)
     result.assert_ok()
     flags = task_flags("WIKITEXT103", paths["wiki.test.tokens"])
     expected = evaluate_task(flags, model, tokenizer, SEQ_LENGTH).line("WIKITEXT103")

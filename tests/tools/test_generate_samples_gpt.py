@@ -1,5 +1,5 @@
 """tools/generate_samples_gpt.py on the session's checkpoint trained under TP=2 x PP=2
-(tests/tasks/trained_checkpoint.py), launched like training (torchrun, gloo, one process a rank).
+(tests/tasks/trained_checkpoint.py), launched like training (gloo, one process a rank).
 
 * Greedy: the same tokens under TP=1, TP=2, PP=2 and the saved TP=2 x PP=2, with the cache and
   without (--recompute); and they are what transformers' GPT2LMHeadModel generates from the
@@ -22,7 +22,7 @@ from megatron.core.tokenizer import GPT2BPETokenizer
 from tests.conftest import REPO_ROOT
 from tests.core.text_generation.test_generation import transformers_model
 from tests.tasks.trained_checkpoint import checkpoint_path, model_flags, trained  # noqa: F401
-from tests.training.e2e_utils import run_command, subprocess_env, torchrun_command
+from tests.training.e2e_utils import run_command, run_script, subprocess_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 TOOL = os.path.join(REPO_ROOT, "tools", "generate_samples_gpt.py")
@@ -38,12 +38,11 @@ def run_tool(trained, tmp_path, name, tp, pp, *flags, stdin=None):  # noqa: F811
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")
     genfile = tmp_path / f"{name}.jsonl"
-    launch = torchrun_command(tp * pp) if tp * pp > 1 else [sys.executable]
-    command = launch + [TOOL, "--load", save, *model_flags(data), "--tensor-model-parallel-size", str(tp),
+    command = [TOOL, "--load", save, *model_flags(data), "--tensor-model-parallel-size", str(tp),
                         "--pipeline-model-parallel-size", str(pp), "--out-seq-length", str(NEW_TOKENS),
                         "--micro-batch-size", "3", "--sample-input-file", str(prompts),
                         "--sample-output-file", str(tmp_path / f"{name}.out"), "--genfile", str(genfile), *flags]
-    run_command(command, timeout=240).assert_ok()
+    run_script(command, tp * pp, timeout=240).assert_ok()
     return [json.loads(line) for line in genfile.read_text().splitlines()]
 
 

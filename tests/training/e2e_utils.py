@@ -1,9 +1,11 @@
-"""Helpers of the end-to-end tests: real ``pretrain_gpt.py`` runs under real launchers, read back from
-their stdout and TensorBoard files.
+"""Helpers of the end-to-end tests: real ``pretrain_gpt.py`` runs, read back from their stdout and
+TensorBoard files. Several ranks start directly, with the variables torchrun would give them
+(run_ranks); the tests of the launchers themselves run torchrun, deepspeed or srun (torchrun_command,
+executable).
 
     data = shared_corpus(tmp_path_factory)          # tokenizer + .bin/.idx, built once per session
     flags = tiny_gpt_flags(data) + ["--train-iters", "5", ...]
-    result = run_pretrain(flags, nproc=2)           # torchrun, CPU, gloo
+    result = run_pretrain(flags, nproc=2)           # 2 ranks started directly, CPU, gloo
     result.assert_ok()
     lines = result.log_lines()                      # the per-iteration log line, parsed
     scalars = read_scalars(tensorboard_dir)         # {tag: [(step, value), ...]}
@@ -36,6 +38,8 @@ EXAMPLES_DIR = os.path.join(REPO_ROOT, "examples")
 # The tokenizer's vocabulary; 1000 is not a multiple of 128, so padding always happens.
 TOKENIZER_VOCAB_SIZE = 1000
 DEFAULT_TIMEOUT = 240
+# How long the other ranks of a failed job get to stop on SIGTERM before SIGKILL (torchrun waits 30 s).
+RANK_STOP_GRACE = 30
 # Variables a launcher or a SLURM allocation sets; a test decides them, never the calling shell.
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                       "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID", "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE")
@@ -219,11 +223,87 @@ def torchrun_command(nproc: int) -> list[str]:
             "--master_port", str(free_port())]
 
 
+def rank_variables(rank: int, nproc: int, port: int) -> dict:
+    """What torchrun gives rank ``rank`` of a one-node job of ``nproc`` processes, less the variables of
+    its agent (TORCHELASTIC_*): the trainer reads them as the plain-environment launcher ("env")."""
+    size = str(nproc)
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+            "WORLD_SIZE": size, "LOCAL_WORLD_SIZE": size, "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": size,
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+def kill_sessions(processes: list[subprocess.Popen], sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to the session of every process still running (each leads its own)."""
+    for process in processes:
+        if process.poll() is None:
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def stop_like_a_launcher(processes: list[subprocess.Popen], grace: float) -> None:
+    """What torchrun does to the other ranks when one fails: SIGTERM, then SIGKILL after ``grace`` s."""
+    kill_sessions(processes, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while any(process.poll() is None for process in processes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    kill_sessions(processes)
+
+
+def wait_for_ranks(processes: list[subprocess.Popen], timeout: float) -> tuple[int, bool]:
+    """(exit status, timed out) of a job: 0 when every rank succeeds, else the first failing rank's
+    status, the others stopped then as torchrun stops them; every rank killed past ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        statuses = [process.poll() for process in processes]
+        failed = [status for status in statuses if status not in (None, 0)]
+        if failed:
+            stop_like_a_launcher(processes, grace=scaled_timeout(RANK_STOP_GRACE))
+            return failed[0], False
+        if None not in statuses:
+            return 0, False
+        time.sleep(0.05)
+    return -signal.SIGKILL, True
+
+
+def run_ranks(command: list[str], nproc: int, *, env: dict | None = None,
+              timeout: float = DEFAULT_TIMEOUT) -> RunResult:
+    """``python command...`` as ``nproc`` ranks started directly, with the variables torchrun would set
+    (rank_variables), their output in one stream as under torchrun: without torchrun's own start-up
+    (seconds of a loaded machine) for tests that do not test the launcher. Each rank runs in its own
+    session; whatever ends the job (success, a failing rank, the timeout, an exception here) leaves
+    no rank running."""
+    port = free_port()
+    with tempfile.TemporaryFile(mode="w+") as output:
+        processes = []
+        try:
+            for rank in range(nproc):
+                processes.append(subprocess.Popen(
+                    [sys.executable, *command], cwd=REPO_ROOT,
+                    env=subprocess_env({**(env or {}), **rank_variables(rank, nproc, port)}),
+                    stdout=output, stderr=subprocess.STDOUT, start_new_session=True))
+            status, timed_out = wait_for_ranks(processes, scaled_timeout(timeout))
+        finally:
+            kill_sessions(processes)
+            for process in processes:
+                process.wait()
+        output.seek(0)
+        return RunResult([f"ranks 0-{nproc - 1}: python", *command], status, output.read(), timed_out)
+
+
+def run_script(command: list[str], nproc: int = 1, *, env: dict | None = None,
+               timeout: float = DEFAULT_TIMEOUT) -> RunResult:
+    """``python command...``: one plain process for nproc 1, else ``nproc`` ranks (run_ranks)."""
+    if nproc == 1:
+        return run_command([sys.executable, *command], env=env, timeout=timeout)
+    return run_ranks(command, nproc, env=env, timeout=timeout)
+
+
 def run_pretrain(flags: list[str], *, nproc: int = 1, env: dict | None = None,
                  timeout: float = DEFAULT_TIMEOUT) -> RunResult:
-    """pretrain_gpt.py with ``flags``: a plain python process for nproc 1, else under torchrun."""
-    prefix = [sys.executable] if nproc == 1 else torchrun_command(nproc)
-    return run_command(prefix + [PRETRAIN_SCRIPT, *flags], env=env, timeout=timeout)
+    """pretrain_gpt.py with ``flags`` on ``nproc`` processes (run_script)."""
+    return run_script([PRETRAIN_SCRIPT, *flags], nproc, env=env, timeout=timeout)
 
 
 class Job:

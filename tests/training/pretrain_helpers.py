@@ -3,7 +3,7 @@
 ``preprocessed_corpus`` (a session fixture, registered in tests/conftest.py) tokenizes the sample
 corpus with the session's 4k GPT-2 tokenizer into an indexed dataset, once per session (the index
 caches runs write beside it are keyed by their parameters). ``run_pretrain`` starts one process (plain
-``python``, on a free rendezvous port) or several (``python -m torch.distributed.run``).
+``python``, on a free rendezvous port) or several ranks (tests.training.e2e_utils.run_ranks).
 ``training_lines`` / ``validation_lines`` read the log lines through megatron.training.log_reader.
 """
 import os
@@ -17,7 +17,7 @@ import pytest
 from megatron.training.log_reader import iteration_records, validation_records
 from tests.conftest import REPO_ROOT, SAMPLE_CORPUS
 from tests.dist_utils import free_port
-from tests.training.e2e_utils import run_command
+from tests.training.e2e_utils import run_script
 
 PRETRAIN = os.path.join(REPO_ROOT, "pretrain_gpt.py")
 TINY_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
@@ -53,19 +53,14 @@ def tiny_run_args(corpus: Corpus, *extra: str) -> list[str]:
 
 def run_pretrain(args: list[str], nproc: int = 1, timeout: float = 300, check: bool = True,
                  env: dict | None = None, script: str = PRETRAIN) -> subprocess.CompletedProcess:
-    """``script`` (pretrain_gpt.py) with ``args`` on ``nproc`` CPU processes; stdout and stderr merged
-    into ``.stdout``. Started and, past ``timeout``, killed with its whole process group by
-    tests.training.e2e_utils.run_command."""
+    """``script`` (pretrain_gpt.py) with ``args`` on ``nproc`` CPU processes (ranks started directly, see
+    tests.training.e2e_utils.run_ranks); stdout and stderr merged into ``.stdout``; killed past ``timeout``."""
     if nproc == 1:
         env = {"MASTER_PORT": str(free_port()), **(env or {})}
-        command = [sys.executable, script, *args]
-    else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                   "--master_port", str(free_port()), script, *args]
-    result = run_command(command, env=env, timeout=timeout)
+    result = run_script([script, *args], nproc, env=env, timeout=timeout)
     if result.timed_out or (check and result.returncode != 0):
         result.assert_ok()
-    return subprocess.CompletedProcess(command, result.returncode, stdout=result.output)
+    return subprocess.CompletedProcess(result.command, result.returncode, stdout=result.output)
 
 
 def _value(text: str):

@@ -2,7 +2,7 @@
 (tests/tasks/trained_checkpoint.py), and on one of the plain engine (ZeRO-2, TP=2) with ALiBi, an
 embedding LayerNorm and a SwiGLU MLP (trained here for one iteration).
 
-Launched like training (torchrun, gloo), the logits of two token rows equal, on every rank, those of
+Launched like training (one process a rank, gloo), the logits of two token rows equal, on every rank, those of
 the checkpoint merged into one GPTModel (megatron.core.checkpoint.model_loading): under the saved
 layout (each rank reads its own partition files) and re-cut to TP=1 x PP=1 and TP=1 x PP=2; the
 plain-engine checkpoint under TP=2 and TP=1 x PP=2, with only --load and the tokenizer given. Wrong
@@ -19,7 +19,7 @@ from megatron.core.checkpoint.reader import open_checkpoint
 from megatron.training.inference_model import InferenceSetupError, load_inference_model
 from tests.conftest import REPO_ROOT
 from tests.tasks.trained_checkpoint import checkpoint_path, model_flags, trained  # noqa: F401
-from tests.training.e2e_utils import run_command, run_pretrain, shared_corpus, torchrun_command
+from tests.training.e2e_utils import run_pretrain, run_script, shared_corpus
 from tests.training.test_layout_equivalence import common_flags
 
 WORKER = os.path.join(REPO_ROOT, "tests", "training", "inference_worker.py")
@@ -62,8 +62,8 @@ def run_worker(processes: int, flags: list[str], tmp_path) -> list[dict]:
     tokens_file = tmp_path / "tokens.json"
     tokens_file.write_text(json.dumps(TOKENS))
     output = str(tmp_path / "logits")
-    command = torchrun_command(processes) + [WORKER, *flags, "--tokens-json", str(tokens_file), "--output", output]
-    run_command(command, timeout=180).assert_ok()
+    run_script([WORKER, *flags, "--tokens-json", str(tokens_file), "--output", output], processes,
+               timeout=180).assert_ok()
     return [torch.load(f"{output}.{rank}") for rank in range(processes)]
 
 

@@ -1,7 +1,7 @@
 """The first minutes of a run, end to end: errors reported once, before any process group or model,
 with nothing written; the console kept short (listings go to --log-path, one line each).
 
-Every run here starts 2 processes under torchrun, as a user's first launch would.
+Every run here starts 2 ranks (stopped, as torchrun stops them, when one fails), as a user's first launch would.
 """
 import os
 import re

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from tests.training.e2e_utils import e2e_data, run_command, subprocess_env, tiny_gpt_flags, torchrun_command  # noqa: F401
+from tests.training.e2e_utils import e2e_data, run_ranks, tiny_gpt_flags  # noqa: F401
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -18,9 +18,9 @@ LAYER = "layer_03-model_0{}-model_states.pt"
 
 
 def run(data, checkpoint, *extra, drift=True):
-    command = torchrun_command(2) + [INJECT, *tiny_gpt_flags(data), *FLAGS, "--save", str(checkpoint), *extra]
+    command = [INJECT, *tiny_gpt_flags(data), *FLAGS, "--save", str(checkpoint), *extra]
     env = {"DRIFT_AT_ITERATION": "3", "DRIFT": "1e-3" if drift else "0"}
-    result = run_command(command, env=env)
+    result = run_ranks(command, 2, env=env)
     result.assert_ok()
     return result.output
 

@@ -17,7 +17,7 @@ from tests.conftest import REPO_ROOT
 from tests.tasks.eval_harness.local_tasks import GROUP, figures, write_local_tasks
 from tests.tasks.eval_harness.test_megatron_lm import evaluate, pipeline_of
 from tests.tasks.trained_checkpoint import SEQ_LENGTH, checkpoint_path, trained  # noqa: F401
-from tests.training.e2e_utils import run_command, torchrun_command
+from tests.training.e2e_utils import run_ranks
 from tools.convert_checkpoint import deepspeed_to_transformers
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -37,9 +37,9 @@ def test_tp2_pp2_launch_equals_one_process_and_the_exported_model(trained, tmp_p
     results_path = tmp_path / "out" / "results.json"
     common = ["--load", save, "--micro-batch-size", "2", "--vocab-file", data.vocab_file, "--merge-file",
               data.merge_file, "--include_path", include_path, "--bootstrap_iters", "0"]
-    result = run_command(torchrun_command(4) + [EVALUATE, *common, "--task_list", GROUP, "--results_path",
-                                                str(results_path), "--adaptive_seq_len", "--micro_bs_multiplier", "2",
-                                                "--seq-length", str(SEQ_LENGTH)], timeout=600)
+    result = run_ranks([EVALUATE, *common, "--task_list", GROUP, "--results_path", str(results_path),
+                        "--adaptive_seq_len", "--micro_bs_multiplier", "2", "--seq-length", str(SEQ_LENGTH)], 4,
+                       timeout=600)
     result.assert_ok()
     assert result.output.count("|word_perplexity|") == 1  # one table, printed by global rank 0
     found = figures(json.loads(results_path.read_text()))
