@@ -8,7 +8,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE_CORPUS = os.path.join(REPO_ROOT, "examples", "data", "python-docs.jsonl.gz")
 
 # Session fixtures shared by many modules, registered once so they are built once per session.
-pytest_plugins = ["tests.fixtures_tokenizer", "tests.training.pretrain_helpers"]
+# Each before the modules that import it (pytest rewrites a plugin's asserts only if it imports it first).
+pytest_plugins = ["tests.fixtures_tokenizer", "tests.training.e2e_utils", "tests.training.pretrain_helpers",
+                  "tests.training.parallel_3d_runs", "tests.tasks.trained_checkpoint"]
 
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)

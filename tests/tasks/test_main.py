@@ -25,7 +25,7 @@ from megatron.core.tokenizer import GPT2BPETokenizer
 from tasks.main import evaluate_task, main
 from tests.conftest import REPO_ROOT, SAMPLE_CORPUS
 from tests.core.evaluation.test_zeroshot import WIKITEXT, next_token_log_prob
-from tests.tasks.trained_checkpoint import SEQ_LENGTH, checkpoint_path, model_flags, trained  # noqa: F401
+from tests.tasks.trained_checkpoint import SEQ_LENGTH, checkpoint_path, model_flags
 from tests.training.e2e_utils import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -93,7 +93,7 @@ def expected_wikitext_loss(model, tokenizer) -> float:
 
 
 @pytest.fixture(scope="module")
-def files(trained, tmp_path_factory):  # noqa: F811
+def files(trained, tmp_path_factory):
     """(the checkpoint's model run whole, its tokenizer, {task file name: path})."""
     data, save = trained
     model = load_gpt_model(open_checkpoint(checkpoint_path(save)))
@@ -119,7 +119,7 @@ def test_figures_equal_the_recomputation_from_logits(files):
         assert 0 < expected < len(passages)
 
 
-def test_tp2_pp2_launch_equals_one_process(trained, files, tmp_path):  # noqa: F811
+def test_tp2_pp2_launch_equals_one_process(trained, files, tmp_path):
     """4 ranks under the saved layout (one replica): the figures of the model run whole in one process."""
     data, save = trained
     model, tokenizer, _, paths = files
@@ -136,7 +136,7 @@ def test_tp2_pp2_launch_equals_one_process(trained, files, tmp_path):  # noqa: F
     print(found)
 
 
-def test_command_line_under_data_parallel_replicas(trained, files):  # noqa: F811
+def test_command_line_under_data_parallel_replicas(trained, files):
     """tasks/main.py on 4 ranks re-cut to TP=1 x PP=2, two replicas sharing the windows: the last rank
     prints the line of the model run whole in one process."""
     data, save = trained
@@ -151,7 +151,7 @@ def test_command_line_under_data_parallel_replicas(trained, files):  # noqa: F81
     assert expected in result.output
 
 
-def test_bad_flags_are_named_before_starting(trained, files, capsys):  # noqa: F811
+def test_bad_flags_are_named_before_starting(trained, files, capsys):
     data, save = trained
     _, _, _, paths = files
     common = ["--load", save, *model_flags(data), *task_arguments("LAMBADA", paths)]

@@ -4,7 +4,6 @@ import os
 
 import pytest
 
-from tests.training.e2e_utils import e2e_data  # noqa: F401
 from tools.build_dataset_indices import main
 
 RUN_FLAGS = ["--seq-length", "64", "--seed", "1234", "--global-batch-size", "4",
@@ -15,7 +14,7 @@ def cache_files(cache_dir, pattern="*.npy"):
     return sorted(os.path.basename(p) for p in glob.glob(os.path.join(cache_dir, pattern)))
 
 
-def test_option1_builds_the_trainers_caches_once(e2e_data, tmp_path, capsys):  # noqa: F811
+def test_option1_builds_the_trainers_caches_once(e2e_data, tmp_path, capsys):
     cache = str(tmp_path / "cache")
     argv = ["--data-path", e2e_data.data_prefix, "--split", "969,30,1", "--data-cache-path", cache,
             "--train-iters", "30", *RUN_FLAGS]
@@ -32,7 +31,7 @@ def test_option1_builds_the_trainers_caches_once(e2e_data, tmp_path, capsys):  #
     assert {n: os.stat(os.path.join(cache, n)).st_mtime_ns for n in cache_files(cache)} == mtimes
 
 
-def test_train_samples_and_named_groups_from_a_file(e2e_data, tmp_path, capsys):  # noqa: F811
+def test_train_samples_and_named_groups_from_a_file(e2e_data, tmp_path, capsys):
     groups = tmp_path / "valid_groups.txt"
     groups.write_text(f'"first: 1 0.9:0.95 {e2e_data.data_prefix}" "second: 1 0.95:1 {e2e_data.data_prefix}"\n')
     main(["--train-weighted-split-paths", f"train: 1 0:0.9 {e2e_data.data_prefix}",

@@ -13,7 +13,7 @@ import torch
 from megatron.core.checkpoint.model_loading import load_gpt_model
 from megatron.core.checkpoint.reader import open_checkpoint
 from megatron.core.checkpoint.transformers_export import NotExportableError, architecture
-from tests.training.e2e_utils import e2e_data, run_pretrain  # noqa: F401
+from tests.training.e2e_utils import run_pretrain
 from tests.training.test_layout_equivalence import common_flags
 from tools.convert_checkpoint import deepspeed_to_transformers
 
@@ -23,7 +23,7 @@ TOKENIZER_VOCABULARY = 1000
 
 
 @pytest.fixture(scope="module", params=sorted(STYLES))
-def trained(request, e2e_data, tmp_path_factory):  # noqa: F811
+def trained(request, e2e_data, tmp_path_factory):
     """(architecture, the global_step2 directory of a TP=2 x PP=2 run of that style)."""
     save = str(tmp_path_factory.mktemp("trained") / "checkpoints")
     flags = common_flags(e2e_data, seq_length=32, num_layers=2, global_batch=4, train_iters=2)

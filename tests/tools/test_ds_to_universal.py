@@ -9,7 +9,7 @@ run started.
 Set-up: test_layout_equivalence's flags (fp32, dropout 0, weight decay 1.0, clipping that triggers),
 4 layers, 4 heads, hidden 64, sequence 32, global batch 8, 6 iterations, a save at iteration 2: the
 sizes of tests/training/test_3d_parallel_cpu.py, whose saving TP=2 x PP=2 x DP=2 run at ZeRO-1 is
-the 2_2_2 source here (launched once per session, by whichever module asks first). Layouts are
+the 2_2_2 source here (a session fixture, tests/training/parallel_3d_runs.py). Layouts are
 TP_PP_DP; the source runs once per source layout (it is the uninterrupted reference), each target
 resumes from its own copy of the conversion.
 """
@@ -24,9 +24,8 @@ from megatron.core.checkpoint.names import as_pipeline_name
 from megatron.core.checkpoint.reader import open_checkpoint
 from megatron.core.checkpoint.universal_writer import write_universal_zero
 from megatron.training.log_reader import iteration_records
-from tests.training.e2e_utils import e2e_data, read_scalars, run_pretrain  # noqa: F401
-from tests.training.test_3d_parallel_cpu import (GLOBAL_BATCH, NUM_LAYERS, SAVE_ITERATION, SEQ_LENGTH, TRAIN_ITERS,
-                                                 saving_layout_run)
+from tests.training.e2e_utils import read_scalars, run_pretrain
+from tests.training.parallel_3d_runs import GLOBAL_BATCH, NUM_LAYERS, SAVE_ITERATION, SEQ_LENGTH, TRAIN_ITERS
 from tests.training.test_layout_equivalence import common_flags, series
 from tools.convert_checkpoint import ds_to_universal
 from tools.convert_checkpoint.ds_to_universal import write_model_states
@@ -70,14 +69,14 @@ def train(data, layout: str, zero_stage: int, precision: list[str], tensorboard:
 
 
 @pytest.fixture(scope="module")
-def sources(e2e_data, tmp_path_factory):  # noqa: F811
+def sources(e2e_data, tmp_path_factory, request):
     """(layout, ZeRO stage, precision) -> {"scalars", "output", "save"} of each source run, run once."""
     found = {}
 
     def source(layout, zero_stage, precision):
         key = (layout, zero_stage, tuple(precision))
-        if key == SHARED_SOURCE:
-            shared = saving_layout_run(e2e_data, tmp_path_factory)
+        if key == SHARED_SOURCE:  # asked for here, so that a selection without that source does not launch it
+            shared = request.getfixturevalue("saving_layout_run")
             return {"scalars": shared["scalars"], "output": shared["output"], "save": str(shared["save"])}
         if key not in found:
             directory = tmp_path_factory.mktemp(f"source_{layout}_z{zero_stage}")
@@ -110,7 +109,7 @@ def counters(output: str, iterations: list[int]) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("source_layout, target_layout, source_zero, target_zero, precision", PAIRS,
                          ids=[f"{s}_z{a}-to-{t}_z{b}{'-bf16' if p else ''}" for s, t, a, b, p in PAIRS])
-def test_universal_resume_continues_the_source_run(sources, e2e_data, tmp_path, capsys, source_layout,  # noqa: F811
+def test_universal_resume_continues_the_source_run(sources, e2e_data, tmp_path, capsys, source_layout,
                                                    target_layout, source_zero, target_zero, precision):
     source = sources(source_layout, source_zero, precision)
     load = convert(source["save"], str(tmp_path), capsys)

@@ -21,7 +21,7 @@ from megatron.core.checkpoint.reader import open_checkpoint
 from megatron.core.tokenizer import GPT2BPETokenizer
 from tests.conftest import REPO_ROOT
 from tests.core.text_generation.test_generation import transformers_model
-from tests.tasks.trained_checkpoint import checkpoint_path, model_flags, trained  # noqa: F401
+from tests.tasks.trained_checkpoint import checkpoint_path, model_flags
 from tests.training.e2e_utils import run_command, run_script, subprocess_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -32,7 +32,7 @@ LAYOUTS = {"TP1": (1, 1), "TP2": (2, 1), "PP2": (1, 2), "TP2xPP2": (2, 2)}
 SAMPLING = ["--temperature", "1.5", "--top_k", "50", "--top_p", "0.95"]
 
 
-def run_tool(trained, tmp_path, name, tp, pp, *flags, stdin=None):  # noqa: F811
+def run_tool(trained, tmp_path, name, tp, pp, *flags, stdin=None):
     """The tool on ``tp`` x ``pp`` processes with the prompts file; (genfile samples, result)."""
     data, save = trained
     prompts = tmp_path / "prompts.txt"
@@ -47,14 +47,14 @@ def run_tool(trained, tmp_path, name, tp, pp, *flags, stdin=None):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def greedy_runs(trained, tmp_path_factory):  # noqa: F811
+def greedy_runs(trained, tmp_path_factory):
     directory = tmp_path_factory.mktemp("greedy")
     runs = {name: run_tool(trained, directory, name, tp, pp, "--greedy") for name, (tp, pp) in LAYOUTS.items()}
     runs["TP1 --recompute"] = run_tool(trained, directory, "recompute", 1, 1, "--greedy", "--recompute")
     return runs, directory
 
 
-def test_greedy_tokens_equal_across_layouts_and_transformers(greedy_runs, trained):  # noqa: F811
+def test_greedy_tokens_equal_across_layouts_and_transformers(greedy_runs, trained):
     runs, directory = greedy_runs
     reference = runs["TP1"]
     assert [sample["prompt"] for sample in reference] == PROMPTS
@@ -76,7 +76,7 @@ def test_greedy_tokens_equal_across_layouts_and_transformers(greedy_runs, traine
     assert text == "".join(f"\nContext:{s['prompt']}\n\nMegatron-LM:{s['text']}\n" for s in reference)
 
 
-def test_sampling_repeats_across_layouts_under_a_seed(trained, tmp_path):  # noqa: F811
+def test_sampling_repeats_across_layouts_under_a_seed(trained, tmp_path):
     single = run_tool(trained, tmp_path, "sampled_tp1", 1, 1, *SAMPLING, "--seed", "5")
     split = run_tool(trained, tmp_path, "sampled_tp2pp2", 2, 2, *SAMPLING, "--seed", "5")
     other = run_tool(trained, tmp_path, "sampled_seed6", 1, 1, *SAMPLING, "--seed", "6")
@@ -84,7 +84,7 @@ def test_sampling_repeats_across_layouts_under_a_seed(trained, tmp_path):  # noq
     assert [s["tokens"] for s in other] != [s["tokens"] for s in single]
 
 
-def test_unconditional_interactive_and_errors(trained, tmp_path):  # noqa: F811
+def test_unconditional_interactive_and_errors(trained, tmp_path):
     data, save = trained
     base = [sys.executable, TOOL, "--load", save, *model_flags(data), "--tensor-model-parallel-size", "1",
             "--pipeline-model-parallel-size", "1", "--out-seq-length", "6"]

@@ -22,7 +22,7 @@ from megatron.core.checkpoint.manifest import read_manifest
 from megatron.core.checkpoint.model_loading import full_model_state
 from megatron.core.checkpoint.reader import open_checkpoint
 from tests.conftest import REPO_ROOT
-from tests.training.e2e_utils import e2e_data, read_scalars, run_command, run_pretrain  # noqa: F401
+from tests.training.e2e_utils import read_scalars, run_command, run_pretrain
 from tests.training.test_layout_equivalence import common_flags, series
 from tools import merge_mp_partitions
 from tools.convert_checkpoint import deepspeed_to_deepspeed, deepspeed_to_megatron, ds_to_universal
@@ -43,7 +43,7 @@ def train(data, processes: int, flags: list[str], tensorboard: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def source(e2e_data, tmp_path_factory):  # noqa: F811
+def source(e2e_data, tmp_path_factory):
     """(the TP=2 x PP=2 run's global_step2 directory, its TensorBoard scalars)."""
     directory = tmp_path_factory.mktemp("source")
     save = str(directory / "checkpoints")
@@ -59,7 +59,7 @@ def assert_resumes_with_source_loss(data, source, load: str, processes: int, lay
     assert series(found, LR_TAG, [3]) == series(expected, LR_TAG, [1, 2, 3])[2:]
 
 
-def test_merged_to_tp1_gives_the_source_loss(e2e_data, source, tmp_path):  # noqa: F811
+def test_merged_to_tp1_gives_the_source_loss(e2e_data, source, tmp_path):
     merged = str(tmp_path / "merged")
     status = merge_mp_partitions.main(["--model-type", "GPT", "--tensor-model-parallel-size", "2", "--load", source[0],
                                        "--save", merged, "--num-layers", str(NUM_LAYERS), "--micro-batch-size", "1"])
@@ -70,7 +70,7 @@ def test_merged_to_tp1_gives_the_source_loss(e2e_data, source, tmp_path):  # noq
     assert_resumes_with_source_loss(e2e_data, source, merged, 1, [], str(tmp_path / "tb"))
 
 
-def test_reshaped_to_tp4_gives_the_source_loss(e2e_data, source, tmp_path):  # noqa: F811
+def test_reshaped_to_tp4_gives_the_source_loss(e2e_data, source, tmp_path):
     reshaped = str(tmp_path / "tp4")
     assert deepspeed_to_deepspeed.main(["--input_folder", source[0], "--output_folder", reshaped,
                                         "--target_tp", "4", "--target_pp", "1"]) == 0

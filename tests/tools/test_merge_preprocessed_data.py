@@ -35,7 +35,7 @@ def _build(prefix, documents, dtype):
     return prefix
 
 
-def test_shard_then_merge_equals_preprocessing_the_whole(tmp_path, sample_corpus, gpt2_tokenizer_files,  # noqa: F811
+def test_shard_then_merge_equals_preprocessing_the_whole(tmp_path, sample_corpus, gpt2_tokenizer_files,
                                                          capsys):
     texts = corpus_texts(sample_corpus)
     bounds = [0, 400, 401, 900, len(texts)]

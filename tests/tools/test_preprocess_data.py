@@ -113,7 +113,7 @@ def kill_midway(tool_path, argv, corpus_lines, output_dir, whole_group=True):
     return process.returncode, children
 
 
-def test_round_trip_recovers_every_document(tmp_path, sample_corpus, gpt2_tokenizer_files, capsys):  # noqa: F811
+def test_round_trip_recovers_every_document(tmp_path, sample_corpus, gpt2_tokenizer_files, capsys):
     prefix = str(tmp_path / "docs")
     status, err = run_in_process(preprocess, ["--input", sample_corpus, "--output-prefix", prefix,
                                               "--append-eod", "--log-interval", "500"]
@@ -133,7 +133,7 @@ def test_round_trip_recovers_every_document(tmp_path, sample_corpus, gpt2_tokeni
     assert sorted(os.listdir(tmp_path)) == ["docs_text_document.bin", "docs_text_document.idx"]
 
 
-def test_without_append_eod_no_eod_is_written(tmp_path, sample_corpus, gpt2_tokenizer_files, capsys):  # noqa: F811
+def test_without_append_eod_no_eod_is_written(tmp_path, sample_corpus, gpt2_tokenizer_files, capsys):
     prefix = str(tmp_path / "plain")
     status, err = run_in_process(preprocess, ["--input", sample_corpus, "--output-prefix", prefix]
                                  + tokenizer_flags(gpt2_tokenizer_files), capsys)
@@ -179,7 +179,7 @@ def fuzzed_input(path, texts, seed):
     return good, bad_lines
 
 
-def test_fuzzed_bad_input_is_skipped_and_counted(tmp_path, sample_corpus, gpt2_tokenizer_files, capsys):  # noqa: F811
+def test_fuzzed_bad_input_is_skipped_and_counted(tmp_path, sample_corpus, gpt2_tokenizer_files, capsys):
     path = str(tmp_path / "fuzz.jsonl")
     good, bad_lines = fuzzed_input(path, corpus_texts(sample_corpus)[:60], seed=3)
     prefix = str(tmp_path / "fuzz")
@@ -196,7 +196,7 @@ def test_fuzzed_bad_input_is_skipped_and_counted(tmp_path, sample_corpus, gpt2_t
     assert [tokenizer.detokenize(dataset[i][:-1].tolist()) for i in range(len(dataset))] == good
 
 
-def test_strict_stops_at_the_first_bad_line(tmp_path, sample_corpus, gpt2_tokenizer_files, capsys):  # noqa: F811
+def test_strict_stops_at_the_first_bad_line(tmp_path, sample_corpus, gpt2_tokenizer_files, capsys):
     path = str(tmp_path / "fuzz.jsonl")
     _, bad_lines = fuzzed_input(path, corpus_texts(sample_corpus)[:60], seed=4)
     first_kind, first_line = min(((kind, lines[0]) for kind, lines in bad_lines.items()), key=lambda kl: kl[1])
@@ -208,7 +208,7 @@ def test_strict_stops_at_the_first_bad_line(tmp_path, sample_corpus, gpt2_tokeni
     assert os.listdir(tmp_path) == ["fuzz.jsonl"]
 
 
-def test_compressed_inputs_and_globs_concatenate_in_order(tmp_path, sample_corpus, gpt2_tokenizer_files,  # noqa: F811
+def test_compressed_inputs_and_globs_concatenate_in_order(tmp_path, sample_corpus, gpt2_tokenizer_files,
                                                           capsys):
     texts = corpus_texts(sample_corpus)[:90]
     lines = [json.dumps({"text": t}).encode() + b"\n" for t in texts]
@@ -231,7 +231,7 @@ def test_compressed_inputs_and_globs_concatenate_in_order(tmp_path, sample_corpu
 
 
 @pytest.mark.distributed
-def test_workers_give_identical_output(tmp_path, sample_corpus, gpt2_tokenizer_files, capsys):  # noqa: F811
+def test_workers_give_identical_output(tmp_path, sample_corpus, gpt2_tokenizer_files, capsys):
     flags = ["--input", sample_corpus, "--append-eod"] + tokenizer_flags(gpt2_tokenizer_files)
     assert run_in_process(preprocess, flags + ["--output-prefix", str(tmp_path / "one")], capsys)[0] == 0
     assert run_in_process(preprocess, flags + ["--output-prefix", str(tmp_path / "two"), "--workers", "2",
@@ -239,7 +239,7 @@ def test_workers_give_identical_output(tmp_path, sample_corpus, gpt2_tokenizer_f
     assert read_bytes(str(tmp_path / "one_text_document")) == read_bytes(str(tmp_path / "two_text_document"))
 
 
-def test_several_json_keys_write_aligned_datasets(tmp_path, gpt2_tokenizer_files, capsys):  # noqa: F811
+def test_several_json_keys_write_aligned_datasets(tmp_path, gpt2_tokenizer_files, capsys):
     path = tmp_path / "titled.jsonl"
     records = [{"title": "One", "text": "First body."}, {"text": "No title."},
                {"title": "Three", "text": "Third body."}]
@@ -279,7 +279,7 @@ def test_split_sentences_writes_sentence_items(tmp_path, sample_corpus, gpt2_tok
                 assert re.sub(r"\s", "", joined) == re.sub(r"\s", "", text)
 
 
-def test_pretrained_from_hf_directory(tmp_path, gpt2_tokenizer_files, capsys):  # noqa: F811
+def test_pretrained_from_hf_directory(tmp_path, gpt2_tokenizer_files, capsys):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -309,7 +309,7 @@ def test_pretrained_from_hf_directory(tmp_path, gpt2_tokenizer_files, capsys):  
     (["--json-keys", "text", "text"], "--json-keys has duplicates"),
     (["--pad-vocab-size-to", "100"], "--pad-vocab-size-to 100"),
 ])
-def test_bad_flags_are_rejected_with_a_message(tmp_path, sample_corpus, gpt2_tokenizer_files, capsys,  # noqa: F811
+def test_bad_flags_are_rejected_with_a_message(tmp_path, sample_corpus, gpt2_tokenizer_files, capsys,
                                                extra, message):
     argv = ["--input", sample_corpus, "--output-prefix", str(tmp_path / "x")] + tokenizer_flags(gpt2_tokenizer_files)
     status, err = run_in_process(preprocess, argv + extra, capsys)
@@ -317,7 +317,7 @@ def test_bad_flags_are_rejected_with_a_message(tmp_path, sample_corpus, gpt2_tok
     assert os.listdir(tmp_path) == []
 
 
-def test_bad_tokenizer_and_input_flags(tmp_path, sample_corpus, gpt2_tokenizer_files, capsys):  # noqa: F811
+def test_bad_tokenizer_and_input_flags(tmp_path, sample_corpus, gpt2_tokenizer_files, capsys):
     out = ["--output-prefix", str(tmp_path / "x")]
     status, err = run_in_process(preprocess, ["--input", sample_corpus, "--tokenizer-type", "BertWordPieceCase"]
                                  + out, capsys)
@@ -331,7 +331,7 @@ def test_bad_tokenizer_and_input_flags(tmp_path, sample_corpus, gpt2_tokenizer_f
 
 
 def test_split_sentences_without_punkt_model_names_the_flag(tmp_path, sample_corpus,
-                                                            gpt2_tokenizer_files):  # noqa: F811
+                                                            gpt2_tokenizer_files):
     env = dict(os.environ, NLTK_DATA=str(tmp_path), HOME=str(tmp_path))
     result = subprocess.run([sys.executable, TOOL, "--input", sample_corpus, "--output-prefix", str(tmp_path / "s"),
                              "--split-sentences"] + tokenizer_flags(gpt2_tokenizer_files),
@@ -342,7 +342,7 @@ def test_split_sentences_without_punkt_model_names_the_flag(tmp_path, sample_cor
     assert "error: --split-sentences needs NLTK's punkt_tab model" in result.stderr
 
 
-def test_killed_run_leaves_no_complete_output(tmp_path, sample_corpus, gpt2_tokenizer_files):  # noqa: F811
+def test_killed_run_leaves_no_complete_output(tmp_path, sample_corpus, gpt2_tokenizer_files):
     with gzip.open(sample_corpus, "rb") as corpus:
         lines = corpus.readlines()
     prefix = str(tmp_path / "killed")

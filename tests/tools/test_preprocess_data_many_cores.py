@@ -37,7 +37,7 @@ def uneven_corpus(tmp_path, sample_corpus):
 
 
 @pytest.mark.distributed
-def test_many_cores_output_is_byte_identical_to_serial(tmp_path, uneven_corpus, gpt2_tokenizer_files,  # noqa: F811
+def test_many_cores_output_is_byte_identical_to_serial(tmp_path, uneven_corpus, gpt2_tokenizer_files,
                                                        capsys):
     flags = ["--input", uneven_corpus, "--append-eod"] + tokenizer_flags(gpt2_tokenizer_files)
     serial = str(tmp_path / "serial")
@@ -54,7 +54,7 @@ def test_many_cores_output_is_byte_identical_to_serial(tmp_path, uneven_corpus, 
 
 
 @pytest.mark.distributed
-def test_many_cores_bad_lines_and_strict_match_serial(tmp_path, sample_corpus, gpt2_tokenizer_files,  # noqa: F811
+def test_many_cores_bad_lines_and_strict_match_serial(tmp_path, sample_corpus, gpt2_tokenizer_files,
                                                       capsys):
     path = str(tmp_path / "fuzz.jsonl")
     _, bad_lines = fuzzed_input(path, corpus_texts(sample_corpus)[:80], seed=5)
@@ -77,7 +77,7 @@ def test_many_cores_bad_lines_and_strict_match_serial(tmp_path, sample_corpus, g
 
 
 @pytest.mark.distributed
-def test_killed_many_cores_run_leaves_no_complete_output(tmp_path, sample_corpus, gpt2_tokenizer_files):  # noqa: F811
+def test_killed_many_cores_run_leaves_no_complete_output(tmp_path, sample_corpus, gpt2_tokenizer_files):
     with gzip.open(sample_corpus, "rb") as corpus:
         lines = corpus.readlines()
     prefix = str(tmp_path / "killed")
@@ -94,7 +94,7 @@ def test_killed_many_cores_run_leaves_no_complete_output(tmp_path, sample_corpus
 @pytest.mark.distributed
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux-only")
 @pytest.mark.parametrize("tool", [TOOL, SERIAL_TOOL], ids=["many_cores", "preprocess_data"])
-def test_workers_end_when_the_main_process_is_killed(tool, tmp_path, sample_corpus, gpt2_tokenizer_files):  # noqa: F811
+def test_workers_end_when_the_main_process_is_killed(tool, tmp_path, sample_corpus, gpt2_tokenizer_files):
     """Killing only the main process (not its group) leaves no pool worker behind: the workers'
     task pipe reaches end-of-file once no writer is left."""
     with gzip.open(sample_corpus, "rb") as corpus:

@@ -21,7 +21,7 @@ from megatron.core.checkpoint.reader import open_checkpoint
 from megatron.core.tokenizer import GPT2BPETokenizer
 from tests.conftest import REPO_ROOT
 from tests.dist_utils import free_port
-from tests.tasks.trained_checkpoint import SEQ_LENGTH, checkpoint_path, model_flags, trained  # noqa: F401
+from tests.tasks.trained_checkpoint import SEQ_LENGTH, checkpoint_path, model_flags
 from tests.training.e2e_utils import Job, run_command
 from tools.text_generation_cli import put
 
@@ -50,7 +50,7 @@ def greedy_text(model, tokenizer, prompt: str) -> tuple[str, list[float]]:
     return tokenizer.detokenize(text_tokens), logprobs.tolist()
 
 
-def test_server_answers_refuses_and_stops(trained):  # noqa: F811
+def test_server_answers_refuses_and_stops(trained):
     data, save = trained
     flags = [SERVER, "--load", save, *model_flags(data), "--tensor-model-parallel-size", "1",
              "--pipeline-model-parallel-size", "2", "--port", "0", "--host", "127.0.0.1"]

@@ -7,7 +7,6 @@ import pytest
 
 from megatron.core.tokenizer import build_tokenizer
 from tests.conftest import REPO_ROOT
-from tests.training.e2e_utils import e2e_data  # noqa: F401
 from tests.training.reference_loop import training_dataset
 from tools.sample_idxs_to_text import main
 
@@ -31,7 +30,7 @@ def blocks(text):
     return [(header, "\n".join(body)) for header, body in found]
 
 
-def test_iterations_map_to_their_samples_and_text(e2e_data, capsys):  # noqa: F811
+def test_iterations_map_to_their_samples_and_text(e2e_data, capsys):
     main(run_flags(e2e_data) + ["--iteration-range", "3", "4", "--print-tokens", "--print-text"])
     printed = blocks(capsys.readouterr().out)
     dataset = training_dataset(e2e_data.data_prefix, SEQ, SEED, ITERS * GLOBAL_BATCH, e2e_data.cache_dir)
@@ -44,7 +43,7 @@ def test_iterations_map_to_their_samples_and_text(e2e_data, capsys):  # noqa: F8
         assert [int(t) for t in ids.split()] == tokens and text == tokenizer.detokenize(tokens)
 
 
-def test_sample_ids_with_a_rampup_and_all_tokens(e2e_data, tmp_path):  # noqa: F811
+def test_sample_ids_with_a_rampup_and_all_tokens(e2e_data, tmp_path):
     output = tmp_path / "samples.txt"
     # rampup 2 2 8 to 4: gbs(c) = 2 + 2 floor(c / 8) while c <= 8, then 4: batches 2, 2, 2, 2, 4, ...,
     # so the iterations start at c = 0, 2, 4, 6, 8, 12, ...
@@ -61,7 +60,7 @@ def test_sample_ids_with_a_rampup_and_all_tokens(e2e_data, tmp_path):  # noqa: F
     (["--iteration-range", "100000", "100001"], "samples 399996..400003 are not all in it"),
     ([], "one of the arguments --iteration-range --sample-id-range is required"),
 ])
-def test_bad_ranges_are_named(e2e_data, extra, message):  # noqa: F811
+def test_bad_ranges_are_named(e2e_data, extra, message):
     result = subprocess.run([sys.executable, "tools/sample_idxs_to_text.py", *run_flags(e2e_data), *extra],
                             cwd=REPO_ROOT, capture_output=True, text=True)
     assert result.returncode == 2 and message in result.stderr, result.stderr

@@ -15,7 +15,7 @@ import torch
 
 from megatron.core.checkpoint.model_loading import load_gpt_model
 from megatron.core.checkpoint.reader import open_checkpoint
-from tests.training.e2e_utils import e2e_data, read_scalars, run_pretrain  # noqa: F401
+from tests.training.e2e_utils import read_scalars, run_pretrain
 from tests.training.reference_loop import global_batch, training_dataset
 from tests.training.test_layout_equivalence import SEED, common_flags, series
 from tools.convert_checkpoint import deepspeed_to_transformers, transformers_to_megatron
@@ -56,7 +56,7 @@ def transformers_loss(model, tokens: torch.Tensor) -> float:
 @pytest.mark.distributed
 @pytest.mark.parametrize("kind, load_flags", [("gpt2", ["--no-load-optim", "--no-load-rng"]),
                                               ("bloom", ["--finetune", "--no-load-optim"])])
-def test_training_from_the_import_starts_at_transformers_loss(kind, load_flags, e2e_data, tmp_path):  # noqa: F811
+def test_training_from_the_import_starts_at_transformers_loss(kind, load_flags, e2e_data, tmp_path):
     model = tiny_model(kind)
     imported, status = import_tp2_pp2(model, tmp_path, "--seq_length", str(SEQ_LENGTH))
     assert status == 0
@@ -92,7 +92,7 @@ def test_export_after_import_returns_the_same_tensors(kind, tmp_path):
     assert all(torch.equal(original[name], returned[name]) for name in original)
 
 
-def test_tokenizer_files_travel_and_padding_is_reported(e2e_data, tmp_path, capsys):  # noqa: F811
+def test_tokenizer_files_travel_and_padding_is_reported(e2e_data, tmp_path, capsys):
     model = tiny_model("gpt2", vocab_size=VOCABULARY + 1)
     source = str(tmp_path / "hf")
     model.save_pretrained(source)
@@ -145,7 +145,7 @@ def test_bad_inputs_are_named_and_leave_no_output(tmp_path, capsys):
     assert [name for name in os.listdir(tmp_path) if name.startswith(".")] == []
 
 
-def test_loading_the_import_without_the_weights_only_flags_names_them(e2e_data, tmp_path):  # noqa: F811
+def test_loading_the_import_without_the_weights_only_flags_names_them(e2e_data, tmp_path):
     source, imported = str(tmp_path / "hf"), str(tmp_path / "imported")
     tiny_model("gpt2").save_pretrained(source)
     assert transformers_to_megatron.main(["--input_folder", source, "--output_folder", imported]) == 0

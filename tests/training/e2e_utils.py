@@ -3,12 +3,12 @@ TensorBoard files. Several ranks start directly, with the variables torchrun wou
 (run_ranks); the tests of the launchers themselves run torchrun, deepspeed or srun (torchrun_command,
 executable).
 
-    data = shared_corpus(tmp_path_factory)          # tokenizer + .bin/.idx, built once per session
-    flags = tiny_gpt_flags(data) + ["--train-iters", "5", ...]
-    result = run_pretrain(flags, nproc=2)           # 2 ranks started directly, CPU, gloo
-    result.assert_ok()
-    lines = result.log_lines()                      # the per-iteration log line, parsed
-    scalars = read_scalars(tensorboard_dir)         # {tag: [(step, value), ...]}
+    def test_run(e2e_data, tmp_path):               # e2e_data: tokenizer + .bin/.idx, once per session
+        flags = tiny_gpt_flags(e2e_data) + ["--train-iters", "5", ...]
+        result = run_pretrain(flags, nproc=2)       # 2 ranks, CPU, gloo
+        result.assert_ok()
+        lines = result.log_lines()                  # the per-iteration log line, parsed
+        scalars = read_scalars(tensorboard_dir)     # {tag: [(step, value), ...]}
 
 Every subprocess runs without any launcher variable inherited from the calling shell, on CPU
 (``CUDA_VISIBLE_DEVICES`` empty, ``DS_ACCELERATOR=cpu``, one thread per process) unless a GPU test
@@ -80,20 +80,11 @@ def prepare_corpus(directory: str) -> E2EData:
     return E2EData(summary["vocab_file"], summary["merge_file"], prefix + "_text_document", cache_dir)
 
 
-_SHARED_CORPUS = {}
-
-
-def shared_corpus(tmp_path_factory) -> E2EData:
-    """prepare_corpus once per pytest session, whichever test module asks first."""
-    if "corpus" not in _SHARED_CORPUS:
-        _SHARED_CORPUS["corpus"] = prepare_corpus(str(tmp_path_factory.mktemp("e2e_corpus")))
-    return _SHARED_CORPUS["corpus"]
-
-
 @pytest.fixture(scope="session")
 def e2e_data(tmp_path_factory) -> E2EData:
-    """The tokenized sample corpus (see E2EData); import this fixture into a test module to use it."""
-    return shared_corpus(tmp_path_factory)
+    """The tokenized sample corpus (see E2EData), prepared once per session: tests/conftest.py registers
+    this module as a plugin, so test modules ask for the fixture without importing it."""
+    return prepare_corpus(str(tmp_path_factory.mktemp("e2e_corpus")))
 
 
 def tiny_gpt_flags(data: E2EData, *, seq_length: int = 64, split: str = "98,1,1",

@@ -17,9 +17,9 @@ Values are read at full precision from TensorBoard; the tolerances are test_layo
 The TP=2 x PP=2 x DP=2 run saves every 2 iterations. Its global_step2 is copied into a fresh
 directory whose ``latest`` names it, and a fifth launch resumes from there: it must report iteration
 2 loaded, then log iterations 3-6 with the uninterrupted run's consumed samples/tokens and learning
-rates, and the same losses and gradient norms. That saving run is launched once per session
-(saving_layout_run): tests/tools/test_ds_to_universal.py converts its global_step2 as its 2_2_2
-source, so its sizes are this module's.
+rates, and the same losses and gradient norms. That saving run is a session fixture
+(parallel_3d_runs.saving_layout_run): tests/tools/test_ds_to_universal.py converts its global_step2
+as its 2_2_2 source, so its sizes are this module's.
 
 Five launches (one single process, four of 8 processes, ~25 s each): about 2 minutes on 2 cores.
 """
@@ -30,66 +30,22 @@ import shutil
 import pytest
 import torch
 
-from tests.training.e2e_utils import e2e_data, read_scalars, run_pretrain  # noqa: F401
-from tests.training.test_layout_equivalence import (GRAD_NORM_RTOL, LOSS_RTOL, assert_counters_of_every_iteration,
-                                                     common_flags, series)
+from tests.training.parallel_3d_runs import (GLOBAL_BATCH, LAYOUTS, PROCESSES, SAVE_ITERATION, SAVING_LAYOUT,
+                                             SEQ_LENGTH, TRAIN_ITERS, shared_flags, train)
+from tests.training.test_layout_equivalence import GRAD_NORM_RTOL, LOSS_RTOL, assert_counters_of_every_iteration
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-# The optimizer and schedule flags are test_layout_equivalence's (common_flags); only the sizes differ.
-NUM_LAYERS, SEQ_LENGTH, GLOBAL_BATCH, TRAIN_ITERS, SAVE_ITERATION = 4, 32, 8, 6, 2
-PROCESSES = 8
-LAUNCH_TIMEOUT = 600
-SAVING_LAYOUT = "tp2-pp2-dp2"
-# name -> layout flags, each over PROCESSES processes
-LAYOUTS = {
-    "tp2-pp2-dp2": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
-    "tp4-pp2": ["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2"],
-    "tp2-pp4": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4"],
-}
-LOSS_TAG, GRAD_NORM_TAG, LR_TAG = "lm-loss-training/lm loss", "grad-norm/grad-norm", "learning-rate/learning-rate"
-_SHARED = {}
-
-
-def train(flags: list[str], nproc: int, tensorboard_dir: str, steps: list[int]) -> dict:
-    """One pretrain_gpt.py launch -> {"loss", "grad_norm", "lr": per-step values, "lines": log lines, "output",
-    "scalars": every TensorBoard scalar}."""
-    result = run_pretrain(flags + ["--tensorboard-dir", tensorboard_dir], nproc=nproc, timeout=LAUNCH_TIMEOUT)
-    result.assert_ok()
-    scalars = read_scalars(tensorboard_dir)
-    return {"loss": series(scalars, LOSS_TAG, steps), "grad_norm": series(scalars, GRAD_NORM_TAG, steps),
-            "lr": series(scalars, LR_TAG, steps), "lines": result.log_lines(), "output": result.output,
-            "scalars": scalars}
-
-
-def shared_flags(e2e_data) -> list[str]:  # noqa: F811
-    """The model, data and schedule flags every run here shares."""
-    return common_flags(e2e_data, seq_length=SEQ_LENGTH, num_layers=NUM_LAYERS, global_batch=GLOBAL_BATCH,
-                        train_iters=TRAIN_ITERS)
-
-
-def saving_layout_run(data, tmp_path_factory) -> dict:
-    """train() of the saving layout, saved every SAVE_ITERATION iterations, with "save": its --save
-    directory (a Path); launched once per session, whichever module asks first."""
-    if "run" not in _SHARED:
-        checkpoints = tmp_path_factory.mktemp("checkpoints")
-        flags = shared_flags(data) + LAYOUTS[SAVING_LAYOUT] + [
-            "--zero-stage", "1", "--save", str(checkpoints), "--save-interval", str(SAVE_ITERATION)]
-        run = train(flags, PROCESSES, str(tmp_path_factory.mktemp(f"tb_{SAVING_LAYOUT}")),
-                    list(range(1, TRAIN_ITERS + 1)))
-        _SHARED["run"] = {**run, "save": checkpoints}
-    return _SHARED["run"]
-
 
 @pytest.fixture(scope="module")
-def runs(e2e_data, tmp_path_factory):  # noqa: F811
+def runs(e2e_data, saving_layout_run, tmp_path_factory):
     """name -> train() of the single-process run and of each 8-process layout; "checkpoints": the
     saving layout's --save directory."""
     steps = list(range(1, TRAIN_ITERS + 1))
     found = {"single": train(shared_flags(e2e_data), 1, str(tmp_path_factory.mktemp("tb_single")), steps)}
     for name, flags in LAYOUTS.items():
         if name == SAVING_LAYOUT:
-            found[name] = saving_layout_run(e2e_data, tmp_path_factory)
+            found[name] = saving_layout_run
         else:
             found[name] = train(shared_flags(e2e_data) + flags + ["--zero-stage", "1"], PROCESSES,
                                 str(tmp_path_factory.mktemp(f"tb_{name}")), steps)
@@ -98,7 +54,7 @@ def runs(e2e_data, tmp_path_factory):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def resumed(runs, e2e_data, tmp_path_factory):  # noqa: F811
+def resumed(runs, e2e_data, tmp_path_factory):
     """The saving layout resumed from its iteration-3 checkpoint, alone in a fresh --load directory."""
     resume_dir = tmp_path_factory.mktemp("resume")
     tag = f"global_step{SAVE_ITERATION}"

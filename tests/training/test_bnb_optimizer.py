@@ -17,7 +17,7 @@ from megatron.training.config import build_config
 from megatron.training.engine import build_optimizer, weight_decay_groups
 from megatron.core.models.gpt import GPTModel, GPTModelConfig
 from megatron.core.parallel_state import single_rank_groups
-from tests.training.e2e_utils import e2e_data, run_pretrain, tiny_gpt_flags  # noqa: F401
+from tests.training.e2e_utils import run_pretrain, tiny_gpt_flags
 
 needs_bnb = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
 FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--micro-batch-size", "2",
@@ -132,7 +132,7 @@ def test_8_bit_state_everywhere_but_the_embedding_which_follows_torch_adamw():
 # flat tensor per group), 6 iterations; the same run stopped after 3 and resumed.
 # ---------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def runs(e2e_data, tmp_path_factory):  # noqa: F811
+def runs(e2e_data, tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("bnb")
     flags = tiny_gpt_flags(e2e_data, split="100,0,0") + [
         "--use-bnb-optimizer", "--bf16", "--zero-stage", "1", "--micro-batch-size", "2", "--global-batch-size", "8",

@@ -24,7 +24,7 @@ FLAGS = ["--global-batch-size", "4", "--train-iters", "4", "--lr-warmup-iters", 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_rank_killed_during_save_leaves_the_previous_checkpoint_current(preprocessed_corpus, tmp_path):  # noqa: F811
+def test_rank_killed_during_save_leaves_the_previous_checkpoint_current(preprocessed_corpus, tmp_path):
     checkpoint = tmp_path / "ckpt"
     args = tiny_run_args(preprocessed_corpus, *FLAGS, "--save", str(checkpoint))
     crashed = run_pretrain(args, nproc=2, check=False, script=CRASHING, env={"CRASH_AT_TAG": "global_step4"})
@@ -53,7 +53,7 @@ def assert_complete(tag_directory):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_sigkill_at_random_moments_of_saves_always_leaves_a_resumable_checkpoint(preprocessed_corpus, tmp_path):  # noqa: F811
+def test_sigkill_at_random_moments_of_saves_always_leaves_a_resumable_checkpoint(preprocessed_corpus, tmp_path):
     """12 runs, one after the other, each resuming the last and SIGKILLed (both ranks at once) at a
     random moment while it saves every iteration: every start resumes from the checkpoint ``latest``
     names, which is always complete."""

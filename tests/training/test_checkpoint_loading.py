@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 
 @pytest.fixture(scope="module")
-def saved_at_2(preprocessed_corpus, tmp_path_factory):  # noqa: F811
+def saved_at_2(preprocessed_corpus, tmp_path_factory):
     checkpoint = tmp_path_factory.mktemp("saved") / "ckpt"
     run_pretrain(tiny_run_args(preprocessed_corpus, *FLAGS, "--train-iters", "2", "--save", str(checkpoint),
                                "--save-interval", "1"), nproc=2)
@@ -36,7 +36,7 @@ def _copy(saved, tmp_path):
     return shutil.copytree(saved, tmp_path / "ckpt")
 
 
-def test_another_tensor_parallel_size_is_refused(preprocessed_corpus, saved_at_2, tmp_path):  # noqa: F811
+def test_another_tensor_parallel_size_is_refused(preprocessed_corpus, saved_at_2, tmp_path):
     result = _resume(preprocessed_corpus, _copy(saved_at_2, tmp_path), "--tensor-model-parallel-size", "2")
     assert result.returncode != 0
     assert ("was saved with --tensor-model-parallel-size 1 and --pipeline-model-parallel-size 1; "
@@ -44,7 +44,7 @@ def test_another_tensor_parallel_size_is_refused(preprocessed_corpus, saved_at_2
     assert "successfully loaded checkpoint" not in result.stdout
 
 
-def test_another_data_parallel_size_needs_no_load_optim_under_zero(preprocessed_corpus, saved_at_2, tmp_path):  # noqa: F811
+def test_another_data_parallel_size_needs_no_load_optim_under_zero(preprocessed_corpus, saved_at_2, tmp_path):
     checkpoint = _copy(saved_at_2, tmp_path)
     refused = _resume(preprocessed_corpus, checkpoint, nproc=1)
     assert refused.returncode != 0
@@ -99,7 +99,7 @@ DAMAGES = {
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGES))
-def test_a_damaged_checkpoint_is_named_before_training(preprocessed_corpus, saved_at_2, tmp_path, damage):  # noqa: F811
+def test_a_damaged_checkpoint_is_named_before_training(preprocessed_corpus, saved_at_2, tmp_path, damage):
     checkpoint = _copy(saved_at_2, tmp_path)
     tag = checkpoint / "global_step2"
     mutate, message = DAMAGES[damage]
@@ -111,7 +111,7 @@ def test_a_damaged_checkpoint_is_named_before_training(preprocessed_corpus, save
     assert not training_lines(result.stdout)
 
 
-def test_a_fresh_start_never_overwrites_saved_checkpoints(preprocessed_corpus, saved_at_2, tmp_path):  # noqa: F811
+def test_a_fresh_start_never_overwrites_saved_checkpoints(preprocessed_corpus, saved_at_2, tmp_path):
     checkpoint = _copy(saved_at_2, tmp_path)
     before = {path: path.stat().st_mtime_ns for path in checkpoint.rglob("*")}
     for load in ([], ["--load", str(tmp_path / "ckpt-typo")]):

@@ -17,8 +17,7 @@ from megatron.training.curriculum import CurriculumConfig, SequenceLengthCurricu
 from megatron.training.data_loading import get_batch, truncate_batch
 from megatron.training.training import Trainer
 from tests.dist_utils import free_port
-from tests.training.e2e_utils import (EXAMPLES_DIR, e2e_data, executable, read_scalars, run_command,  # noqa: F401
-                                      run_pretrain, tiny_gpt_flags)
+from tests.training.e2e_utils import EXAMPLES_DIR, executable, read_scalars, run_command, run_pretrain, tiny_gpt_flags
 
 # ---------------------------------------------------------------------------------------------------------
 # The schedules, L(t) for iteration t, computed by hand:
@@ -167,7 +166,7 @@ def curriculum_flags(data, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def runs(e2e_data, tmp_path_factory):  # noqa: F811
+def runs(e2e_data, tmp_path_factory):
     """The uninterrupted TP=1 run (with TensorBoard), the same run stopped at iteration 3 and resumed,
     the TP=2 x PP=2 run and a ZeRO-2 run (the plain engine, which cuts its micro batches itself)."""
     tmp_path = tmp_path_factory.mktemp("curriculum")
@@ -241,7 +240,7 @@ RECIPE_TOKENS = tuple(8 * sum(RECIPE_LENGTHS[:t]) for t in range(1, 15))
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_the_104b_curriculum_recipe_runs_through_the_deepspeed_launcher(e2e_data, tmp_path):  # noqa: F811
+def test_the_104b_curriculum_recipe_runs_through_the_deepspeed_launcher(e2e_data, tmp_path):
     env = {"DATA_PATH": e2e_data.data_prefix, "VOCAB_FILE": e2e_data.vocab_file, "MERGE_FILE": e2e_data.merge_file,
            "OUTPUT_DIR": str(tmp_path), "MASTER_PORT": str(free_port()), "N_GPUS": "2",
            "PATH": os.pathsep.join([os.path.dirname(executable("deepspeed")), os.environ["PATH"]])}

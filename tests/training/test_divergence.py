@@ -40,7 +40,7 @@ def weights(directory):
 
 
 @pytest.fixture(scope="module")
-def runs(preprocessed_corpus, tmp_path_factory):  # noqa: F811
+def runs(preprocessed_corpus, tmp_path_factory):
     base = tmp_path_factory.mktemp("divergence")
     outputs = {"plain": run(preprocessed_corpus, base / "plain").stdout,
                "skip": run(preprocessed_corpus, base / "skip", "--skip-train-iteration-range", "6-6", "3-4").stdout,
@@ -84,7 +84,7 @@ def test_skipping_and_nan_leave_the_same_weights(runs):
     assert not all(torch.equal(skipped[key], plain[key]) for key in skipped)
 
 
-def test_consecutive_nan_iterations_save_and_stop(preprocessed_corpus, tmp_path):  # noqa: F811
+def test_consecutive_nan_iterations_save_and_stop(preprocessed_corpus, tmp_path):
     result = run(preprocessed_corpus, tmp_path / "ckpt", "--max-consecutive-nan-iterations", "2",
                  nan_iterations=range(3, ITERATIONS + 1), check=False)
     assert result.returncode != 0

@@ -36,7 +36,7 @@ def _measure(corpus) -> dict:
             "validation_loss": [loss for _, _, loss, _ in validation_lines(output)]}
 
 
-def test_losses_match_the_golden_file(preprocessed_corpus):  # noqa: F811
+def test_losses_match_the_golden_file(preprocessed_corpus):
     measured = _measure(preprocessed_corpus)
     if os.environ.get(REGENERATE_ENV):
         os.makedirs(os.path.dirname(GOLDEN_FILE), exist_ok=True)

@@ -18,8 +18,8 @@ from megatron.core.checkpoint.model_loading import load_gpt_model
 from megatron.core.checkpoint.reader import open_checkpoint
 from megatron.training.inference_model import InferenceSetupError, load_inference_model
 from tests.conftest import REPO_ROOT
-from tests.tasks.trained_checkpoint import checkpoint_path, model_flags, trained  # noqa: F401
-from tests.training.e2e_utils import run_pretrain, run_script, shared_corpus
+from tests.tasks.trained_checkpoint import checkpoint_path, model_flags
+from tests.training.e2e_utils import run_pretrain, run_script
 from tests.training.test_layout_equivalence import common_flags
 
 WORKER = os.path.join(REPO_ROOT, "tests", "training", "inference_worker.py")
@@ -42,14 +42,14 @@ def merged_logits_of(save: str) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def merged_logits(trained):  # noqa: F811
+def merged_logits(trained):
     return merged_logits_of(checkpoint_path(trained[1]))
 
 
 @pytest.fixture(scope="module")
-def plain_engine_checkpoint(tmp_path_factory):
+def plain_engine_checkpoint(e2e_data, tmp_path_factory):
     """(corpus, --save) of one ZeRO-2 iteration under TP=2: ALiBi, embedding LayerNorm, SwiGLU."""
-    data = shared_corpus(tmp_path_factory)
+    data = e2e_data
     save = str(tmp_path_factory.mktemp("zero2") / "checkpoints")
     flags = common_flags(data, seq_length=32, num_layers=2, global_batch=2, train_iters=1)
     run_pretrain(flags + PLAIN_ENGINE_MODEL + ["--tensor-model-parallel-size", "2", "--zero-stage", "2",
@@ -76,7 +76,7 @@ def check_ranks(saved: list[dict], expected: torch.Tensor, stages: int) -> None:
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_logits_on_every_rank_equal_the_merged_model(layout, trained, merged_logits, tmp_path):  # noqa: F811
+def test_logits_on_every_rank_equal_the_merged_model(layout, trained, merged_logits, tmp_path):
     data, save = trained
     processes, flags = LAYOUTS[layout]
     saved = run_worker(processes, ["--load", save, *model_flags(data), *flags], tmp_path)
@@ -95,7 +95,7 @@ def test_plain_engine_alibi_glu_checkpoint(layout, plain_engine_checkpoint, tmp_
 
 
 @pytest.mark.slow
-def test_wrong_flags_are_refused_before_starting(trained, monkeypatch):  # noqa: F811
+def test_wrong_flags_are_refused_before_starting(trained, monkeypatch):
     data, save = trained
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)

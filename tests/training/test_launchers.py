@@ -28,9 +28,8 @@ import pytest
 
 from megatron.training.arguments import parse_args
 from tests.dist_utils import free_port
-from tests.training.e2e_utils import (EXAMPLES_DIR, PRETRAIN_SCRIPT, ProcessSpec, e2e_data,  # noqa: F401
-                                      executable, parse_log_lines, run_command, run_together, tiny_gpt_flags,
-                                      torchrun_command)
+from tests.training.e2e_utils import (EXAMPLES_DIR, PRETRAIN_SCRIPT, ProcessSpec, executable, parse_log_lines,
+                                      run_command, run_together, tiny_gpt_flags, torchrun_command)
 
 SHORT_RUN = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "3", "--lr", "1e-3",
              "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "1"]
@@ -51,7 +50,7 @@ def assert_trained(output, launcher, world_size, iterations):
     return lines
 
 
-def test_ds_config_templates_are_accepted(e2e_data):  # noqa: F811
+def test_ds_config_templates_are_accepted(e2e_data):
     """Each template passes the ds_config checks with flags it suits (fp16 needs CUDA: validated as on a GPU)."""
     base = tiny_gpt_flags(e2e_data) + SHORT_RUN + ["--deepspeed"]
     cases = {"ds_config_fp16.json": (["--fp16"], True, 1), "ds_config_bf16.json": (["--bf16"], False, 1),
@@ -67,7 +66,7 @@ def test_ds_config_templates_are_accepted(e2e_data):  # noqa: F811
 
 
 @pytest.mark.slow
-def test_single_process_with_launcher_variables_in_the_environment(e2e_data, tmp_path):  # noqa: F811
+def test_single_process_with_launcher_variables_in_the_environment(e2e_data, tmp_path):
     env = dict(data_env(e2e_data, tmp_path), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                LOCAL_RANK="0", WORLD_SIZE="1", NLAYERS="2", NHIDDEN="64", NHEADS="4", SEQ_LEN="64",
                MICRO_BATCH_SIZE="2", GLOBAL_BATCH_SIZE="4", TRAIN_ITERS="3", LR_DECAY_ITERS="3", LOG_INTERVAL="1",
@@ -98,7 +97,7 @@ def run_single_node_example(data, output_dir, cpu_only, processes):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_deepspeed_launcher_runs_megatron_deepspeeds_single_node_example(e2e_data, tmp_path):  # noqa: F811
+def test_deepspeed_launcher_runs_megatron_deepspeeds_single_node_example(e2e_data, tmp_path):
     result, _ = run_single_node_example(e2e_data, tmp_path, cpu_only=True, processes=2)
     assert "precision: bf16" in result.output
     assert "'--local_rank=1'" in result.output  # DeepSpeed's launcher passes the underscored spelling
@@ -107,7 +106,7 @@ def test_deepspeed_launcher_runs_megatron_deepspeeds_single_node_example(e2e_dat
 
 @pytest.mark.gpu
 @pytest.mark.slow
-def test_deepspeed_launcher_runs_megatron_deepspeeds_single_node_example_unmodified_on_gpu(e2e_data, tmp_path):  # noqa: F811
+def test_deepspeed_launcher_runs_megatron_deepspeeds_single_node_example_unmodified_on_gpu(e2e_data, tmp_path):
     """On a GPU the example keeps Megatron-DeepSpeed's fp16 with dynamic loss scaling (initial scale 2^12)."""
     import torch
 
@@ -118,7 +117,7 @@ def test_deepspeed_launcher_runs_megatron_deepspeeds_single_node_example_unmodif
 
 
 @pytest.mark.distributed
-def test_torchrun_with_the_zero2_template(e2e_data, tmp_path):  # noqa: F811
+def test_torchrun_with_the_zero2_template(e2e_data, tmp_path):
     flags = tiny_gpt_flags(e2e_data) + SHORT_RUN + [
         "--deepspeed", "--deepspeed_config", os.path.join(EXAMPLES_DIR, "ds_config_zero2.json")]
     result = run_command(torchrun_command(2) + [PRETRAIN_SCRIPT, *flags])
@@ -127,7 +126,7 @@ def test_torchrun_with_the_zero2_template(e2e_data, tmp_path):  # noqa: F811
 
 
 @pytest.mark.distributed
-def test_torch_distributed_launch_passes_local_rank_dashed(e2e_data):  # noqa: F811
+def test_torch_distributed_launch_passes_local_rank_dashed(e2e_data):
     command = [sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "2", "--master_addr",
                "127.0.0.1", "--master_port", str(free_port()), PRETRAIN_SCRIPT,
                *tiny_gpt_flags(e2e_data), *SHORT_RUN, "--tensor-model-parallel-size", "2"]
@@ -137,7 +136,7 @@ def test_torch_distributed_launch_passes_local_rank_dashed(e2e_data):  # noqa: F
 
 
 @pytest.mark.distributed
-def test_srun_tasks_read_rank_and_world_from_slurm_variables(e2e_data):  # noqa: F811
+def test_srun_tasks_read_rank_and_world_from_slurm_variables(e2e_data):
     """One srun task per process: no RANK/WORLD_SIZE, the rendezvous host is the nodelist's first host."""
     port = str(free_port())
     command = [sys.executable, PRETRAIN_SCRIPT, *tiny_gpt_flags(e2e_data), *SHORT_RUN,
@@ -182,7 +181,7 @@ def write_executable(path, text):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_slurm_script_srun_torchrun_c10d(e2e_data, tmp_path):  # noqa: F811
+def test_slurm_script_srun_torchrun_c10d(e2e_data, tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     write_executable(bin_dir / "srun", FAKE_SRUN)
@@ -206,7 +205,7 @@ def test_slurm_script_srun_torchrun_c10d(e2e_data, tmp_path):  # noqa: F811
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_two_nodes_through_torchrun_static_rendezvous(e2e_data, tmp_path):  # noqa: F811
+def test_two_nodes_through_torchrun_static_rendezvous(e2e_data, tmp_path):
     executable("torchrun")
     port = str(free_port())
     script = ["bash", os.path.join(EXAMPLES_DIR, "pretrain_gpt_multinode_torchrun.sh")]

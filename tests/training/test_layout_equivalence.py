@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from megatron.core.models.gpt import GPTModelConfig
-from tests.training.e2e_utils import e2e_data, read_scalars, run_pretrain, tiny_gpt_flags  # noqa: F401
+from tests.training.e2e_utils import read_scalars, run_pretrain, tiny_gpt_flags
 from tests.training.reference_loop import ReferenceSchedule, run_reference_loop, training_dataset
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -75,7 +75,7 @@ def series(scalars, tag, steps=tuple(range(1, TRAIN_ITERS + 1))):
 
 
 @pytest.fixture(scope="module")
-def layout_runs(e2e_data, tmp_path_factory):  # noqa: F811
+def layout_runs(e2e_data, tmp_path_factory):
     """name -> (losses, grad norms, learning rates, log lines, zeros of the gradient) of one pretrain_gpt.py
     run per layout."""
     runs = {}
@@ -127,7 +127,7 @@ def test_the_run_changes_the_loss(layout_runs):
     assert max(layout_runs["single"][1]) > 1.0  # clipping at 1.0 is active
 
 
-def test_single_process_matches_a_plain_pytorch_adamw_loop(layout_runs, e2e_data):  # noqa: F811
+def test_single_process_matches_a_plain_pytorch_adamw_loop(layout_runs, e2e_data):
     model = GPTModelConfig(num_layers=NUM_LAYERS, hidden_size=64, num_attention_heads=4, padded_vocab_size=1152,
                            seq_length=SEQ_LENGTH, max_position_embeddings=MAX_POSITIONS, hidden_dropout=0.0,
                            attention_dropout=0.0, use_cpu_initialization=True, seed=SEED)
@@ -146,7 +146,7 @@ def test_single_process_matches_a_plain_pytorch_adamw_loop(layout_runs, e2e_data
     assert rates == pytest.approx([step.next_learning_rate for step in reference], rel=1e-6)
 
 
-def test_bf16_sequence_parallel_keeps_the_replicated_parameters_equal_across_tp(e2e_data, tmp_path):  # noqa: F811
+def test_bf16_sequence_parallel_keeps_the_replicated_parameters_equal_across_tp(e2e_data, tmp_path):
     """bf16 at ZeRO-1 (DeepSpeed's BF16_Optimizer, which sums the sequence-parallel gradients over TP
     once per step from its fp32 accumulators): after 6 steps the norms' weights and biases and the
     row-parallel biases, replicated on both TP ranks, are equal bit for bit (without the sum over TP

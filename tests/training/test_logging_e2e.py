@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from tests.training.e2e_utils import e2e_data, read_scalars, run_pretrain, tiny_gpt_flags  # noqa: F401
+from tests.training.e2e_utils import read_scalars, run_pretrain, tiny_gpt_flags
 
 pytestmark = pytest.mark.distributed
 
@@ -54,7 +54,7 @@ def model_tflops(iteration_time):
 
 
 @pytest.fixture(scope="module")
-def logged_run(e2e_data, tmp_path_factory):  # noqa: F811
+def logged_run(e2e_data, tmp_path_factory):
     tensorboard_dir = str(tmp_path_factory.mktemp("tensorboard"))
     checkpoint_dir = str(tmp_path_factory.mktemp("checkpoints"))
     flags = tiny_gpt_flags(e2e_data, seq_length=SEQ) + [

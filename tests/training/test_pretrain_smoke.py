@@ -22,7 +22,7 @@ SEQ_LENGTH = 64
 
 
 @pytest.fixture(scope="module")
-def fp32_run(preprocessed_corpus, tmp_path_factory):  # noqa: F811
+def fp32_run(preprocessed_corpus, tmp_path_factory):
     """4 iterations, evaluation and a checkpoint every 2, TensorBoard with every optional tag family."""
     out = tmp_path_factory.mktemp("fp32_run")
     args = tiny_run_args(preprocessed_corpus, "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", "4",
@@ -124,7 +124,7 @@ def test_tensorboard_tags(fp32_run):
     assert [e.step for e in events.Scalars("lm-loss-validation/lm loss validation")][:2] == [2, 4]
 
 
-def test_bf16_run_with_a_bf16_ds_config(preprocessed_corpus, tmp_path):  # noqa: F811
+def test_bf16_run_with_a_bf16_ds_config(preprocessed_corpus, tmp_path):
     """bf16 from a ds_config at stage 0 runs DeepSpeed's BF16_Optimizer (stage 1) and saves its state;
     its gradients, added to the fp32 accumulators as backward makes them (our default), give the
     losses and norms of adding them after each micro-batch's backward bit for bit."""
@@ -149,7 +149,7 @@ def test_bf16_run_with_a_bf16_ds_config(preprocessed_corpus, tmp_path):  # noqa:
     assert "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt" in files
 
 
-def test_kill_switch_at_start(preprocessed_corpus, tmp_path):  # noqa: F811
+def test_kill_switch_at_start(preprocessed_corpus, tmp_path):
     switch = tmp_path / "stop"
     switch.write_text("")
     args = tiny_run_args(preprocessed_corpus, "--train-iters", "3", "--kill-switch-path", str(switch))
@@ -158,7 +158,7 @@ def test_kill_switch_at_start(preprocessed_corpus, tmp_path):  # noqa: F811
     assert training_lines(output) == []
 
 
-def test_exit_interval_saves_and_stops(preprocessed_corpus, tmp_path):  # noqa: F811
+def test_exit_interval_saves_and_stops(preprocessed_corpus, tmp_path):
     args = tiny_run_args(preprocessed_corpus, "--train-iters", "6", "--exit-interval", "2", "--eval-iters", "0",
                          "--save", str(tmp_path / "ckpt"), "--save-interval", "5",
                          "--codecarbon-dir", str(tmp_path / "emissions"))
@@ -171,7 +171,7 @@ def test_exit_interval_saves_and_stops(preprocessed_corpus, tmp_path):  # noqa: 
     assert emissions[0].startswith("timestamp,project_name") and len(emissions) >= 2
 
 
-def test_named_validation_sets(preprocessed_corpus, tmp_path):  # noqa: F811
+def test_named_validation_sets(preprocessed_corpus, tmp_path):
     prefix = preprocessed_corpus.data_prefix
     args = tiny_run_args(preprocessed_corpus, "--train-iters", "2", "--eval-interval", "2", "--eval-iters", "1",
                          "--tensorboard-dir", str(tmp_path / "tb"))
@@ -190,7 +190,7 @@ def test_named_validation_sets(preprocessed_corpus, tmp_path):  # noqa: F811
         <= set(events.Tags()["scalars"])
 
 
-def test_kill_switch_during_training_saves_and_stops(preprocessed_corpus, tmp_path):  # noqa: F811
+def test_kill_switch_during_training_saves_and_stops(preprocessed_corpus, tmp_path):
     switch = tmp_path / "stop"
     args = tiny_run_args(preprocessed_corpus, "--train-iters", "2000", "--eval-iters", "0", "--kill-switch-path",
                          str(switch), "--save", str(tmp_path / "ckpt"), "--save-interval", "1000")
@@ -210,7 +210,7 @@ def test_kill_switch_during_training_saves_and_stops(preprocessed_corpus, tmp_pa
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == f"global_step{last}"
 
 
-def test_rampup_train_samples_and_train_tokens(preprocessed_corpus, tmp_path):  # noqa: F811
+def test_rampup_train_samples_and_train_tokens(preprocessed_corpus, tmp_path):
     """Ramp 4 -> 16 by 4 over 48 samples (one increment per 16 samples), stopped by --train-tokens."""
     args = tiny_run_args(preprocessed_corpus, "--global-batch-size", "16", "--train-samples", "160",
                          "--rampup-batch-size", "4", "4", "48", "--lr-warmup-samples", "16", "--train-tokens", "6000",
@@ -223,7 +223,7 @@ def test_rampup_train_samples_and_train_tokens(preprocessed_corpus, tmp_path):  
     assert [line["learning rate"] for line in lines[:4]] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
 
 
-def test_bad_flag_exits_with_status_2(preprocessed_corpus):  # noqa: F811
+def test_bad_flag_exits_with_status_2(preprocessed_corpus):
     started = time.time()
     result = run_pretrain(tiny_run_args(preprocessed_corpus, "--train-iters", "3", "--global-batch-size", "3"),
                           check=False)
@@ -232,7 +232,7 @@ def test_bad_flag_exits_with_status_2(preprocessed_corpus):  # noqa: F811
     assert time.time() - started < 60
 
 
-def test_deterministic_runs_repeat_bit_for_bit(preprocessed_corpus, tmp_path):  # noqa: F811
+def test_deterministic_runs_repeat_bit_for_bit(preprocessed_corpus, tmp_path):
     """--deterministic on CPU: torch's deterministic mode raises on no op of the run, and two runs (dropout
     on) log the same losses and gradient norms."""
     args = tiny_run_args(preprocessed_corpus, "--global-batch-size", "4", "--train-iters", "3", "--eval-iters", "0",

@@ -95,7 +95,7 @@ def test_bad_profile_flags_are_named(extra, message):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_a_two_process_run_profiles_the_chosen_rank(preprocessed_corpus, tmp_path):  # noqa: F811
+def test_a_two_process_run_profiles_the_chosen_rank(preprocessed_corpus, tmp_path):
     tensorboard = tmp_path / "tb"
     result = run_pretrain(tiny_run_args(preprocessed_corpus, "--global-batch-size", "4", "--train-iters", "4",
                                         "--eval-iters", "0", "--tensorboard-dir", str(tensorboard), "--profile",

@@ -21,7 +21,7 @@ FLAGS = ["--global-batch-size", "4", "--train-iters", "8", "--lr-warmup-iters", 
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(preprocessed_corpus, tmp_path_factory):  # noqa: F811
+def uninterrupted(preprocessed_corpus, tmp_path_factory):
     directory = tmp_path_factory.mktemp("uninterrupted")
     output = run_pretrain(tiny_run_args(preprocessed_corpus, *FLAGS, "--save", str(directory / "ckpt"))).stdout
     return output, directory / "ckpt"
@@ -34,7 +34,7 @@ def _checkpoint_at_4(source, destination):
     return destination
 
 
-def test_resumed_run_continues_counters_lr_data_and_losses(preprocessed_corpus, uninterrupted, tmp_path):  # noqa: F811
+def test_resumed_run_continues_counters_lr_data_and_losses(preprocessed_corpus, uninterrupted, tmp_path):
     output, ckpt = uninterrupted
     resume_dir = _checkpoint_at_4(ckpt, tmp_path / "resume")
     resumed = run_pretrain(tiny_run_args(preprocessed_corpus, *FLAGS, "--load", str(resume_dir),
@@ -59,7 +59,7 @@ def test_resumed_run_continues_counters_lr_data_and_losses(preprocessed_corpus, 
     assert final["consumed_train_samples"] == 32 and final["consumed_valid_samples"] == 2 * 4  # evaluations at 4 and 8
 
 
-def test_finetune_restarts_counters_and_schedule(preprocessed_corpus, uninterrupted, tmp_path):  # noqa: F811
+def test_finetune_restarts_counters_and_schedule(preprocessed_corpus, uninterrupted, tmp_path):
     output, ckpt = uninterrupted
     resume_dir = _checkpoint_at_4(ckpt, tmp_path / "finetune")
     flags = ["--global-batch-size", "4", "--train-iters", "2", "--lr-warmup-iters", "1", "--eval-iters", "0",
@@ -75,7 +75,7 @@ def test_finetune_restarts_counters_and_schedule(preprocessed_corpus, uninterrup
     assert (resume_dir / "latest").read_text().strip() == "global_step2"
 
 
-def test_no_load_optim_keeps_the_schedule_and_counters(preprocessed_corpus, uninterrupted, tmp_path):  # noqa: F811
+def test_no_load_optim_keeps_the_schedule_and_counters(preprocessed_corpus, uninterrupted, tmp_path):
     output, ckpt = uninterrupted
     resume_dir = _checkpoint_at_4(ckpt, tmp_path / "no_optim")
     resumed = run_pretrain(tiny_run_args(preprocessed_corpus, *FLAGS, "--load", str(resume_dir), "--no-load-optim",
@@ -89,7 +89,7 @@ def test_no_load_optim_keeps_the_schedule_and_counters(preprocessed_corpus, unin
     assert lines[1]["lm loss"] != pytest.approx(reference[6]["lm loss"], rel=1e-6)
 
 
-def test_missing_load_directory_starts_from_scratch(preprocessed_corpus, tmp_path):  # noqa: F811
+def test_missing_load_directory_starts_from_scratch(preprocessed_corpus, tmp_path):
     flags = ["--global-batch-size", "4", "--train-iters", "1", "--eval-iters", "0"]
     output = run_pretrain(tiny_run_args(preprocessed_corpus, *flags, "--load", str(tmp_path / "absent"))).stdout
     assert f"no checkpoint found in --load {tmp_path / 'absent'}" in output
@@ -97,7 +97,7 @@ def test_missing_load_directory_starts_from_scratch(preprocessed_corpus, tmp_pat
 
 
 @pytest.mark.parametrize("source", [None, "--override-lr-scheduler", "--use-checkpoint-lr-scheduler"])
-def test_a_changed_learning_rate_on_resume(preprocessed_corpus, uninterrupted, tmp_path, source):  # noqa: F811
+def test_a_changed_learning_rate_on_resume(preprocessed_corpus, uninterrupted, tmp_path, source):
     """--lr 2e-3 instead of 1e-3 when resuming at iteration 4 (global batch 4, warmup 8 samples, linear decay
     to 0 at 32 samples): refused without a flag; --override-lr-scheduler continues the progress with the
     new peak, lr(n) = 2e-3 (1 - (n - 8) / 24) before the step of sample n; --use-checkpoint-lr-scheduler
@@ -120,7 +120,7 @@ def test_a_changed_learning_rate_on_resume(preprocessed_corpus, uninterrupted, t
         assert rates == [reference[i] for i in (5, 6, 7, 8)]
 
 
-def test_save_schedule_and_retention(preprocessed_corpus, tmp_path):  # noqa: F811
+def test_save_schedule_and_retention(preprocessed_corpus, tmp_path):
     """12 iterations, --save-interval 4 with every 2nd iteration in 1-6, keeping the last 2 checkpoints and
     the one of iteration 2: saves at 2, 4, 6 (the range), 8 and 12 (every 4th; 12 is also the end);
     after each save only the last two and the pinned one remain."""

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from megatron.core.models.gpt import GPTModelConfig
-from tests.training.e2e_utils import e2e_data, run_pretrain, tiny_gpt_flags  # noqa: F401
+from tests.training.e2e_utils import run_pretrain, tiny_gpt_flags
 from tests.training.reference_loop import ReferenceSchedule, run_reference_loop, training_dataset
 
 SEQ_LENGTH, SEED = 64, 1234
@@ -59,7 +59,7 @@ def equivalence_flags():
 
 
 @pytest.fixture(scope="module")
-def rampup_run(e2e_data):  # noqa: F811
+def rampup_run(e2e_data):
     flags = tiny_gpt_flags(e2e_data, seq_length=SEQ_LENGTH, split="100,0,0") + equivalence_flags() + [
         "--micro-batch-size", "1", "--global-batch-size", "8", "--rampup-batch-size", "2", "2", "16",
         "--train-samples", "40", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-samples", "6",
@@ -71,7 +71,7 @@ def rampup_run(e2e_data):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def token_run(e2e_data):  # noqa: F811
+def token_run(e2e_data):
     flags = tiny_gpt_flags(e2e_data, seq_length=SEQ_LENGTH) + [
         "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "10", "--train-tokens", "1300",
         "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "2", "--lr-decay-tokens", "2048",
@@ -93,7 +93,7 @@ def test_rampup_batch_sizes_counters_and_learning_rates_follow_the_hand_table(ra
 
 
 @pytest.mark.distributed
-def test_rampup_trains_on_the_ramped_batches(rampup_run, e2e_data):  # noqa: F811
+def test_rampup_trains_on_the_ramped_batches(rampup_run, e2e_data):
     """The engine processed B_k samples at iteration k (4 micro batches per rank at the end, 1 at the start):
     its losses equal a plain loop over the same batches, which a wrong accumulation count would break."""
     model = GPTModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, padded_vocab_size=1152,

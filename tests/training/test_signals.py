@@ -18,8 +18,8 @@ import time
 import pytest
 
 from megatron.training.signals import EXIT_SIGNALS, ExitSignals
-from tests.training.e2e_utils import (PRETRAIN_SCRIPT, Job, e2e_data, read_scalars, run_pretrain,  # noqa: F401
-                                      start_ranks, tiny_gpt_flags, torchrun_command)
+from tests.training.e2e_utils import (PRETRAIN_SCRIPT, Job, read_scalars, run_pretrain, start_ranks, tiny_gpt_flags,
+                                      torchrun_command)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -43,7 +43,7 @@ def training_losses(tensorboard_dir):
 
 
 @pytest.fixture(scope="module")
-def reference(e2e_data, tmp_path_factory):  # noqa: F811
+def reference(e2e_data, tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("reference")
     run_pretrain(run_flags(e2e_data, tmp_path, "run"), nproc=2, timeout=TIMEOUT).assert_ok()
     losses = training_losses(str(tmp_path / "run" / "tb"))
@@ -101,7 +101,7 @@ CASES = [("SIGTERM", "rank"), ("SIGINT", "rank"), ("SIGUSR1", "rank"),
 
 
 @pytest.mark.parametrize("name, target", CASES)
-def test_signal_saves_and_the_resumed_run_continues_exactly(e2e_data, tmp_path, reference, name, target):  # noqa: F811
+def test_signal_saves_and_the_resumed_run_continues_exactly(e2e_data, tmp_path, reference, name, target):
     number = getattr(signal, name)
     flags = run_flags(e2e_data, tmp_path, "stopped")
     job = start_ranks(flags, timeout=TIMEOUT) if target == "rank" else start_torchrun(flags)

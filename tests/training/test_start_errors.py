@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-from tests.training.e2e_utils import e2e_data, run_pretrain, tiny_gpt_flags  # noqa: F401
+from tests.training.e2e_utils import run_pretrain, tiny_gpt_flags
 
 pytestmark = pytest.mark.distributed
 
@@ -31,7 +31,7 @@ def flags_with_data_path(data, data_path: str, tmp_path) -> list[str]:
     (lambda prefix: prefix + ".bin", "without the .bin extension: {prefix}"),
     (lambda prefix: prefix + ".idx", "without the .idx extension: {prefix}"),
 ])
-def test_a_wrong_data_path_is_one_error_before_anything_starts(e2e_data, tmp_path, make_path, hint):  # noqa: F811
+def test_a_wrong_data_path_is_one_error_before_anything_starts(e2e_data, tmp_path, make_path, hint):
     given = make_path(e2e_data.data_prefix)
     result = run_pretrain(flags_with_data_path(e2e_data, given, tmp_path), nproc=2)
     assert result.returncode != 0
@@ -43,7 +43,7 @@ def test_a_wrong_data_path_is_one_error_before_anything_starts(e2e_data, tmp_pat
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "tb").exists() and not (tmp_path / "logs").exists()
 
 
-def test_a_damaged_dataset_is_named_before_anything_starts(e2e_data, tmp_path):  # noqa: F811
+def test_a_damaged_dataset_is_named_before_anything_starts(e2e_data, tmp_path):
     prefix = str(tmp_path / "cut_text_document")
     with open(e2e_data.data_prefix + ".idx", "rb") as source, open(prefix + ".idx", "wb") as target:
         target.write(source.read())
@@ -56,7 +56,7 @@ def test_a_damaged_dataset_is_named_before_anything_starts(e2e_data, tmp_path): 
     assert not (tmp_path / "ckpt").exists()
 
 
-def test_a_bad_flag_is_reported_once(e2e_data, tmp_path):  # noqa: F811
+def test_a_bad_flag_is_reported_once(e2e_data, tmp_path):
     flags = tiny_gpt_flags(e2e_data) + RUN_FLAGS + ["--num-attention-heads", "3"]
     result = run_pretrain(flags, nproc=2)
     errors = [line for line in result.output.splitlines() if "pretrain_gpt.py: error:" in line]
@@ -65,7 +65,7 @@ def test_a_bad_flag_is_reported_once(e2e_data, tmp_path):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def quiet_run(e2e_data, tmp_path_factory):  # noqa: F811
+def quiet_run(e2e_data, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("logs")
     flags = tiny_gpt_flags(e2e_data) + RUN_FLAGS + ["--log-path", str(log_path), "--distributed-backend", "gloo"]
     result = run_pretrain(flags, nproc=2)
@@ -125,7 +125,7 @@ def _shift_second_pointer(raw):
 
 
 @pytest.mark.parametrize("damage", sorted(DATASET_DAMAGES))
-def test_a_damaged_dataset_is_named_before_anything_starts_each_kind(e2e_data, tmp_path, damage):  # noqa: F811
+def test_a_damaged_dataset_is_named_before_anything_starts_each_kind(e2e_data, tmp_path, damage):
     which, mutate, message = DATASET_DAMAGES[damage]
     prefix = tmp_path / "copy_text_document"
     for extension in ("idx", "bin"):

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from tests.training.e2e_utils import e2e_data, run_ranks, tiny_gpt_flags  # noqa: F401
+from tests.training.e2e_utils import run_ranks, tiny_gpt_flags
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -31,7 +31,7 @@ def tp_copies(checkpoint):
             for rank in (0, 1)]
 
 
-def test_drift_is_reported_and_removed(e2e_data, tmp_path):  # noqa: F811
+def test_drift_is_reported_and_removed(e2e_data, tmp_path):
     output = run(e2e_data, tmp_path / "synced", "--sync-tp-duplicated-parameters")
     reports = [line for line in output.splitlines() if "TP-duplicated parameters had drifted" in line]
     assert reports[0].startswith("> iteration 3:") and "3.input_layernorm.weight" in reports[0]
@@ -43,14 +43,14 @@ def test_drift_is_reported_and_removed(e2e_data, tmp_path):  # noqa: F811
     assert torch.equal(first, second)
 
 
-def test_without_the_flag_the_copies_stay_apart(e2e_data, tmp_path):  # noqa: F811
+def test_without_the_flag_the_copies_stay_apart(e2e_data, tmp_path):
     output = run(e2e_data, tmp_path / "apart")
     assert "had drifted" not in output
     first, second = tp_copies(tmp_path / "apart")
     assert (first - second).abs().max() == pytest.approx(1e-3, rel=1e-2)
 
 
-def test_an_undisturbed_run_reports_no_drift(e2e_data, tmp_path):  # noqa: F811
+def test_an_undisturbed_run_reports_no_drift(e2e_data, tmp_path):
     output = run(e2e_data, tmp_path / "calm", "--sync-tp-duplicated-parameters", drift=False)
     assert "had drifted" not in output
     first, second = tp_copies(tmp_path / "calm")

@@ -17,7 +17,7 @@ import torch
 
 import pytest
 
-from tests.training.e2e_utils import e2e_data, run_pretrain, tiny_gpt_flags  # noqa: F401
+from tests.training.e2e_utils import run_pretrain, tiny_gpt_flags
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -42,7 +42,7 @@ def losses(result):
 
 
 @pytest.fixture(scope="module")
-def zero_2(e2e_data, tmp_path_factory):  # noqa: F811
+def zero_2(e2e_data, tmp_path_factory):
     """ZeRO-2 without offload for TRAIN_ITERS iterations, saved at its end -> (run result, --save directory)."""
     directory = tmp_path_factory.mktemp("zero2")
     checkpoint = directory / "ckpt"
@@ -53,7 +53,7 @@ def zero_2(e2e_data, tmp_path_factory):  # noqa: F811
     return result, checkpoint
 
 
-def test_offload_gives_the_losses_of_zero_2_and_resumes(zero_2, e2e_data, tmp_path):  # noqa: F811
+def test_offload_gives_the_losses_of_zero_2_and_resumes(zero_2, e2e_data, tmp_path):
     plain, _ = zero_2
     flags = tiny_gpt_flags(e2e_data) + run_flags() + ["--deepspeed_config", ds_config(tmp_path, True)]
     offloaded = run_pretrain(flags + ["--save", str(tmp_path / "ckpt"), "--save-interval", "3"], nproc=2)

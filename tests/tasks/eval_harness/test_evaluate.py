@@ -16,7 +16,7 @@ from megatron.core.tokenizer import GPT2BPETokenizer
 from tests.conftest import REPO_ROOT
 from tests.tasks.eval_harness.local_tasks import GROUP, figures, write_local_tasks
 from tests.tasks.eval_harness.test_megatron_lm import evaluate, pipeline_of
-from tests.tasks.trained_checkpoint import SEQ_LENGTH, checkpoint_path, trained  # noqa: F401
+from tests.tasks.trained_checkpoint import SEQ_LENGTH, checkpoint_path
 from tests.training.e2e_utils import run_ranks
 from tools.convert_checkpoint import deepspeed_to_transformers
 
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 EVALUATE = os.path.join(REPO_ROOT, "tasks", "eval_harness", "evaluate.py")
 
 
-def test_tp2_pp2_launch_equals_one_process_and_the_exported_model(trained, tmp_path, capsys):  # noqa: F811
+def test_tp2_pp2_launch_equals_one_process_and_the_exported_model(trained, tmp_path, capsys):
     import transformers
     from lm_eval.models.huggingface import HFLM
 
