@@ -31,7 +31,7 @@ import torch
 
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.layer_norm import LayerNorm
-from megatron.core.parallel_state import DeepSpeedMPU, ParallelGroups
+from megatron.core.parallel_state import DeepSpeedMPU, ParallelGroups, group_size
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megatron.training.config import OptimizerConfig, ScheduleConfig, TrainConfig
 from megatron.training.dist_utils import (broadcast_from_first_rank, gather_objects, max_across_ranks, print_rank_0,
@@ -315,6 +315,22 @@ def clip_inside_the_fused_adamw_step(engine) -> bool:
     return True
 
 
+def skip_the_one_rank_gradient_reduction(engine) -> bool:
+    """DeepSpeed's pipeline engine (which also runs PP = 1 at ZeRO 0/1) reduces BF16_Optimizer's fp32
+    gradient accumulators over data parallelism once per step by casting them to the communication
+    dtype (bf16 unless the ds_config sets ``communication_data_type``), all-reducing and casting back.
+    With one data-parallel rank nothing is summed and the pass only rounds the accumulated gradients
+    to bf16: at 1.3B parameters 16 GB of traffic per step for a loss of precision. Here that pass is
+    skipped when the data-parallel group has one rank. Applies to a pipeline engine on
+    BF16_Optimizer; returns whether it did."""
+    if not (getattr(engine, "using_bf16_optimizer", False) and hasattr(engine, "_bf16_reduce_grads")):
+        return False
+    if group_size(engine.mpu.get_data_parallel_group()) > 1:
+        return False
+    engine._bf16_reduce_grads = lambda: None
+    return True
+
+
 def initialize_engine(config: TrainConfig, groups: ParallelGroups, model: torch.nn.Module,
                       torch_optimizer: torch.optim.Optimizer, lr_scheduler: AnnealingLR):
     """deepspeed.initialize on our model, optimizer, schedule and groups; checked against our grid."""
@@ -334,6 +350,7 @@ def initialize_engine(config: TrainConfig, groups: ParallelGroups, model: torch.
         if config.precision.gradient_accumulation_fusion:
             accumulate_linear_weight_gradients_in_their_gemms(engine)
         clip_inside_the_fused_adamw_step(engine)
+        skip_the_one_rank_gradient_reduction(engine)
     if pipeline and (getattr(engine, "using_bf16_optimizer", False) or not engine.zero_optimization()):
         model.reduce_sequence_parallel_gradients_once_per_step()
     if config.logging.log_num_zeros_in_grad:

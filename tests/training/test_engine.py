@@ -1,6 +1,6 @@
 """megatron/training/engine.py: the fused fp32 accumulation of bf16 gradients on DeepSpeed's BF16_Optimizer,
-the weight-gradient GEMMs adding into its fp32 accumulators (gradient-accumulation fusion), and the
-clip folded into the fused AdamW step."""
+the weight-gradient GEMMs adding into its fp32 accumulators (gradient-accumulation fusion), the
+clip folded into the fused AdamW step, and the pipeline engine's one-rank gradient "reduction" skipped."""
 import functools
 
 import torch
@@ -8,7 +8,7 @@ import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.training.engine import (accumulate_bf16_gradients_in_one_kernel,
                                       accumulate_linear_weight_gradients_in_their_gemms,
-                                      clip_inside_the_fused_adamw_step)
+                                      clip_inside_the_fused_adamw_step, skip_the_one_rank_gradient_reduction)
 from tests.dist_utils import run_distributed
 
 
@@ -161,3 +161,53 @@ def test_clip_stays_with_deepspeed_without_a_fused_adamw():
 def _clip_stays_with_deepspeed(rank, world_size):
     engine = _mlp_engine(fused=False)  # DeepSpeed's torch_adam: AdamW without fused=True
     assert not clip_inside_the_fused_adamw_step(engine)
+
+
+def _pipeline_engine(communication_dtype: str | None = None):
+    """A one-stage DeepSpeed pipeline engine (the trainer's engine at PP = 1) on BF16_Optimizer."""
+    deepspeed = _deepspeed_on_the_cpu()
+    from deepspeed.pipe import PipelineModule
+
+    deepspeed.init_distributed(dist_backend="gloo")  # the module's topology needs it before initialize
+    torch.manual_seed(0)
+    model = PipelineModule(layers=[torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 24)], num_stages=1,
+                           loss_fn=lambda out, label: (out.float() - label.float()).square().mean())
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3, "bf16": {"enabled": True},
+              "data_types": {"grad_accum_dtype": "fp32"}, "zero_optimization": {"stage": 1},
+              "gradient_clipping": 0.5, "steps_per_print": 1000,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}}
+    if communication_dtype is not None:
+        config["communication_data_type"] = communication_dtype
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def _pipeline_weights(engine) -> torch.Tensor:
+    """The fp32 master weights after two steps of 3 micro-batches."""
+    generator = torch.Generator().manual_seed(1)
+    batches = iter([(torch.randn(4, 24, generator=generator).bfloat16(), torch.randn(4, 24, generator=generator))
+                    for _ in range(6)])
+    for _ in range(2):
+        engine.train_batch(batches)
+    return _master_weights(engine)
+
+
+def _one_rank_skips_the_rounding(rank, world_size):
+    engine = _pipeline_engine()
+    assert skip_the_one_rank_gradient_reduction(engine)
+    weights = _pipeline_weights(engine)
+    # the same as DeepSpeed's with an fp32 "reduction" (the identity), not as its default bf16 one
+    assert torch.equal(weights, _pipeline_weights(_pipeline_engine(communication_dtype="fp32")))
+    assert not torch.equal(weights, _pipeline_weights(_pipeline_engine()))
+
+
+def _two_ranks_keep_the_reduction(rank, world_size):
+    assert not skip_the_one_rank_gradient_reduction(_pipeline_engine())
+
+
+def test_one_data_parallel_rank_leaves_the_bf16_accumulators_unrounded():
+    run_distributed(_one_rank_skips_the_rounding, 1)
+
+
+def test_two_data_parallel_ranks_keep_deepspeeds_reduction():
+    run_distributed(_two_ranks_keep_the_reduction, 2)
