@@ -175,7 +175,7 @@ def run_together(specs: list[ProcessSpec], timeout: float = DEFAULT_TIMEOUT) -> 
             process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             timed_out = True
-            os.killpg(process.pid, signal.SIGKILL)
+            kill_sessions([process])
             process.wait()
         output.seek(0)
         results.append(RunResult(spec.command, process.returncode, output.read(), timed_out))
@@ -335,11 +335,7 @@ class Job:
 
     def kill(self) -> None:
         """SIGKILL every process's session, then reap them."""
-        for process in self.processes:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_sessions(self.processes)
         for process in self.processes:
             process.wait()
 
