@@ -31,8 +31,13 @@ import torch
 
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.layer_norm import LayerNorm
-from megatron.core.parallel_state import DeepSpeedMPU, ParallelGroups, group_size
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from megatron.core.parallel_state import DeepSpeedMPU, ParallelGroups
+from megatron.core.tensor_parallel import VocabParallelEmbedding
+from megatron.training.bf16_optimizer_steps import (accumulate_bf16_gradients_in_one_kernel,
+                                                    accumulate_linear_weight_gradients_in_their_gemms,
+                                                    clip_inside_the_fused_adamw_step,
+                                                    skip_the_one_rank_gradient_reduction,
+                                                    write_the_bf16_weights_in_the_adamw_step)
 from megatron.training.config import OptimizerConfig, ScheduleConfig, TrainConfig
 from megatron.training.dist_utils import (broadcast_from_first_rank, gather_objects, max_across_ranks, print_rank_0,
                                          sum_across_group)
@@ -214,123 +219,6 @@ def guard_fp32_steps(engine, groups: ParallelGroups) -> None:
     optimizer.step = guarded_step
 
 
-def accumulate_bf16_gradients_in_one_kernel(engine) -> None:
-    """DeepSpeed's BF16_Optimizer adds each micro-batch's bf16 gradients into their fp32 accumulators
-    as ``hp.add_(lp.to(float32))``, which writes an fp32 copy of every gradient and reads it back:
-    at 1.3B parameters 8 GB of traffic per micro-batch. ``hp.add_(lp)`` converts element by element
-    inside the add, and the sums are the same bit for bit (bf16 -> fp32 is exact). This replaces the
-    optimizer's per-parameter update by that; DeepSpeed versions without that method, or with an
-    expert-parallel gradient correction in it, keep their own."""
-    optimizer = engine.optimizer
-    if not hasattr(optimizer, "_update_hp_grad") or not hasattr(optimizer, "fp32_groups_gradients") \
-            or getattr(optimizer, "autoep_folding_tp_group", None) is not None:
-        return
-
-    @torch.no_grad()
-    def update_hp_grad(lp, group_idx, param_idx, clear_lp_grads):
-        if lp.grad is None:
-            return
-        hp_grad = optimizer.fp32_groups_gradients[group_idx][param_idx]
-        hp_grad.add_(lp.grad.view(hp_grad.shape))
-        lp._hp_grad = hp_grad
-        optimizer.fp32_groups_has_gradients[group_idx][param_idx] = True
-        if clear_lp_grads:
-            lp.grad.zero_()
-
-    optimizer._update_hp_grad = update_hp_grad
-
-
-def accumulate_linear_weight_gradients_in_their_gemms(engine) -> int:
-    """Gradient-accumulation fusion on DeepSpeed's BF16_Optimizer with fp32 accumulators: each weight of
-    a ColumnParallelLinear or RowParallelLinear gets its fp32 accumulator as ``main_grad``, where its
-    backward GEMM adds dW (``tensor_parallel.layers``): per micro-batch and weight of P values, no bf16
-    dW (2P bytes written, then read with the accumulator and written back: 10P more) and no rounding
-    of dW to bf16. Autograd then hands the optimizer no gradient for these weights, so they are marked
-    as having one (the norm and clipping read only marked accumulators) again after every clear.
-    Returns the number of weights fused (0 on other optimizers, which keep autograd's gradients)."""
-    optimizer = engine.optimizer
-    accumulators = getattr(optimizer, "fp32_groups_gradients", None)
-    if accumulators is None or not hasattr(optimizer, "fp32_groups_has_gradients") \
-            or not hasattr(optimizer, "clear_hp_grads"):
-        return 0
-    linear_weights = {id(module.weight) for module in engine.module.modules()
-                      if isinstance(module, (ColumnParallelLinear, RowParallelLinear))}
-    fused = []
-    for group_index, group in enumerate(optimizer.bf16_groups):
-        for param_index, param in enumerate(group):
-            accumulator = accumulators[group_index][param_index]
-            if id(param) in linear_weights and accumulator.dtype == torch.float32:
-                param.main_grad = accumulator.view(param.shape)
-                param._hp_grad = accumulator  # where DeepSpeed's full-gradient readers look
-                fused.append((group_index, param_index))
-    clear = optimizer.clear_hp_grads
-
-    def mark():
-        for group_index, param_index in fused:
-            optimizer.fp32_groups_has_gradients[group_index][param_index] = True
-
-    def clear_and_mark():
-        clear()
-        mark()
-
-    optimizer.clear_hp_grads = clear_and_mark
-    mark()
-    return len(fused)
-
-
-def clip_inside_the_fused_adamw_step(engine) -> bool:
-    """DeepSpeed's BF16_Optimizer clips by multiplying every fp32 gradient accumulator by
-    c = clip / (||g|| + 1e-6) when c < 1, tensor by tensor after reading the norm on the host (at
-    1.3B parameters 10 GB of traffic and a host wait per step), then steps the torch optimizer it
-    wraps. torch's fused AdamW divides each gradient by its ``grad_scale`` tensor inside the update
-    kernel; with grad_scale = max(1, (||g|| + 1e-6) / clip), computed on the device from the norm
-    the BF16_Optimizer has just taken, the clip costs nothing. The BF16_Optimizer's own clip is off
-    only while it steps (its saved state keeps the configured value). Returns whether that applies:
-    a BF16_Optimizer with clipping around a fused torch AdamW."""
-    optimizer = engine.optimizer
-    torch_optimizer = getattr(optimizer, "optimizer", None)
-    max_norm = getattr(optimizer, "clip_grad", 0.0)
-    if not (hasattr(optimizer, "fp32_groups_gradients") and max_norm > 0.0
-            and isinstance(torch_optimizer, torch.optim.AdamW) and torch_optimizer.defaults.get("fused")):
-        return False
-    bf16_step, adamw_step = optimizer.step, torch_optimizer.step
-
-    def adamw_step_with_clip(*args, **kwargs):
-        norm = torch.as_tensor(optimizer._global_grad_norm, dtype=torch.float32, device=engine.device)
-        torch_optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)
-        try:
-            return adamw_step(*args, **kwargs)
-        finally:
-            del torch_optimizer.grad_scale
-
-    def step_without_its_own_clip(*args, **kwargs):
-        optimizer.clip_grad = 0.0
-        try:
-            return bf16_step(*args, **kwargs)
-        finally:
-            optimizer.clip_grad = max_norm
-
-    torch_optimizer.step = adamw_step_with_clip
-    optimizer.step = step_without_its_own_clip
-    return True
-
-
-def skip_the_one_rank_gradient_reduction(engine) -> bool:
-    """DeepSpeed's pipeline engine (which also runs PP = 1 at ZeRO 0/1) reduces BF16_Optimizer's fp32
-    gradient accumulators over data parallelism once per step by casting them to the communication
-    dtype (bf16 unless the ds_config sets ``communication_data_type``), all-reducing and casting back.
-    With one data-parallel rank nothing is summed and the pass only rounds the accumulated gradients
-    to bf16: at 1.3B parameters 16 GB of traffic per step for a loss of precision. Here that pass is
-    skipped when the data-parallel group has one rank. Applies to a pipeline engine on
-    BF16_Optimizer; returns whether it did."""
-    if not (getattr(engine, "using_bf16_optimizer", False) and hasattr(engine, "_bf16_reduce_grads")):
-        return False
-    if group_size(engine.mpu.get_data_parallel_group()) > 1:
-        return False
-    engine._bf16_reduce_grads = lambda: None
-    return True
-
-
 def initialize_engine(config: TrainConfig, groups: ParallelGroups, model: torch.nn.Module,
                       torch_optimizer: torch.optim.Optimizer, lr_scheduler: AnnealingLR):
     """deepspeed.initialize on our model, optimizer, schedule and groups; checked against our grid."""
@@ -349,6 +237,7 @@ def initialize_engine(config: TrainConfig, groups: ParallelGroups, model: torch.
         accumulate_bf16_gradients_in_one_kernel(engine)
         if config.precision.gradient_accumulation_fusion:
             accumulate_linear_weight_gradients_in_their_gemms(engine)
+        write_the_bf16_weights_in_the_adamw_step(engine)  # before the clip, which wraps the step it leaves
         clip_inside_the_fused_adamw_step(engine)
         skip_the_one_rank_gradient_reduction(engine)
     if pipeline and (getattr(engine, "using_bf16_optimizer", False) or not engine.zero_optimization()):

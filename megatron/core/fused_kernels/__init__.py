@@ -5,11 +5,13 @@
 CUDA when their constraints hold, and the references (``*_reference``) otherwise and always on CPU;
 ``dispatch`` states the rules. ``linear``, ``layer_norm_linear`` (one row of input, with a layer
 norm, activation or residual folded in) and ``decode_attention`` are the forward-only kernels of a
-one-token decoding step. The environment variable ``MEGATRON_FUSED_KERNELS=0`` or
+one-token decoding step. ``adamw_step`` is the optimizer's: one pass over a flat fp32 tensor that
+also writes the weights' bf16 copy. The environment variable ``MEGATRON_FUSED_KERNELS=0`` or
 ``set_fused_kernels_enabled(False)`` forces the references.
 """
 from megatron.core.fused_kernels.dispatch import (
     FusedKernelArgumentError,
+    adamw_step,
     bias_dropout_add,
     bias_gelu,
     decode_attention,
@@ -22,6 +24,7 @@ from megatron.core.fused_kernels.dispatch import (
     split_query_key_value,
 )
 from megatron.core.fused_kernels.reference import (
+    adamw_step_reference,
     bias_dropout_add_reference,
     bias_gelu_reference,
     causal_mask,
@@ -35,6 +38,8 @@ from megatron.core.fused_kernels.reference import (
 
 __all__ = [
     "FusedKernelArgumentError",
+    "adamw_step",
+    "adamw_step_reference",
     "bias_dropout_add",
     "bias_dropout_add_reference",
     "bias_gelu",

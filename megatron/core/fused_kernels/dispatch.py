@@ -148,6 +148,18 @@ def split_query_key_value_constraint_violation(mixed, bias, head_dim):
     return _elementwise_violation(mixed, (("bias", bias),))
 
 
+def adamw_constraint_violation(param, grad, exp_avg, exp_avg_sq, param_copy):
+    """Why the Triton AdamW step cannot take these tensors on any device, or None (flat indexing)."""
+    tensors = (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq),
+               ("param_copy", param_copy))
+    for name, tensor in tensors:
+        if tensor is not None and not tensor.is_contiguous():
+            return f"{name} is not contiguous"
+    if param.numel() == 0:
+        return "param is empty"
+    return None if param_copy is None else _dtype_violation("param_copy", param_copy)
+
+
 def cross_entropy_constraint_violation(logits):
     """Why the Triton cross entropy (tensor_parallel.cross_entropy) cannot take these logits, or None."""
     return _dtype_violation("logits", logits)
@@ -274,6 +286,40 @@ def bias_dropout_add(x, bias, residual, prob, training):
         if kernels is not None:
             return kernels.BiasDropoutAddFunction.apply(x, bias, residual, prob, training and prob > 0.0)
     return reference.bias_dropout_add_reference(x, bias, residual, prob, training)
+
+
+def adamw_step(param, grad, exp_avg, exp_avg_sq, step, *, lr, beta1, beta2, eps, weight_decay,
+               grad_scale=None, param_copy=None):
+    """One AdamW step (decoupled weight decay) of ``param`` in place, torch.optim.AdamW(fused=True)'s math:
+
+        g = grad / grad_scale                      (no division without a grad_scale)
+        p <- p - lr * weight_decay * p
+        m <- beta1 * m + (1 - beta1) * g           (exp_avg)
+        v <- beta2 * v + (1 - beta2) * g^2         (exp_avg_sq)
+        p <- p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+
+    param, grad, exp_avg, exp_avg_sq: fp32 tensors of one shape; ``step``: a 0-dim tensor holding t,
+    this step's count (already advanced), read on its device; ``grad_scale``: a 0-dim fp32 tensor or
+    None. ``param_copy`` (param's shape, fp16/bf16/fp32) receives the new p in its dtype. ``grad``
+    is left as it was. On CUDA one Triton kernel does it all (triton_adamw); else the reference.
+    """
+    for name, tensor in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("param_copy", param_copy)):
+        if tensor is not None and tensor.shape != param.shape:
+            raise FusedKernelArgumentError(f"adamw_step: {name} {tuple(tensor.shape)} != param {tuple(param.shape)}")
+    for name, tensor in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if tensor.dtype != torch.float32:
+            raise FusedKernelArgumentError(f"adamw_step: {name} must be fp32, got {tensor.dtype}")
+    tensors = [t for t in (param, grad, exp_avg, exp_avg_sq, step, grad_scale, param_copy) if t is not None]
+    if runtime_blocker(*tensors) is None and adamw_constraint_violation(param, grad, exp_avg, exp_avg_sq,
+                                                                        param_copy) is None:
+        kernels = kernel_module("triton_adamw")
+        if kernels is not None:
+            return kernels.adamw_step(param, grad, exp_avg, exp_avg_sq, step, lr=lr, beta1=beta1, beta2=beta2,
+                                      eps=eps, weight_decay=weight_decay, grad_scale=grad_scale,
+                                      param_copy=param_copy)
+    return reference.adamw_step_reference(param, grad, exp_avg, exp_avg_sq, step, lr=lr, beta1=beta1, beta2=beta2,
+                                          eps=eps, weight_decay=weight_decay, grad_scale=grad_scale,
+                                          param_copy=param_copy)
 
 
 @torch.library.custom_op("megatron::gemv", mutates_args=())

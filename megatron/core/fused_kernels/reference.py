@@ -145,3 +145,24 @@ def layer_norm_linear_reference(x, norm_weight, norm_bias, eps, weight, bias, ac
         return F.linear(normed, weight, bias)
     y = F.linear(normed, weight)
     return ACTIVATIONS[activation](y if bias is None else y + bias)
+
+
+def adamw_bias_corrections(step, lr, beta1, beta2):
+    """[lr / (1 - beta1^t), sqrt(1 - beta2^t)] in fp32 on ``step``'s device, computed in float64
+    from the step count t (a 0-dim tensor, read there: no wait for the host)."""
+    t = step.double()
+    return torch.stack([lr / (1 - beta1 ** t), (1 - beta2 ** t).sqrt()]).float()
+
+
+def adamw_step_reference(param, grad, exp_avg, exp_avg_sq, step, *, lr, beta1, beta2, eps, weight_decay,
+                         grad_scale=None, param_copy=None):
+    """``dispatch.adamw_step`` in torch operations, in place (temporaries of param's size)."""
+    step_size, bias_correction2_sqrt = adamw_bias_corrections(step, lr, beta1, beta2)
+    if grad_scale is not None:
+        grad = grad / grad_scale
+    param.sub_(param * (lr * weight_decay))
+    exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    param.sub_(step_size * exp_avg / (exp_avg_sq.sqrt() / bias_correction2_sqrt + eps))
+    if param_copy is not None:
+        param_copy.copy_(param)

@@ -27,6 +27,7 @@ _REFERENCE_NAMES = [
     "linear_reference",
     "layer_norm_linear_reference",
     "split_query_key_value_reference",
+    "adamw_step_reference",
 ]
 
 
@@ -521,3 +522,68 @@ def test_decode_kernels_run_compiled_and_replayed_from_a_cuda_graph(references, 
         written = keys[:, :, 40].clone()
         assert written.abs().sum() > 0
         assert torch.equal(replayed, step(x)) and torch.equal(keys[:, :, 40], written)
+
+
+def _assert_adamw_close(got, want):
+    """Within 8 fp32 ulps of each value and of the largest: torch's kernel computes the moments in
+    float64 before rounding them, so where beta * m and (1 - beta) * g cancel, an element keeps only
+    the absolute error of its terms."""
+    ulps = 8 * torch.finfo(torch.float32).eps
+    torch.testing.assert_close(got, want, rtol=ulps, atol=ulps * want.abs().max().item())
+
+
+def _torch_fused_adamw(param, steps, weight_decay, grad_scale):
+    """torch's fused AdamW over ``steps`` gradients: (param, exp_avg, exp_avg_sq) after them."""
+    param = torch.nn.Parameter(param.clone())
+    optimizer = torch.optim.AdamW([param], lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay,
+                                  fused=True)
+    for grad in steps:
+        param.grad = grad.clone()
+        optimizer.grad_scale = grad_scale
+        optimizer.step()
+    state = optimizer.state[param]
+    return param.detach(), state["exp_avg"], state["exp_avg_sq"]
+
+
+@pytest.mark.parametrize("copy_dtype", [torch.bfloat16, torch.float16, None], ids=["bf16", "fp16", "no_copy"])
+@pytest.mark.parametrize("weight_decay, clipped", [(0.1, True), (0.0, False)])
+def test_adamw_step_matches_torchs_fused_adamw_and_writes_the_copy(references, copy_dtype, weight_decay, clipped):
+    """Three steps on an odd-sized flat tensor: torch's fused kernel's results within fp32 roundings;
+    the copy is exactly the new fp32 weights in its dtype; the gradient is left as it was."""
+    torch.manual_seed(5)
+    n = (1 << 20) + 7
+    param = torch.randn(n, device="cuda")
+    steps = [torch.randn(n, device="cuda") * scale for scale in (1.0, 1e-3, 30.0)]
+    grad_scale = torch.tensor(2.5, device="cuda") if clipped else None
+    expected = _torch_fused_adamw(param, steps, weight_decay, grad_scale)
+    ours, exp_avg, exp_avg_sq = param.clone(), torch.zeros_like(param), torch.zeros_like(param)
+    copy = None if copy_dtype is None else torch.empty(n, device="cuda", dtype=copy_dtype)
+    step = torch.zeros((), device="cuda")
+    for grad in steps:
+        kept = grad.clone()
+        step += 1
+        fused_kernels.adamw_step(ours, grad, exp_avg, exp_avg_sq, step, lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8,
+                                 weight_decay=weight_decay, grad_scale=grad_scale, param_copy=copy)
+        assert torch.equal(grad, kept)
+        if copy is not None:
+            assert torch.equal(copy, ours.to(copy_dtype))
+    for got, want in zip((ours, exp_avg, exp_avg_sq), expected):
+        _assert_adamw_close(got, want)
+    assert not torch.equal(ours, param)
+
+
+def test_adamw_step_reaches_elements_past_2_to_the_31(references):
+    """A flat partition of more than 2^31 elements (int64 offsets): its last elements step as the
+    reference steps them."""
+    n = (1 << 31) + 1000
+    param, grad = torch.full((n,), 0.5, device="cuda"), torch.ones(n, device="cuda")
+    grad[-1000:] = torch.linspace(-2.0, 2.0, 1000, device="cuda")
+    exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
+    step, copy = torch.ones((), device="cuda"), torch.empty(n, device="cuda", dtype=torch.bfloat16)
+    tail = [t[-1000:].clone() for t in (param, grad, exp_avg, exp_avg_sq)]
+    settings = dict(lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    fused_kernels.adamw_step(param, grad, exp_avg, exp_avg_sq, step, param_copy=copy, **settings)
+    references.adamw_step_reference(*tail, step, **settings)
+    for got, want in zip((param[-1000:], exp_avg[-1000:], exp_avg_sq[-1000:]), (tail[0], tail[2], tail[3])):
+        _assert_adamw_close(got, want)
+    assert torch.equal(copy[-1000:], param[-1000:].bfloat16()) and float(param[0]) != 0.5

@@ -1,14 +1,18 @@
-"""megatron/training/engine.py: the fused fp32 accumulation of bf16 gradients on DeepSpeed's BF16_Optimizer,
-the weight-gradient GEMMs adding into its fp32 accumulators (gradient-accumulation fusion), the
-clip folded into the fused AdamW step, and the pipeline engine's one-rank gradient "reduction" skipped."""
+"""megatron/training/bf16_optimizer_steps.py: the fused fp32 accumulation of bf16 gradients on DeepSpeed's
+BF16_Optimizer, the weight-gradient GEMMs adding into its fp32 accumulators (gradient-accumulation
+fusion), the AdamW step writing the bf16 weights, the clip folded into the fused AdamW step, and the
+pipeline engine's one-rank gradient "reduction" skipped."""
 import functools
 
 import torch
 
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.training.engine import (accumulate_bf16_gradients_in_one_kernel,
-                                      accumulate_linear_weight_gradients_in_their_gemms,
-                                      clip_inside_the_fused_adamw_step, skip_the_one_rank_gradient_reduction)
+from megatron.training import bf16_optimizer_steps
+from megatron.training.bf16_optimizer_steps import (accumulate_bf16_gradients_in_one_kernel,
+                                                    accumulate_linear_weight_gradients_in_their_gemms,
+                                                    clip_inside_the_fused_adamw_step,
+                                                    skip_the_one_rank_gradient_reduction,
+                                                    write_the_bf16_weights_in_the_adamw_step)
 from tests.dist_utils import run_distributed
 
 
@@ -161,6 +165,61 @@ def test_clip_stays_with_deepspeed_without_a_fused_adamw():
 def _clip_stays_with_deepspeed(rank, world_size):
     engine = _mlp_engine(fused=False)  # DeepSpeed's torch_adam: AdamW without fused=True
     assert not clip_inside_the_fused_adamw_step(engine)
+
+
+def _bf16_partitions_equal_the_master_weights(engine):
+    """Every rank's bf16 partition of every group is its fp32 master partition rounded to bf16 (the
+    rank's own written by the step, the others' all-gathered)."""
+    optimizer = engine.optimizer
+    for fp32_partition, bf16_partitions in zip(optimizer.fp32_groups_flat_partition,
+                                               optimizer.bf16_partitioned_groups):
+        gathered = [torch.empty_like(fp32_partition) for _ in bf16_partitions]
+        torch.distributed.all_gather(gathered, fp32_partition.detach())
+        for master, bf16 in zip(gathered, bf16_partitions):
+            assert torch.equal(bf16, master.bfloat16())
+
+
+def _adamw_writing_bf16_equals_deepspeeds_step(rank, world_size):
+    reference_engine = _mlp_engine(fused=True, fused_adamw=True)
+    clip_inside_the_fused_adamw_step(reference_engine)
+    reference_norms, _ = _two_steps(reference_engine)
+    bf16_optimizer_steps.runs_fused_adamw = lambda tensor: True  # the reference kernel on the CPU
+    engine = _mlp_engine(fused=True, fused_adamw=True)
+    copy_and_gather = engine.optimizer.update_lp_params
+    assert write_the_bf16_weights_in_the_adamw_step(engine) and clip_inside_the_fused_adamw_step(engine)
+    norms, _ = _two_steps(engine)
+    assert norms[0] == reference_norms[0] > 0.5  # clipped, so the grad_scale reached the step
+    assert abs(norms[1] - reference_norms[1]) <= 1e-6 * reference_norms[1]
+    torch.testing.assert_close(_master_weights(engine), _master_weights(reference_engine), rtol=1e-6, atol=1e-7)
+    _bf16_partitions_equal_the_master_weights(engine)
+    ours, theirs = engine.optimizer.optimizer.state_dict(), reference_engine.optimizer.optimizer.state_dict()
+    assert ours["param_groups"] == theirs["param_groups"]
+    for state, reference_state in zip(ours["state"].values(), theirs["state"].values(), strict=True):
+        assert state.keys() == reference_state.keys() and float(state["step"]) == float(reference_state["step"]) == 2
+        assert all(state[key].dtype == reference_state[key].dtype for key in state)
+    # fp32 weights changed outside a step (a loaded checkpoint): DeepSpeed's copy runs
+    assert engine.optimizer.update_lp_params is not copy_and_gather
+    for master in engine.optimizer.fp32_groups_flat_partition:
+        master.data.mul_(0.5)
+    engine.optimizer.update_lp_params()
+    _bf16_partitions_equal_the_master_weights(engine)
+
+
+def test_adamw_step_writing_the_bf16_weights_gives_deepspeeds_steps():
+    """Over two data-parallel ranks with the clip folded in, the fused step (its reference on the
+    CPU) against torch's fused AdamW and DeepSpeed's copy: the same norms and master weights within
+    fp32 roundings, every bf16 partition the master's rounding, torch's optimizer state format."""
+    run_distributed(_adamw_writing_bf16_equals_deepspeeds_step, 2)
+
+
+def test_adamw_step_stays_with_torch_where_its_kernel_does_not_run():
+    run_distributed(_adamw_stays_with_torch, 1)
+
+
+def _adamw_stays_with_torch(rank, world_size):
+    assert not write_the_bf16_weights_in_the_adamw_step(_mlp_engine(fused=True, fused_adamw=True))  # CPU
+    bf16_optimizer_steps.runs_fused_adamw = lambda tensor: True
+    assert not write_the_bf16_weights_in_the_adamw_step(_mlp_engine(fused=False))  # not a fused AdamW
 
 
 def _pipeline_engine(communication_dtype: str | None = None):
