@@ -1,6 +1,6 @@
 """megatron/training/bf16_optimizer_steps.py: the fused fp32 accumulation of bf16 gradients on DeepSpeed's
 BF16_Optimizer, the weight-gradient GEMMs adding into its fp32 accumulators (gradient-accumulation
-fusion), the AdamW step writing the bf16 weights, the clip folded into the fused AdamW step, and the
+fusion), the gradient norm over the flat accumulators, the AdamW step writing the bf16 weights, the clip folded into the fused AdamW step, and the
 pipeline engine's one-rank gradient "reduction" skipped."""
 import functools
 
@@ -12,6 +12,7 @@ from megatron.training.bf16_optimizer_steps import (accumulate_bf16_gradients_in
                                                     accumulate_linear_weight_gradients_in_their_gemms,
                                                     clip_inside_the_fused_adamw_step,
                                                     skip_the_one_rank_gradient_reduction,
+                                                    take_the_gradient_norm_over_the_flat_accumulators,
                                                     write_the_bf16_weights_in_the_adamw_step)
 from tests.dist_utils import run_distributed
 
@@ -165,6 +166,27 @@ def test_clip_stays_with_deepspeed_without_a_fused_adamw():
 def _clip_stays_with_deepspeed(rank, world_size):
     engine = _mlp_engine(fused=False)  # DeepSpeed's torch_adam: AdamW without fused=True
     assert not clip_inside_the_fused_adamw_step(engine)
+
+
+def _flat_norm_equals_deepspeeds(rank, world_size):
+    reference_norms, reference_params = _two_steps(_mlp_engine(fused=True, fused_adamw=True))
+    engine = _mlp_engine(fused=True, fused_adamw=True)
+    assert take_the_gradient_norm_over_the_flat_accumulators(engine)
+    grads, experts = engine.optimizer.get_grads_for_norm()
+    assert len(grads) == len(engine.optimizer.bf16_groups) and experts == {}
+    norms, params = _two_steps(engine)
+    assert norms[0] > 0.5  # clipped: the norm reached the clip
+    torch.testing.assert_close(norms, reference_norms, rtol=1e-6, atol=0)  # fp32 sums in another order
+    for ours, theirs in zip(params, reference_params):
+        torch.testing.assert_close(ours, theirs, rtol=1e-2, atol=1e-3)  # a bf16 rounding apart at most
+    tied = _mlp_engine(fused=True, fused_adamw=True)
+    tied.module.row.bias.ds_pipe_replicated = True  # the pipeline's second copy of a tied parameter
+    assert not take_the_gradient_norm_over_the_flat_accumulators(tied)
+
+
+def test_gradient_norm_over_the_flat_accumulators_is_deepspeeds():
+    """Over two data-parallel ranks: the norms (so the clip) of two steps; a tied copy keeps DeepSpeed's."""
+    run_distributed(_flat_norm_equals_deepspeeds, 2)
 
 
 def _bf16_partitions_equal_the_master_weights(engine):
