@@ -330,14 +330,15 @@ def _sweep_qkv_split(dtype):
     from megatron.core.fused_kernels import triton_qkv_split as tq
 
     head_dim = HIDDEN // HEADS
-    grads = [torch.randn(MICRO_BATCH, HEADS, SEQ, head_dim, device="cuda").to(dtype).permute(2, 0, 1, 3)
-             for _ in range(3)]
+    # as cuDNN's attention backward leaves them for the trainer's q, k, v: [s, b, np, hn], dense
+    grads = [torch.randn(SEQ, MICRO_BATCH, HEADS, head_dim, device="cuda").to(dtype) for _ in range(3)]
 
     def cat_then_sum():  # autograd's split backward on [s, b, np, hn] views, then the linear's db
         packed = torch.cat(grads, dim=-1)  # [s, b, np, 3 hn]
         return packed, packed.view(-1, 3 * HIDDEN).sum(0)
 
-    _sweep_one("qkv split bwd", lambda c: tq.pack_qkv_grads(*grads, True, *c), [(4, None), (8, None), (4, 4), (4, 64)])
+    configs = [(w, pps, tile) for w in (4, 8) for pps in (4, 8, 16, 32) for tile in (4096, 8192, 16384)]
+    _sweep_one("qkv split bwd", lambda c: tq.pack_qkv_grads(*grads, True, *c), configs)
     _sweep_one("qkv cat, then bias row sum", lambda c: cat_then_sum(), [None])
 
 
