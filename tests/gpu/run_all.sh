@@ -1,7 +1,7 @@
 #!/bin/bash
 # Every GPU check and benchmark in one go, on the GPU machine, from the repository root:
 #   bash tests/gpu/run_all.sh            (logs under $OUT, default /tmp/gpu_checks)
-# GPU tests, fused-kernel table, the optimizer step, 1.3B forward+backward, text generation, the decode layer chain, then the trainer runs of run_trainer.sh
+# GPU tests, fused-kernel table, the optimizer step, attention and GEMMs of the 1.3B, 1.3B forward+backward, text generation, the decode layer chain, then the trainer runs of run_trainer.sh
 # (with 2 or more GPUs also the DP/TP/PP layout comparison), the trainer against transformers +
 # torch.compile (bench_vs_peer.sh) and, with 2 or more GPUs, the bandwidth of TP's collectives
 # (bench_collectives.py), the fused collectives of --tp-comm-overlap (bench_async_tp.py) and the scaling table (bench_scaling.sh).
@@ -22,6 +22,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee 
 python3 -m pytest -q -rfs -m gpu --continue-on-collection-errors tests 2>&1 | tee "$OUT/gpu_tests.log" || status=1
 python3 tools/benchmarks/bench_fused_kernels.py 2>&1 | tee "$OUT/fused_kernels_bench.log" || status=1
 python3 tools/benchmarks/bench_adamw_step.py 2>&1 | tee "$OUT/adamw_step_bench.log" || status=1
+python3 tools/benchmarks/bench_attention.py 2>&1 | tee "$OUT/attention_bench.log" || status=1
+python3 tools/benchmarks/bench_gemms.py 2>&1 | tee "$OUT/gemms_bench.log" || status=1
 python3 tools/benchmarks/bench_gpt_model.py 2>&1 | tee "$OUT/gpt_1p3b_bench.log" || status=1
 python3 tools/benchmarks/bench_text_generation.py 2>&1 | tee "$OUT/text_generation_bench.log" || status=1
 python3 tools/benchmarks/bench_decode_layers.py 2>&1 | tee "$OUT/decode_layers_bench.log" || status=1
