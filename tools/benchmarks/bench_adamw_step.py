@@ -7,27 +7,16 @@ bandwidth over the bytes each must move, then the Triton kernel's launch configu
     python3 tools/benchmarks/bench_adamw_step.py [--elements 1316000000] [--repeats 10]
 """
 import argparse
-import statistics
+import os
+import sys
 
 import torch
 
-from megatron.core import fused_kernels
-from megatron.core.fused_kernels import triton_adamw
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from megatron.core import fused_kernels  # noqa: E402
+from tools.benchmarks.cuda_timing import median_ms  # noqa: E402
 
 SETTINGS = dict(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
-
-
-def _median_ms(step, repeats):
-    step()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def _torch_step(n, grad_scale):
@@ -51,6 +40,9 @@ def _our_step(n, grad_scale, **launch):
     weights = torch.empty(n, device="cuda", dtype=torch.bfloat16)
     count = torch.zeros((), device="cuda")
 
+    if launch:  # a launch configuration of the kernel itself (triton_adamw imports triton)
+        from megatron.core.fused_kernels import triton_adamw
+
     def step():
         count.add_(1)
         if launch:
@@ -72,7 +64,7 @@ def main(argv=None):
     for name, make, nbytes in (("torch fused AdamW + bf16 copy", _torch_step, 32 + 6),
                                ("fused_kernels.adamw_step", _our_step, 30)):
         step, keep = make(n, grad_scale)
-        ms = _median_ms(step, args.repeats)
+        ms = median_ms(step, args.repeats)
         print(f"| {name} | {ms:.2f} | {nbytes} | {nbytes * n / ms / 1e6:.0f} |")
         del step, keep
         torch.cuda.empty_cache()
@@ -80,7 +72,7 @@ def main(argv=None):
     for block in (1024, 2048, 4096, 8192):
         for num_warps in (4, 8, 16):
             step, keep = _our_step(n, grad_scale, block=block, num_warps=num_warps)
-            print(f"| {block} | {num_warps} | {_median_ms(step, args.repeats):.2f} |")
+            print(f"| {block} | {num_warps} | {median_ms(step, args.repeats):.2f} |")
             del step, keep
             torch.cuda.empty_cache()
 

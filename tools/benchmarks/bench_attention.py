@@ -10,11 +10,15 @@ contiguous [b, np, s, hn]; "bshd", each contiguous [b, s, np, hn].
     python3 tools/benchmarks/bench_attention.py [--batch 16] [--repeats 10]
 """
 import argparse
-import statistics
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tools.benchmarks.cuda_timing import median_ms  # noqa: E402
 
 HEADS, HEAD_DIM, SEQ = 16, 128, 2048
 
@@ -40,19 +44,6 @@ def _grad_output(layout, batch):
     return torch.randn(batch, HEADS, SEQ, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
 
 
-def _median_ms(call, repeats):
-    call()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def _case(backend, layout, batch, repeats):
     leaf, (query, key, value) = _inputs(layout, batch)
     grad_output = _grad_output(layout, batch)
@@ -65,7 +56,7 @@ def _case(backend, layout, batch, repeats):
             out = F.scaled_dot_product_attention(query, key, value, is_causal=True)
             torch.autograd.grad(out, leaf, grad_output)
 
-        return _median_ms(forward, repeats), _median_ms(forward_backward, repeats), forward_backward
+        return median_ms(forward, repeats), median_ms(forward_backward, repeats), forward_backward
 
 
 def main(argv=None):

@@ -7,27 +7,17 @@ projection, as the trainer adds it), dX = dY W, and dW added into an fp32 accumu
     python3 tools/benchmarks/bench_gemms.py [--tokens 32768] [--repeats 20]
 """
 import argparse
-import statistics
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tools.benchmarks.cuda_timing import median_ms  # noqa: E402
+
 HIDDEN, FFN = 2048, 8192
 LAYERS = {"qkv": (HIDDEN, 3 * HIDDEN), "dense": (HIDDEN, HIDDEN), "fc1": (HIDDEN, FFN), "fc2": (FFN, HIDDEN)}
-
-
-def _median_ms(call, repeats):
-    for _ in range(3):
-        call()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def _products(tokens, fan_in, fan_out, with_bias):
@@ -58,7 +48,7 @@ def main(argv=None):
             cells = []
             for library in libraries:
                 torch.backends.cuda.preferred_blas_library(library)
-                ms = _median_ms(call, args.repeats)
+                ms = median_ms(call, args.repeats, warmup=3)
                 totals[library] += ms
                 cells.append(f"{ms:.3f} | {flop / ms / 1e9:.0f}")
             print(f"| {layer} | {name} | " + " | ".join(cells) + " |")

@@ -1,0 +1,20 @@
+"""GPU time of a call for the benchmark scripts: the median over repeats of CUDA events around it."""
+import statistics
+
+import torch
+
+
+def median_ms(call, repeats: int, warmup: int = 1) -> float:
+    """Median ms of ``call()`` over ``repeats`` runs after ``warmup`` untimed ones, each run timed by
+    CUDA events on the current stream and waited for before the next."""
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
