@@ -9,6 +9,7 @@
 #     (tests/gpu/compare_logs.py, bf16 tolerance 2e-2)
 #   - per-GPU model TFLOP/s (mean of the iterations after the 3rd) and the ratio to the single GPU
 #     (tools/benchmarks/scaling_table.py), with the pipeline bound of the PP rows
+# and writes nvidia-smi dmon's record of the GPUs during the runs to $OUT/dmon.log
 # Run from the repository root on the GPU machine (.whl carried): bash tools/benchmarks/bench_scaling.sh
 #   LAYOUTS="scale_1gpu scale_tp2_sp" ITERS_SCALE=8 bash tools/benchmarks/bench_scaling.sh   (a subset)
 set -o pipefail
@@ -20,7 +21,12 @@ default="scale_1gpu scale_dp2 scale_tp2 scale_tp2_sp scale_tp2_overlap scale_pp2
 [ "$gpus" -ge 4 ] && default="$default scale_tp2dp2 scale_tp2dp2_sp scale_tp2dp2_overlap scale_pp4 scale_pp4_flops"
 LAYOUTS=${LAYOUTS:-$default}
 status=0
+# clocks, power, temperature and memory traffic of every GPU once a second beside the runs (the same
+# layout has moved by several percent between calls: this tells throttling from the rest)
+nvidia-smi dmon -s pucm -d 1 -o T > "$OUT/dmon.log" 2>&1 &
+monitor=$!
 RUNS=$LAYOUTS OUT=$OUT bash tests/gpu/run_trainer.sh > "$OUT/trainer.log" 2>&1 || status=1
+kill $monitor 2>/dev/null
 logs=() named=()
 for run in $LAYOUTS; do
     logs+=("$OUT/$run.log")
