@@ -111,7 +111,7 @@ def test_a_changed_learning_rate_on_resume(preprocessed_corpus, uninterrupted, t
         assert ("learning rate: checkpoint 0.001, configured 0.002 (--lr)" in result.stdout
                 and "--override-lr-scheduler" in result.stdout and "--use-checkpoint-lr-scheduler" in result.stdout)
         return
-    assert f"> learning-rate schedule, learning rate: checkpoint 0.001, configured 0.002 (--lr): using" in result.stdout
+    assert "> learning-rate schedule, learning rate: checkpoint 0.001, configured 0.002 (--lr): using" in result.stdout
     rates = [line["learning rate"] for line in training_lines(result.stdout)]
     if source == "--override-lr-scheduler":
         assert rates == pytest.approx([2e-3 * (1 - (4 * i - 8) / 24) for i in (5, 6, 7, 8)], rel=1e-3)
