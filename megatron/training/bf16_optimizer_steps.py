@@ -7,7 +7,7 @@ runs has what it replaces, and otherwise leaves DeepSpeed's own code in charge:
 
     accumulate_bf16_gradients_in_one_kernel          hp += lp in one kernel, no fp32 copy of lp
     accumulate_linear_weight_gradients_in_their_gemms dW added into the accumulator by its GEMM
-    take_the_gradient_norm_over_the_flat_accumulators ||g|| in one kernel per parameter group
+    take_the_gradient_norm_in_few_kernels             ||g|| in one kernel per group, or a multi-tensor one
     write_the_bf16_weights_in_the_adamw_step          AdamW and the bf16 copy of the weights in one pass
     clip_inside_the_fused_adamw_step                  the clip as the fused AdamW's grad_scale
     skip_the_one_rank_gradient_reduction              no bf16 round trip of the accumulators at DP = 1
@@ -83,16 +83,22 @@ def accumulate_linear_weight_gradients_in_their_gemms(engine) -> int:
     return len(fused)
 
 
-def take_the_gradient_norm_over_the_flat_accumulators(engine) -> bool:
+def take_the_gradient_norm_in_few_kernels(engine) -> bool:
     """BF16_Optimizer takes ||g|| before each step as one norm kernel per parameter's fp32 accumulator,
     leaving out those this rank must not count (the pipeline's tied second copy; on TP ranks other
     than 0 the TP-replicated ones), then stacks them: at 1.3B parameters 292 reductions and their
-    launches. When no parameter is left out and there are no experts, ||g||^2 is the sum of squares
-    of the flat accumulator that holds all of a group's (``fp32_groups_actual_gradients_flat``, the
-    padding cut off); a parameter without a gradient this step has a zero accumulator (the buffer is
-    cleared after every step), as it counts nothing in DeepSpeed's sum. Then the norm is taken over
-    those buffers, one kernel per parameter group; the clip's list (``for_clipping``) is DeepSpeed's.
-    Returns whether that applies."""
+    launches. Here the list it takes the norm of is shortened, ||g|| unchanged but for the order of
+    the fp32 sums:
+
+    - nothing left out (no tied copy on this stage, TP rank 0 or nothing replicated) and no experts:
+      each group's flat accumulator (``fp32_groups_actual_gradients_flat``, padding cut off; a
+      parameter without a gradient this step has a zero accumulator, cleared after every step, as it
+      counts nothing in DeepSpeed's sum), one kernel per group;
+    - else the vector of the listed accumulators' norms, taken by torch's multi-tensor
+      ``_foreach_norm`` (a few launches): its norm is sqrt(sum of ||g_i||^2), the same ||g||.
+
+    The clip's list (``for_clipping``) is DeepSpeed's. Returns whether this applies (a BF16_Optimizer
+    without experts)."""
     optimizer = engine.optimizer
     if not (hasattr(optimizer, "fp32_groups_actual_gradients_flat") and hasattr(optimizer, "get_grads_for_norm")
             and hasattr(optimizer, "bf16_groups") and getattr(optimizer, "has_moe_layers", True) is False):
@@ -101,16 +107,18 @@ def take_the_gradient_norm_over_the_flat_accumulators(engine) -> bool:
     from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 
     tp_rank = bwc_tensor_model_parallel_rank(mpu=optimizer.mpu)
-    for group in optimizer.bf16_groups:
-        for param in group:
-            if getattr(param, "ds_pipe_replicated", False) or not (tp_rank == 0 or is_model_parallel_parameter(param)):
-                return False
+    leaves_some_out = any(getattr(param, "ds_pipe_replicated", False)
+                          or not (tp_rank == 0 or is_model_parallel_parameter(param))
+                          for group in optimizer.bf16_groups for param in group)
     listed_per_parameter = optimizer.get_grads_for_norm
 
     def get_grads_for_norm(for_clipping=False):
         if for_clipping:
             return listed_per_parameter(for_clipping=True)
-        return list(optimizer.fp32_groups_actual_gradients_flat), {}
+        if not leaves_some_out:
+            return list(optimizer.fp32_groups_actual_gradients_flat), {}
+        listed, experts = listed_per_parameter()
+        return ([torch.stack(torch._foreach_norm(listed))] if listed else listed), experts
 
     optimizer.get_grads_for_norm = get_grads_for_norm
     return True

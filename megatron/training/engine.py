@@ -37,7 +37,7 @@ from megatron.training.bf16_optimizer_steps import (accumulate_bf16_gradients_in
                                                     accumulate_linear_weight_gradients_in_their_gemms,
                                                     clip_inside_the_fused_adamw_step,
                                                     skip_the_one_rank_gradient_reduction,
-                                                    take_the_gradient_norm_over_the_flat_accumulators,
+                                                    take_the_gradient_norm_in_few_kernels,
                                                     write_the_bf16_weights_in_the_adamw_step)
 from megatron.training.config import OptimizerConfig, ScheduleConfig, TrainConfig
 from megatron.training.dist_utils import (broadcast_from_first_rank, gather_objects, max_across_ranks, print_rank_0,
@@ -238,7 +238,7 @@ def initialize_engine(config: TrainConfig, groups: ParallelGroups, model: torch.
         accumulate_bf16_gradients_in_one_kernel(engine)
         if config.precision.gradient_accumulation_fusion:
             accumulate_linear_weight_gradients_in_their_gemms(engine)
-        take_the_gradient_norm_over_the_flat_accumulators(engine)
+        take_the_gradient_norm_in_few_kernels(engine)
         write_the_bf16_weights_in_the_adamw_step(engine)  # before the clip, which wraps the step it leaves
         clip_inside_the_fused_adamw_step(engine)
         skip_the_one_rank_gradient_reduction(engine)

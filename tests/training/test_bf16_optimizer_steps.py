@@ -12,7 +12,7 @@ from megatron.training.bf16_optimizer_steps import (accumulate_bf16_gradients_in
                                                     accumulate_linear_weight_gradients_in_their_gemms,
                                                     clip_inside_the_fused_adamw_step,
                                                     skip_the_one_rank_gradient_reduction,
-                                                    take_the_gradient_norm_over_the_flat_accumulators,
+                                                    take_the_gradient_norm_in_few_kernels,
                                                     write_the_bf16_weights_in_the_adamw_step)
 from tests.dist_utils import run_distributed
 
@@ -168,25 +168,36 @@ def _clip_stays_with_deepspeed(rank, world_size):
     assert not clip_inside_the_fused_adamw_step(engine)
 
 
-def _flat_norm_equals_deepspeeds(rank, world_size):
+def _tied_engine(patched: bool):
+    """An MLP engine whose row bias is marked as the pipeline's second copy of a tied parameter, which
+    the norm leaves out."""
+    engine = _mlp_engine(fused=True, fused_adamw=True)
+    engine.module.row.bias.ds_pipe_replicated = True
+    if patched:
+        assert take_the_gradient_norm_in_few_kernels(engine)
+    return engine
+
+
+def _norms_in_few_kernels_equal_deepspeeds(rank, world_size):
     reference_norms, reference_params = _two_steps(_mlp_engine(fused=True, fused_adamw=True))
     engine = _mlp_engine(fused=True, fused_adamw=True)
-    assert take_the_gradient_norm_over_the_flat_accumulators(engine)
+    assert take_the_gradient_norm_in_few_kernels(engine)
     grads, experts = engine.optimizer.get_grads_for_norm()
-    assert len(grads) == len(engine.optimizer.bf16_groups) and experts == {}
+    assert len(grads) == len(engine.optimizer.bf16_groups) and experts == {}  # the flat accumulators
     norms, params = _two_steps(engine)
     assert norms[0] > 0.5  # clipped: the norm reached the clip
     torch.testing.assert_close(norms, reference_norms, rtol=1e-6, atol=0)  # fp32 sums in another order
     for ours, theirs in zip(params, reference_params):
         torch.testing.assert_close(ours, theirs, rtol=1e-2, atol=1e-3)  # a bf16 rounding apart at most
-    tied = _mlp_engine(fused=True, fused_adamw=True)
-    tied.module.row.bias.ds_pipe_replicated = True  # the pipeline's second copy of a tied parameter
-    assert not take_the_gradient_norm_over_the_flat_accumulators(tied)
+    tied_norms, _ = _two_steps(_tied_engine(patched=True))  # the multi-tensor norm of DeepSpeed's list
+    torch.testing.assert_close(tied_norms, _two_steps(_tied_engine(patched=False))[0], rtol=1e-6, atol=0)
+    assert abs(tied_norms[0] - norms[0]) > 1e-3 * norms[0]  # the tied copy was left out
 
 
-def test_gradient_norm_over_the_flat_accumulators_is_deepspeeds():
-    """Over two data-parallel ranks: the norms (so the clip) of two steps; a tied copy keeps DeepSpeed's."""
-    run_distributed(_flat_norm_equals_deepspeeds, 2)
+def test_gradient_norm_in_few_kernels_is_deepspeeds():
+    """Over two data-parallel ranks: the norms (so the clip) of two steps, over the flat accumulators,
+    and with a tied copy left out over the multi-tensor norms of DeepSpeed's list."""
+    run_distributed(_norms_in_few_kernels_equal_deepspeeds, 2)
 
 
 def _bf16_partitions_equal_the_master_weights(engine):
