@@ -124,15 +124,22 @@ def take_the_gradient_norm_in_few_kernels(engine) -> bool:
     return True
 
 
+def _fused_torch_adamw(optimizer) -> torch.optim.AdamW | None:
+    """The torch optimizer ``optimizer`` (DeepSpeed's wrapper) steps, when it is a fused AdamW; else None."""
+    torch_optimizer = getattr(optimizer, "optimizer", None)
+    if isinstance(torch_optimizer, torch.optim.AdamW) and torch_optimizer.defaults.get("fused"):
+        return torch_optimizer
+    return None
+
+
 def _fused_adamw_groups(optimizer) -> list | None:
     """(fp32 partition, bf16 partition) of each parameter group when ``optimizer`` is a BF16_Optimizer
     around a fused torch AdamW stepping exactly its fp32 partitions, with no option the fused kernel
     lacks (amsgrad, maximize, a tensor learning rate); else None."""
-    torch_optimizer = getattr(optimizer, "optimizer", None)
+    torch_optimizer = _fused_torch_adamw(optimizer)
     needed = ("fp32_groups_flat_partition", "bf16_partitioned_groups", "real_dp_process_group", "bf16_groups_flat",
               "nccl_start_alignment_factor", "allgather_bucket_size", "update_lp_params")
-    if not (all(hasattr(optimizer, name) for name in needed) and isinstance(torch_optimizer, torch.optim.AdamW)
-            and torch_optimizer.defaults.get("fused")):
+    if torch_optimizer is None or not all(hasattr(optimizer, name) for name in needed):
         return None
     import deepspeed.comm as dist
 
@@ -225,10 +232,9 @@ def clip_inside_the_fused_adamw_step(engine) -> bool:
     only while it steps (its saved state keeps the configured value). Returns whether that applies:
     a BF16_Optimizer with clipping around a fused torch AdamW."""
     optimizer = engine.optimizer
-    torch_optimizer = getattr(optimizer, "optimizer", None)
+    torch_optimizer = _fused_torch_adamw(optimizer)
     max_norm = getattr(optimizer, "clip_grad", 0.0)
-    if not (hasattr(optimizer, "fp32_groups_gradients") and max_norm > 0.0
-            and isinstance(torch_optimizer, torch.optim.AdamW) and torch_optimizer.defaults.get("fused")):
+    if not (hasattr(optimizer, "fp32_groups_gradients") and max_norm > 0.0 and torch_optimizer is not None):
         return False
     bf16_step, adamw_step = optimizer.step, torch_optimizer.step
 

@@ -58,6 +58,8 @@ def main(argv=None):
     parser.add_argument("--elements", type=int, default=1_316_000_000, help="parameters (default: the 1.3B GPT)")
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args(argv)
+    if args.elements < 1 or args.repeats < 1:
+        parser.error(f"--elements and --repeats must be positive, got {args.elements} and {args.repeats}")
     n, grad_scale = args.elements, torch.tensor(1.5, device="cuda")
     print(f"{torch.cuda.get_device_name()}, {n} fp32 parameters, bf16 weights, with a grad_scale")
     print("| step | ms | bytes per parameter | GB/s |\n|---|---|---|---|")

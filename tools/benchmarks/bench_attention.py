@@ -64,6 +64,8 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args(argv)
+    if args.batch < 1 or args.repeats < 1:
+        parser.error(f"--batch and --repeats must be positive, got {args.batch} and {args.repeats}")
     forward_flop = 4 * args.batch * HEADS * SEQ * SEQ * HEAD_DIM / 2
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
     print("| backend | layout | forward ms | TFLOP/s | forward + backward ms | backward TFLOP/s |\n|---|---|---|---|---|---|")

@@ -37,6 +37,8 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args(argv)
+    if args.tokens < 1 or args.repeats < 1:
+        parser.error(f"--tokens and --repeats must be positive, got {args.tokens} and {args.repeats}")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.tokens} tokens")
     libraries = ("cublas", "cublaslt")
     print("| layer | GEMM | " + " | ".join(f"{lib} ms | TFLOP/s" for lib in libraries) + " |")

@@ -202,3 +202,16 @@ def test_importing_the_fused_kernels_does_not_import_torch_dynamo():
     code = "import sys, megatron.core.fused_kernels; print('torch._dynamo' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() \
         == "False"
+
+
+def test_adamw_step_rejects_mismatched_shapes_and_non_fp32_state():
+    param, step = torch.zeros(8), torch.ones(())
+    settings = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0)
+    with pytest.raises(FusedKernelArgumentError, match=r"adamw_step: exp_avg \(7,\) != param \(8,\)"):
+        fused_kernels.adamw_step(param, torch.zeros(8), torch.zeros(7), torch.zeros(8), step, **settings)
+    with pytest.raises(FusedKernelArgumentError, match="adamw_step: grad must be fp32, got torch.bfloat16"):
+        fused_kernels.adamw_step(param, torch.zeros(8, dtype=torch.bfloat16), torch.zeros(8), torch.zeros(8), step,
+                                 **settings)
+    with pytest.raises(FusedKernelArgumentError, match=r"adamw_step: param_copy \(4,\) != param \(8,\)"):
+        fused_kernels.adamw_step(param, torch.zeros(8), torch.zeros(8), torch.zeros(8), step,
+                                 param_copy=torch.zeros(4, dtype=torch.bfloat16), **settings)

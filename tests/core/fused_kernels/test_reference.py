@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from megatron.core.fused_kernels import (
+    adamw_step_reference,
     bias_dropout_add_reference,
     bias_gelu_reference,
     causal_mask,
@@ -251,3 +252,29 @@ def test_split_query_key_value_reference_views_each_heads_rows_and_gives_the_bia
     torch.testing.assert_close(bias.grad, expected_grad)
     query, _, _ = split_query_key_value_reference(torch.randn(seq, batch, heads * 3 * head_dim), None, head_dim)
     assert query.shape == (seq, batch, heads, head_dim)
+
+
+@pytest.mark.parametrize("clipped", [False, True])
+def test_adamw_step_reference_steps_as_torchs_fused_adamw(clipped):
+    """Three steps of the reference against torch's fused AdamW (its CPU kernel, which computes the
+    moments in float64): within a few fp32 ulps of the largest value; the bf16 copy is the rounding."""
+    torch.manual_seed(3)
+    param = torch.randn(1001)
+    grads = [torch.randn(1001) * scale for scale in (1.0, 1e-3, 30.0)]
+    grad_scale = torch.tensor(2.5) if clipped else None
+    expected = torch.nn.Parameter(param.clone())
+    optimizer = torch.optim.AdamW([expected], lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+    ours, exp_avg, exp_avg_sq, step = param.clone(), torch.zeros(1001), torch.zeros(1001), torch.zeros(())
+    copy = torch.empty(1001, dtype=torch.bfloat16)
+    for grad in grads:
+        expected.grad = grad.clone()
+        optimizer.grad_scale = grad_scale
+        optimizer.step()
+        step += 1
+        adamw_step_reference(ours, grad, exp_avg, exp_avg_sq, step, lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8,
+                             weight_decay=0.1, grad_scale=grad_scale, param_copy=copy)
+    state = optimizer.state[expected]
+    ulps = 8 * torch.finfo(torch.float32).eps
+    for got, want in ((ours, expected.detach()), (exp_avg, state["exp_avg"]), (exp_avg_sq, state["exp_avg_sq"])):
+        torch.testing.assert_close(got, want, rtol=ulps, atol=ulps * want.abs().max().item())
+    assert torch.equal(copy, ours.bfloat16()) and not torch.equal(ours, param)
