@@ -57,14 +57,16 @@ def start_all_reduce(tensor: torch.Tensor, group: ProcessGroup) -> object:
 
 
 class _PeerBuffers:
-    """Two slots of symmetric memory per TP group (each rank's slots readable by its peers over
-    NVLink), used in turn by the fused collectives below, and a side stream for the peer copies.
+    """Two slots of symmetric memory per TP group (each rank's slots writable by its peers over
+    NVLink), used in turn by the fused collectives below, and a side stream for the peer copies
+    (of high priority: its barrier kernel takes the first SM a GEMM beside it frees).
 
-    Each call writes a slot (its own, or its peers' at its place), passes one group barrier (on the
-    current stream: a barrier kernel beside a GEMM waits for SMs), then reads the slot of the same
-    call and joins those reads into the current stream before the call returns. A rank writes a
-    slot again two calls later, after the barrier of the call between, which every peer reaches
-    only once its reads of the slot are done: one barrier per call keeps the slots safe.
+    Each call writes its peers' slots at its place, passes one group barrier, then reads its own
+    slot of the same call and joins those reads into the current stream before the call returns. A
+    rank writes a slot again two calls later, after the barrier of the call between, which every
+    peer reaches only once its reads of the slot are done: one barrier per call keeps the slots
+    safe. The barriers of successive calls run one after the other on each rank (each call's side
+    stream first waits for the current stream, which waits for the side stream before returning).
     """
 
     def __init__(self, group: ProcessGroup):
@@ -75,7 +77,7 @@ class _PeerBuffers:
             warnings.simplefilter("ignore", FutureWarning)
             symmetric_memory.enable_symm_mem_for_group(group.group_name)
         self.group, self.rank, self.size = group, group_rank(group), group_size(group)
-        self.stream = torch.cuda.Stream()
+        self.stream = torch.cuda.Stream(priority=-1)
         self.slot_bytes, self.calls = 0, 0
         self.memory = self.handle = None
         self.views: dict = {}
@@ -126,36 +128,39 @@ def all_gather_matmul(shard: torch.Tensor, matrix: torch.Tensor, group: ProcessG
     """(X, X B + c) with X the all-gather of the k ranks' ``shard`` [n, .., m] along dim 0 ([k n, .., m]),
     B = ``matrix`` [m, p] and c = ``bias`` [p] (or none).
 
-    On CUDA the gather is pipelined with the product: rank r's block is multiplied while the side
-    stream copies the peers' blocks out of their symmetric memory (copy engines over NVLink, no
-    SMs taken from the GEMM), then each peer block as it lands. Elsewhere (gloo) the all-gather,
-    then the product.
+    On CUDA the gather is pipelined with the product: while rank r multiplies its own block, the side
+    stream pushes that block into each peer's symmetric memory (copy engines over NVLink, no SMs
+    taken from the GEMM) and passes the group's barrier, after which the peers' blocks lie in rank
+    r's own slot and are multiplied from there. Nothing runs on the GEMMs' stream but GEMMs: the
+    copies into the returned X (kept by the callers for dW) run on the side stream beside them.
+    Elsewhere (gloo) the all-gather, then the product.
     """
     if not _uses_peer_memory(shard, group):
         gathered = all_gather_along_first_dim(shard, group)
         return gathered, torch.nn.functional.linear(gathered, matrix.t(), bias)
     peers, current = _peer_buffers(group), torch.cuda.current_stream()
     x = shard.reshape(-1, shard.shape[-1])  # [n, m]
-    rows = x.shape[0]
+    rows, block_bytes = x.shape[0], x.numel() * x.element_size()
     gathered = x.new_empty(peers.size * rows, x.shape[1])  # [k n, m]
     product = x.new_empty(peers.size * rows, matrix.shape[1])  # [k n, p]
-    offset = peers.next_slot(x.numel() * x.element_size(), x.device)
-    peers.view(peers.rank, offset, x.shape, x.dtype).copy_(x)
-    peers.barrier()
+    offset = peers.next_slot(peers.size * block_bytes, x.device)  # a block per sending rank
+    others = [rank for rank in range(peers.size) if rank != peers.rank]
+    received = {rank: peers.view(peers.rank, offset + rank * block_bytes, x.shape, x.dtype) for rank in others}
     peers.stream.wait_stream(current)
-    arrived = {}
     with torch.cuda.stream(peers.stream):
-        for rank in range(peers.size):
-            if rank != peers.rank:
-                gathered[rank * rows:(rank + 1) * rows].copy_(peers.view(rank, offset, x.shape, x.dtype))
-                arrived[rank] = torch.cuda.Event()
-                arrived[rank].record()
-        gathered[peers.rank * rows:(peers.rank + 1) * rows].copy_(x)  # off the GEMMs' stream too
+        for rank in others:  # into the peer's slot, at this rank's place
+            peers.view(rank, offset + peers.rank * block_bytes, x.shape, x.dtype).copy_(x)
+        peers.barrier()  # past it, every peer's block has landed in this rank's slot
+        arrived = torch.cuda.Event()
+        arrived.record()
+        for rank in others:
+            gathered[rank * rows:(rank + 1) * rows].copy_(received[rank])
+        gathered[peers.rank * rows:(peers.rank + 1) * rows].copy_(x)
     multiply = torch.mm if bias is None else functools.partial(torch.addmm, bias)
     multiply(x, matrix, out=product[peers.rank * rows:(peers.rank + 1) * rows])
-    for rank, event in arrived.items():
-        current.wait_event(event)
-        multiply(gathered[rank * rows:(rank + 1) * rows], matrix, out=product[rank * rows:(rank + 1) * rows])
+    current.wait_event(arrived)
+    for rank in others:
+        multiply(received[rank], matrix, out=product[rank * rows:(rank + 1) * rows])
     current.wait_stream(peers.stream)
     leading = (peers.size * shard.shape[0], *shard.shape[1:-1])
     return gathered.view(*leading, x.shape[1]), product.view(*leading, matrix.shape[1])
