@@ -59,7 +59,9 @@ class IterationProfiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self.profile = torch.profiler.profile(activities=activities, record_shapes=True)
+        # without the operators' input shapes: recording them slows the host further, and a run whose
+        # host is barely ahead of its GPUs (TP) would show the profiler's idle rather than its own
+        self.profile = torch.profiler.profile(activities=activities, record_shapes=False)
         self.profile.start()
         self.first_recorded = iteration
         dist_utils.print_line(f"[rank {self.rank}] profiling iterations {iteration}-{self.config.step_end}")

@@ -52,6 +52,9 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then  # 1 GPU, DP=2, TP=2 (with and wit
     python3 tools/benchmarks/trace_summary.py --by-operator --multiply 1 2 -- \
         "$OUT"/profiles/profile_1gpu/*.pt.trace.json "$OUT"/profiles/profile_tp2_overlap/*.pt.trace.json \
         > "$OUT/profiles/by_operator.md" || status=1
+    # where each profile's GPU idles: waiting for its host, or for an event or a peer
+    python3 tools/benchmarks/trace_summary.py --idle "$OUT"/profiles/profile_*/*.pt.trace.json \
+        > "$OUT/profiles/idle.md" || status=1
 fi
 if [ -f runs/bnb_gpu/data/python-docs_text_document.idx ]; then  # 8-bit against 32-bit AdamW (run_bnb_adam.sh)
     OUT=$OUT/bnb bash tests/gpu/run_bnb_adam.sh > "$OUT/bnb.log" 2>&1 || status=1

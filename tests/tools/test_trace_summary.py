@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from tools.benchmarks.trace_summary import kernel_class, main, subtract, summarize, time_by_operator, union
+from tools.benchmarks.trace_summary import (idle_by_cause, kernel_class, main, subtract, summarize, time_by_operator,
+                                           union)
 
 
 def kernel(name, start, duration):
@@ -116,7 +117,9 @@ def test_by_operator_table_multiplies_each_trace(tmp_path, capsys):
 
 @pytest.mark.parametrize("flags, message", [
     (["--multiply", "2"], "give --by-operator too"),
-    (["--minimum-ms", "2"], "--minimum-ms shapes the table of --by-operator"),
+    (["--minimum-ms", "2"], "--minimum-ms shapes the table of --by-operator or --idle"),
+    (["--by-operator", "--idle"], "give one"),
+    (["--idle", "--multiply", "1"], "give --by-operator too"),
     (["--by-operator", "--multiply", "1", "2"], "one factor per trace: 1 traces, 2 factors"),
     (["--by-operator", "--multiply", "0"], "factors must be positive"),
     (["--by-operator", "--minimum-ms", "-1"], "--minimum-ms must be at least 0"),
@@ -127,3 +130,39 @@ def test_table_options_need_by_operator_and_sane_values(tmp_path, capsys, flags,
     with pytest.raises(SystemExit) as exit_info:
         main(flags + ["--", str(path)])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def idle_events(scale=1):
+    """Three GEMMs of one operator and a copy (times in µs x ``scale``): the second GEMM's launch
+    returns 30 after the first ends (the GPU ran dry), and it starts 20 later still; the copy waits
+    40 with its launch long returned; the last kernel's launch was not recorded."""
+    events = [
+        cpu_op("_LocalMatmul", 0, 300), cpu_op("aten::mm", 1, 4), launch(1, 2),
+        cpu_op("aten::mm", 120, 15), launch(2, 129),  # returns at 130
+        cpu_op("aten::copy_", 140, 5), launch(3, 141),
+        cpu_op("aten::mm", 150, 5), launch(4, 151),
+        launched_kernel("nvjet_gemm", 1, 0, 100),
+        launched_kernel("nvjet_gemm", 2, 150, 50), launched_kernel("nvjet_gemm", 4, 160, 60),  # overlapping: no gap
+        launched_kernel("Memcpy DtoD", 3, 260, 10, "gpu_memcpy"),
+        launched_kernel("orphan", 99, 300, 10),
+    ]
+    return [{**e, "ts": e["ts"] * scale, "dur": e["dur"] * scale} for e in events]
+
+
+def test_idle_is_split_into_the_hosts_part_and_waits_by_the_work_that_ends_it():
+    causes = idle_by_cause(idle_events())
+    assert causes == {"_LocalMatmul: aten::mm": pytest.approx((0.03, 0.02, 1)),
+                      "_LocalMatmul: aten::copy_": pytest.approx((0.0, 0.04, 1)),
+                      "(no operator)": pytest.approx((0.0, 0.03, 1))}
+    span, busy = 310, 100 + 70 + 10 + 10
+    assert sum(host + wait for host, wait, _ in causes.values()) == pytest.approx((span - busy) / 1000)
+
+
+def test_idle_table(tmp_path, capsys):
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": idle_events(scale=100)}))
+    main(["--idle", "--minimum-ms", "3.5", str(path)])
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[0] == f"{path}: idle 12.0 ms, of which the host's 3.0 ms and waits 9.0 ms"
+    assert rows[3:] == ["| _LocalMatmul: aten::mm | 3.0 | 2.0 | 1 |",  # the orphan's 3 ms gap is below 3.5
+                        "| _LocalMatmul: aten::copy_ | 0.0 | 4.0 | 1 |"]

@@ -17,6 +17,15 @@ instead sums each trace's GPU time (kernels and copies) by what launched it: the
 around the launch, under the innermost autograd function or backward node around that
 ("_ColumnParallelMatmulBackward: aten::mm"), one column per trace, each multiplied by its K
 (e.g. 1 2 to compare one GPU with a rank of TP=2, whose work is halved); the largest rows first.
+
+    python tools/benchmarks/trace_summary.py --idle [--minimum-ms M] TRACE [TRACE ...]
+
+instead splits each trace's idle time (no kernel or copy on any stream) by the kernel or copy
+that ends it, named as in --by-operator: the part after the GPU ran dry until the host's launch
+call of that work returned is the host's (the GPU waited for the host to issue work), the rest
+a wait (the work was issued but held back: by an event of another stream, a peer). One table per
+trace, largest rows first; under the profiler the host runs slower, so the host's share is an
+upper bound of the unprofiled run's.
 """
 import argparse
 import collections
@@ -137,6 +146,49 @@ def time_by_operator(events: list[dict]) -> dict[str, float]:
     return dict(totals)
 
 
+def _launch_ends(events: list[dict]) -> dict[object, float]:
+    """correlation id -> time (µs) at which the host's runtime call with that id returned."""
+    return {e["args"]["correlation"]: e["ts"] + e["dur"] for e in events
+            if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+
+
+def idle_by_cause(events: list[dict]) -> dict[str, tuple[float, float, int]]:
+    """launcher -> (host ms, wait ms, gaps) of the idle gaps that its kernels and copies end.
+
+    With the GPU's work sorted by start, a gap opens when an item starts after every earlier item
+    has ended (the frontier f) and lasts until its start t. Its host part is min(t, r) - f, clipped
+    at 0, with r the return of the item's launch call (the GPU had nothing to run until then);
+    the rest, t - max(f, r), is a wait. An item whose launch was not recorded counts as a wait.
+    """
+    chains, launch_ends = _launch_chains(events), _launch_ends(events)
+    work = sorted((e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("correlation")) for e in events
+                  if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES)
+    if not work:
+        raise ValueError("the trace has no GPU kernels")
+    causes: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0])
+    frontier = work[0][1]
+    for start, end, correlation in work[1:]:
+        if start > frontier:
+            returned = launch_ends.get(correlation, frontier)
+            host = max(0.0, min(start, returned) - frontier)
+            cause = causes[launcher(chains.get(correlation, []))]
+            cause[0] += host / 1000.0
+            cause[1] += (start - frontier - host) / 1000.0
+            cause[2] += 1
+        frontier = max(frontier, end)
+    return {key: (host, wait, gaps) for key, (host, wait, gaps) in causes.items()}
+
+
+def print_idle(path: str, causes: dict[str, tuple[float, float, int]], minimum_ms: float) -> None:
+    host, wait = sum(c[0] for c in causes.values()), sum(c[1] for c in causes.values())
+    print(f"{path}: idle {host + wait:.1f} ms, of which the host's {host:.1f} ms and waits {wait:.1f} ms")
+    print("| idle ended by | host (ms) | wait (ms) | gaps |")
+    print("|---|---|---|---|")
+    for key, (host, wait, gaps) in sorted(causes.items(), key=lambda item: -(item[1][0] + item[1][1])):
+        if host + wait >= minimum_ms:
+            print(f"| {key} | {host:.1f} | {wait:.1f} | {gaps} |")
+
+
 def print_by_operator(paths: list[str], tables: list[dict[str, float]], multipliers: list[float],
                       minimum_ms: float) -> None:
     scaled = [{key: value * k for key, value in table.items()} for table, k in zip(tables, multipliers)]
@@ -149,10 +201,13 @@ def print_by_operator(paths: list[str], tables: list[dict[str, float]], multipli
     print("| total | " + " | ".join(f"{sum(t.values()):.1f}" for t in scaled) + " |")
 
 
-def _check_by_operator_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    for flag, value in (("--multiply", args.multiply), ("--minimum-ms", args.minimum_ms)):
-        if value is not None and not args.by_operator:
-            parser.error(f"{flag} shapes the table of --by-operator: give --by-operator too")
+def _check_table_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.by_operator and args.idle:
+        parser.error("--by-operator and --idle print different tables: give one")
+    if args.multiply is not None and not args.by_operator:
+        parser.error("--multiply shapes the table of --by-operator: give --by-operator too")
+    if args.minimum_ms is not None and not (args.by_operator or args.idle):
+        parser.error("--minimum-ms shapes the table of --by-operator or --idle: give one of them too")
     if args.multiply is not None:
         if len(args.multiply) != len(args.traces):
             parser.error(f"--multiply takes one factor per trace: {len(args.traces)} traces, "
@@ -169,12 +224,13 @@ def main(argv=None) -> None:
     parser.add_argument("--by-operator", action="store_true", help="GPU time by the operator that launched it")
     parser.add_argument("--multiply", type=float, nargs="+", metavar="K",
                         help="with --by-operator: one factor per trace (default 1 each)")
+    parser.add_argument("--idle", action="store_true", help="the idle time by the work that ends it, host or wait")
     parser.add_argument("--minimum-ms", type=float, default=None,
-                        help="with --by-operator: leave out rows below this in every column (default 1)")
+                        help="with --by-operator or --idle: leave out rows below this (in every column; default 1)")
     args = parser.parse_args(argv)
-    _check_by_operator_options(parser, args)
+    _check_table_options(parser, args)
     multipliers = args.multiply or [1.0] * len(args.traces)
-    summary = time_by_operator if args.by_operator else summarize
+    summary = time_by_operator if args.by_operator else idle_by_cause if args.idle else summarize
     rows = []
     for path in args.traces:
         try:
@@ -182,9 +238,13 @@ def main(argv=None) -> None:
                 rows.append((path, summary(json.load(f)["traceEvents"])))
         except (OSError, ValueError, KeyError, TypeError) as error:
             parser.error(f"{path}: not a torch.profiler trace with GPU kernels ({type(error).__name__}: {error})")
+    minimum_ms = 1.0 if args.minimum_ms is None else args.minimum_ms
     if args.by_operator:
-        minimum_ms = 1.0 if args.minimum_ms is None else args.minimum_ms
         print_by_operator(args.traces, [table for _, table in rows], multipliers, minimum_ms)
+        return
+    if args.idle:
+        for path, causes in rows:
+            print_idle(path, causes, minimum_ms)
         return
     keys = list(rows[0][1])
     print("| trace | " + " | ".join(f"{key} (ms)" for key in keys) + " |")
