@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from megatron.core import fused_kernels  # noqa: E402
-from tools.benchmarks.cuda_timing import median_ms  # noqa: E402
+from tools.benchmarks.cuda_timing import median_ms, refuse_non_positive  # noqa: E402
 
 SETTINGS = dict(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
@@ -58,8 +58,7 @@ def main(argv=None):
     parser.add_argument("--elements", type=int, default=1_316_000_000, help="parameters (default: the 1.3B GPT)")
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args(argv)
-    if args.elements < 1 or args.repeats < 1:
-        parser.error(f"--elements and --repeats must be positive, got {args.elements} and {args.repeats}")
+    refuse_non_positive(parser, args, "elements", "repeats")
     n, grad_scale = args.elements, torch.tensor(1.5, device="cuda")
     print(f"{torch.cuda.get_device_name()}, {n} fp32 parameters, bf16 weights, with a grad_scale")
     print("| step | ms | bytes per parameter | GB/s |\n|---|---|---|---|")

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tools.benchmarks.cuda_timing import median_ms  # noqa: E402
+from tools.benchmarks.cuda_timing import median_ms, refuse_non_positive  # noqa: E402
 
 HEADS, HEAD_DIM, SEQ = 16, 128, 2048
 
@@ -64,8 +64,7 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args(argv)
-    if args.batch < 1 or args.repeats < 1:
-        parser.error(f"--batch and --repeats must be positive, got {args.batch} and {args.repeats}")
+    refuse_non_positive(parser, args, "batch", "repeats")
     forward_flop = 4 * args.batch * HEADS * SEQ * SEQ * HEAD_DIM / 2
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
     print("| backend | layout | forward ms | TFLOP/s | forward + backward ms | backward TFLOP/s |\n|---|---|---|---|---|---|")

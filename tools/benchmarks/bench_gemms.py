@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tools.benchmarks.cuda_timing import median_ms  # noqa: E402
+from tools.benchmarks.cuda_timing import median_ms, refuse_non_positive  # noqa: E402
 
 HIDDEN, FFN = 2048, 8192
 LAYERS = {"qkv": (HIDDEN, 3 * HIDDEN), "dense": (HIDDEN, HIDDEN), "fc1": (HIDDEN, FFN), "fc2": (FFN, HIDDEN)}
@@ -37,8 +37,7 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args(argv)
-    if args.tokens < 1 or args.repeats < 1:
-        parser.error(f"--tokens and --repeats must be positive, got {args.tokens} and {args.repeats}")
+    refuse_non_positive(parser, args, "tokens", "repeats")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.tokens} tokens")
     libraries = ("cublas", "cublaslt")
     print("| layer | GEMM | " + " | ".join(f"{lib} ms | TFLOP/s" for lib in libraries) + " |")
