@@ -13,11 +13,15 @@ of a width-4096 GPT (micro-batch 4), at TP = world size and in bf16, rank 0 prin
     fused       megatron.core.tensor_parallel.utils.all_gather_matmul / matmul_reduce_scatter
 
 and checks once that fused and serial agree (relative error of bf16 GEMMs summed over ranks).
+"fused host" is the median time the host takes to issue one fused call (on an idle GPU, so that
+no launch waits for queue space): where it exceeds the fused GPU time, a run of such calls is
+bound by the host, not the GPU.
 
 The column-parallel layers' backward ("qkv dX + dW", "fc1 dX + dW") reduce-scatters dX = dY W and
 computes the weight gradient dW = dY^T X: there gemm is both products, serial the plain
 sequence-parallel backward (dX, NCCL's reduce-scatter launched asynchronously, dW while it runs,
-wait), fused the --tp-comm-overlap backward (matmul_reduce_scatter, then dW).
+wait), fused the --tp-comm-overlap backward (start_matmul_reduce_scatter, dW while the partial sums
+travel, wait).
 
 ``--trace-dir`` also writes rank 0's torch.profiler trace of three fused calls per product there
 (``<model>_<product>.json``, spaces and signs as "_"; for Perfetto: where the copies and GEMMs of
@@ -26,7 +30,9 @@ a call overlap).
 import argparse
 import os
 import re
+import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -35,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from megatron.core.tensor_parallel.utils import (all_gather_along_first_dim, all_gather_matmul,  # noqa: E402
                                                  matmul_reduce_scatter, reduce_scatter_along_first_dim,
+                                                 start_matmul_reduce_scatter,
                                                  start_reduce_scatter_along_first_dim)
 
 WARMUP_CALLS = 5
@@ -103,8 +110,25 @@ def _calls(kind: str, a: torch.Tensor, matrix: torch.Tensor, group):
         reduction.wait()
         return grad_input
 
-    return (lambda: (a.matmul(matrix), weight_grad())[0], serial,
-            lambda: (matmul_reduce_scatter(a, matrix, group), weight_grad())[0])
+    def fused():
+        grad_input, reduction = start_matmul_reduce_scatter(a, matrix, group)
+        weight_grad()
+        reduction.wait()
+        return grad_input
+
+    return (lambda: (a.matmul(matrix), weight_grad())[0], serial, fused)
+
+
+def _host_ms(call, iterations: int) -> float:
+    """Median host time to issue ``call`` once, the GPU idle before each."""
+    times = []
+    for _ in range(iterations):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return 1e3 * statistics.median(times)
 
 
 def _write_trace(call, path: str) -> None:
@@ -138,8 +162,8 @@ def main(argv=None) -> None:
     world_size, group, device = dist.get_world_size(), dist.group.WORLD, torch.device("cuda", local_rank)
     lines = [f"TP={world_size}, bf16, {torch.cuda.get_device_name()}, ms per call",
              "| model | product | collective | operand (full) | gemm | serial | fused | fused / serial "
-             "| relative error |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| fused host | relative error |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for model, name, kind, rows, inner, columns in PRODUCTS:
         inner, columns = _resolve(inner, world_size), _resolve(columns, world_size)
         a, matrix = _operands(kind, rows, inner, columns, world_size, device)
@@ -147,13 +171,14 @@ def main(argv=None) -> None:
         expected, got = serial().float(), fused().float()
         error = ((got - expected).norm() / expected.norm()).item()
         times = [_time_ms(call, args.iterations) for call in (gemm, serial, fused)]
+        host = _host_ms(fused, args.iterations)
         if args.trace_dir:
             os.makedirs(args.trace_dir, exist_ok=True)
             stem = re.sub(r"[^A-Za-z0-9.]+", "_", f"{model}_{name}")
             _write_trace(fused, os.path.join(args.trace_dir, stem + ".json"))
         lines.append(f"| {model} | {name} | {'all-gather' if kind == 'gather' else 'reduce-scatter'} "
                      f"| [{rows}, {inner}] x [{inner}, {columns}] | {times[0]:.3f} | {times[1]:.3f} "
-                     f"| {times[2]:.3f} | {times[2] / times[1]:.2f} | {error:.1e} |")
+                     f"| {times[2]:.3f} | {times[2] / times[1]:.2f} | {host:.3f} | {error:.1e} |")
     if dist.get_rank() == 0:
         print("\n".join(lines))
     dist.destroy_process_group()

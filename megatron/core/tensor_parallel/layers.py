@@ -28,7 +28,8 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.tensor_parallel.random import get_rng_tracker
 from megatron.core.tensor_parallel.utils import (VocabUtility, all_gather_along_first_dim, all_gather_matmul,
                                                  divide, matmul_reduce_scatter, start_all_gather_along_first_dim,
-                                                 start_all_reduce, start_reduce_scatter_along_first_dim)
+                                                 start_all_reduce, start_matmul_reduce_scatter,
+                                                 start_reduce_scatter_along_first_dim)
 
 InitMethod = Callable[[torch.Tensor], None]
 
@@ -122,8 +123,9 @@ class _ColumnParallelMatmul(torch.autograd.Function):
     @staticmethod
     def overlapped_backward(ctx, grad_output):
         total, weight = ctx.saved_tensors  # [s, .., in] gathered in forward, [out, in]
-        grad_input = matmul_reduce_scatter(grad_output, weight, ctx.group)  # [s / k, .., in]
+        grad_input, reduction = start_matmul_reduce_scatter(grad_output, weight, ctx.group)  # [s / k, .., in]
         grad_weight, grad_bias = _weight_and_bias_grads(grad_output, total, weight, ctx.needs_input_grad[2])
+        reduction.wait()
         return grad_input, grad_weight, grad_bias, None, None, None
 
 

@@ -166,34 +166,64 @@ def all_gather_matmul(shard: torch.Tensor, matrix: torch.Tensor, group: ProcessG
     return gathered.view(*leading, x.shape[1]), product.view(*leading, matrix.shape[1])
 
 
-def matmul_reduce_scatter(a: torch.Tensor, matrix: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Rank r's block [n / k, .., p] of sum over ranks of A B, A = ``a`` [n, .., m], B = ``matrix`` [m, p].
+class _ReceivedPartialSums:
+    """The end of a pipelined reduce-scatter: ``wait()`` makes the current stream wait for the side
+    stream's barrier, then adds the peers' partial sums, now in this rank's slot, to its block.
+    It holds the outgoing blocks until then: the side stream may still be reading them, and freed
+    memory goes back to the current stream's pool."""
 
-    On CUDA each rank first computes the blocks of its partial product that its peers own, writing
-    each straight into that peer's symmetric memory over NVLink (the GEMM's stores cross the link
-    while it computes; no copy, no side stream); after the group's barrier it computes its own
-    block with the received partial sums as the GEMM's addend (cuBLAS's beta = 1: the sum is
-    rounded once). Elsewhere the product, then the plain reduce-scatter.
+    def __init__(self, block: torch.Tensor, received: list[torch.Tensor], outgoing: torch.Tensor,
+                 peers: _PeerBuffers):
+        self.block, self.received, self.outgoing, self.peers = block, received, outgoing, peers
+
+    def wait(self) -> None:
+        torch.cuda.current_stream().wait_stream(self.peers.stream)
+        self.outgoing = None
+        for partial in self.received:
+            self.block += partial
+
+
+def start_matmul_reduce_scatter(a: torch.Tensor, matrix: torch.Tensor,
+                                group: ProcessGroup) -> tuple[torch.Tensor, object]:
+    """matmul_reduce_scatter launched asynchronously: (output, work), the output valid after
+    ``work.wait()``; work issued in between (the weight gradient) runs beside the transfers.
+
+    On CUDA each rank first computes the blocks of its partial product that its peers own (local
+    GEMMs); the side stream pushes each into that peer's symmetric memory as soon as it is ready
+    (copy engines over NVLink) and passes the group's barrier, while the GEMMs' stream computes the
+    rank's own block and whatever the caller issues next. ``wait()`` adds the received partial sums
+    to it (each block is rounded to the input's dtype before the sum, as in NCCL's reduce-scatter).
+    Elsewhere the product, then the asynchronous reduce-scatter.
     """
     if not _uses_peer_memory(a, group):
-        return reduce_scatter_along_first_dim(a.matmul(matrix), group)
-    peers = _peer_buffers(group)
+        return start_reduce_scatter_along_first_dim(a.matmul(matrix), group)
+    peers, current = _peer_buffers(group), torch.cuda.current_stream()
     x = a.reshape(-1, a.shape[-1])  # [n, m]
     rows = divide(x.shape[0], peers.size)
     block_shape = torch.Size((rows, matrix.shape[1]))
     block_bytes = rows * matrix.shape[1] * x.element_size()
     offset = peers.next_slot(peers.size * block_bytes, x.device)  # a block per sending rank
     others = [rank for rank in range(peers.size) if rank != peers.rank]
-    for rank in others:  # into the peer's slot, at this rank's place
-        torch.mm(x[rank * rows:(rank + 1) * rows], matrix,
-                 out=peers.view(rank, offset + peers.rank * block_bytes, block_shape, x.dtype))
-    peers.barrier()
+    outgoing = x.new_empty(len(others), *block_shape)  # [k - 1, n / k, p]: the peers' blocks
+    for index, rank in enumerate(others):
+        torch.mm(x[rank * rows:(rank + 1) * rows], matrix, out=outgoing[index])
+        peers.stream.wait_stream(current)
+        with torch.cuda.stream(peers.stream):  # into the peer's slot, at this rank's place
+            peers.view(rank, offset + peers.rank * block_bytes, block_shape, x.dtype).copy_(outgoing[index])
+    with torch.cuda.stream(peers.stream):
+        peers.barrier()  # past it, every peer's block for this rank has landed in its slot
+    block = torch.mm(x[peers.rank * rows:(peers.rank + 1) * rows], matrix)  # [n / k, p]
     received = [peers.view(peers.rank, offset + rank * block_bytes, block_shape, x.dtype) for rank in others]
-    addend = received[0]
-    for partial in received[1:]:
-        addend = addend + partial
-    block = torch.addmm(addend, x[peers.rank * rows:(peers.rank + 1) * rows], matrix)  # [n / k, p]
-    return block.view(a.shape[0] // peers.size, *a.shape[1:-1], matrix.shape[1])
+    output = block.view(a.shape[0] // peers.size, *a.shape[1:-1], matrix.shape[1])
+    return output, _ReceivedPartialSums(block, received, outgoing, peers)
+
+
+def matmul_reduce_scatter(a: torch.Tensor, matrix: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Rank r's block [n / k, .., p] of sum over ranks of A B, A = ``a`` [n, .., m], B = ``matrix`` [m, p]
+    (start_matmul_reduce_scatter, then its wait)."""
+    output, work = start_matmul_reduce_scatter(a, matrix, group)
+    work.wait()
+    return output
 
 
 def divide(numerator: int, denominator: int) -> int:
