@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from tools.benchmarks.trace_summary import (idle_by_cause, kernel_class, main, subtract, summarize, time_by_operator,
-                                           union)
+from tools.benchmarks.trace_summary import (idle_by_cause, kernel_class, lead_before_first_work, main, subtract,
+                                            summarize, time_by_operator, union)
 
 
 def kernel(name, start, duration):
@@ -164,5 +164,32 @@ def test_idle_table(tmp_path, capsys):
     main(["--idle", "--minimum-ms", "3.5", str(path)])
     rows = capsys.readouterr().out.splitlines()
     assert rows[0] == f"{path}: idle 12.0 ms, of which the host's 3.0 ms and waits 9.0 ms"
+    assert rows[1] == "| idle ended by | host (ms) | wait (ms) | gaps |"  # no iteration range: no lead line
     assert rows[3:] == ["| _LocalMatmul: aten::mm | 3.0 | 2.0 | 1 |",  # the orphan's 3 ms gap is below 3.5
                         "| _LocalMatmul: aten::copy_ | 0.0 | 4.0 | 1 |"]
+
+
+def test_the_hosts_lead_before_the_first_gpu_work():
+    """An iteration range whose first kernel starts 50 µs in: the host ran a check (two nested
+    operators, counted once) and a copy before launching it; a second thread's operator is not the
+    iteration's."""
+    events = [
+        {**cpu_op("iteration 6", 0, 1000), "cat": "user_annotation"},
+        cpu_op("aten::lt", 2, 20), cpu_op("aten::empty", 3, 1),
+        cpu_op("aten::to", 30, 40), launch(1, 60),  # runs past the first kernel: counted up to it
+        cpu_op("aten::mm", 5, 200, tid=2),
+        launched_kernel("nvjet_gemm", 1, 50, 100), launched_kernel("nvjet_gemm", 2, 200, 100),
+    ]
+    assert lead_before_first_work(events) == ("iteration 6", pytest.approx(0.05),
+                                               [("aten::lt", pytest.approx(0.02)), ("aten::to", pytest.approx(0.02))])
+    assert lead_before_first_work(events[1:]) is None
+
+
+def test_idle_table_names_the_hosts_lead(tmp_path, capsys):
+    path = tmp_path / "trace.json"
+    events = [cpu_op("iteration 3", -4000, 40000), cpu_op("aten::any", -3000, 2000)] + idle_events(scale=100)
+    path.write_text(json.dumps({"traceEvents": events}))
+    main(["--idle", str(path)])
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[1] == ("before the first GPU work: 4.0 ms from the start of 'iteration 3' "
+                       "(longest host operators: aten::any 2.0 ms)")

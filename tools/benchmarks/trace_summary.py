@@ -25,7 +25,9 @@ that ends it, named as in --by-operator: the part after the GPU ran dry until th
 call of that work returned is the host's (the GPU waited for the host to issue work), the rest
 a wait (the work was issued but held back: by an event of another stream, a peer). One table per
 trace, largest rows first; under the profiler the host runs slower, so the host's share is an
-upper bound of the unprofiled run's.
+upper bound of the unprofiled run's. Above each table, the host's lead: the time from the start of
+the trainer's "iteration N" range to the iteration's first GPU work, and the host operators that
+took the most of it (time the idle table cannot see, being outside the GPU's span).
 """
 import argparse
 import collections
@@ -179,9 +181,44 @@ def idle_by_cause(events: list[dict]) -> dict[str, tuple[float, float, int]]:
     return {key: (host, wait, gaps) for key, (host, wait, gaps) in causes.items()}
 
 
-def print_idle(path: str, causes: dict[str, tuple[float, float, int]], minimum_ms: float) -> None:
+def lead_before_first_work(events: list[dict],
+                           operators: int = 3) -> tuple[str, float, list[tuple[str, float]]] | None:
+    """(name of the longest "iteration N" host range, ms from its start to the first GPU work, the
+    ``operators`` longest outermost host operators on its thread in that time, in ms, longest
+    first); None when the trace has no such range."""
+    ranges = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")
+              and e.get("name", "").startswith("iteration ")]
+    if not ranges:
+        return None
+    iteration = max(ranges, key=lambda e: e["dur"])
+    begin = iteration["ts"]
+    first_work = min(e["ts"] for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES)
+    inside = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op" and e is not iteration
+                     and e.get("tid") == iteration.get("tid") and begin <= e["ts"] < first_work),
+                    key=lambda e: (e["ts"], -e["dur"]))
+    outermost, covered_until = [], begin
+    for e in inside:
+        if e["ts"] >= covered_until:
+            outermost.append((e["name"], (min(e["ts"] + e["dur"], first_work) - e["ts"]) / 1000.0))
+            covered_until = e["ts"] + e["dur"]
+    longest = sorted(outermost, key=lambda item: -item[1])[:operators]
+    return iteration["name"], max(0.0, first_work - begin) / 1000.0, longest
+
+
+def idle_report(events: list[dict]) -> tuple[dict[str, tuple[float, float, int]], tuple | None]:
+    return idle_by_cause(events), lead_before_first_work(events)
+
+
+def print_idle(path: str, report: tuple[dict[str, tuple[float, float, int]], tuple | None],
+               minimum_ms: float) -> None:
+    causes, lead = report
     host, wait = sum(c[0] for c in causes.values()), sum(c[1] for c in causes.values())
     print(f"{path}: idle {host + wait:.1f} ms, of which the host's {host:.1f} ms and waits {wait:.1f} ms")
+    if lead is not None:
+        name, lead_ms, longest = lead
+        operators = ", ".join(f"{operator} {ms:.1f} ms" for operator, ms in longest) or "none"
+        print(f"before the first GPU work: {lead_ms:.1f} ms from the start of '{name}' "
+              f"(longest host operators: {operators})")
     print("| idle ended by | host (ms) | wait (ms) | gaps |")
     print("|---|---|---|---|")
     for key, (host, wait, gaps) in sorted(causes.items(), key=lambda item: -(item[1][0] + item[1][1])):
@@ -230,7 +267,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     _check_table_options(parser, args)
     multipliers = args.multiply or [1.0] * len(args.traces)
-    summary = time_by_operator if args.by_operator else idle_by_cause if args.idle else summarize
+    summary = time_by_operator if args.by_operator else idle_report if args.idle else summarize
     rows = []
     for path in args.traces:
         try:
@@ -243,8 +280,8 @@ def main(argv=None) -> None:
         print_by_operator(args.traces, [table for _, table in rows], multipliers, minimum_ms)
         return
     if args.idle:
-        for path, causes in rows:
-            print_idle(path, causes, minimum_ms)
+        for path, report in rows:
+            print_idle(path, report, minimum_ms)
         return
     keys = list(rows[0][1])
     print("| trace | " + " | ".join(f"{key} (ms)" for key in keys) + " |")
