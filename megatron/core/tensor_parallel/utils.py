@@ -186,7 +186,9 @@ class _ReceivedPartialSums:
 def start_matmul_reduce_scatter(a: torch.Tensor, matrix: torch.Tensor,
                                 group: ProcessGroup) -> tuple[torch.Tensor, object]:
     """matmul_reduce_scatter launched asynchronously: (output, work), the output valid after
-    ``work.wait()``; work issued in between (the weight gradient) runs beside the transfers.
+    ``work.wait()``; work issued in between (the weight gradient) runs beside the transfers. No
+    other fused collective of the group may come in between: the wait reads this call's slot, and
+    the slots' reuse rule (``_PeerBuffers``) counts on those reads preceding the next call's barrier.
 
     On CUDA each rank first computes the blocks of its partial product that its peers own (local
     GEMMs); the side stream pushes each into that peer's symmetric memory as soon as it is ready
