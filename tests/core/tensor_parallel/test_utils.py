@@ -67,6 +67,27 @@ def test_1d_split_and_gather_on_2_ranks():
     run_distributed(_utils_world2, 2)
 
 
+def _rank_operand(rank: int) -> torch.Tensor:
+    return torch.randn(4, 3, 5, generator=torch.Generator().manual_seed(10 + rank))  # [n, b, m]
+
+
+def _started_reduce_scatter_is_the_sum_of_products(rank, world_size):
+    from megatron.core.tensor_parallel.utils import start_matmul_reduce_scatter
+
+    matrix = torch.randn(5, 6, generator=torch.Generator().manual_seed(3))
+    output, work = start_matmul_reduce_scatter(_rank_operand(rank), matrix, dist.group.WORLD)
+    torch.randn(64, 64).matmul(torch.randn(64, 64))  # other work between start and wait
+    work.wait()
+    total = sum(_rank_operand(r).matmul(matrix) for r in range(world_size))  # [n, b, p]
+    torch.testing.assert_close(output, total[2 * rank:2 * (rank + 1)])
+
+
+@pytest.mark.distributed
+def test_started_matmul_reduce_scatter_on_2_ranks():
+    """start_matmul_reduce_scatter's gloo path: rank r's block of the summed products after the wait."""
+    run_distributed(_started_reduce_scatter_is_the_sum_of_products, 2)
+
+
 def _normwise_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     return ((got.double() - expected.double()).norm() / expected.double().norm()).item()
 
@@ -78,7 +99,7 @@ def _fused_collectives_match_nccl(rank, world_size):
     import torch.nn.functional as F
 
     from megatron.core.tensor_parallel.utils import (all_gather_matmul, matmul_reduce_scatter,
-                                                     reduce_scatter_along_first_dim)
+                                                     reduce_scatter_along_first_dim, start_matmul_reduce_scatter)
 
     group, device = dist.group.WORLD, torch.device("cuda", rank)
     generator = torch.Generator(device).manual_seed(100 + rank)
@@ -97,6 +118,10 @@ def _fused_collectives_match_nccl(rank, world_size):
         block = matmul_reduce_scatter(full, weight.t(), group)
         expected_block = reduce_scatter_along_first_dim(F.linear(full, weight), group)
         assert block.shape == expected_block.shape and _normwise_error(block, expected_block) < 1e-2, f"call {call}"
+        started, work = start_matmul_reduce_scatter(full, weight.t(), group)
+        randn(*full.shape).matmul(weight.t())  # allocations between start and wait must not reuse what is in flight
+        work.wait()
+        assert _normwise_error(started, expected_block) < 1e-2, f"call {call}: started"
 
 
 def _overlapped_layers_match_plain_sequence_parallelism(rank, world_size):
