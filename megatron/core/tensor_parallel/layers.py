@@ -336,7 +336,7 @@ def check_token_ids(ids: torch.Tensor, num_embeddings: int) -> None:
     """
     if ids.numel() == 0:
         return
-    values = ids.detach().cpu().numpy()
+    values = ids.cpu().numpy()  # integer ids: never part of autograd
     low, high = int(values.min()), int(values.max())
     if low < 0 or high >= num_embeddings:
         raise ValueError(f"token ids must lie in [0, {num_embeddings}) (the padded vocabulary), "

@@ -62,10 +62,10 @@ class _PeerBuffers:
     (of high priority: its barrier kernel takes the first SM a GEMM beside it frees).
 
     Each call writes its peers' slots at its place, passes one group barrier, then reads its own
-    slot of the same call and joins those reads into the current stream before the call returns. A
-    rank writes a slot again two calls later, after the barrier of the call between, which every
-    peer reaches only once its reads of the slot are done: one barrier per call keeps the slots
-    safe. The barriers of successive calls run one after the other on each rank (each call's side
+    slot of the same call and joins those reads into the current stream before the call (or, for
+    start_matmul_reduce_scatter, its wait) returns. A rank writes a slot again two calls later,
+    after the barrier of the call between, which every peer reaches only once its reads of the
+    slot are done: one barrier per call keeps the slots safe. The barriers of successive calls run one after the other on each rank (each call's side
     stream first waits for the current stream, which waits for the side stream before returning).
     """
 
