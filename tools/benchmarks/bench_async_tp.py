@@ -21,7 +21,10 @@ The column-parallel layers' backward ("qkv dX + dW", "fc1 dX + dW") reduce-scatt
 computes the weight gradient dW = dY^T X: there gemm is both products, serial the plain
 sequence-parallel backward (dX, NCCL's reduce-scatter launched asynchronously, dW while it runs,
 wait), fused the --tp-comm-overlap backward (start_matmul_reduce_scatter, dW while the partial sums
-travel, wait).
+travel, wait). The row-parallel layers' backward ("dense dX + dW", "fc2 dX + dW") all-gathers dY for
+dX = dY W and dW = dY^T X, dW added into an fp32 accumulator as the trainer's weights do: serial
+NCCL's all-gather, then both GEMMs; fused all_gather_matmul_each_block, dW taken block by block
+as the blocks arrive.
 
 ``--trace-dir`` also writes rank 0's torch.profiler trace of three fused calls per product there
 (``<model>_<product>.json``, spaces and signs as "_"; for Perfetto: where the copies and GEMMs of
@@ -39,10 +42,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megatron.core.tensor_parallel.utils import (all_gather_along_first_dim, all_gather_matmul,  # noqa: E402
-                                                 matmul_reduce_scatter, reduce_scatter_along_first_dim,
-                                                 start_matmul_reduce_scatter,
-                                                 start_reduce_scatter_along_first_dim)
+from megatron.core.tensor_parallel.utils import (  # noqa: E402
+    all_gather_along_first_dim, all_gather_matmul, all_gather_matmul_each_block, matmul_reduce_scatter,
+    reduce_scatter_along_first_dim, start_matmul_reduce_scatter, start_reduce_scatter_along_first_dim)
 
 WARMUP_CALLS = 5
 # (model, product, kind, rows of the full operand, its columns, the product's columns at TP=k)
@@ -54,6 +56,8 @@ PRODUCTS = (
     ("1.3B", "fc2", "scatter", 16384, lambda k: 4 * 2048 // k, 2048),
     ("1.3B", "qkv dX + dW", "scatter+dW", 16384, lambda k: 3 * 2048 // k, 2048),
     ("1.3B", "fc1 dX + dW", "scatter+dW", 16384, lambda k: 4 * 2048 // k, 2048),
+    ("1.3B", "dense dX + dW", "gather+dW", 16384, 2048, lambda k: 2048 // k),
+    ("1.3B", "fc2 dX + dW", "gather+dW", 16384, 2048, lambda k: 4 * 2048 // k),
     ("width 4096", "qkv", "gather", 8192, 4096, lambda k: 3 * 4096 // k),
     ("width 4096", "fc1", "gather", 8192, 4096, lambda k: 4 * 4096 // k),
     ("width 4096", "dense", "scatter", 8192, lambda k: 4096 // k, 4096),
@@ -82,7 +86,7 @@ def _time_ms(call, iterations: int) -> float:
 def _operands(kind: str, rows: int, inner: int, columns: int, world_size: int, device):
     """(this rank's operand, the weight's transposed view [inner, columns]) as the layers pass them."""
     torch.manual_seed(1234 + dist.get_rank())
-    local_rows = rows // world_size if kind == "gather" else rows  # a scatter's operand is whole
+    local_rows = rows // world_size if kind.startswith("gather") else rows  # a scatter's operand is whole
     a = torch.randn(local_rows, inner, dtype=torch.bfloat16, device=device)
     weight = torch.randn(columns, inner, dtype=torch.bfloat16, device=device) / inner ** 0.5  # [out, in]
     return a, weight.t()
@@ -99,6 +103,8 @@ def _calls(kind: str, a: torch.Tensor, matrix: torch.Tensor, group):
         return (lambda: a.matmul(matrix),
                 lambda: reduce_scatter_along_first_dim(a.matmul(matrix), group),
                 lambda: matmul_reduce_scatter(a, matrix, group))
+    if kind == "gather+dW":
+        return _row_parallel_backward_calls(a, matrix, group)
     x = torch.randn(a.shape[0], matrix.shape[1], dtype=a.dtype, device=a.device)  # the layer's gathered input
 
     def weight_grad():
@@ -117,6 +123,28 @@ def _calls(kind: str, a: torch.Tensor, matrix: torch.Tensor, group):
         return grad_input
 
     return (lambda: (a.matmul(matrix), weight_grad())[0], serial, fused)
+
+
+def _row_parallel_backward_calls(a: torch.Tensor, matrix: torch.Tensor, group):
+    """(gemm alone, serial, fused) of the row-parallel backward: a = this rank's dY block, matrix = W
+    [out, in / k]; each adds dW = dY^T X into one fp32 accumulator and returns dX."""
+    gathered = all_gather_along_first_dim(a, group)  # [s, out]
+    x = torch.randn(gathered.shape[0], matrix.shape[1], dtype=a.dtype, device=a.device)  # [s, in / k]
+    x_blocks = x.split(a.shape[0])
+    main_grad = torch.zeros(matrix.shape, dtype=torch.float32, device=a.device)
+
+    def add_weight_grad(grad_output, x_rows):
+        torch.addmm(main_grad, grad_output.t(), x_rows, out_dtype=torch.float32, out=main_grad)
+
+    def both_gemms(total):
+        add_weight_grad(total, x)
+        return total.matmul(matrix)
+
+    def fused():
+        return all_gather_matmul_each_block(a, matrix, group,
+                                            lambda rank, block: add_weight_grad(block, x_blocks[rank]))
+
+    return (lambda: both_gemms(gathered), lambda: both_gemms(all_gather_along_first_dim(a, group)), fused)
 
 
 def _host_ms(call, iterations: int) -> float:
@@ -176,7 +204,7 @@ def main(argv=None) -> None:
             os.makedirs(args.trace_dir, exist_ok=True)
             stem = re.sub(r"[^A-Za-z0-9.]+", "_", f"{model}_{name}")
             _write_trace(fused, os.path.join(args.trace_dir, stem + ".json"))
-        lines.append(f"| {model} | {name} | {'all-gather' if kind == 'gather' else 'reduce-scatter'} "
+        lines.append(f"| {model} | {name} | {'all-gather' if kind.startswith('gather') else 'reduce-scatter'} "
                      f"| [{rows}, {inner}] x [{inner}, {columns}] | {times[0]:.3f} | {times[1]:.3f} "
                      f"| {times[2]:.3f} | {times[2] / times[1]:.2f} | {host:.3f} | {error:.1e} |")
     if dist.get_rank() == 0:

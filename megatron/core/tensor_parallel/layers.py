@@ -27,9 +27,9 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.tensor_parallel.random import get_rng_tracker
 from megatron.core.tensor_parallel.utils import (VocabUtility, all_gather_along_first_dim, all_gather_matmul,
-                                                 divide, matmul_reduce_scatter, start_all_gather_along_first_dim,
-                                                 start_all_reduce, start_matmul_reduce_scatter,
-                                                 start_reduce_scatter_along_first_dim)
+                                                 all_gather_matmul_each_block, divide, matmul_reduce_scatter,
+                                                 start_all_gather_along_first_dim, start_all_reduce,
+                                                 start_matmul_reduce_scatter, start_reduce_scatter_along_first_dim)
 
 InitMethod = Callable[[torch.Tensor], None]
 
@@ -177,7 +177,8 @@ def _local_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 class _RowParallelOverlappedMatmul(torch.autograd.Function):
     """Rank r's sequence block of sum over ranks of X_r A_r^T under sequence parallelism, the
     reduce-scatter pipelined with the GEMM (``matmul_reduce_scatter``); backward all-gathers dY
-    pipelined with dX = dY A_r and keeps the gathered dY for dA_r = dY^T X_r."""
+    pipelined with dX = dY A_r and with dA_r = dY^T X_r taken block by block of the sequence
+    (``all_gather_matmul_each_block``), so that the gathered dY is never stored."""
 
     @staticmethod
     def forward(ctx, x, weight, group):
@@ -188,9 +189,17 @@ class _RowParallelOverlappedMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
-        grad_total, grad_input = all_gather_matmul(grad_output, weight, ctx.group)  # [s, .., out], [s, .., in / k]
-        grad_weight, _ = _weight_and_bias_grads(grad_total, x, weight, bias_needs_grad=False)
-        return grad_input, grad_weight, None
+        x_blocks = x.reshape(-1, x.shape[-1]).split(grad_output[..., 0].numel())  # k blocks [s / k * .., in / k]
+        grad_weights = []
+
+        def add_weight_grad_of_block(q, grad_block):  # dA_r += dY_q^T X_q, X_q the rows of sequence block q
+            grad_weight, _ = _weight_and_bias_grads(grad_block, x_blocks[q], weight, bias_needs_grad=False)
+            if grad_weight is not None:
+                grad_weights.append(grad_weight)
+
+        grad_input = all_gather_matmul_each_block(grad_output, weight, ctx.group,
+                                                  add_weight_grad_of_block)  # [s, .., in / k]
+        return grad_input, sum(grad_weights) if grad_weights else None, None
 
 
 class ColumnParallelLinear(nn.Module):

@@ -88,14 +88,42 @@ def test_started_matmul_reduce_scatter_on_2_ranks():
     run_distributed(_started_reduce_scatter_is_the_sum_of_products, 2)
 
 
+def _blocks_seen(shard, matrix, group):
+    """(all_gather_matmul_each_block's product, the blocks it passed, by rank), the blocks copied
+    as they come (on CUDA a peer's block is its slot, rewritten two calls later)."""
+    from megatron.core.tensor_parallel.utils import all_gather_matmul_each_block
+
+    seen = {}
+    product = all_gather_matmul_each_block(shard, matrix, group,
+                                           lambda rank, block: seen.setdefault(rank, block.clone()))
+    return product, seen
+
+
+def _gather_by_blocks_passes_each_block(rank, world_size):
+    shard, matrix = _rank_operand(rank), torch.randn(5, 6, generator=torch.Generator().manual_seed(3))
+    product, seen = _blocks_seen(shard, matrix, dist.group.WORLD)
+    gathered = torch.cat([_rank_operand(r) for r in range(world_size)])  # [k n, b, m]
+    torch.testing.assert_close(product, gathered.matmul(matrix))
+    assert sorted(seen) == list(range(world_size))
+    for r, block in seen.items():
+        assert torch.equal(block, _rank_operand(r).reshape(-1, 5))
+
+
+@pytest.mark.distributed
+def test_all_gather_matmul_each_block_on_2_ranks():
+    """all_gather_matmul_each_block's gloo path: the gathered product, and every rank's block passed once."""
+    run_distributed(_gather_by_blocks_passes_each_block, 2)
+
+
 def _normwise_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     return ((got.double() - expected.double()).norm() / expected.double().norm()).item()
 
 
 def _fused_collectives_match_nccl(rank, world_size):
-    """all_gather_matmul / matmul_reduce_scatter through symmetric memory against NCCL's collective and
-    the plain product, for several shapes in turn (the slots grow and alternate), with new values
-    every call so that a slot read before its peer wrote it, or overwritten while read, shows."""
+    """The fused collectives through symmetric memory (all_gather_matmul, its each-block form, and
+    matmul_reduce_scatter, started or not) against NCCL's collectives and the plain products, for
+    several shapes in turn (the slots grow and alternate), with new values every call so that a slot
+    read before its peer wrote it, or overwritten while read, shows."""
     import torch.nn.functional as F
 
     from megatron.core.tensor_parallel.utils import (all_gather_matmul, matmul_reduce_scatter,
@@ -122,6 +150,10 @@ def _fused_collectives_match_nccl(rank, world_size):
         randn(*full.shape).matmul(weight.t())  # allocations between start and wait must not reuse what is in flight
         work.wait()
         assert _normwise_error(started, expected_block) < 1e-2, f"call {call}: started"
+        product, seen = _blocks_seen(shard, weight.t(), group)
+        assert _normwise_error(product, F.linear(expected_gathered, weight)) < 1e-2, f"call {call}: by blocks"
+        assert torch.equal(torch.cat([seen[r] for r in range(world_size)]),
+                           expected_gathered.reshape(-1, inner)), f"call {call}: blocks"
 
 
 def _overlapped_layers_match_plain_sequence_parallelism(rank, world_size):
