@@ -184,9 +184,10 @@ def all_gather_matmul_each_block(shard: torch.Tensor, matrix: torch.Tensor, grou
     rank's block X_r [n, m] of X (r = 0 .. k - 1, in no fixed order) once it is here, to issue the
     work that reads it (the weight gradient's share of that block: dW = sum over r of dY_r^T X_r).
 
-    On CUDA the own block's product and ``use_block`` run beside the push of the block to the peers,
-    which then hides behind twice the GEMM work of all_gather_matmul's; the peers' blocks are read
-    from this rank's slot, never copied out. Elsewhere the all-gather, the product, then the blocks.
+    On CUDA the own block's product and ``use_block``'s work on it both run beside the push of the
+    block to the peers, more work to hide it behind than all_gather_matmul's one GEMM; the peers'
+    blocks are read from this rank's slot, never copied out. Elsewhere the all-gather, the product,
+    then the blocks.
     """
     if not _uses_peer_memory(shard, group):
         gathered = all_gather_along_first_dim(shard, group)
