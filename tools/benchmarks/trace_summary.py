@@ -79,11 +79,16 @@ def subtract(intervals: list[tuple[float, float]], cover: list[tuple[float, floa
     return outside
 
 
+def complete_events(events: list[dict], categories: tuple[str, ...]) -> list[dict]:
+    """The trace's complete events (``ph`` "X": a start and a duration) of the given ``cat``s."""
+    return [e for e in events if e.get("ph") == "X" and e.get("cat") in categories]
+
+
 def summarize(events: list[dict]) -> dict[str, float]:
     """Figures in milliseconds of the kernel events (``cat`` == "kernel", ``ts``/``dur`` in µs) and the
     peer-to-peer copies (``cat`` == "gpu_memcpy", "Memcpy PtoP ...")."""
-    kernels = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("ph") == "X" and (
-        e.get("cat") == "kernel" or (e.get("cat") == "gpu_memcpy" and "PtoP" in e.get("name", "")))]
+    kernels = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in complete_events(events, ("kernel", "gpu_memcpy"))
+               if e["cat"] == "kernel" or "PtoP" in e.get("name", "")]
     if not kernels:
         raise ValueError("the trace has no GPU kernels")
     everything = union([(start, end) for start, end, _ in kernels])
@@ -140,9 +145,8 @@ def time_by_operator(events: list[dict]) -> dict[str, float]:
     """GPU time in milliseconds of the trace's kernels, copies and memsets, by ``launcher``."""
     chains = _launch_chains(events)
     totals: dict[str, float] = collections.Counter()
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES:
-            totals[launcher(chains.get(e.get("args", {}).get("correlation"), []))] += e["dur"] / 1000.0
+    for e in complete_events(events, GPU_CATEGORIES):
+        totals[launcher(chains.get(e.get("args", {}).get("correlation"), []))] += e["dur"] / 1000.0
     if not totals:
         raise ValueError("the trace has no GPU kernels")
     return dict(totals)
@@ -150,8 +154,8 @@ def time_by_operator(events: list[dict]) -> dict[str, float]:
 
 def _launch_ends(events: list[dict]) -> dict[object, float]:
     """correlation id -> time (µs) at which the host's runtime call with that id returned."""
-    return {e["args"]["correlation"]: e["ts"] + e["dur"] for e in events
-            if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    return {e["args"]["correlation"]: e["ts"] + e["dur"]
+            for e in complete_events(events, ("cuda_runtime", "cuda_driver")) if "correlation" in e.get("args", {})}
 
 
 def idle_by_cause(events: list[dict]) -> dict[str, tuple[float, float, int]]:
@@ -163,8 +167,8 @@ def idle_by_cause(events: list[dict]) -> dict[str, tuple[float, float, int]]:
     the rest, t - max(f, r), is a wait. An item whose launch was not recorded counts as a wait.
     """
     chains, launch_ends = _launch_chains(events), _launch_ends(events)
-    work = sorted((e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("correlation")) for e in events
-                  if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES)
+    work = sorted((e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("correlation"))
+                  for e in complete_events(events, GPU_CATEGORIES))
     if not work:
         raise ValueError("the trace has no GPU kernels")
     causes: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0])
@@ -186,14 +190,14 @@ def lead_before_first_work(events: list[dict],
     """(name of the longest "iteration N" host range, ms from its start to the first GPU work, the
     ``operators`` longest outermost host operators on its thread in that time, in ms, longest
     first); None when the trace has no such range."""
-    ranges = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")
-              and e.get("name", "").startswith("iteration ")]
+    ranges = [e for e in complete_events(events, ("cpu_op", "user_annotation"))
+              if e.get("name", "").startswith("iteration ")]
     if not ranges:
         return None
     iteration = max(ranges, key=lambda e: e["dur"])
     begin = iteration["ts"]
-    first_work = min(e["ts"] for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES)
-    inside = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op" and e is not iteration
+    first_work = min(e["ts"] for e in complete_events(events, GPU_CATEGORIES))
+    inside = sorted((e for e in complete_events(events, ("cpu_op",)) if e is not iteration
                      and e.get("tid") == iteration.get("tid") and begin <= e["ts"] < first_work),
                     key=lambda e: (e["ts"], -e["dur"]))
     outermost, covered_until = [], begin
