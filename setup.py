@@ -43,6 +43,7 @@ setup(
         "plot": ["matplotlib>=3.7"],
         "eval": ["lm-eval>=0.4.13", "accelerate>=0.26"],
         "server": ["flask>=2.3"],
+        "wandb": ["wandb"],
     },
     ext_modules=[helpers],
     cmdclass={"build_ext": build_ext},
