@@ -59,7 +59,8 @@ class _DatasetFactory:
         documents = np.arange(first_doc, end_doc, dtype=np.int64)
         return GPTDataset(name, prefix, self.open(prefix), documents, num_samples,
                           self.config.seq_length, self.config.seed,
-                          cache_dir=self.config.data_cache_path, group=self.group)
+                          cache_dir=self.config.data_cache_path, group=self.group,
+                          vocab_size=self.config.vocab_size)
 
     def blend(self, name, parts, num_samples):
         """`parts`: (weight, prefix, first_doc, end_doc); one part -> a plain GPTDataset."""

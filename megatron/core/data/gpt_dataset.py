@@ -37,6 +37,7 @@ import numpy as np
 from megatron.core.data.data_paths import (DEFAULT_SPLIT, DatasetGroup, WeightedPrefix,
                                            parse_split)
 from megatron.core.data.helpers import load_helpers
+from megatron.core.data.indexed_dataset import IndexedDatasetError, data_file_path
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,8 @@ class GPTDatasetConfig:
     Option 1: ``data_path`` (weighted prefixes, blended) split by ``split`` proportions.
     Option 2: ``train_groups`` (exactly one) and optional ``valid_groups``/``test_groups``, each
     a named blend of document ranges. ``data_cache_path``: where index caches go (default: next
-    to each dataset's files). ``mmap_warmup`` reads the files once at open.
+    to each dataset's files). ``mmap_warmup`` reads the files once at open. ``vocab_size``: the
+    tokenizer's vocabulary; given, every sample read is checked to hold ids in [0, vocab_size).
     """
 
     seq_length: int
@@ -74,9 +76,12 @@ class GPTDatasetConfig:
     data_impl: str = "mmap"
     mmap_warmup: bool = False
     data_cache_path: str | None = None
+    vocab_size: int | None = None
 
     def __post_init__(self):
         _check_positive_int("seq_length", self.seq_length)
+        if self.vocab_size is not None:
+            _check_positive_int("vocab_size", self.vocab_size)
         _check_seed(self.seed)
         option2 = self.train_groups or self.valid_groups or self.test_groups
         if self.data_path and option2:
@@ -268,10 +273,12 @@ class GPTDataset:
     epochs' worth, see the module docstring). `indexed_dataset` needs only ``sizes``,
     ``get(i, offset, length)`` and ``len()``. `data_prefix` names the cache files (placed next
     to it unless `cache_dir` is given); `group`: the ranks that build the dataset together.
+    Given `vocab_size`, a sample holding an id outside [0, vocab_size) raises IndexedDatasetError
+    naming the ``.bin`` and the item (a min and a max over the s + 1 ids: microseconds a sample).
     """
 
     def __init__(self, name, data_prefix, indexed_dataset, documents, num_samples, seq_length,
-                 seed, cache_dir=None, group=None):
+                 seed, cache_dir=None, group=None, vocab_size=None):
         documents = np.asarray(documents, dtype=np.int64)
         _check_positive_int("seq_length", seq_length)
         _check_seed(seed)
@@ -288,6 +295,7 @@ class GPTDataset:
         self.data_prefix = data_prefix
         self.indexed_dataset = indexed_dataset
         self.seq_length = seq_length
+        self.vocab_size = vocab_size
         sizes = indexed_dataset.sizes
         fingerprint = dataset_fingerprint(sizes, documents)
         self.cache_paths = index_cache_paths(data_prefix, name, num_samples, seq_length, seed,
@@ -323,8 +331,25 @@ class GPTDataset:
         if first_doc == last_doc:
             tokens = get(int(self.doc_idx[first_doc]), offset=first_offset,
                          length=last_offset - first_offset + 1)
-            return {"text": np.array(tokens, dtype=np.int64)}
-        pieces = [get(int(self.doc_idx[first_doc]), offset=first_offset)]
-        pieces += [get(int(self.doc_idx[i])) for i in range(first_doc + 1, last_doc)]
-        pieces.append(get(int(self.doc_idx[last_doc]), length=last_offset + 1))
-        return {"text": np.concatenate(pieces).astype(np.int64, copy=False)}
+            text = np.array(tokens, dtype=np.int64)
+        else:
+            pieces = [get(int(self.doc_idx[first_doc]), offset=first_offset)]
+            pieces += [get(int(self.doc_idx[i])) for i in range(first_doc + 1, last_doc)]
+            pieces.append(get(int(self.doc_idx[last_doc]), length=last_offset + 1))
+            text = np.concatenate(pieces).astype(np.int64, copy=False)
+        if self.vocab_size is not None:
+            self._check_ids(idx, text, first_doc, last_doc)
+        return {"text": text}
+
+    def _check_ids(self, idx, text, first_doc, last_doc):
+        """Raise IndexedDatasetError naming the .bin and the item if ``text`` holds an id outside
+        [0, vocab_size)."""
+        if text.size == 0 or (text.min() >= 0 and text.max() < self.vocab_size):
+            return
+        items = [int(self.doc_idx[i]) for i in range(first_doc, last_doc + 1)]
+        bad = [item for item in items
+               if ((ids := self.indexed_dataset.get(item)) < 0).any() or (ids >= self.vocab_size).any()]
+        raise IndexedDatasetError(
+            f"{data_file_path(self.data_prefix)}: sample {idx} of the {self.name} data holds token ids in "
+            f"[{int(text.min())}, {int(text.max())}], outside the tokenizer's vocabulary [0, {self.vocab_size}) "
+            f"(item {bad[0] if bad else items[0]}): the dataset is damaged or was tokenized with another tokenizer")

@@ -24,6 +24,7 @@ temporary names and renames them only when complete (the ``.idx`` last), so an i
 leaves nothing that opens as a finished dataset.
 """
 import array
+import contextlib
 import os
 import shutil
 import secrets
@@ -35,6 +36,9 @@ _MAGIC = b"MMIDIDX\x00\x00"
 _VERSION = 1
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, len, doc_count: 34 bytes
 _WARMUP_CHUNK_BYTES = 100 * 1024 * 1024
+# The open-time sample of token ids (check_vocabulary): the first ids of items spread over the file.
+_SAMPLED_ITEMS = 1024
+_SAMPLED_TOKENS_PER_ITEM = 8
 
 # Codes 6 and 7 were np.float and np.double in Megatron, both float64; we write 7 for float64,
 # the code Megatron's writer produced for it.
@@ -81,6 +85,25 @@ def dtype_code(dtype, path="<dataset>"):
             f"{path}: dtype {np.dtype(dtype)} cannot be stored in an mmap indexed dataset "
             f"(supported: {', '.join(supported)})")
     return code
+
+
+def write_error_message(path, error: OSError) -> str:
+    """``cannot write PATH: CAUSE`` for an OSError met while writing ``path``: the file the system
+    names (a temporary, a directory) or else ``path``, and the system's words for the cause."""
+    where = error.filename if error.filename is not None else path
+    cause = error.strerror or str(error)
+    named = f"cannot write {path}" if os.fspath(where) == os.fspath(path) else f"cannot write {path} ({where})"
+    return f"{named}: {cause}"
+
+
+@contextlib.contextmanager
+def _writing(path):
+    """Turn an OSError of the enclosed writes (no space, read-only, no such directory) into an
+    IndexedDatasetError naming ``path`` and the cause."""
+    try:
+        yield
+    except OSError as error:
+        raise IndexedDatasetError(write_error_message(path, error)) from error
 
 
 def _process_alive(pid: int) -> bool:
@@ -158,8 +181,13 @@ class IndexedDatasetBuilder:
         self.dtype = np.dtype(dtype)
         dtype_code(self.dtype, bin_path)
         self._bin_path = bin_path
-        self._tmp_bin_path = _temporary_path(bin_path)
-        self._data_file = open(self._tmp_bin_path, "wb")
+        with _writing(bin_path):
+            self._tmp_bin_path = _temporary_path(bin_path)
+            try:
+                self._data_file = open(self._tmp_bin_path, "wb")
+            except OSError:
+                os.remove(self._tmp_bin_path)
+                raise
         self._sizes = array.array("i")
         self._doc_idx = array.array("q", [0])
         if self.dtype.kind in "iu":
@@ -191,7 +219,7 @@ class IndexedDatasetBuilder:
         """Append one item (a 1-D sequence of token ids)."""
         values = self._as_array(tokens)
         self._append_sizes(np.array([values.size]))
-        self._data_file.write(values.tobytes())
+        self._write(values)
 
     def _append_sizes(self, sizes):
         """Record item sizes (int32 in the index: an item holds fewer than 2^31 tokens)."""
@@ -213,7 +241,7 @@ class IndexedDatasetBuilder:
                 f"{self._bin_path}: item lengths sum to {int(lengths.sum())} but the document has "
                 f"{values.size} tokens")
         self._append_sizes(lengths)
-        self._data_file.write(values.tobytes())
+        self._write(values)
         self.end_document()
 
     def add_documents(self, tokens, sizes, doc_item_counts):
@@ -234,7 +262,11 @@ class IndexedDatasetBuilder:
         first_item = len(self._sizes)
         self._append_sizes(sizes)
         self._doc_idx.frombytes((first_item + np.cumsum(doc_item_counts)).tobytes())
-        self._data_file.write(values.tobytes())
+        self._write(values)
+
+    def _write(self, values):
+        with _writing(self._bin_path):
+            self._data_file.write(values.tobytes())
 
     def merge_file_(self, prefix):
         """Append every document of the dataset at ``prefix``, rebasing its indices (64-bit)."""
@@ -250,36 +282,51 @@ class IndexedDatasetBuilder:
         first_item = len(self._sizes)
         self._sizes.frombytes(np.asarray(other.sizes, dtype=np.int32).tobytes())
         self._doc_idx.frombytes((first_item + np.asarray(other.doc_idx[1:], dtype=np.int64)).tobytes())
-        with open(data_file_path(prefix), "rb") as source:
+        with open(data_file_path(prefix), "rb") as source, _writing(self._bin_path):
             shutil.copyfileobj(source, self._data_file, length=16 * 1024 * 1024)
 
     def finalize(self, idx_path):
         """Write the index and move both files to their final names (data first, index last)."""
         if self._doc_idx[-1] != len(self._sizes):
             self.end_document()
-        _flush_and_sync(self._data_file)
-        self._data_file.close()
-        tmp_idx_path = _temporary_path(idx_path)
         try:
-            _write_index(tmp_idx_path, self.dtype, np.frombuffer(self._sizes, dtype=np.int32),
-                         np.frombuffer(self._doc_idx, dtype=np.int64))
-            # A stale index must never pair with the new data, even for an instant.
-            if os.path.exists(idx_path):
-                os.remove(idx_path)
-            os.replace(self._tmp_bin_path, self._bin_path)
-            os.replace(tmp_idx_path, idx_path)
+            with _writing(self._bin_path):
+                _flush_and_sync(self._data_file)
+                self._data_file.close()
+            with _writing(idx_path):
+                tmp_idx_path = _temporary_path(idx_path)
+                try:
+                    _write_index(tmp_idx_path, self.dtype, np.frombuffer(self._sizes, dtype=np.int32),
+                                 np.frombuffer(self._doc_idx, dtype=np.int64))
+                    # A stale index must never pair with the new data, even for an instant.
+                    if os.path.exists(idx_path):
+                        os.remove(idx_path)
+                    os.replace(self._tmp_bin_path, self._bin_path)
+                    os.replace(tmp_idx_path, idx_path)
+                except BaseException:
+                    _remove_quietly(tmp_idx_path)
+                    raise
         except BaseException:
-            for path in (tmp_idx_path, self._tmp_bin_path):
-                if os.path.exists(path):
-                    os.remove(path)
+            self.abort()
             raise
 
     def abort(self):
-        """Discard everything written so far (the temporary data file is deleted)."""
+        """Discard everything written so far (the temporary data file is deleted). Never raises an
+        OSError: it runs while another error (a full disk, say) is being reported."""
         if not self._data_file.closed:
-            self._data_file.close()
-        if os.path.exists(self._tmp_bin_path):
-            os.remove(self._tmp_bin_path)
+            try:
+                self._data_file.close()  # flushes the buffer: fails again on a full disk
+            except OSError:
+                pass
+        _remove_quietly(self._tmp_bin_path)
+
+
+def _remove_quietly(path):
+    """Delete ``path`` if it is there; a failure to delete is not reported (cleanup after an error)."""
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 class _Index:
@@ -299,6 +346,7 @@ class _Index:
         magic, version, code, length, doc_count = _HEADER.unpack(header)
         self._check_header(path, magic, version, code)
         self.dtype = DTYPE_CODES[code]
+        self.dtype_code = code
         expected_size = _HEADER.size + 12 * length + 8 * doc_count
         if file_size != expected_size:
             problem = "truncated index" if file_size < expected_size else "index has trailing bytes"
@@ -449,6 +497,11 @@ class MMapIndexedDataset:
         return self._index.dtype
 
     @property
+    def dtype_code(self):
+        """The .idx dtype code the dtype was read from (DTYPE_CODES)."""
+        return self._index.dtype_code
+
+    @property
     def path_prefix(self):
         return self._path_prefix
 
@@ -519,11 +572,63 @@ def _missing_dataset_hint(prefix: str) -> str:
     return f"no {name}*.idx in {directory}"
 
 
-def check_dataset_prefix(prefix: str, impl: str = "infer") -> None:
+def check_dataset_prefix(prefix: str, impl: str = "infer", vocab_size: int | None = None) -> None:
     """Open the dataset at ``prefix`` once, as training will (header, counts, document index and the
-    .bin size are checked), and close it; no dataset there raises IndexedDatasetError with a hint."""
+    .bin size are checked), and close it; no dataset there raises IndexedDatasetError with a hint.
+    Given the tokenizer's ``vocab_size``, its dtype and a sample of its ids are checked against the
+    vocabulary too (check_vocabulary)."""
     if not (os.path.isfile(index_file_path(prefix)) and os.path.isfile(data_file_path(prefix))):
         present = [path for path in (index_file_path(prefix), data_file_path(prefix)) if os.path.isfile(path)]
         found = f" (only {present[0]} exists)" if present else ""
         raise IndexedDatasetError(f"{prefix}: no dataset at this prefix{found}; {_missing_dataset_hint(prefix)}")
-    make_dataset(prefix, impl)
+    dataset = make_dataset(prefix, impl)
+    if vocab_size is not None:
+        check_vocabulary(dataset, vocab_size)
+
+
+_WRONG_DATA_HINT = ("the data was tokenized with another tokenizer (preprocessing stores uint16 ids below 65500 "
+                    "tokens, int32 above), or the .idx dtype code is wrong")
+
+
+def check_vocabulary(dataset: MMapIndexedDataset, vocab_size: int) -> None:
+    """Check that ``dataset`` holds ids of a tokenizer of ``vocab_size`` tokens; IndexedDatasetError
+    naming the file otherwise.
+
+    1. The dtype is an integer type whose range covers [0, vocab_size): a float, or int16 for a
+       50257-token vocabulary, means a changed .idx dtype code or another tokenizer's data.
+       (A wider dtype than preprocessing would pick, e.g. int32 for 50257 tokens, is valid.)
+    2. A sample of ids lies in [0, vocab_size): the first 8 ids of up to 1024 items spread evenly
+       over the dataset, first and last included; about 8k ids from as many pages, milliseconds
+       whatever the dataset's size. A wrong tokenizer or dtype code puts ids out of range nearly
+       everywhere; a bad id the sample misses is reported, naming the file, when GPTDataset reads it.
+    """
+    index_path, bin_path = index_file_path(dataset.path_prefix), data_file_path(dataset.path_prefix)
+    dtype = dataset.dtype
+    if dtype.kind not in "iu" or np.iinfo(dtype).max < vocab_size - 1:
+        holds = "is not an integer type" if dtype.kind not in "iu" else f"holds ids up to {np.iinfo(dtype).max}"
+        raise IndexedDatasetError(
+            f"{index_path}: tokens are stored as {dtype} (dtype code {dataset.dtype_code}), which {holds}, but the "
+            f"tokenizer has {vocab_size} tokens: {_WRONG_DATA_HINT}")
+    items, positions = _sampled_token_positions(dataset.sizes, dataset.pointers // dtype.itemsize)
+    if not len(positions):
+        return
+    ids = np.frombuffer(dataset._bin_buffer, dtype=dtype)[positions]
+    outside = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+    if len(outside):
+        first = int(outside[0])
+        raise IndexedDatasetError(
+            f"{bin_path}: token id {int(ids[first])} (item {int(items[first])}) is outside the tokenizer's "
+            f"vocabulary [0, {vocab_size}); so are {len(outside)} of {len(ids)} ids sampled across the file, "
+            f"which range over [{int(ids.min())}, {int(ids.max())}] as {dtype}: {_WRONG_DATA_HINT}")
+
+
+def _sampled_token_positions(sizes, first_tokens):
+    """(item, token position in the .bin) of the sampled ids: up to _SAMPLED_TOKENS_PER_ITEM from the start
+    of up to _SAMPLED_ITEMS items spread evenly over the dataset."""
+    if len(sizes) == 0:
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+    items = np.unique(np.linspace(0, len(sizes) - 1, min(len(sizes), _SAMPLED_ITEMS)).astype(np.int64))
+    offsets = np.arange(_SAMPLED_TOKENS_PER_ITEM, dtype=np.int64)
+    keep = offsets[None, :] < sizes[items][:, None]  # [items, tokens]
+    item_of = np.broadcast_to(items[:, None], keep.shape)[keep]
+    return item_of, (first_tokens[items][:, None] + offsets[None, :])[keep]
