@@ -208,6 +208,8 @@ class CheckpointConfig:
             an inclusive iteration range; save_interval applies outside them.
         keep_last_checkpoints: keep only the last K checkpoints (--keep-last-checkpoints), or None to keep all.
         pinned_checkpoints: iterations whose checkpoints are never deleted (--pin-checkpoints).
+        allow_missing_manifest: a checkpoint of this trainer without its manifest is loaded, unverified,
+            with a warning (--allow-missing-manifest); without it such a checkpoint is refused.
     """
 
     save: str | None
@@ -222,6 +224,7 @@ class CheckpointConfig:
     save_interval_ranges: tuple[tuple[int, int, int], ...]
     keep_last_checkpoints: int | None
     pinned_checkpoints: tuple[int, ...]
+    allow_missing_manifest: bool = False
 
     def save_due(self, iteration: int) -> bool:
         """Whether ``iteration`` is a multiple of the save interval in force there."""
@@ -406,8 +409,9 @@ def _weighted_groups(flags, split):
     return ()
 
 
-def dataset_config_from_args(flags, seq_length: int) -> GPTDatasetConfig | None:
-    """GPTDatasetConfig from the data flags (files of the -path flags are read), None without data.
+def dataset_config_from_args(flags, seq_length: int, vocab_size: int | None = None) -> GPTDatasetConfig | None:
+    """GPTDatasetConfig from the data flags (files of the -path flags are read), None without data;
+    ``vocab_size``: the tokenizer's, which the token ids are checked against.
     Malformed paths, weights or ranges raise ArgumentError naming the flag."""
     try:
         groups = {split: _weighted_groups(flags, split) for split in ("train", "valid", "test")}
@@ -418,7 +422,8 @@ def dataset_config_from_args(flags, seq_length: int) -> GPTDatasetConfig | None:
             data_path=parse_data_path(flags.data_path) if flags.data_path else (),
             split=parse_split(flags.split or DEFAULT_SPLIT),
             train_groups=groups["train"], valid_groups=groups["valid"], test_groups=groups["test"],
-            data_impl=flags.data_impl, mmap_warmup=flags.mmap_warmup, data_cache_path=flags.data_cache_path)
+            data_impl=flags.data_impl, mmap_warmup=flags.mmap_warmup, data_cache_path=flags.data_cache_path,
+            vocab_size=vocab_size)
     except ValueError as exc:
         raise ArgumentError(str(exc)) from None
 
@@ -474,7 +479,8 @@ def _parallel_config(flags, derived: DerivedValues) -> ParallelConfig:
 
 def _data_config(flags, derived: DerivedValues, tokenizer_vocab_size: int) -> DataConfig:
     return DataConfig(
-        dataset=dataset_config_from_args(flags, derived.seq_length), tokenizer_type=flags.tokenizer_type,
+        dataset=dataset_config_from_args(flags, derived.seq_length, tokenizer_vocab_size),
+        tokenizer_type=flags.tokenizer_type,
         vocab_file=flags.vocab_file, merge_file=flags.merge_file,
         tokenizer_name_or_path=flags.tokenizer_name_or_path, orig_vocab_size=tokenizer_vocab_size,
         dataloader_type=flags.dataloader_type or "single", num_workers=flags.num_workers,
