@@ -40,8 +40,12 @@ class SamplingParams:
 
 
 def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [b, V] fp32 -> z / T with the tokens top-k and top-p drop set to -inf (module docstring)."""
-    logits = logits / params.temperature
+    """logits [b, V] fp32 -> (z - max z) / T with the tokens top-k and top-p drop set to -inf (module
+    docstring). The shift leaves the softmax as it is and keeps every T > 0 finite: the largest
+    entry is 0, so a tiny T sends the others to -inf (the greedy choice) instead of to inf - inf.
+    T below the dtype's smallest normal number (it would round to 0, and 0 / 0 is nan) divides as that."""
+    temperature = max(params.temperature, torch.finfo(logits.dtype).tiny)
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
     if params.top_k > 0:
         top_k = min(params.top_k, logits.shape[-1])
         kth_largest = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # [b, 1]

@@ -62,7 +62,18 @@ def test_filters_on_hand_made_logits():
     # p = 0.7 the first two
     assert torch.isfinite(filtered_logits(logits, SamplingParams(top_p=0.6))).tolist() == [[False, True, False, False]]
     assert torch.isfinite(filtered_logits(logits, SamplingParams(top_p=0.7))).tolist() == [[False, True, True, False]]
-    torch.testing.assert_close(filtered_logits(logits, SamplingParams(temperature=2.0)), logits / 2)
+    torch.testing.assert_close(filtered_logits(logits, SamplingParams(temperature=2.0)), (logits - 3.0) / 2)
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-30, 1e300])
+def test_extreme_temperatures_draw_from_the_limit(temperature):
+    """T -> 0 is the greedy choice (ties shared evenly), T -> inf the uniform draw; neither overflows."""
+    logits = torch.tensor([[1.0, 3.0, 2.0, 3.0, 0.0]]).expand(2000, -1)
+    probabilities = sampling_probabilities(logits, SamplingParams(temperature=temperature))
+    expected = [0.0, 0.5, 0.0, 0.5, 0.0] if temperature < 1 else [0.2] * 5
+    torch.testing.assert_close(probabilities[0], torch.tensor(expected))
+    draws = next_tokens(logits, SamplingParams(temperature=temperature), 5, torch.Generator().manual_seed(3))
+    assert set(draws.tolist()) == {i for i, p in enumerate(expected) if p > 0}
 
 
 def test_greedy_seed_and_vocabulary_padding():
