@@ -190,6 +190,9 @@ def add_checkpointing_args(parser):
     group.add_argument("--overwrite-checkpoints", action="store_true",
                        help="start at iteration 0 although --save holds checkpoints (they are replaced as the run "
                             "reaches their iterations); without it such a run is refused")
+    group.add_argument("--allow-missing-manifest", action="store_true",
+                       help="load a checkpoint of this trainer whose manifest.json is missing, its files unverified "
+                            "(a damaged file goes unnoticed); without it such a checkpoint is refused")
     group.add_argument("--universal-checkpoint", action="store_true",
                        help="resume from the universal checkpoint that latest_universal names "
                             "(tools/convert_checkpoint/ds_to_universal.py), under any TP, PP and DP size")

@@ -208,6 +208,8 @@ class CheckpointConfig:
             an inclusive iteration range; save_interval applies outside them.
         keep_last_checkpoints: keep only the last K checkpoints (--keep-last-checkpoints), or None to keep all.
         pinned_checkpoints: iterations whose checkpoints are never deleted (--pin-checkpoints).
+        allow_missing_manifest: a checkpoint of this trainer without its manifest is loaded, unverified,
+            with a warning (--allow-missing-manifest); without it such a checkpoint is refused.
     """
 
     save: str | None
@@ -222,6 +224,7 @@ class CheckpointConfig:
     save_interval_ranges: tuple[tuple[int, int, int], ...]
     keep_last_checkpoints: int | None
     pinned_checkpoints: tuple[int, ...]
+    allow_missing_manifest: bool = False
 
     def save_due(self, iteration: int) -> bool:
         """Whether ``iteration`` is a multiple of the save interval in force there."""

@@ -208,7 +208,8 @@ def test_logging_and_checkpoint_flags(tmp_path):
     assert config.logging.codecarbon_dir == str(tmp_path / "cc") and config.logging.log_params_norm
     assert not config.logging.log_learning_rate_to_tensorboard and config.logging.log_loss_scale_to_tensorboard
     assert config.logging.log_path == "/logs"
-    assert dataclasses.astuple(config.checkpoint) == ("/ckpt", None, 10, False, True, False, True, False, False, (), None, ())
+    assert dataclasses.astuple(config.checkpoint) == ("/ckpt", None, 10, False, True, False, True, False, False, (), None, (),
+                                                      False)
 
 
 def test_every_config_field_is_documented():
