@@ -8,25 +8,32 @@
 Request (JSON object): ``prompts`` (a non-empty list of strings, at most 128), ``tokens_to_generate``
 (int >= 0, default 64), ``temperature`` (0 < T <= 100, default 1.0), ``top_k`` (0 .. 1000, default 0 =
 off; 1 = greedy), ``top_p`` (0 .. 1, default 0 = off; not with top_k), ``logprobs`` (bool, default
-false), ``random_seed`` (int >= 0: this request's draws from a generator of that seed; else the
-server's generator, seeded with --seed at the start, goes on). A prompt's tokens plus
-``tokens_to_generate`` must fit in --seq-length.
+false), ``random_seed`` (int in [0, 2**64 - 1]: this request's draws from a generator of that seed;
+else the server's generator, seeded with --seed at the start, goes on). Prompts are Unicode text (a
+lone surrogate such as ``"\\ud800"`` is refused). A prompt's tokens plus ``tokens_to_generate`` must
+fit in --seq-length. A tiny temperature draws as greedy does (the limit T -> 0).
 
 Answer: ``text`` (prompt and continuation of each prompt, in order), ``segments`` (the text of each
 token), with ``logprobs`` the log-probability of each token given the ones before it (from the second
-token on; softmax over the tokenizer's vocabulary). A bad request gets status 400 and the reason as
-the body, and the server goes on serving.
+token on; softmax over the tokenizer's vocabulary). A bad request (not JSON, too deeply nested, a
+field out of range) gets status 400 and the reason as the body, and the server goes on serving; so
+does an unexpected error while generating (status 500, its traceback on stderr).
 
 Global rank 0 runs the HTTP server (threads only queue requests and wait for their answer); its
 main thread takes the requests one at a time, shares each with the other ranks, which follow it in
 a loop, and all ranks generate it together. SIGTERM or SIGINT stops it cleanly: the request under
 way is finished, the other ranks are told to stop, the process group is torn down, exit status 0.
+Under torchrun, Ctrl-C also reaches torchrun itself, which prints a SignalException traceback and
+exits 1 after the ranks have stopped cleanly; ``kill -TERM`` (or ``-INT``) on the rank-0 process
+stops all ranks the same way and torchrun then exits 0 quietly.
 """
+import json
 import os
 import queue
 import signal
 import sys
 import threading
+import traceback
 from dataclasses import dataclass
 
 if __package__ in (None, ""):
@@ -48,6 +55,7 @@ from megatron.training.dist_utils import broadcast_object_from_rank_0, is_rank_0
 from megatron.training.inference_model import InferenceSetupError, load_inference_model  # noqa: E402
 
 MAX_PROMPTS = 128
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes [-2**63, 2**64 - 1]
 STOP = None  # what rank 0 shares with the other ranks to end their loop
 
 
@@ -81,6 +89,29 @@ def _field(body: dict, name: str, kinds: tuple, default, check, rule: str):
     return value
 
 
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
+
+
+def _check_unicode(prompt: str, index: int) -> None:
+    """JSON may spell a lone surrogate (``"\\ud800"``), which no tokenizer can encode."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise RequestError(f"prompt {index} is not valid Unicode text: {error.reason} at character "
+                           f"{error.start}") from None
+
+
+def parse_body(data: bytes):
+    """The JSON value of a request body; RequestError when it is not JSON or nests too deep to parse."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise RequestError("the body nests too deeply to parse") from None
+    except ValueError as error:
+        raise RequestError(f"the body is not JSON: {error}") from None
+
+
 def parse_request(body, tokenizer, seq_length: int) -> GenerationRequest:
     """The request of a JSON body (module docstring); RequestError names the field and the rule."""
     if not isinstance(body, dict):
@@ -99,12 +130,14 @@ def parse_request(body, tokenizer, seq_length: int) -> GenerationRequest:
     if top_k > 0 and top_p > 0.0:
         raise RequestError("cannot set both top_k and top_p")
     logprobs = _field(body, "logprobs", (bool,), False, lambda v: True, "true or false")
-    seed = _field(body, "random_seed", (int, type(None)), None, lambda v: v is None or v >= 0, "an integer >= 0")
+    seed = _field(body, "random_seed", (int, type(None)), None, lambda v: v is None or 0 <= v <= MAX_SEED,
+                  "an integer in [0, 2**64 - 1]")
     for index, prompt in enumerate(prompts):
+        _check_unicode(prompt, index)
         length = len(tokenizer.tokenize(prompt)) if prompt else 1
         if length + tokens > seq_length:
-            raise RequestError(f"prompt {index} has {length} tokens: with tokens_to_generate {tokens} that is longer "
-                               f"than the model's {seq_length} positions")
+            raise RequestError(f"prompt {index} has {_count(length, 'token')}: with tokens_to_generate {tokens} "
+                               f"that is longer than the model's {seq_length} positions")
     params = SamplingParams(greedy=top_k == 1, temperature=temperature, top_k=top_k, top_p=top_p)
     return GenerationRequest(prompts, tokens, params, logprobs, seed)
 
@@ -144,7 +177,7 @@ def build_app(model, pending: queue.Queue):
     @app.route("/api", methods=["PUT"])
     def api():
         try:
-            parsed = parse_request(request.get_json(force=True, silent=True), model.tokenizer, model.seq_length)
+            parsed = parse_request(parse_body(request.get_data()), model.tokenizer, model.seq_length)
         except RequestError as error:
             return str(error), 400
         job = PendingRequest(parsed)
@@ -178,6 +211,9 @@ def serve(model, flags) -> None:
             job.reply(200, answer(model, job.request, generator))
         except GenerationInputError as error:
             job.reply(400, str(error))
+        except Exception as error:  # a bug must not end the server: every rank meets it, logs it, goes on
+            traceback.print_exc()
+            job.reply(500, f"generation failed: {type(error).__name__}: {error}")
     broadcast_object_from_rank_0(STOP)
     server.shutdown()
     while not pending.empty():
@@ -196,6 +232,8 @@ def follow(model, flags) -> None:
             answer(model, request, generator)
         except GenerationInputError:
             pass  # rank 0 meets the same error and answers it
+        except Exception:
+            traceback.print_exc()
 
 
 def main(argv=None) -> int:

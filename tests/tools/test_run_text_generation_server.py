@@ -4,13 +4,18 @@ checkpoint re-cut) and tools/text_generation_cli.py, over HTTP on the loopback a
 One server start checks: 6 concurrent greedy requests (threads) each get the continuation computed
 here from the merged model step by step, with log-probabilities equal to the model's; bad requests
 and a prompt past the model's 32 positions get 400 with the reason while the server keeps serving;
-seeded sampling repeats; the CLI client prints an answer; SIGTERM to both ranks stops them with status 0.
+so do bodies meant to break it (JSON nested 100,000 deep, a lone surrogate, a seed past 64 bits),
+and the extremes validation accepts (temperature 1e-300: the greedy text; the largest seed) are
+served; seeded sampling repeats; the CLI client prints an answer; SIGTERM to both ranks stops them
+with status 0.
 """
 import json
 import os
 import re
 import signal
 import sys
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -50,6 +55,32 @@ def greedy_text(model, tokenizer, prompt: str) -> tuple[str, list[float]]:
     return tokenizer.detokenize(text_tokens), logprobs.tolist()
 
 
+def put_bytes(url: str, data: bytes) -> tuple[int, str]:
+    """(status, response text) of a PUT of the raw body ``data``."""
+    request = urllib.request.Request(url, data=data, method="PUT", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def check_hostile_requests(url: str, greedy_rome: str) -> None:
+    """Bodies meant to break the server get 400 and the reason; the extremes it accepts are served."""
+    hostile = {"the body nests too deeply to parse": b"[" * 100_000 + b"]" * 100_000,
+               "the body is not JSON": b'{"prompts": ["a"',
+               "prompt 0 is not valid Unicode text": b'{"prompts": ["\\ud800"]}',
+               "random_seed must be an integer in [0, 2**64 - 1]": b'{"prompts": ["a"], "random_seed": %d}' % 2**70,
+               "prompt 0 has 1 token: with tokens_to_generate 32": b'{"prompts": ["A"], "tokens_to_generate": 32}'}
+    for reason, data in hostile.items():
+        status, text = put_bytes(url, data)
+        assert status == 400 and reason in text, (reason, status, text[:300])
+    status, text = put(url, {"prompts": ["Rome"], "tokens_to_generate": NEW_TOKENS, "temperature": 1e-300})
+    assert status == 200 and json.loads(text)["text"] == [greedy_rome], text
+    status, text = put(url, {"prompts": ["Rome"], "tokens_to_generate": 2, "random_seed": 2**64 - 1})
+    assert status == 200, text
+
+
 def test_server_answers_refuses_and_stops(trained):
     data, save = trained
     flags = [SERVER, "--load", save, *model_flags(data), "--tensor-model-parallel-size", "1",
@@ -87,6 +118,7 @@ def test_server_answers_refuses_and_stops(trained):
             status, text = put(url, body)
             assert status == 400 and reason in text, (reason, status, text)
 
+        check_hostile_requests(url, greedy_text(model, tokenizer, "Rome")[0])
         sampled = {"prompts": ["The", "In"], "tokens_to_generate": 5, "top_p": 0.9, "random_seed": 7}
         first, again = put(url, sampled), put(url, sampled)
         assert first[0] == 200 and first == again
