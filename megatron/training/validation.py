@@ -10,6 +10,8 @@ config.build_config builds those configs, once, with the tokenizer's vocabulary.
 """
 import argparse
 import importlib.util
+import os
+import tempfile
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -20,7 +22,7 @@ from megatron.core.tokenizer import REJECTED_TOKENIZER_TYPES
 from megatron.training.argument_ds_config import resolve_ds_config
 from megatron.training.argument_types import ArgumentError
 from megatron.training.bnb_optimizer import INSTALL_HINT
-from megatron.training.curriculum import CurriculumConfigError, curriculum_config
+from megatron.training.curriculum import CurriculumConfig, CurriculumConfigError, curriculum_config
 from megatron.training.launch_env import LaunchEnv, effective_backend
 from megatron.training.microbatches import BatchSizeError, check_batch_sizes
 from megatron.training.lr_schedule import AnnealingLR
@@ -37,6 +39,8 @@ NON_NEGATIVE_NUMBERS = ("eval_iters", "num_workers", "valid_num_workers", "lr_wa
                         "weight_decay", "clip_grad", "sgd_momentum")
 POSITIVE_FLOATS = ("adam_eps", "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window")
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "micro_batch_size")
+# The flags naming a directory the run writes into (created when missing).
+OUTPUT_DIRECTORIES = ("save", "tensorboard_dir", "log_path", "data_cache_path", "codecarbon_dir")
 
 
 @dataclass(frozen=True)
@@ -231,9 +235,9 @@ def _check_lr_schedule(args, global_batch_size: int):
         raise ArgumentError(str(exc)) from None
 
 
-def _check_curriculum(args, derived: DerivedValues):
+def _check_curriculum(args, derived: DerivedValues) -> CurriculumConfig | None:
     """The ds_config's curriculum_learning block (curriculum.py), and the token-based LR decay it needs:
-    a decay in samples would run on while the early, short batches hold few tokens."""
+    a decay in samples would run on while the early, short batches hold few tokens. Returns the block."""
     where = args.deepspeed_config or args.deepscale_config
     try:
         curriculum = curriculum_config(derived.ds_config, where, derived.seq_length)
@@ -243,6 +247,55 @@ def _check_curriculum(args, derived: DerivedValues):
         raise ArgumentError(f"curriculum_learning in {where} needs a token-based learning-rate decay: give "
                             f"--lr-decay-tokens (Megatron-DeepSpeed's recipe: the decay samples x --seq-length "
                             f"{derived.seq_length}), or --lr-decay-style constant")
+    return curriculum
+
+
+def _check_run_length(args, derived: DerivedValues, curriculum: CurriculumConfig | None):
+    """A run must do what its flags ask: --eval-only and --finetune read --load, and the training
+    length holds at least the first global batch (its samples, and its tokens: the rampup's first
+    batch size times the curriculum's first sequence length)."""
+    for dest, instead in (("eval_only", "the model's random initial weights would be evaluated"),
+                          ("finetune", "the model would train from scratch")):
+        if getattr(args, dest) and not args.load:
+            raise ArgumentError(f"{flag(dest)} starts from the checkpoint in --load, and no --load is given "
+                                f"({instead}): give --load DIR")
+    if args.eval_only:
+        return
+    batch = args.rampup_batch_size[0] if args.rampup_batch_size else derived.global_batch_size
+    if args.train_samples is not None and args.train_samples < batch:
+        raise ArgumentError(f"--train-samples {args.train_samples} is less than one global batch ({batch} "
+                            f"samples): nothing would be trained; give at least {batch}")
+    seq_length = curriculum.min_difficulty if curriculum is not None else derived.seq_length
+    if args.train_tokens is not None and args.train_tokens < batch * seq_length:
+        raise ArgumentError(f"--train-tokens {args.train_tokens} is less than one global batch ({batch} samples "
+                            f"x {seq_length} tokens = {batch * seq_length}): training would stop after the "
+                            f"first iteration; give at least {batch * seq_length}")
+
+
+def unwritable_reason(path: str) -> str | None:
+    """Why the run could not create or write the directory ``path``, or None when it can. Leaves nothing
+    on disk: the probe is an unnamed temporary file in the deepest directory that exists."""
+    existing = os.path.abspath(path)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is a file, not a directory"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        return f"cannot write in {existing}: {exc.strerror}"
+    return None
+
+
+def _check_output_directories(args):
+    """Each output directory can be created and written now, rather than failing at the first save or
+    after the process group started."""
+    for dest in OUTPUT_DIRECTORIES:
+        path = getattr(args, dest)
+        reason = path and unwritable_reason(path)
+        if reason:
+            raise ArgumentError(f"{flag(dest)} {path}: {reason}; choose a directory this job can write")
 
 
 def _check_bnb_optimizer(args, derived: DerivedValues):
@@ -353,9 +406,10 @@ def validate_args(args: argparse.Namespace, explicit: set[str], launch: LaunchEn
                             seq_length=seq_length, ds_config=ds_config, notices=tuple(notices + ds_notices))
     _check_batch(args, explicit, derived)
     _check_lr_schedule(args, derived.global_batch_size)
-    _check_curriculum(args, derived)
+    _check_run_length(args, derived, _check_curriculum(args, derived))
     _check_bnb_optimizer(args, derived)
     _check_profile(args, explicit, launch.world_size)
     _check_data(args)
     _check_tokenizer_and_tools(args)
+    _check_output_directories(args)
     return derived

@@ -65,7 +65,7 @@ def test_float_and_rampup_notations():
 @pytest.mark.parametrize("words, value", [(["true"], True), (["True"], True), (["1"], True), ([], True),
                                           (["false"], False), (["0"], False), (["no"], False)])
 def test_eval_only_reads_booleans(words, value):
-    assert parse(["--eval-only", *words]).flags.eval_only is value
+    assert parse(["--eval-only", *words, "--load", "/ckpt"]).flags.eval_only is value
 
 
 def test_type_bool_flags_refuse_other_words():

@@ -123,7 +123,7 @@ def test_learning_rate_lengths_are_resolved_to_samples(extra, drop, warmup, deca
 def test_schedule_keeps_the_stop_conditions_and_tokens():
     schedule = config_of(["--train-tokens", "10e6", "--lr-warmup-tokens", "1_000", "--lr-decay-tokens", "9e6",
                           "--lr-decay-style", "inverse-square-root", "--exit-interval", "50", "--eval-only",
-                          "--kill-switch-path", "/tmp/stop"]).schedule
+                          "--load", "/ckpt", "--kill-switch-path", "/tmp/stop"]).schedule
     assert (schedule.train_samples, schedule.train_iters, schedule.train_tokens) == (1000, None, 10_000_000)
     assert (schedule.lr_warmup_tokens, schedule.lr_decay_tokens, schedule.lr_decay_style) == \
         (1000, 9_000_000, "inverse-square-root")
@@ -202,13 +202,14 @@ def test_config_is_frozen_and_the_ds_config_is_handed_as_a_copy():
 
 
 def test_logging_and_checkpoint_flags(tmp_path):
+    save, load, logs = (str(tmp_path / name) for name in ("ckpt", "init", "logs"))
     config = config_of(["--codecarbon-dir", str(tmp_path / "cc"), "--no-log-learnig-rate-to-tensorboard",
-                        "--log-params-norm", "--save", "/ckpt", "--save-interval", "10", "--no-load-rng",
-                        "--finetune", "--log-path", "/logs"])
+                        "--log-params-norm", "--save", save, "--save-interval", "10", "--no-load-rng",
+                        "--finetune", "--load", load, "--log-path", logs])
     assert config.logging.codecarbon_dir == str(tmp_path / "cc") and config.logging.log_params_norm
     assert not config.logging.log_learning_rate_to_tensorboard and config.logging.log_loss_scale_to_tensorboard
-    assert config.logging.log_path == "/logs"
-    assert dataclasses.astuple(config.checkpoint) == ("/ckpt", None, 10, False, True, False, True, False, False, (), None, (),
+    assert config.logging.log_path == logs
+    assert dataclasses.astuple(config.checkpoint) == (save, load, 10, False, True, False, True, False, False, (), None, (),
                                                       False)
 
 
@@ -234,8 +235,8 @@ def test_a_bad_skip_range_is_named(value):
         config_of(["--skip-train-iteration-range", "1-2", value])
 
 
-def test_save_interval_ranges_choose_the_interval_in_force():
-    checkpoint = config_of(["--save", "/ckpt", "--save-interval", "1500", "--save-interval-ranges", "101-1000:50",
+def test_save_interval_ranges_choose_the_interval_in_force(tmp_path):
+    checkpoint = config_of(["--save", str(tmp_path), "--save-interval", "1500", "--save-interval-ranges", "101-1000:50",
                             "1-100:10"]).checkpoint
     assert checkpoint.save_interval_ranges == ((1, 100, 10), (101, 1000, 50))
     due = [iteration for iteration in range(1, 4501) if checkpoint.save_due(iteration)]
@@ -247,9 +248,9 @@ def test_save_interval_ranges_choose_the_interval_in_force():
     (["1-100"], "is not START-END:INTERVAL"), (["1-100:0"], "is not START-END:INTERVAL"),
     (["1-100:10", "50-200:20"], "overlap at iteration 50"), (["100-1:10"], "1 <= START <= END"),
 ])
-def test_bad_save_interval_ranges_are_named(values, message):
+def test_bad_save_interval_ranges_are_named(values, message, tmp_path):
     with pytest.raises(ArgumentError, match=message):
-        config_of(["--save", "/ckpt", "--save-interval", "10", "--save-interval-ranges", *values])
+        config_of(["--save", str(tmp_path), "--save-interval", "10", "--save-interval-ranges", *values])
 
 
 def test_retention_flags_need_save():
