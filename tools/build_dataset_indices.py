@@ -20,10 +20,14 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.core.data.builders import TrainValidTestDatasets, build_train_valid_test_datasets  # noqa: E402
+from megatron.core.data.gpt_dataset import DatasetConfigError, IndexCacheError  # noqa: E402
+from megatron.core.data.indexed_dataset import IndexedDatasetError  # noqa: E402
 from megatron.training.config import dataset_config_from_args  # noqa: E402
 from megatron.training.data_loading import train_valid_test_num_samples  # noqa: E402
 
 GROUP_FLAGS = ("train", "valid", "test")
+# Bad data or an unwritable index cache: one line naming the file, no traceback.
+DATA_ERRORS = (DatasetConfigError, IndexCacheError, IndexedDatasetError)
 
 
 def run_data_parser(description: str) -> argparse.ArgumentParser:
@@ -85,7 +89,10 @@ def run_datasets(args) -> tuple[TrainValidTestDatasets, tuple[int, int, int]]:
         sys.exit("error: no data: give --data-path or --train-weighted-split-paths[-path]")
     num_samples = train_valid_test_num_samples(train_iterations(args), args.global_batch_size, args.train_samples,
                                                args.eval_interval, args.eval_iters)
-    return build_train_valid_test_datasets(config, num_samples), num_samples
+    try:
+        return build_train_valid_test_datasets(config, num_samples), num_samples
+    except DATA_ERRORS as exc:
+        sys.exit(f"error: {exc}")
 
 
 def describe(kind, name, dataset, seq_length):

@@ -23,6 +23,7 @@ from megatron.core.data.indexed_dataset import (  # noqa: E402
     data_file_path,
     index_file_path,
     make_dataset,
+    make_output_directory,
 )
 
 
@@ -58,7 +59,7 @@ def output_is_an_input(prefixes, output_prefix):
 def merge_datasets(prefixes, output_prefix):
     """Write the concatenation of ``prefixes`` to ``output_prefix``; returns the merged dataset."""
     dtype = check_datasets(prefixes, output_prefix)
-    os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
+    make_output_directory(os.path.dirname(os.path.abspath(output_prefix)), f"--output-prefix {output_prefix}")
     with IndexedDatasetBuilder(data_file_path(output_prefix), dtype) as builder:
         for prefix in prefixes:
             builder.merge_file_(prefix)

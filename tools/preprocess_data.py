@@ -28,6 +28,7 @@ from megatron.core.data.indexed_dataset import (  # noqa: E402
     IndexedDatasetError,
     data_file_path,
     index_file_path,
+    make_output_directory,
 )
 from megatron.core.data.preprocessing import (  # noqa: E402
     BadLineReport,
@@ -129,8 +130,8 @@ def prepare(args):
     print(f"Vocabulary: {vocab_size} tokens, padded to {padded} for the model "
           f"({padded - vocab_size} dummy tokens); tokens stored as {encoder.dtype}.", file=sys.stderr)
     prefixes = [output_prefix_for(args.output_prefix, key, args.split_sentences) for key in config.json_keys]
-    output_dir = os.path.dirname(os.path.abspath(args.output_prefix))
-    os.makedirs(output_dir, exist_ok=True)
+    make_output_directory(os.path.dirname(os.path.abspath(args.output_prefix)),
+                          f"--output-prefix {args.output_prefix}")
     return encoder, paths, prefixes
 
 

@@ -31,6 +31,7 @@ from preprocess_data import (  # noqa: E402
 
 from megatron.core.data.indexed_dataset import (  # noqa: E402
     IndexedDatasetBuilder,
+    IndexedDatasetError,
     data_file_path,
     index_file_path,
 )
@@ -84,15 +85,24 @@ def append_parts(builders, keys, parts_dir, chunk_index):
         os.remove(index_file_path(prefix))
 
 
+def make_parts_directory(output_prefix):
+    """A new directory for the partial datasets, next to the output; IndexedDatasetError naming the
+    output and the cause when it cannot be made (read-only, full)."""
+    output_dir = os.path.dirname(os.path.abspath(output_prefix))
+    try:
+        return tempfile.mkdtemp(prefix=f".{os.path.basename(output_prefix)}.parts.", suffix=".tmp", dir=output_dir)
+    except OSError as error:
+        raise IndexedDatasetError(f"--output-prefix {output_prefix}: cannot make a scratch directory in "
+                                  f"{output_dir}: {error.strerror or error}") from error
+
+
 def preprocess_many_cores(args):
     """Run the tool; returns (progress, report)."""
     encoder, paths, prefixes = prepare(args)
     keys = encoder.config.json_keys
     report = BadLineReport()
     progress = ProgressReporter(args.log_interval)
-    output_dir = os.path.dirname(os.path.abspath(args.output_prefix))
-    parts_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(args.output_prefix)}.parts.", suffix=".tmp",
-                                 dir=output_dir)
+    parts_dir = make_parts_directory(args.output_prefix)
     try:
         with output_builders(prefixes, encoder.dtype, paths, keys, progress, report) as builders:
             set_process_encoder(encoder)

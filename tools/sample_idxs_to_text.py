@@ -99,13 +99,22 @@ def describe_samples(dataset, tokenizer, start: int, end: int, args) -> str:
 
 
 def write(text: str, path: str | None) -> None:
+    """``text`` to stdout, or to ``path`` through a temporary file renamed when complete; an OSError
+    (no such directory, read-only, full) exits with one line naming ``path``, leaving nothing there."""
     if path is None:
         sys.stdout.write(text)
         return
-    directory = os.path.dirname(os.path.abspath(path))
-    with tempfile.NamedTemporaryFile("w", dir=directory, prefix=".samples_", delete=False) as f:
-        f.write(text)
-    os.replace(f.name, path)
+    temporary = None
+    try:
+        with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(os.path.abspath(path)), prefix=".samples_",
+                                         delete=False) as f:
+            temporary = f.name
+            f.write(text)
+        os.replace(temporary, path)
+    except OSError as error:
+        if temporary is not None and os.path.exists(temporary):
+            os.remove(temporary)
+        sys.exit(f"error: --output-file {path}: cannot write it: {error.strerror or error}")
 
 
 def main(argv=None):

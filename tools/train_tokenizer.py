@@ -109,7 +109,18 @@ def gpt2_layout_vocab(merges):
 
 
 def write_tokenizer_files(output_dir, vocab, merges):
-    """Write vocab.json and merges.txt under temporary names, then rename both into place."""
+    """Write vocab.json and merges.txt under temporary names, then rename both into place. An OSError
+    (read-only, full, a file in the way) raises TrainTokenizerError naming the path and the cause;
+    the temporary files are removed."""
+    try:
+        return _write_tokenizer_files(output_dir, vocab, merges)
+    except OSError as error:
+        where = error.filename if error.filename is not None else output_dir
+        raise TrainTokenizerError(f"--output-dir {output_dir}: cannot write {where}: "
+                                  f"{error.strerror or error}") from None
+
+
+def _write_tokenizer_files(output_dir, vocab, merges):
     os.makedirs(output_dir, exist_ok=True)
     merge_lines = [MERGES_VERSION_LINE] + [f"{left} {right}" for left, right in merges]
     contents = {
@@ -125,8 +136,10 @@ def write_tokenizer_files(output_dir, vocab, merges):
             os.replace(temporary, path)
     finally:
         for temporary in temporaries.values():
-            if os.path.exists(temporary):
+            try:
                 os.remove(temporary)
+            except FileNotFoundError:
+                pass
     return tuple(contents)
 
 

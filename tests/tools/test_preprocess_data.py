@@ -16,9 +16,11 @@ import pytest
 from megatron.core.data.indexed_dataset import IndexedDatasetError, MMapIndexedDataset, make_dataset
 from megatron.core.tokenizer import build_tokenizer
 from tests.conftest import REPO_ROOT
+from tests.disk_faults import full_disk, read_only
 from tests.core.data.test_preprocessing import punkt_data_dir, use_punkt  # noqa: F401
 from tests.training.e2e_utils import run_command
 from tools.preprocess_data import preprocess, run_tool
+from tools.preprocess_data_many_cores import preprocess_many_cores
 
 TOOL = os.path.join(REPO_ROOT, "tools", "preprocess_data.py")
 
@@ -411,3 +413,58 @@ def test_no_usable_line_message_describes_the_input(tmp_path, gpt2_tokenizer_fil
     assert status == 1, err
     assert f"error: {corpus}: " in err and message in err, err
     assert os.listdir(tmp_path) == ["corpus.jsonl"]
+
+
+def test_an_input_directory_is_named_as_a_directory(tmp_path, gpt2_tokenizer_files, capsys):
+    (tmp_path / "corpus").mkdir()
+    argv = ["--input", str(tmp_path / "corpus"), "--output-prefix", str(tmp_path / "out")]
+    status, err = run_in_process(preprocess, argv + tokenizer_flags(gpt2_tokenizer_files), capsys)
+    assert status == 1
+    assert err.strip() == (f"error: --input {tmp_path / 'corpus'}: is a directory; give the jsonl files in it, "
+                           f"or a glob such as {tmp_path / 'corpus' / '*.jsonl'}")
+    assert os.listdir(tmp_path) == ["corpus"]
+
+
+# (where the output goes, the fault injected there, what the one line says)
+OUTPUT_FAULTS = {
+    "read-only": ("out/x", lambda monkeypatch, out: read_only(monkeypatch, out), "{out}"),
+    "full": ("out/x", lambda monkeypatch, out: full_disk(monkeypatch, out, capacity=64 * 1024),
+             "cannot write {out}/x_text_document.bin"),
+    "a file in the way": ("a_file/x", None, "--output-prefix {tmp}/a_file/x: cannot create the directory "
+                                            "{tmp}/a_file: a file of that name exists"),
+    "under a file": ("a_file/new/x", None, "--output-prefix {tmp}/a_file/new/x: cannot create the directory "
+                                           "{tmp}/a_file/new: Not a directory"),
+}
+CAUSES = {"read-only": "Read-only file system", "full": "No space left on device"}
+
+
+@pytest.mark.parametrize("fault", sorted(OUTPUT_FAULTS))
+@pytest.mark.parametrize("tool, workers", [(preprocess, "1"), (preprocess_many_cores, "2")],
+                         ids=["serial", "many_cores"])
+def test_an_unwritable_output_is_one_line_and_leaves_nothing(tmp_path, sample_corpus, gpt2_tokenizer_files, capsys,
+                                                             monkeypatch, fault, tool, workers):
+    """A read-only or full output directory, or a file where it should be: exit 1 with one line naming
+    the path and the cause; no temporary file is left and the dataset an earlier run wrote there stays
+    byte for byte."""
+    where, inject, message = OUTPUT_FAULTS[fault]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in corpus_texts(sample_corpus)[:150]))
+    (tmp_path / "a_file").write_text("not a directory")
+    out = tmp_path / "out"
+    argv = ["--input", str(corpus), "--output-prefix", str(tmp_path / where), "--workers", workers,
+            "--chunk-size", "16"] + tokenizer_flags(gpt2_tokenizer_files)
+    assert run_in_process(tool, argv[:3] + [str(out / "x")] + argv[4:], capsys)[0] == 0
+    earlier = read_bytes(str(out / "x_text_document"))
+    before = {name: sorted(os.listdir(name)) for name in (tmp_path, out)}
+    if inject is not None:
+        inject(monkeypatch, out)
+
+    status, err = run_in_process(tool, argv, capsys)
+
+    monkeypatch.undo()
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert status == 1 and len(errors) == 1 and errors[0] == err.strip().splitlines()[-1], err
+    assert "Traceback" not in err
+    assert message.format(out=out, tmp=tmp_path) in errors[0] and CAUSES.get(fault, "") in errors[0], errors[0]
+    assert {name: sorted(os.listdir(name)) for name in (tmp_path, out)} == before
+    assert read_bytes(str(out / "x_text_document")) == earlier

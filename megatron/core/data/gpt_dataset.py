@@ -217,8 +217,17 @@ def _write_cache(paths, build):
             f"cannot write the index cache in {directory} ({exc.strerror or exc}); give a "
             f"writable directory as data_cache_path (--data-cache-path)") from exc
     arrays = build()
-    for kind, path in paths.items():
-        _save_atomically(path, arrays[kind])
+    written = []
+    try:
+        for kind, path in paths.items():
+            _save_atomically(path, arrays[kind])
+            written.append(path)
+    except OSError as exc:
+        for path in written:  # a cache is whole or absent
+            os.remove(path)
+        raise IndexCacheError(f"cannot write the index cache {exc.filename or path} "
+                              f"({exc.strerror or exc}); free space there or give another directory "
+                              f"as data_cache_path (--data-cache-path)") from exc
 
 
 def load_or_build_cached_arrays(paths: dict[str, str], build: Callable[[], dict[str, np.ndarray]],

@@ -106,6 +106,20 @@ def _writing(path):
         raise IndexedDatasetError(write_error_message(path, error)) from error
 
 
+def make_output_directory(path, flag):
+    """Create the directory ``path`` of an output (and its parents) if missing; IndexedDatasetError
+    naming ``flag``, the directory and the cause when it cannot be (a file in the way, read-only)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except FileExistsError:
+        raise IndexedDatasetError(f"{flag}: cannot create the directory {path}: a file of that name "
+                                  f"exists") from None
+    except OSError as error:
+        where = error.filename if error.filename is not None else path
+        raise IndexedDatasetError(f"{flag}: cannot create the directory {where}: "
+                                  f"{error.strerror or error}") from None
+
+
 def _process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

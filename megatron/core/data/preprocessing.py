@@ -137,7 +137,10 @@ def expand_input_paths(patterns):
         if not matched:
             raise PreprocessingError(f"--input {pattern}: the glob matches no file")
         for path in matched:
-            if not os.path.exists(path) or os.path.isdir(path):
+            if os.path.isdir(path):
+                raise PreprocessingError(f"--input {path}: is a directory; give the jsonl files in it, "
+                                         f"or a glob such as {os.path.join(path, '*.jsonl')}")
+            if not os.path.exists(path):
                 raise PreprocessingError(f"--input {path}: no such file")
             if path not in paths:
                 paths.append(path)
