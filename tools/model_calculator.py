@@ -85,11 +85,14 @@ class ModelShape:
         return 4 * self.hidden_size if self.ffn_hidden_size is None else self.ffn_hidden_size
 
     @property
+    def max_positions(self) -> int:
+        """--max-position-embeddings as the trainer resolves it (the sequence length when not given)."""
+        return self.seq_length if self.max_position_embeddings is None else self.max_position_embeddings
+
+    @property
     def position_rows(self) -> int:
         """Rows of the learned position table (0 for rotary and ALiBi, which have none)."""
-        if self.position_embedding_type not in ("absolute", "learned"):
-            return 0
-        return self.seq_length if self.max_position_embeddings is None else self.max_position_embeddings
+        return self.max_positions if self.position_embedding_type in ("absolute", "learned") else 0
 
 
 @dataclass(frozen=True)
@@ -485,7 +488,8 @@ def calculate(shape: ModelShape, layout: Layout, budget: TrainingBudget = Traini
     check_layout(shape, layout)
     check_budget(budget)
     counts = count_parameters(shape, layout.tensor_parallel, layout.pipeline_parallel)
-    return {"model": {**asdict(shape), "ffn_hidden_size": shape.ffn, "position_table_rows": shape.position_rows,
+    return {"model": {**asdict(shape), "max_position_embeddings": shape.max_positions, "ffn_hidden_size": shape.ffn,
+                      "position_table_rows": shape.position_rows,
                       "padded_vocab_size": padded_vocab_size(shape, layout.tensor_parallel)},
             "layout": {**asdict(layout), "data_parallel": layout.data_parallel, "global_batch_size": layout.batch,
                        "micro_batches_per_step": layout.micro_batches_per_step},
@@ -493,6 +497,10 @@ def calculate(shape: ModelShape, layout: Layout, budget: TrainingBudget = Traini
             "memory_per_gpu": {"activation_bytes_per_layer": layer_activation_bytes(shape, layout),
                                "stages": _memory_figures(shape, layout, counts)},
             "flops": _flops_figures(shape, layout, budget)}
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}es" if noun.endswith("h") else f"{number} {noun}s"
 
 
 def _giga(count: float) -> str:
@@ -518,16 +526,18 @@ def _format_header(figures: dict) -> list[str]:
     m, lay = figures["model"], figures["layout"]
     positions = {"absolute": "learned", "learned": "learned"}.get(m["position_embedding_type"],
                                                                   m["position_embedding_type"])
-    recompute = (f"full, {lay['checkpoint_num_layers']} layer(s) per chunk" if lay["checkpoint_activations"]
+    recompute = (f"full, {_count(lay['checkpoint_num_layers'], 'layer')} per chunk" if lay["checkpoint_activations"]
                  else "off")
-    return [f"model:  {m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_attention_heads']} heads, "
-            f"ffn {m['ffn_hidden_size']}, seq {m['seq_length']}, vocab {m['vocab_size']} -> padded "
-            f"{m['padded_vocab_size']}, {positions} positions"
+    return [f"model:  {_count(m['num_layers'], 'layer')}, hidden {m['hidden_size']}, "
+            f"{_count(m['num_attention_heads'], 'head')}, ffn {m['ffn_hidden_size']}, seq {m['seq_length']}, vocab "
+            f"{m['vocab_size']} -> padded {m['padded_vocab_size']}, {positions} positions (max "
+            f"{m['max_position_embeddings']})"
             f"{', untied output' if m['untie_embeddings_and_output_weights'] else ''}"
             f"{', embedding LayerNorm' if m['embed_layernorm'] else ''}",
-            f"layout: {lay['num_gpus']} GPUs = TP {lay['tensor_parallel']} x PP {lay['pipeline_parallel']} x DP "
-            f"{lay['data_parallel']}; micro batch {lay['micro_batch_size']}, global batch {lay['global_batch_size']} "
-            f"({lay['micro_batches_per_step']} micro-batches per step); {lay['precision']}, ZeRO "
+            f"layout: {_count(lay['num_gpus'], 'GPU')} = TP {lay['tensor_parallel']} x PP {lay['pipeline_parallel']} "
+            f"x DP {lay['data_parallel']}; micro batch {lay['micro_batch_size']}, global batch "
+            f"{lay['global_batch_size']} ({_count(lay['micro_batches_per_step'], 'micro-batch')} per step); "
+            f"{lay['precision']}, ZeRO "
             f"{lay['zero_stage']}, recomputation {recompute}",
             _options(lay)]
 
@@ -545,7 +555,7 @@ def _format_parameters(figures: dict) -> list[str]:
              f"  total                 {_giga(p['total']):>14}  ({p['total']:,})",
              f"  without embeddings    {_giga(p['without_embeddings']):>14}  (less the {_table_names(p)})"]
     for stage, (layers, count) in enumerate(zip(p["layers_per_stage"], p["per_gpu"])):
-        lines.append(f"  per GPU, stage {stage:<3}    {_giga(count):>14}  ({layers} layers)")
+        lines.append(f"  per GPU, stage {stage:<3}    {_giga(count):>14}  ({_count(layers, 'layer')})")
     return lines
 
 

@@ -285,3 +285,19 @@ def test_cli_prints_json_without_importing_torch_or_deepspeed():
     imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in result.stderr.splitlines()
                 if line.startswith("import time:")}
     assert "megatron" in imported and not imported & {"torch", "deepspeed", "numpy"}
+
+
+def test_the_report_resolves_defaults_and_counts_in_words(capsys):
+    """--max-position-embeddings left out is the sequence length, in the JSON and the header; one of a
+    thing is singular."""
+    figures = main(["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "1", "--seq-length", "32",
+                    "--checkpoint-activations", "--json"])
+    assert figures["model"]["max_position_embeddings"] == 32 == figures["model"]["position_table_rows"]
+    assert "null" not in json.dumps(figures["model"]).replace('"pad_vocab_size_to": null', "")
+    capsys.readouterr()
+    main(["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "1", "--seq-length", "32",
+          "--max-position-embeddings", "48", "--position-embedding-type", "rotary", "--checkpoint-activations"])
+    header = capsys.readouterr().out.splitlines()[:2]
+    assert header[0].startswith("model:  1 layer, hidden 64, 1 head, ") and "rotary positions (max 48)" in header[0]
+    assert header[1].startswith("layout: 1 GPU = TP 1 x PP 1 x DP 1; micro batch 1, global batch 1 (1 micro-batch "
+                                "per step)") and "recomputation full, 1 layer per chunk" in header[1]
