@@ -4,6 +4,7 @@ import os
 
 import pytest
 
+from tests.disk_faults import full_disk
 from tools.build_dataset_indices import main
 
 RUN_FLAGS = ["--seq-length", "64", "--seed", "1234", "--global-batch-size", "4",
@@ -65,3 +66,30 @@ def test_bad_data_flags_exit_with_a_message(extra, message):
     with pytest.raises(SystemExit) as exit_info:
         main([*RUN_FLAGS, "--train-iters", "3", *extra])
     assert str(exit_info.value.code).startswith("error: ") and message in str(exit_info.value.code)
+
+
+def test_a_full_cache_directory_is_one_line_and_leaves_no_cache(e2e_data, tmp_path, monkeypatch):
+    """The doc index fits, the sample index does not: neither is left, so no run reads half a cache.
+    (np.save writes a 128-byte header through the file object, the array through its descriptor, which
+    full_disk does not see: 200 bytes let the first header pass, not the second.)"""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    full_disk(monkeypatch, cache, capacity=200)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--data-path", e2e_data.data_prefix, "--data-cache-path", str(cache), "--train-iters", "30",
+              *RUN_FLAGS])
+    monkeypatch.undo()
+    message = str(exit_info.value.code)
+    assert message.startswith(f"error: cannot write the index cache {cache}/") and "No space left on device" in message
+    assert "\n" not in message and os.listdir(cache) == []
+
+
+def test_a_damaged_dataset_is_one_line(e2e_data, tmp_path):
+    prefix = tmp_path / "cut_text_document"
+    for extension in ("idx", "bin"):
+        (tmp_path / f"cut_text_document.{extension}").write_bytes(
+            open(f"{e2e_data.data_prefix}.{extension}", "rb").read()[:-10 if extension == "bin" else None])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--data-path", str(prefix), "--data-cache-path", str(tmp_path / "cache"), "--train-iters", "3",
+              *RUN_FLAGS])
+    assert str(exit_info.value.code).startswith(f"error: {prefix}.bin: data file has ")

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from megatron.core.data.indexed_dataset import (
     IndexedDatasetBuilder,
@@ -13,6 +14,7 @@ from megatron.core.data.indexed_dataset import (
     index_file_path,
 )
 from tests.conftest import REPO_ROOT
+from tests.disk_faults import full_disk, read_only
 from tests.tools.test_preprocess_data import corpus_texts, read_bytes, run_in_process, tokenizer_flags
 from tools.merge_preprocessed_data import main as merge_main
 from tools.preprocess_data import preprocess
@@ -97,3 +99,28 @@ def test_bad_inputs_are_rejected_with_a_message(tmp_path, capsys):
     assert merge_main(["--datasets", good, "--output-prefix", str(tmp_path / "o")]) == 1
     assert "good.bin: data file has 3 bytes" in capsys.readouterr().err
     assert not [name for name in os.listdir(tmp_path) if name.startswith(("o", ".o"))]
+
+
+@pytest.mark.parametrize("fault", ["read-only", "full"])
+def test_an_unwritable_output_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys, fault):
+    """A merged dataset written earlier at the output prefix stays byte for byte; no temporary file is left."""
+    rng = np.random.default_rng(0)
+    inputs = [_build(str(tmp_path / f"in{i}"), [rng.integers(0, 1000, 3000) for _ in range(4)], np.uint16)
+              for i in range(2)]
+    out = tmp_path / "out"
+    argv = ["--datasets", *inputs, "--output-prefix", str(out / "merged")]
+    assert merge_main(argv) == 0
+    earlier = read_bytes(str(out / "merged"))
+    before = sorted(os.listdir(out))
+    capsys.readouterr()
+    if fault == "read-only":
+        read_only(monkeypatch, out)
+    else:
+        full_disk(monkeypatch, out, capacity=8000)
+    status = merge_main(argv)
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    cause = "Read-only file system" if fault == "read-only" else "No space left on device"
+    assert status == 1 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"error: cannot write {out / 'merged'}.bin") and err.strip().endswith(cause), err
+    assert sorted(os.listdir(out)) == before and read_bytes(str(out / "merged")) == earlier

@@ -1,5 +1,6 @@
 """tools/sample_idxs_to_text.py: the text of the samples iterations consumed, checked against the training
 dataset built independently (reference_loop.training_dataset, the samples the trainer reads in order)."""
+import os
 import subprocess
 import sys
 
@@ -7,6 +8,7 @@ import pytest
 
 from megatron.core.tokenizer import build_tokenizer
 from tests.conftest import REPO_ROOT
+from tests.disk_faults import read_only
 from tests.training.reference_loop import training_dataset
 from tools.sample_idxs_to_text import main
 
@@ -64,3 +66,18 @@ def test_bad_ranges_are_named(e2e_data, extra, message):
     result = subprocess.run([sys.executable, "tools/sample_idxs_to_text.py", *run_flags(e2e_data), *extra],
                             cwd=REPO_ROOT, capture_output=True, text=True)
     assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("fault", ["missing directory", "read-only"])
+def test_an_unwritable_output_file_is_one_line_and_leaves_nothing(e2e_data, tmp_path, monkeypatch, fault):
+    out = tmp_path / "out"
+    out.mkdir()
+    target = out / "missing" / "samples.txt" if fault == "missing directory" else out / "samples.txt"
+    if fault == "read-only":
+        read_only(monkeypatch, out)
+    with pytest.raises(SystemExit) as exit_info:
+        main(run_flags(e2e_data) + ["--sample-id-range", "0", "2", "--output-file", str(target)])
+    monkeypatch.undo()
+    cause = "No such file or directory" if fault == "missing directory" else "Read-only file system"
+    assert exit_info.value.code == f"error: --output-file {target}: cannot write it: {cause}"
+    assert os.listdir(out) == []

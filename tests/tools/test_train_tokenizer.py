@@ -11,6 +11,7 @@ import pytest
 from megatron.core.tokenizer import build_tokenizer
 from megatron.core.tokenizer.gpt2_bpe import EOD_TOKEN, bytes_to_unicode, read_merge_file
 from tests.conftest import REPO_ROOT
+from tests.disk_faults import full_disk, read_only
 from tools.train_tokenizer import TrainTokenizerError, gpt2_layout_vocab, main, train_tokenizer
 
 TOOL = os.path.join(REPO_ROOT, "tools", "train_tokenizer.py")
@@ -112,3 +113,28 @@ def test_errors(tmp_path, capsys):
     with pytest.raises(TrainTokenizerError, match="missing.jsonl: no such file"):
         train_tokenizer([str(tmp_path / "missing.jsonl")], str(tmp_path / "o"))
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("fault", ["read-only", "full", "a file in the way"])
+def test_an_unwritable_output_dir_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys, fault):
+    """The tokenizer files an earlier run wrote stay as they were; no temporary file is left."""
+    write_jsonl(tmp_path / "x.jsonl", [{"text": "alpha beta gamma delta " * 20}])
+    out = tmp_path / "out"
+    argv = ["--input", str(tmp_path / "x.jsonl"), "--vocab-size", "300", "--output-dir", str(out)]
+    assert main(argv) == 0
+    earlier = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    capsys.readouterr()
+    if fault == "read-only":
+        read_only(monkeypatch, out)
+    elif fault == "full":
+        full_disk(monkeypatch, out, capacity=1024)
+    else:
+        argv[-1] = str(tmp_path / "x.jsonl")
+    status = main(argv)
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    cause = {"read-only": "Read-only file system", "full": "No space left on device",
+             "a file in the way": "File exists"}[fault]
+    assert status == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"error: --output-dir {argv[-1]}: cannot write ") and err.strip().endswith(cause), err
+    assert {name: (out / name).read_bytes() for name in os.listdir(out)} == earlier
