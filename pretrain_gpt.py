@@ -10,8 +10,13 @@ every dataset once; check the checkpoint directories (a readable ``latest`` in -
 checkpoints in --save that a run from iteration 0 would replace); then megatron.training.pretrain
 runs the job. Everything before pretrain runs
 without a process group, so a bad flag, tokenizer or data path stops every rank at once; rank 0
-reports it, the others wait for the launcher to stop them (report_error_and_exit).
+reports it, the others wait for the launcher to stop them (report_error_and_exit). Later, an error of
+one rank ends that rank (its message or traceback is the job's error); the others find it gone at
+their next collective and stop with one line each, exit status 1.
 """
+import os
+import sys
+
 from megatron.training.initialize import select_accelerator
 
 select_accelerator()
@@ -25,6 +30,7 @@ from megatron.training.arguments import (ArgumentError, parse_args_or_exit, repo
 from megatron.training.checkpoint_checks import CheckpointError, check_checkpoint_directories  # noqa: E402
 from megatron.training.config import build_config  # noqa: E402
 from megatron.training.data_loading import DataLoadingError, check_dataset_files  # noqa: E402
+from megatron.training.dist_utils import peer_lost, rank  # noqa: E402
 from megatron.training.initialize import FusedKernelConstraintError  # noqa: E402
 from megatron.training.lr_schedule import LRScheduleError  # noqa: E402
 from megatron.training.training import TrainingDivergedError, pretrain  # noqa: E402
@@ -59,6 +65,18 @@ def main(argv=None):
         pretrain(config, tokenizer)
     except RUN_ERRORS as error:
         report_error_and_exit(error, 1, every_rank=True)
+    except RuntimeError as error:
+        if not peer_lost(error):
+            raise
+        stop_for_lost_peer()
+
+
+def stop_for_lost_peer():
+    """Another rank has gone mid-collective: one line instead of gloo's traceback (the gone rank's
+    own error, if it printed one, is the message that matters), exit status 1."""
+    print(f"{os.path.basename(sys.argv[0])}: rank {rank()} stops: another rank of the job has ended (its own "
+          f"message, if it printed one, says why)", file=sys.stderr, flush=True)
+    sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from megatron.core.models.gpt import get_ltor_masks_and_position_ids
 from megatron.core.tensor_parallel.layers import check_token_ids
 from megatron.training.argument_types import ArgumentError
 from megatron.training.config import DataConfig
-from megatron.training.signals import ignore_exit_signals
+from megatron.training.signals import end_worker_processes_at_exit, ignore_exit_signals
 
 DATALOADER_TYPES = ("single", "cyclic")
 
@@ -138,6 +138,8 @@ def build_data_loader(dataset, consumed_samples: int, settings: LoaderSettings) 
     # A private generator seeds the workers: drawing from the default one would shift the dropout
     # masks of a resumed run, whose loaders start at another point of the RNG stream.
     generator = torch.Generator().manual_seed(settings.seed)
+    if settings.num_workers > 0:
+        end_worker_processes_at_exit()
     return DataLoader(dataset, batch_sampler=sampler, num_workers=settings.num_workers, generator=generator,
                       pin_memory=torch.cuda.is_available(), persistent_workers=settings.num_workers > 0,
                       worker_init_fn=ignore_exit_signals if settings.num_workers > 0 else None)
@@ -150,7 +152,8 @@ class LoaderBatches:
 
     ``close()`` drops every loader this object made, which shuts its worker processes down. Nothing
     else may hold them: the workers ignore the exit signals (signals.py), so a worker left to garbage
-    collection can outlive the interpreter's exit, whose terminate() it ignores, and hang the exit.
+    collection would outlive the interpreter's exit, whose terminate() it ignores, and is killed
+    there (signals.end_worker_processes) without a clean shutdown.
     (A generator kept its closed frame's loader alive on one Python build; hence a plain object.)
     """
 

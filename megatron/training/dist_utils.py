@@ -144,6 +144,22 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+# How gloo reports a peer process that has gone (exited, killed, or stopped by its launcher) mid-collective.
+PEER_LOST_MESSAGES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def peer_lost(error: BaseException) -> bool:
+    """Whether ``error`` (or an error it was raised from) is a collective failing because another
+    rank's process has gone: that rank's own error explains the stop, this one adds nothing."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, RuntimeError) and any(text in str(error) for text in PEER_LOST_MESSAGES):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def params_l2_norm(named_parameters: Iterable[tuple[str, torch.Tensor]], tp_rank: int, data_parallel_size: int,
                    counts_here: Callable[[str], bool]) -> float:
     """L2 norm of all distinct parameters of the model (the log line's ``params norm``); collective.

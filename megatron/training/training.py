@@ -14,8 +14,9 @@ One iteration (Trainer.train):
   1. the batch calculator sets the global batch for the consumed samples (--rampup-batch-size);
      the engine follows (engine.set_train_batch_size: the pipeline's micro batches, or the plain
      engine's accumulation steps);
-  2. the kill switch and the exit signals are checked in one all-reduce (any rank seeing the file
-     or receiving SIGTERM / SIGINT / SIGUSR1 stops all ranks, after a checkpoint: signals.py);
+  2. the kill switch, the exit signals and the launcher are checked in one all-reduce (any rank
+     seeing the file, receiving SIGTERM / SIGINT / SIGUSR1 or finding its launcher ended stops all
+     ranks, after a checkpoint: signals.py);
   3. train_step: the pipeline engine's train_batch, or forward/backward/step per micro batch on the
      plain engine; DeepSpeed reduces gradients, clips, steps the optimizer and the LR schedule (not
      on an fp16 overflow, which counts as a skipped iteration);
@@ -62,7 +63,7 @@ from megatron.training.metrics import (BUILDING_DATASETS_LINE, TEST_END_PREFIX, 
                                        training_log_line, validation_log_lines, validation_prefix)
 from megatron.training.microbatches import build_num_microbatches_calculator, train_iters_for_samples
 from megatron.training.profiling import IterationProfiler
-from megatron.training.signals import ExitSignals, signal_name
+from megatron.training.signals import ExitSignals, launcher_gone_line, signal_name
 from megatron.training.tb_logger import IterationScalars, Progress, TensorBoardLogger, TensorBoardSettings
 from megatron.training.timers import Timers
 
@@ -120,18 +121,27 @@ def exit_label(iteration: int, elapsed_minutes: float | None, schedule) -> str |
 
 @dataclass(frozen=True)
 class StopRequest:
-    """Why the run must stop now, as every rank agreed: the kill switch, or a signal (its number, 0 for none)."""
+    """Why the run must stop now, as every rank agreed: the kill switch, a signal (its number, 0 for
+    none), or a rank's launcher that has ended."""
 
     kill_switch: bool
     signal_number: int
+    launcher_gone: bool = False
+
+    @property
+    def stops(self) -> bool:
+        return self.kill_switch or bool(self.signal_number) or self.launcher_gone
 
 
 def stop_request(kill_switch_path: str | None, signals: ExitSignals) -> StopRequest:
     """Collective, one all-reduce: whether any rank sees the --kill-switch-path file (whichever file
-    system sees it first) and the largest exit signal any rank received (signals.py)."""
+    system sees it first), the largest exit signal any rank received, and whether any rank's
+    launcher has ended (signals.py)."""
     seen = kill_switch_path is not None and os.path.exists(kill_switch_path)
-    kill_switch, number = dist_utils.max_each_across_ranks([float(seen), float(signals.first)])
-    return StopRequest(kill_switch > 0, int(number))
+    gone = signals.launcher is not None and signals.launcher.gone()
+    kill_switch, number, launcher_gone = dist_utils.max_each_across_ranks([float(seen), float(signals.first),
+                                                                           float(gone)])
+    return StopRequest(kill_switch > 0, int(number), launcher_gone > 0)
 
 
 def _loss_scale(engine) -> float | None:
@@ -187,10 +197,14 @@ class Trainer:
         dist_utils.print_rank_0(datetime_line("after model, optimizer, and learning rate scheduler are built"))
         self.named_sets = not config.data.dataset.data_path
         self.iterators = self._build_data()
-        dist_utils.print_rank_0(datetime_line("after dataloaders are built"))
-        self.tensorboard, self.emissions = self._build_reporting()
-        self.peak_tflops = measure_matmul_peak_tflops(self.device) if self.device.type == "cuda" else None
-        self.profiler = IterationProfiler(config.profile, dist_utils.rank(), self.device)
+        try:
+            dist_utils.print_rank_0(datetime_line("after dataloaders are built"))
+            self.tensorboard, self.emissions = self._build_reporting()
+            self.peak_tflops = measure_matmul_peak_tflops(self.device) if self.device.type == "cuda" else None
+            self.profiler = IterationProfiler(config.profile, dist_utils.rank(), self.device)
+        except BaseException:
+            self.iterators.close()  # the loaders' workers end now: nothing else will close them
+            raise
 
     # ------------------------------------------------------------------ set-up
 
@@ -403,7 +417,7 @@ class Trainer:
             self.calculator.update(self.progress.consumed_train_samples)
             self.engine.set_train_batch_size(self.calculator.get_current_global_batch_size())
             stop = stop_request(self.schedule.kill_switch_path, self.signals)
-            if stop.kill_switch or stop.signal_number:
+            if stop.stops:
                 self._save_before_exit()
                 return self._stop_line(stop)
             if self.curriculum is not None:
@@ -437,8 +451,13 @@ class Trainer:
     def _stop_line(self, stop: StopRequest) -> str:
         if stop.kill_switch:
             return kill_switch_line(self.schedule.kill_switch_path)
-        return signal_exit_line(signal_name(stop.signal_number), self.progress.iteration,
-                                self.config.checkpoint.save)
+        if stop.signal_number:
+            return signal_exit_line(signal_name(stop.signal_number), self.progress.iteration,
+                                    self.config.checkpoint.save)
+        watch = self.signals.launcher
+        seen_here = watch is not None and watch.gone()
+        description = watch.description() if seen_here else "the launcher of another rank has ended"
+        return launcher_gone_line(description, self.progress.iteration, self.config.checkpoint.save)
 
     def _exit_requested(self) -> str | None:
         elapsed = None

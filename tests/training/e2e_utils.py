@@ -373,3 +373,43 @@ def read_scalars(log_dir: str) -> dict:
     accumulator.Reload()
     return {tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
             for tag in accumulator.Tags()["scalars"]}
+
+
+# ---------------------------------------------------------------------------------------- processes
+
+
+def processes_with_argument(text: str) -> list[int]:
+    """Pids of the running processes (zombies left out) one of whose command-line arguments contains
+    ``text``: a test's unique temporary path finds every process of its job, wherever the launcher
+    put it (other sessions, re-parented to init)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                arguments = f.read().split(b"\0")
+            with open(f"/proc/{name}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and any(text.encode() in argument for argument in arguments):
+            found.append(int(name))
+    return found
+
+
+def wait_until_no_process_with(text: str, timeout: float) -> float:
+    """Seconds until no process has ``text`` in its command line (processes_with_argument); past
+    ``timeout`` every such process is killed and the test fails."""
+    start = time.monotonic()
+    while processes_with_argument(text):
+        if time.monotonic() - start > timeout:
+            left = processes_with_argument(text)
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            raise AssertionError(f"processes {left} still ran {timeout:.0f} s later (killed now)")
+        time.sleep(0.1)
+    return time.monotonic() - start
