@@ -10,7 +10,7 @@ from megatron.core.data import gpt_dataset
 from megatron.core.data.data_paths import DatasetGroup, GroupEntry, WeightedPrefix
 from megatron.core.data.gpt_dataset import (DatasetConfigError, GPTDataset, GPTDatasetConfig,
                                             IndexCacheError)
-from megatron.core.data.indexed_dataset import IndexedDatasetBuilder, make_dataset
+from megatron.core.data.indexed_dataset import IndexedDatasetBuilder, IndexedDatasetError, make_dataset
 from tests.dist_utils import run_distributed
 
 
@@ -217,6 +217,32 @@ def test_config_validation():
         GPTDatasetConfig(seq_length=8, seed=1, valid_groups=(group,))
     with pytest.raises(DatasetConfigError, match="seq_length"):
         GPTDatasetConfig(seq_length=0, seed=1, data_path=option1)
+
+
+def test_samples_are_checked_against_the_vocabulary_naming_the_item(tmp_path):
+    """Every sample holding an id outside [0, vocab_size) raises, naming the .bin and the item the id is in;
+    the other samples read as without the check."""
+    documents = [np.arange(20) % 7 for _ in range(10)]
+    documents[6] = documents[6].copy()
+    documents[6][12] = 7
+    prefix = write_dataset(str(tmp_path / "bad"), documents)
+    checked = make_gpt(prefix, 20, 8, 3, cache_dir=str(tmp_path), vocab_size=7)
+    unchecked = make_gpt(prefix, 20, 8, 3, cache_dir=str(tmp_path))
+    failed = []
+    for i in range(len(checked)):
+        expected = unchecked[i]["text"]
+        if expected.max() < 7:
+            assert np.array_equal(checked[i]["text"], expected)
+            continue
+        with pytest.raises(IndexedDatasetError) as error:
+            checked[i]
+        assert str(error.value) == (f"{prefix}.bin: sample {i} of the train data holds token ids in [0, 7], outside "
+                                    f"the tokenizer's vocabulary [0, 7) (item 6): the dataset is damaged or was "
+                                    f"tokenized with another tokenizer")
+        failed.append(i)
+    assert len(failed) in (1, 2)  # the id is in one sample, or in the token two samples share
+    with pytest.raises(DatasetConfigError, match="vocab_size must be a positive integer"):
+        GPTDatasetConfig(seq_length=8, seed=1, data_path=(WeightedPrefix(1.0, "a"),), vocab_size=0)
 
 
 def _two_ranks_build(rank, world_size, prefix, work_dir):

@@ -1,6 +1,7 @@
 """The mmap indexed dataset against its documented byte layout, and its error handling."""
 import os
 import pickle
+import re
 import struct
 
 import numpy as np
@@ -12,10 +13,14 @@ from megatron.core.data.indexed_dataset import (
     MMapIndexedDataset,
     _write_index,
     best_fitting_dtype,
+    check_dataset_prefix,
+    check_vocabulary,
     data_file_path,
     index_file_path,
     make_dataset,
+    make_output_directory,
 )
+from tests.disk_faults import full_disk, read_only
 
 # Three documents in uint16 (code 8): doc 0 = item [1, 2, 3]; doc 1 = items [4, 5] and [6];
 # doc 2 = item [7]. Written by hand from the .idx layout: magic, version, dtype code, item and
@@ -373,3 +378,99 @@ def test_a_killed_writers_temporary_files_are_removed_by_the_next_writer(tmp_pat
     assert not any(path.exists() for path in abandoned)
     assert live.exists() and other.exists()
     assert make_dataset(prefix, "mmap")[0].tolist() == [1, 2]
+
+
+# ---------------------------------------------------------------- against the tokenizer's vocabulary
+
+
+def test_check_vocabulary_accepts_ids_in_range_and_a_wider_dtype(tmp_path):
+    for dtype in (np.uint16, np.int32, np.int64):
+        prefix = str(tmp_path / f"ok_{np.dtype(dtype).name}")
+        _build(prefix, [[[0, 999]], [[5] * 20]], dtype=dtype)
+        check_vocabulary(MMapIndexedDataset(prefix), 1000)
+    _build(str(tmp_path / "empty"), [[[]]])
+    check_vocabulary(MMapIndexedDataset(str(tmp_path / "empty")), 1000)
+
+
+@pytest.mark.parametrize("code, vocab_size, message", [
+    (7, 1000, "tokens are stored as float64 (dtype code 7), which is not an integer type, but the tokenizer "
+              "has 1000 tokens"),
+    (3, 50257, "tokens are stored as int16 (dtype code 3), which holds ids up to 32767, but the tokenizer "
+               "has 50257 tokens"),
+])
+def test_check_vocabulary_names_a_dtype_code_changed_between_sizes(tmp_path, code, vocab_size, message):
+    """int64 -> float64 and uint16 -> int16 keep the item size, so the .bin's size still matches."""
+    prefix = str(tmp_path / "flipped")
+    _build(prefix, [[[1, 2, 3]]], dtype=np.int64 if code == 7 else np.uint16)
+    raw = bytearray(open(index_file_path(prefix), "rb").read())
+    raw[17] = code
+    open(index_file_path(prefix), "wb").write(bytes(raw))
+    with pytest.raises(IndexedDatasetError) as error:
+        check_vocabulary(MMapIndexedDataset(prefix), vocab_size)
+    assert str(error.value).startswith(f"{index_file_path(prefix)}: {message}: ")
+
+
+def test_check_vocabulary_samples_ids_across_the_file(tmp_path):
+    """The first ids of items spread over the file, the last item included, whatever the file's size;
+    an id past the 8th of an item is not read (GPTDataset finds it when it reads the sample)."""
+    rng = np.random.default_rng(0)
+    documents = [[rng.integers(0, 1000, 30)] for _ in range(5000)]
+    documents[-1][0][7] = 1000
+    prefix = str(tmp_path / "last")
+    _build(prefix, documents)
+    with pytest.raises(IndexedDatasetError) as error:
+        check_vocabulary(MMapIndexedDataset(prefix), 1000)
+    assert str(error.value).startswith(f"{data_file_path(prefix)}: token id 1000 (item 4999) is outside the "
+                                       f"tokenizer's vocabulary [0, 1000); so are 1 of 8192 ids sampled")
+    documents[-1][0][7] = 0
+    documents[-1][0][8] = 1000
+    _build(prefix, documents)
+    check_vocabulary(MMapIndexedDataset(prefix), 1000)
+
+
+def test_check_dataset_prefix_checks_the_vocabulary_when_given_one(three_doc_prefix):
+    check_dataset_prefix(three_doc_prefix, "infer")
+    check_dataset_prefix(three_doc_prefix, "infer", vocab_size=8)
+    with pytest.raises(IndexedDatasetError, match=r"three\.bin: token id 7 \(item 3\) is outside"):
+        check_dataset_prefix(three_doc_prefix, "infer", vocab_size=7)
+
+
+# ---------------------------------------------------------------- writing on a full or read-only disk
+
+
+def test_a_full_disk_is_named_and_leaves_nothing(tmp_path, three_doc_prefix, monkeypatch):
+    """Full while the items are written, or while the index is: one IndexedDatasetError naming the
+    output and the cause; the temporary files are gone and the earlier dataset is untouched."""
+    earlier = {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)}
+    for capacity in (100, 4010):  # the items (4000 bytes) or the index (74 bytes) do not fit
+        full_disk(monkeypatch, tmp_path, capacity=capacity)
+        with pytest.raises(IndexedDatasetError) as error:
+            with IndexedDatasetBuilder(data_file_path(three_doc_prefix), dtype=np.uint16) as builder:
+                builder.add_document(np.arange(2000) % 7, [1000, 1000])
+                builder.finalize(index_file_path(three_doc_prefix))
+        monkeypatch.undo()
+        path = data_file_path(three_doc_prefix) if capacity < 4000 else index_file_path(three_doc_prefix)
+        assert str(error.value) == f"cannot write {path}: No space left on device", capacity
+        assert {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)} == earlier
+
+
+def test_a_read_only_directory_is_named_and_leaves_nothing(tmp_path, monkeypatch):
+    read_only(monkeypatch, tmp_path)
+    with pytest.raises(IndexedDatasetError) as error:
+        IndexedDatasetBuilder(str(tmp_path / "x.bin"), dtype=np.uint16)
+    monkeypatch.undo()
+    assert re.fullmatch(rf"cannot write {tmp_path}/x\.bin \({tmp_path}/\.x\.bin\.\d+\.[0-9a-f]+\.tmp\): "
+                        r"Read-only file system", str(error.value))
+    assert os.listdir(tmp_path) == []
+
+
+def test_make_output_directory_names_what_is_in_the_way(tmp_path):
+    (tmp_path / "file").write_text("")
+    make_output_directory(str(tmp_path / "new" / "deeper"), "--output-prefix p")
+    assert (tmp_path / "new" / "deeper").is_dir()
+    with pytest.raises(IndexedDatasetError, match=rf"^--output-prefix p: cannot create the directory {tmp_path}/file: "
+                                                  "a file of that name exists$"):
+        make_output_directory(str(tmp_path / "file"), "--output-prefix p")
+    with pytest.raises(IndexedDatasetError, match=rf"^--output-prefix p: cannot create the directory "
+                                                  rf"{tmp_path}/file/sub: Not a directory$"):
+        make_output_directory(str(tmp_path / "file" / "sub"), "--output-prefix p")
