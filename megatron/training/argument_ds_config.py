@@ -32,14 +32,29 @@ alone counts as the flag) at ZeRO stage 0, and ``optimizer``/``scheduler`` block
 and the LR schedule come from the flags). With --optimizer sgd or --use-bnb-optimizer at ZeRO stage >= 1,
 ``zero_allow_untested_optimizer`` is set (as in the BigScience configs) unless the config sets it.
 The ``curriculum_learning`` block is checked against the flags by validation.py (curriculum.py).
+
+Every other key must be one the installed DeepSpeed reads (check_known_keys): DeepSpeed ignores a
+top-level key it does not know (``train_batch_sizee``: the batch silently comes from elsewhere) and
+raises a pydantic traceback, after the model is built, for one inside a block such as
+``zero_optimization``. The known keys are not a list kept here: DeepSpeed's own config parser reads
+the final ds_config, and every key it did not read (nor hand whole to one of its pydantic models,
+which refuse unknown fields themselves) is refused, with the nearest known key. The keys of a block
+with ``"enabled": false`` are not checked: DeepSpeed does not read them.
 With --sequence-parallel, TP > 1 and PP > 1, ``pipeline.pipe_partitioned`` and ``grad_partitioned``
 are set to false (refused when the config sets them true): the stages exchange whole per-rank blocks.
 """
+import difflib
 import json
 import math
+import typing
+
+import deepspeed
+import pydantic
+from deepspeed.runtime.config import DeepSpeedConfig, _reject_removed_config_keys
 
 from megatron.core.dtypes import canonical_dtype_name
 from megatron.training.argument_types import ArgumentError
+from megatron.training.curriculum import BLOCK as CURRICULUM_BLOCK
 
 FP16_DEFAULTS = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
                  "hysteresis": 2, "min_loss_scale": 1}  # DeepSpeed 0.19's DeepSpeedFP16Config
@@ -321,6 +336,168 @@ class _Resolution:
             self.config.setdefault("zero_allow_untested_optimizer", True)
 
 
+class _ReadKeys(dict):
+    """A ds_config block that records, in ``reads`` (shared by every block of one config), what
+    DeepSpeed's parser does with it: ("read", path) per key looked up, ("whole", path) when the block
+    is iterated (a pydantic model's ``**block``, a loop over its items), ("handed", path) when a
+    nested block is handed out (a pydantic model given the block itself validates it whole)."""
+
+    def __init__(self, block: dict, path: tuple, reads: list):
+        super().__init__(block)
+        self.path, self.reads = path, reads
+
+    def _lookup(self, key):
+        self.reads.append(("read", self.path + (key,)))
+        value = dict.get(self, key)
+        if isinstance(value, dict):
+            self.reads.append(("handed", self.path + (key,)))
+            return _ReadKeys(value, self.path + (key,), self.reads)
+        return value
+
+    def __getitem__(self, key):
+        if not dict.__contains__(self, key):
+            self.reads.append(("read", self.path + (key,)))
+            raise KeyError(key)
+        return self._lookup(key)
+
+    def get(self, key, default=None):
+        if dict.__contains__(self, key):
+            return self._lookup(key)
+        self.reads.append(("read", self.path + (key,)))
+        return default
+
+    def __contains__(self, key):
+        self.reads.append(("read", self.path + (key,)))
+        return dict.__contains__(self, key)
+
+    def keys(self):
+        return _ReadKeyView(self)
+
+    def __iter__(self):
+        self.reads.append(("whole", self.path))
+        return dict.__iter__(self)
+
+    def items(self):
+        return [(key, self._lookup(key)) for key in self]
+
+    def values(self):
+        return [value for _, value in self.items()]
+
+
+class _ReadKeyView(set):
+    """``block.keys()``: a membership test reads one key, a loop reads the whole block."""
+
+    def __init__(self, block: _ReadKeys):
+        super().__init__(dict.keys(block))
+        self.block = block
+
+    def __contains__(self, key):
+        return key in self.block
+
+    def __iter__(self):
+        return iter(list(self.block))
+
+
+def _dotted(path) -> str:
+    return ".".join(str(part) for part in path)
+
+
+def _nearest(key, known) -> str:
+    close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _unread_keys(config: dict, reads: list) -> list[str]:
+    """Each key of ``config`` DeepSpeed neither read nor validated whole, as "path (did you mean X?)"."""
+    read = {path for kind, path in reads if kind == "read"}
+    whole = {path for kind, path in reads if kind == "whole"}
+    handed = {path for kind, path in reads if kind == "handed"}
+    unknown = []
+
+    def visit(block, path):
+        untouched = path in handed and not any(key[:-1] == path for key in read)
+        if path in whole or untouched or block.get("enabled", True) is False:
+            return
+        known = {key[-1] for key in read if key[:-1] == path}
+        for key, value in block.items():
+            if path + (key,) not in read:
+                unknown.append(_dotted(path + (key,)) + _nearest(key, known))
+            elif isinstance(value, dict):
+                visit(value, path + (key,))
+
+    visit(config, ())
+    return unknown
+
+
+def _model_fields(title: str, location: tuple) -> set[str]:
+    """The field names and aliases of the DeepSpeed pydantic model ``title`` at ``location`` inside it."""
+    def subclasses(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from subclasses(sub)
+
+    models = [cls for cls in subclasses(pydantic.BaseModel)
+              if cls.__name__ == title and cls.__module__.startswith("deepspeed")]
+    model = models[0] if models else None
+    for name in location:
+        fields = {} if model is None else {**model.model_fields, **{f.alias: f for f in model.model_fields.values()
+                                                                     if f.alias}}
+        annotation = fields[name].annotation if name in fields else None
+        candidates = (annotation, *typing.get_args(annotation))
+        model = next((cls for cls in candidates if isinstance(cls, type) and issubclass(cls, pydantic.BaseModel)),
+                     None)
+    if model is None:
+        return set()
+    return set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
+
+
+def _validation_message(error: pydantic.ValidationError, config: dict, reads: list, where: str) -> str:
+    """The first problem of a DeepSpeed model's ValidationError, named by its path in the ds_config."""
+    problem = error.errors()[0]
+    location = tuple(problem["loc"])
+
+    def holds(prefix):
+        block = config
+        for part in prefix + location[:-1]:
+            block = block.get(part) if isinstance(block, dict) else None
+        return isinstance(block, dict) and location[-1] in block
+
+    handed = [path for kind, path in reversed(reads) if kind in ("handed", "whole")]
+    prefix = next((path for path in handed + [()] if holds(path)), ())
+    name = _dotted(prefix + location)
+    if problem["type"] == "extra_forbidden":
+        known = _model_fields(error.title, location[:-1])
+        return (f"unknown key {name}{_nearest(location[-1], known)} in {where}: DeepSpeed "
+                f"{deepspeed.__version__} refuses it; fix or remove it")
+    return f"{name} in {where}: {problem['msg']} (DeepSpeed {deepspeed.__version__}), got {problem['input']!r}"
+
+
+def check_known_keys(config: dict, where: str):
+    """Refuse a ds_config key the installed DeepSpeed does not know, naming it and the nearest known key.
+
+    DeepSpeed's own parser (DeepSpeedConfig._initialize_params, without the process group it would
+    ask for the world size) reads ``config`` through recording blocks; see the module docstring.
+    """
+    reads = []
+    recorded = _ReadKeys(config, (), reads)
+    parser = object.__new__(DeepSpeedConfig)
+    parser.global_rank, parser.world_size = 0, 1
+    try:
+        _reject_removed_config_keys(recorded)
+        DeepSpeedConfig._initialize_params(parser, recorded)
+    except pydantic.ValidationError as exc:
+        raise ArgumentError(_validation_message(exc, config, reads, where)) from None
+    except Exception as exc:  # DeepSpeed's own checks: assertions, DeepSpeedConfigError, ValueError
+        raise ArgumentError(f"DeepSpeed {deepspeed.__version__} refuses the ds_config {where}: "
+                            f"{str(exc).strip()}") from None
+    unknown = _unread_keys(config, reads)
+    if unknown:
+        keys = "key " + unknown[0] if len(unknown) == 1 else "keys " + ", ".join(unknown)
+        raise ArgumentError(f"unknown {keys} in {where}: DeepSpeed {deepspeed.__version__} does not read "
+                            f"{'it' if len(unknown) == 1 else 'them'} and would go on without; fix or remove "
+                            f"{'it' if len(unknown) == 1 else 'them'}")
+
+
 def resolve_ds_config(args, explicit, data_parallel_size, pipeline_parallel_size, cuda_available):
     """Load (or build) the ds_config, check it against the flags, complete it; return (config, notices).
 
@@ -342,4 +519,6 @@ def resolve_ds_config(args, explicit, data_parallel_size, pipeline_parallel_size
     resolution.offload()
     resolution.optimizer_support()
     resolution.sequence_parallel_pipeline()
+    check_known_keys({key: value for key, value in resolution.config.items() if key != CURRICULUM_BLOCK},
+                     resolution.where)
     return resolution.config, resolution.notices

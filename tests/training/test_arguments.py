@@ -8,9 +8,11 @@ from megatron.training.argument_rejections import REJECTED_FLAGS
 from megatron.training.config import build_config
 from megatron.training.arguments import (ArgumentError, build_parser, format_args, parse_args, parse_args_or_exit,
                                          report_error_and_exit, write_args_listing)
+from tests.conftest import REPO_ROOT
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 CLI_SURFACE_FILE = os.path.join(DATA_DIR, "cli_surface.txt")
+EXAMPLES_DIR = os.path.join(REPO_ROOT, "examples")
 
 BASE = {"--num-layers": "2", "--hidden-size": "64", "--num-attention-heads": "4", "--micro-batch-size": "2",
         "--seq-length": "32", "--max-position-embeddings": "32", "--train-samples": "1000", "--lr": "1e-3",
@@ -501,6 +503,63 @@ def test_universal_checkpoint_flag_sets_load_universal(ds_file):
 
 def test_disabled_curriculum_is_accepted(ds_file):
     assert parse(with_ds(ds_file({"curriculum_learning": {"enabled": False}}))).flags.deepspeed
+
+
+UNKNOWN_KEY_CASES = {
+    "top level, ignored by DeepSpeed": ({"train_batch_sizee": 4, "gradient_clippping": 0.5},
+                                        ["unknown keys train_batch_sizee (did you mean train_batch_size?), "
+                                         "gradient_clippping (did you mean gradient_clipping?)", "does not read them"]),
+    "in a plain block": ({"data_types": {"grad_accum_dtyp": "fp32"}, "bf16": {"enabled": True}},
+                         ["unknown key data_types.grad_accum_dtyp (did you mean grad_accum_dtype?)", "does not read it"]),
+    "in a disabled-by-default block": ({"flops_profiler": {"enabled": True, "profile_stp": 3}},
+                                       ["unknown key flops_profiler.profile_stp (did you mean profile_step?)"]),
+    "in zero_optimization": ({"zero_optimization": {"stage": 1, "reduce_bucket_sise": 5}},
+                             ["unknown key zero_optimization.reduce_bucket_sise (did you mean reduce_bucket_size?)",
+                              "refuses it"]),
+    "two levels down": ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memroy": 1}}},
+                        ["unknown key zero_optimization.offload_optimizer.pin_memroy (did you mean pin_memory?)"]),
+    "in a monitor": ({"tensorboard": {"enabled": False, "output_pth": "tb"}},
+                     ["unknown key tensorboard.output_pth (did you mean output_path?)"]),
+    "a wrong type": ({"zero_optimization": {"stage": 1, "overlap_comm": "sometimes"}},
+                     ["zero_optimization.overlap_comm", "'sometimes'"]),
+    "a removed block": ({"elasticity": {"enabled": True}}, ["refuses the ds_config", "elasticity"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNKNOWN_KEY_CASES))
+def test_a_key_deepspeed_does_not_know_is_named_with_the_nearest(ds_file, case):
+    config, words = UNKNOWN_KEY_CASES[case]
+    path = ds_file(config)
+    message = error(with_ds(path))
+    assert path in message and "DeepSpeed 0." in message
+    for word in words:
+        assert word in message, f"{word!r} missing from {message!r}"
+
+
+def test_every_key_deepspeed_reads_is_accepted(ds_file):
+    """Many of DeepSpeed's blocks at once, and a disabled block's keys (which DeepSpeed does not read)."""
+    config = {"train_batch_size": 2, "steps_per_print": 10, "wall_clock_breakdown": False, "gradient_clipping": 1.0,
+              "zero_allow_untested_optimizer": True, "prescale_gradients": False, "communication_data_type": "fp32",
+              "zero_optimization": {"stage": 1, "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8,
+                                    "overlap_comm": True, "contiguous_gradients": True, "round_robin_gradients": False},
+              "bf16": {"enabled": True, "immediate_grad_update": True}, "data_types": {"grad_accum_dtype": "fp32"},
+              "checkpoint": {"tag_validation": "Warn", "load_universal": False, "use_node_local_storage": False},
+              "activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": False,
+                                           "contiguous_memory_optimization": False, "number_checkpoints": None,
+                                           "synchronize_checkpoint_boundary": False, "profile": False},
+              "flops_profiler": {"enabled": False, "profile_step": 1, "module_depth": -1, "top_modules": 1,
+                                 "detailed": True, "output_file": None},
+              "tensorboard": {"enabled": False, "output_path": "tb", "job_name": "run"},
+              "comms_logger": {"enabled": False, "verbose": False, "prof_all": True, "debug": False},
+              "data_efficiency": {"enabled": False, "data_routing": {"enabled": False, "random_ltd": {
+                  "enabled": False, "total_layer_num": 24, "random_ltd_layer_num": 22}}},
+              "curriculum_learning": {"enabled": False}}
+    assert parse(with_ds(ds_file(config))).derived.ds_config["zero_optimization"]["overlap_comm"] is True
+
+
+@pytest.mark.parametrize("name", sorted(name for name in os.listdir(EXAMPLES_DIR) if name.endswith(".json")))
+def test_the_example_ds_configs_hold_only_known_keys(name):
+    assert parse(with_ds(os.path.join(EXAMPLES_DIR, name)), cuda=True).derived.ds_config
 
 
 def test_config_source_notices(ds_file, capsys):
