@@ -32,9 +32,10 @@ def write_copy(source_prefix: str, prefix: str, dtype, change_ids=None) -> None:
         builder.finalize(index_file_path(prefix))
 
 
-def run_on(data, prefix: str, tmp_path):
+def run_on(data, prefix: str, tmp_path, num_workers: int = 0):
     flags = tiny_gpt_flags(data) + RUN_FLAGS + ["--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
     flags[flags.index("--data-path") + 1] = prefix
+    flags[flags.index("--num-workers") + 1] = str(num_workers)
     result = run_pretrain(flags, nproc=1)
     errors = [line for line in result.output.splitlines() if "pretrain_gpt.py: error:" in line]
     assert result.returncode != 0 and len(errors) == 1, result.output[-3000:]
@@ -65,16 +66,17 @@ def test_ids_of_another_tokenizer_are_named_before_anything_starts(e2e_data, tmp
 
 
 def test_an_id_the_sample_misses_is_named_when_read(e2e_data, tmp_path):
-    """Ids past the 8th of every item are out of the vocabulary (and of the padded one): the open-time
-    sample reads only the first 8 of each, the first training sample holds some."""
+    """Ids past the 16th of every item are out of the vocabulary (and of the padded one): the open-time
+    sample reads only the first 16 of each, the first training sample holds some. It is read by a
+    DataLoader worker, whose traceback stays out of the line."""
     prefix = str(tmp_path / "late_text_document")
 
     def spoil_the_tail(ids):
-        ids[8:] = 5000
+        ids[16:] = 5000
         return ids
 
     write_copy(e2e_data.data_prefix, prefix, np.uint16, spoil_the_tail)
-    result, error = run_on(e2e_data, prefix, tmp_path)
+    result, error = run_on(e2e_data, prefix, tmp_path, num_workers=1)
     assert result.returncode == 1 and STARTED in result.output
     assert f"error: {prefix}.bin: sample " in error
     assert f", 5000], outside the tokenizer's vocabulary [0, {TOKENIZER_VOCAB_SIZE})" in error

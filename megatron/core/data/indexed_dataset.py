@@ -37,8 +37,8 @@ _VERSION = 1
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, len, doc_count: 34 bytes
 _WARMUP_CHUNK_BYTES = 100 * 1024 * 1024
 # The open-time sample of token ids (check_vocabulary): the first ids of items spread over the file.
-_SAMPLED_ITEMS = 1024
-_SAMPLED_TOKENS_PER_ITEM = 8
+_SAMPLED_ITEMS = 256
+_SAMPLED_TOKENS_PER_ITEM = 16
 
 # Codes 6 and 7 were np.float and np.double in Megatron, both float64; we write 7 for float64,
 # the code Megatron's writer produced for it.
@@ -56,7 +56,17 @@ _CODE_OF_DTYPE = {dtype: code for code, dtype in DTYPE_CODES.items() if code != 
 
 
 class IndexedDatasetError(ValueError):
-    """A dataset file is missing, corrupt or inconsistent; the message names the file."""
+    """A dataset file is missing, corrupt or inconsistent; the message names the file.
+
+    Raised in a DataLoader worker, it reaches the main process re-made from a text holding the
+    worker's traceback ("Caught IndexedDatasetError in DataLoader worker process 0. Original
+    Traceback ..."); the message keeps the traceback's last line, its own, so it stays one line.
+    """
+
+    def __init__(self, message: str = ""):
+        if message.startswith("Caught ") and "\nOriginal Traceback" in message:
+            message = message.rstrip().rsplit(f"{IndexedDatasetError.__name__}: ", 1)[-1]
+        super().__init__(message)
 
 
 def best_fitting_dtype(vocab_size):
@@ -611,8 +621,8 @@ def check_vocabulary(dataset: MMapIndexedDataset, vocab_size: int) -> None:
     1. The dtype is an integer type whose range covers [0, vocab_size): a float, or int16 for a
        50257-token vocabulary, means a changed .idx dtype code or another tokenizer's data.
        (A wider dtype than preprocessing would pick, e.g. int32 for 50257 tokens, is valid.)
-    2. A sample of ids lies in [0, vocab_size): the first 8 ids of up to 1024 items spread evenly
-       over the dataset, first and last included; about 8k ids from as many pages, milliseconds
+    2. A sample of ids lies in [0, vocab_size): the first 16 ids of up to 256 items spread evenly
+       over the dataset, first and last included; about 4k ids from 256 pages, milliseconds
        whatever the dataset's size. A wrong tokenizer or dtype code puts ids out of range nearly
        everywhere; a bad id the sample misses is reported, naming the file, when GPTDataset reads it.
     """

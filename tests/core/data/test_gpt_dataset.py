@@ -5,6 +5,7 @@ import re
 
 import numpy as np
 import pytest
+from torch.utils.data import DataLoader
 
 from megatron.core.data import gpt_dataset
 from megatron.core.data.data_paths import DatasetGroup, GroupEntry, WeightedPrefix
@@ -241,6 +242,10 @@ def test_samples_are_checked_against_the_vocabulary_naming_the_item(tmp_path):
                                     f"tokenized with another tokenizer")
         failed.append(i)
     assert len(failed) in (1, 2)  # the id is in one sample, or in the token two samples share
+    loader = DataLoader(checked, batch_size=None, sampler=failed[-1:], num_workers=1)
+    with pytest.raises(IndexedDatasetError) as from_worker:
+        next(iter(loader))
+    assert str(from_worker.value) == str(error.value)  # one line, without the worker's traceback
     with pytest.raises(DatasetConfigError, match="vocab_size must be a positive integer"):
         GPTDatasetConfig(seq_length=8, seed=1, data_path=(WeightedPrefix(1.0, "a"),), vocab_size=0)
 

@@ -412,18 +412,18 @@ def test_check_vocabulary_names_a_dtype_code_changed_between_sizes(tmp_path, cod
 
 def test_check_vocabulary_samples_ids_across_the_file(tmp_path):
     """The first ids of items spread over the file, the last item included, whatever the file's size;
-    an id past the 8th of an item is not read (GPTDataset finds it when it reads the sample)."""
+    an id past the 16th of an item is not read (GPTDataset finds it when it reads the sample)."""
     rng = np.random.default_rng(0)
     documents = [[rng.integers(0, 1000, 30)] for _ in range(5000)]
-    documents[-1][0][7] = 1000
+    documents[-1][0][15] = 1000
     prefix = str(tmp_path / "last")
     _build(prefix, documents)
     with pytest.raises(IndexedDatasetError) as error:
         check_vocabulary(MMapIndexedDataset(prefix), 1000)
     assert str(error.value).startswith(f"{data_file_path(prefix)}: token id 1000 (item 4999) is outside the "
-                                       f"tokenizer's vocabulary [0, 1000); so are 1 of 8192 ids sampled")
-    documents[-1][0][7] = 0
-    documents[-1][0][8] = 1000
+                                       f"tokenizer's vocabulary [0, 1000); so are 1 of 4096 ids sampled")
+    documents[-1][0][15] = 0
+    documents[-1][0][16] = 1000
     _build(prefix, documents)
     check_vocabulary(MMapIndexedDataset(prefix), 1000)
 
