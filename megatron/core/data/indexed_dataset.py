@@ -97,7 +97,7 @@ def dtype_code(dtype, path="<dataset>"):
     return code
 
 
-def write_error_message(path, error: OSError) -> str:
+def _write_error_message(path, error: OSError) -> str:
     """``cannot write PATH: CAUSE`` for an OSError met while writing ``path``: the file the system
     names (a temporary, a directory) or else ``path``, and the system's words for the cause."""
     where = error.filename if error.filename is not None else path
@@ -113,7 +113,7 @@ def _writing(path):
     try:
         yield
     except OSError as error:
-        raise IndexedDatasetError(write_error_message(path, error)) from error
+        raise IndexedDatasetError(_write_error_message(path, error)) from error
 
 
 def make_output_directory(path, flag):
@@ -633,26 +633,25 @@ def check_vocabulary(dataset: MMapIndexedDataset, vocab_size: int) -> None:
         raise IndexedDatasetError(
             f"{index_path}: tokens are stored as {dtype} (dtype code {dataset.dtype_code}), which {holds}, but the "
             f"tokenizer has {vocab_size} tokens: {_WRONG_DATA_HINT}")
-    items, positions = _sampled_token_positions(dataset.sizes, dataset.pointers // dtype.itemsize)
-    if not len(positions):
-        return
-    ids = np.frombuffer(dataset._bin_buffer, dtype=dtype)[positions]
+    items, ids = _sampled_ids(dataset)
     outside = np.flatnonzero((ids < 0) | (ids >= vocab_size))
     if len(outside):
         first = int(outside[0])
         raise IndexedDatasetError(
             f"{bin_path}: token id {int(ids[first])} (item {int(items[first])}) is outside the tokenizer's "
-            f"vocabulary [0, {vocab_size}); so are {len(outside)} of {len(ids)} ids sampled across the file, "
-            f"which range over [{int(ids.min())}, {int(ids.max())}] as {dtype}: {_WRONG_DATA_HINT}")
+            f"vocabulary [0, {vocab_size}) (sampled across the file: {len(ids)} ids in [{int(ids.min())}, "
+            f"{int(ids.max())}] as {dtype}, {len(outside)} of them outside): {_WRONG_DATA_HINT}")
 
 
-def _sampled_token_positions(sizes, first_tokens):
-    """(item, token position in the .bin) of the sampled ids: up to _SAMPLED_TOKENS_PER_ITEM from the start
-    of up to _SAMPLED_ITEMS items spread evenly over the dataset."""
+def _sampled_ids(dataset: MMapIndexedDataset):
+    """(item of each id, ids) of the open-time sample: up to _SAMPLED_TOKENS_PER_ITEM ids from the start of
+    up to _SAMPLED_ITEMS items spread evenly over the dataset (only their sizes and pointers are read)."""
+    sizes = dataset.sizes
     if len(sizes) == 0:
-        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=dataset.dtype)
     items = np.unique(np.linspace(0, len(sizes) - 1, min(len(sizes), _SAMPLED_ITEMS)).astype(np.int64))
     offsets = np.arange(_SAMPLED_TOKENS_PER_ITEM, dtype=np.int64)
     keep = offsets[None, :] < sizes[items][:, None]  # [items, tokens]
-    item_of = np.broadcast_to(items[:, None], keep.shape)[keep]
-    return item_of, (first_tokens[items][:, None] + offsets[None, :])[keep]
+    positions = dataset.pointers[items][:, None] // dataset.dtype.itemsize + offsets[None, :]
+    tokens = np.frombuffer(dataset._bin_buffer, dtype=dataset.dtype)
+    return np.broadcast_to(items[:, None], keep.shape)[keep], tokens[positions[keep]]

@@ -421,7 +421,9 @@ def test_check_vocabulary_samples_ids_across_the_file(tmp_path):
     with pytest.raises(IndexedDatasetError) as error:
         check_vocabulary(MMapIndexedDataset(prefix), 1000)
     assert str(error.value).startswith(f"{data_file_path(prefix)}: token id 1000 (item 4999) is outside the "
-                                       f"tokenizer's vocabulary [0, 1000); so are 1 of 4096 ids sampled")
+                                       f"tokenizer's vocabulary [0, 1000) (sampled across the file: 4096 ids in "
+                                       f"[0, 1000] as uint16, 1 of them outside): the data was tokenized with "
+                                       f"another tokenizer")
     documents[-1][0][15] = 0
     documents[-1][0][16] = 1000
     _build(prefix, documents)
