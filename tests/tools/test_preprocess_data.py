@@ -16,8 +16,8 @@ import pytest
 from megatron.core.data.indexed_dataset import IndexedDatasetError, MMapIndexedDataset, make_dataset
 from megatron.core.tokenizer import build_tokenizer
 from tests.conftest import REPO_ROOT
-from tests.disk_faults import full_disk, read_only
 from tests.core.data.test_preprocessing import punkt_data_dir, use_punkt  # noqa: F401
+from tests.disk_faults import full_disk, read_only
 from tests.training.e2e_utils import run_command
 from tools.preprocess_data import preprocess, run_tool
 from tools.preprocess_data_many_cores import preprocess_many_cores

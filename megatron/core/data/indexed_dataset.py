@@ -450,7 +450,8 @@ class MMapIndexedDataset:
         sizes = self._index.sizes
         negative = np.flatnonzero(sizes < 0)
         if len(negative):
-            raise IndexedDatasetError(f"{index_path}: item {int(negative[0])} has a negative size {int(sizes[negative[0]])}")
+            raise IndexedDatasetError(
+                f"{index_path}: item {int(negative[0])} has a negative size {int(sizes[negative[0]])}")
         expected_bytes = int(sizes.sum(dtype=np.int64)) * self.dtype.itemsize
         actual_bytes = os.path.getsize(bin_path)
         if actual_bytes != expected_bytes:
