@@ -6,7 +6,9 @@ document per good line, in input order. Bad lines (malformed JSON, a missing key
 empty text, invalid UTF-8, a truncated last line) are skipped, counted and listed with file:line
 in the final summary; ``--strict`` stops at the first one instead. A run in which no line is usable
 (a wrong ``--json-keys``, or a key that no line has) fails naming the keys the input does have, and
-writes nothing. Outputs are written under temporary names and renamed when complete.
+writes nothing. Outputs are written under temporary names and renamed when complete; an output
+that cannot be written (a read-only or full disk, a file where its directory should be) stops the
+run with one line naming the path and the cause, leaving nothing partial.
 
 With ``--workers N > 1`` the parent reads chunks of ``--chunk-size`` lines, N processes encode
 them, and the parent writes the results in input order (byte-identical to ``--workers 1``).
