@@ -30,7 +30,7 @@ from megatron.training.arguments import (ArgumentError, parse_args_or_exit, repo
 from megatron.training.checkpoint_checks import CheckpointError, check_checkpoint_directories  # noqa: E402
 from megatron.training.config import build_config  # noqa: E402
 from megatron.training.data_loading import DataLoadingError, check_dataset_files  # noqa: E402
-from megatron.training.dist_utils import peer_lost, rank  # noqa: E402
+from megatron.training.dist_utils import first_to_report, peer_lost, rank  # noqa: E402
 from megatron.training.initialize import FusedKernelConstraintError  # noqa: E402
 from megatron.training.lr_schedule import LRScheduleError  # noqa: E402
 from megatron.training.training import TrainingDivergedError, pretrain  # noqa: E402
@@ -63,20 +63,27 @@ def main(argv=None):
     report_arguments(parsed)
     try:
         pretrain(config, tokenizer)
-    except RUN_ERRORS as error:
+    except Exception as error:  # noqa: BLE001 - every error of the run is reported once for the whole job
+        report_run_failure(error)
+
+
+def report_run_failure(error: Exception):
+    """Show each error of the run once for the whole job, then exit 1 (or let a bug's traceback out).
+
+    A rank that finds another one gone mid-collective prints one line instead of gloo's traceback
+    (the gone rank's own error, if it printed one, is the message that matters). An error several
+    ranks meet alike is printed by the first of them only (dist_utils.first_to_report): a run error
+    as one line, anything else as its traceback."""
+    program = os.path.basename(sys.argv[0])
+    if peer_lost(error):
+        print(f"{program}: rank {rank()} stops: another rank of the job has ended (its own message, if it printed "
+              f"one, says why)", file=sys.stderr, flush=True)
+        sys.exit(1)
+    if not first_to_report(f"{type(error).__name__}: {error}"):
+        sys.exit(1)
+    if isinstance(error, RUN_ERRORS):
         report_error_and_exit(error, 1, every_rank=True)
-    except RuntimeError as error:
-        if not peer_lost(error):
-            raise
-        stop_for_lost_peer()
-
-
-def stop_for_lost_peer():
-    """Another rank has gone mid-collective: one line instead of gloo's traceback (the gone rank's
-    own error, if it printed one, is the message that matters), exit status 1."""
-    print(f"{os.path.basename(sys.argv[0])}: rank {rank()} stops: another rank of the job has ended (its own "
-          f"message, if it printed one, says why)", file=sys.stderr, flush=True)
-    sys.exit(1)
+    raise error
 
 
 if __name__ == "__main__":

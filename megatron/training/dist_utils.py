@@ -7,7 +7,10 @@ without torch.distributed, so the loop's code is the same for one process and fo
 Reductions run on the device the backend requires: the current CUDA device under NCCL, the CPU
 under gloo. Values travel as float64, so counters up to 2**53 and fp32 losses pass exactly.
 """
+import datetime
+import hashlib
 import math
+import os
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -158,6 +161,21 @@ def peer_lost(error: BaseException) -> bool:
             return True
         error = error.__cause__ or error.__context__
     return False
+
+
+def first_to_report(message: str) -> bool:
+    """Whether this rank is the first of the job to report ``message`` (an error several ranks may
+    meet at once): an atomic counter in the job's rendezvous store, the TCPStore at MASTER_ADDR:
+    MASTER_PORT. True when there is no store to ask (one process, or the store's host has gone)."""
+    if not distributed() or world_size() == 1:
+        return True
+    key = "megatron/reported/" + hashlib.sha256(message.encode()).hexdigest()[:16]
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=5))
+        return store.add(key, 1) == 1
+    except (RuntimeError, KeyError, ValueError):
+        return True
 
 
 def params_l2_norm(named_parameters: Iterable[tuple[str, torch.Tensor]], tp_rank: int, data_parallel_size: int,

@@ -15,7 +15,9 @@ other's build files, so each would rebuild DeepSpeed's ops after another one ran
 Rank, world size and rendezvous come from the launcher's environment as the arguments module read
 it (deepspeed, torchrun, torch.distributed.launch, SLURM srun, plain variables, or none at all for
 a single process); they are written back to the environment torch's env:// rendezvous reads, so a
-lone ``python pretrain_gpt.py ...`` becomes rank 0 of 1 on a local address.
+lone ``python pretrain_gpt.py ...`` becomes rank 0 of 1 on a local address. Unless OMP_NUM_THREADS
+says otherwise, the processes a launcher started on one node share its CPUs (the deepspeed launcher
+sets no thread count, and every process taking every core runs a 2-process CPU job at half speed).
 """
 import hashlib
 import importlib.util
@@ -32,6 +34,7 @@ from megatron.core.parallel_state import ParallelGroups, initialize_model_parall
 from megatron.core.tensor_parallel import model_parallel_seed, share_rng_tracker_with_deepspeed
 from megatron.training.config import LoggingConfig, ParallelConfig
 from megatron.training.dist_utils import print_line, print_rank_0
+from megatron.training.launch_env import threads_per_process
 
 ACCELERATOR_ENV = "DS_ACCELERATOR"
 EXTENSIONS_DIR_ENV = "TORCH_EXTENSIONS_DIR"
@@ -140,10 +143,26 @@ def use_deterministic_algorithms() -> None:
     torch.backends.cudnn.benchmark = False
 
 
+def share_cpu_threads(rank: int) -> None:
+    """Without OMP_NUM_THREADS, give each process of this node its share of the CPUs it may run on
+    (launch_env.threads_per_process); rank 0 says so in one line."""
+    choice = threads_per_process(os.environ, len(os.sched_getaffinity(0)))
+    if choice is None:
+        return
+    threads, processes = choice
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # for the processes this one starts
+    if rank == 0:
+        print_line(f"> OMP_NUM_THREADS is not set: {threads} CPU thread(s) per process ({processes} processes on "
+                   f"this node); set OMP_NUM_THREADS to choose")
+
+
 def initialize_distributed(parallel: ParallelConfig) -> ParallelGroups:
-    """torch.cuda.set_device(local rank) on GPU, deepspeed.init_distributed, then our TP/DP/PP groups."""
+    """CPU threads per process, torch.cuda.set_device(local rank) on GPU, deepspeed.init_distributed,
+    then our TP/DP/PP groups."""
     import deepspeed
 
+    share_cpu_threads(parallel.rank)
     if parallel.deterministic:
         use_deterministic_algorithms()
     os.environ.update(_rendezvous_environment(parallel))

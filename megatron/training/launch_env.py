@@ -202,6 +202,27 @@ def rank_in_environment(env: Mapping[str, str]) -> int:
     return 0
 
 
+# How many processes a launcher started on this node: torchrun's variable, then the deepspeed launcher's.
+LOCAL_PROCESS_COUNT_VARIABLES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")
+
+
+def threads_per_process(env: Mapping[str, str], cpu_count: int) -> tuple[int, int] | None:
+    """(threads, processes on this node) for torch's CPU thread pool when the user did not choose
+    (OMP_NUM_THREADS unset or empty) and a launcher started several processes here; else None.
+
+    Each process gets its share of the ``cpu_count`` CPUs it may run on: torch's default, every
+    core for every process, oversubscribes the node (the deepspeed launcher sets no thread count;
+    torchrun sets 1)."""
+    if env.get("OMP_NUM_THREADS"):
+        return None
+    for name in LOCAL_PROCESS_COUNT_VARIABLES:
+        text = env.get(name, "")
+        if text.strip().isdigit() and int(text) > 1:
+            processes = int(text)
+            return max(1, cpu_count // processes), processes
+    return None
+
+
 def effective_backend(requested: str, cuda_available: bool, explicit: bool = True) -> tuple[str, str | None]:
     """(backend, notice): nccl needs CUDA, so without it gloo runs instead. The one-line notice is
     for a user who asked for nccl (``explicit``); the default nccl switches to gloo silently."""

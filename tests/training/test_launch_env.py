@@ -4,7 +4,7 @@ import socket
 import pytest
 
 from megatron.training.launch_env import (DEFAULT_MASTER_PORT, LaunchEnv, LaunchEnvError, effective_backend,
-                                          first_host, read_launch_env)
+                                          first_host, read_launch_env, threads_per_process)
 
 TORCH_VARS = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "node01", "MASTER_PORT": "29500"}
 
@@ -119,3 +119,11 @@ def test_effective_backend(requested, cuda, backend, has_notice):
     assert chosen == backend and (notice is not None) == has_notice
     if has_notice:
         assert "nccl" in notice and "gloo" in notice and "\n" not in notice
+
+
+def test_processes_of_a_node_share_its_cpus_unless_the_user_chose():
+    assert threads_per_process({"LOCAL_SIZE": "2"}, 2) == (1, 2)  # the deepspeed launcher, 2 ranks on 2 cores
+    assert threads_per_process({"LOCAL_WORLD_SIZE": "8", "LOCAL_SIZE": "2"}, 64) == (8, 8)
+    assert threads_per_process({"LOCAL_SIZE": "4", "OMP_NUM_THREADS": ""}, 2) == (1, 4)  # never below one
+    assert threads_per_process({"LOCAL_SIZE": "2", "OMP_NUM_THREADS": "3"}, 16) is None  # the user's choice
+    assert threads_per_process({"LOCAL_SIZE": "1"}, 16) is None and threads_per_process({}, 16) is None

@@ -1,17 +1,21 @@
 """How a job of several ranks ends when one part of it goes away, end to end on CPU with 2 gloo ranks.
 
-    one rank fails (set-up after the data loaders exist, or mid-training)
+    one rank fails (set-up after the data loaders exist, mid-training, a damaged optimizer shard)
         every rank ends within seconds: the failed rank with its error, the others with one line
         each, no gloo traceback, no DataLoader worker left; the last checkpoint stays intact
+    every rank meets the same error
+        it is printed once, by the first rank to meet it
     the launcher alone is killed (``kill`` of the deepspeed runner, SIGKILL of the torchrun agent)
         the ranks notice at the next iteration boundary, save that iteration, say so, exit; no
-        process of the job is left a minute later
+        process of the job is left a minute later (and under the deepspeed launcher, which sets no
+        thread count, the ranks share the CPUs: one line says how)
 
 The ranks of the first kind start as plain processes (start_ranks) that nobody stops: a rank ending
 by itself is what is tested, not a launcher stopping it.
 """
 import os
 import re
+import shutil
 import signal
 import sys
 import time
@@ -21,7 +25,8 @@ import pytest
 from megatron.training.signals import LauncherWatch, launcher_name
 from tests.dist_utils import free_port
 from tests.training.e2e_utils import (PRETRAIN_SCRIPT, REPO_ROOT, Job, executable, processes_with_argument,
-                                      scaled_timeout, tiny_gpt_flags, torchrun_command, wait_until_no_process_with)
+                                      run_pretrain, scaled_timeout, start_ranks, tiny_gpt_flags, torchrun_command,
+                                      wait_until_no_process_with)
 
 FAIL_SCRIPT = os.path.join(REPO_ROOT, "tests", "training", "fail_on_rank.py")
 FLAGS = ["--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--log-interval", "1",
@@ -89,6 +94,65 @@ def test_one_rank_failing_ends_every_rank_with_its_error_shown_once(e2e_data, tm
         assert [name for name in os.listdir(tmp_path / "ckpt") if name.startswith("global_step")] == ["global_step2"]
 
 
+@pytest.fixture(scope="module")
+def zero1_checkpoint(e2e_data, tmp_path_factory):
+    """(flags, directory) of a 2-rank ZeRO-1 run saved at iteration 2: one optimizer shard per rank."""
+    directory = tmp_path_factory.mktemp("zero1") / "ckpt"
+    flags = tiny_gpt_flags(e2e_data) + FLAGS + ["--train-iters", "2", "--zero-stage", "1", "--save-interval", "2"]
+    run_pretrain(flags + ["--save", str(directory)], nproc=2).assert_ok()
+    return flags, directory
+
+
+def resume_from_a_copy(zero1_checkpoint, tmp_path, damage, extra_flags):
+    flags, saved = zero1_checkpoint
+    directory = tmp_path / "ckpt"
+    shutil.copytree(saved, directory)
+    damage(directory / "global_step2")
+    job = start_ranks(flags + extra_flags + ["--load", str(directory), "--save", str(directory)])
+    try:
+        statuses, spread = wait_for_every_rank(job)
+    finally:
+        job.kill()
+    return statuses, spread, job.text(), directory
+
+
+def error_lines(output):
+    return [line for line in output.splitlines() if "pretrain_gpt.py: error:" in line]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_damaged_optimizer_shard_of_one_rank_is_one_error_and_one_status(zero1_checkpoint, tmp_path):
+    """Rank 1 alone reads a damaged shard: its error, and rank 0's one line (no gloo traceback)."""
+    shard = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+
+    def damage(step_directory):
+        raw = bytearray((step_directory / shard).read_bytes())
+        raw[len(raw) // 2:len(raw) // 2 + 64] = bytes(64)
+        (step_directory / shard).write_bytes(bytes(raw))
+
+    statuses, spread, output, directory = resume_from_a_copy(zero1_checkpoint, tmp_path, damage, [])
+    assert statuses == [1, 1] and spread < scaled_timeout(END_WITHIN), (statuses, spread, output[-4000:])
+    errors = error_lines(output)
+    assert len(errors) == 1 and shard in errors[0], output[-4000:]
+    assert len(LOST_PEER_LINE.findall(output)) == 1 and "Traceback" not in output, output[-4000:]
+    assert "Connection closed by peer" not in output
+    assert (directory / "latest").read_text() == "global_step2"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_an_error_every_rank_meets_is_shown_once(zero1_checkpoint, tmp_path):
+    """Both ranks find the checkpoint's learning-rate schedule unlike the configured one (a longer run)."""
+    statuses, spread, output, directory = resume_from_a_copy(zero1_checkpoint, tmp_path, lambda step: None,
+                                                             ["--train-iters", "4"])
+    assert statuses == [1, 1] and spread < scaled_timeout(END_WITHIN), (statuses, spread, output[-4000:])
+    errors = error_lines(output)
+    assert len(errors) == 1 and "learning-rate schedule differs" in errors[0], output[-4000:]
+    assert "Traceback" not in output and not LOST_PEER_LINE.search(output), output[-4000:]
+    assert (directory / "latest").read_text() == "global_step2"
+
+
 def launch_command(launcher: str, flags: list[str]) -> list[str]:
     if launcher == "deepspeed":
         return [executable("deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), PRETRAIN_SCRIPT,
@@ -107,7 +171,7 @@ def test_ranks_whose_launcher_is_killed_save_and_exit(e2e_data, tmp_path, launch
     """``kill PID`` of the deepspeed runner ends it alone (it forwards signals only to pdsh jobs), and
     a torchrun agent killed by SIGKILL forwards nothing: the ranks must stop by themselves."""
     flags = flags_with_workers(e2e_data, tmp_path, 100000) + ["--save-interval", "100000"]
-    job = Job([(launch_command(launcher, flags), {})], timeout=300)
+    job = Job([(launch_command(launcher, flags), {"OMP_NUM_THREADS": ""})], timeout=300)
     try:
         job.wait_for(r"^ iteration +3/")
         os.kill(job.processes[0].pid, sig)
@@ -127,6 +191,10 @@ def test_ranks_whose_launcher_is_killed_save_and_exit(e2e_data, tmp_path, launch
     assert 3 <= iteration == max(logged), (iteration, logged[-3:])  # the iteration it stopped at, nothing after
     assert (tmp_path / "ckpt" / "latest").read_text() == f"global_step{iteration}"
     assert "Traceback" not in output, output[-4000:]
+    if launcher == "deepspeed":  # which sets no thread count (torchrun sets OMP_NUM_THREADS=1)
+        threads = max(1, len(os.sched_getaffinity(0)) // 2)
+        assert output.count(f"> OMP_NUM_THREADS is not set: {threads} CPU thread(s) per process (2 processes on "
+                            f"this node)") == 1, output[-4000:]
     print(f"{launcher}: every process gone {seconds:.1f} s after the kill")
 
 
