@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron.core.checkpoint import megatron_deepspeed
 from megatron.core.checkpoint.manifest import SAVING_MARKER, Manifest, ManifestError, read_manifest
 from megatron.core.checkpoint.names import PIPELINE_EMBEDDING_PREFIX
 from megatron.training.config import CheckpointConfig, TrainConfig, plain_value
@@ -312,6 +313,21 @@ def _manifest(tag_directory: str) -> Manifest | None:
     return manifest
 
 
+def _megatron_deepspeed_state(tag_directory: str) -> dict | None:
+    """The translated state of a checkpoint written by Megatron-DeepSpeed (it has no manifest), with a
+    notice; None for any other (megatron.core.checkpoint.megatron_deepspeed)."""
+    if _read_manifest(tag_directory, check_present=False) is not None:
+        return None
+    try:
+        state = megatron_deepspeed.read_checkpoint_state(tag_directory)
+    except megatron_deepspeed.MegatronDeepSpeedError as error:
+        raise CheckpointError(f"{error}; {earlier_tag_advice(tag_directory)}") from error
+    if state is not None:
+        print_rank_0(f"notice: {tag_directory} was written by Megatron-DeepSpeed (no manifest): its files are loaded "
+                     f"without checksum verification, its state translated (docs/compatibility.md)")
+    return state
+
+
 def check_before_loading(engine, config: TrainConfig) -> tuple[str, Manifest | None, dict] | None:
     """(the tag directory --load will read, its manifest, its trainer state) after the checks of the
     module docstring; None when there is nothing to resume. A universal checkpoint fits any layout and engine: only
@@ -320,10 +336,11 @@ def check_before_loading(engine, config: TrainConfig) -> tuple[str, Manifest | N
     directory = resume_directory(config.checkpoint.load, universal)
     if directory is None:
         return None
-    manifest = _manifest(directory)
+    foreign = None if universal else _megatron_deepspeed_state(directory)
+    manifest = None if foreign is not None else _manifest(directory)
     if not universal:
         _check_engine_layout(engine, directory)
-    saved = _read_saved_state(directory, manifest)
+    saved = foreign if foreign is not None else _read_saved_state(directory, manifest)
     _check_compatible(saved, config, config.checkpoint.load, universal)
     if universal:
         _check_universal_vocabulary(directory, config.model.padded_vocab_size)

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from megatron.core.checkpoint import megatron_deepspeed
 from megatron.core.checkpoint.manifest import FileEntry, describe_file, fsync_path, write_manifest
 from megatron.core.checkpoint.names import pipeline_name
 from megatron.core.checkpoint.output import write_pointer
@@ -60,6 +61,7 @@ from megatron.training.checkpoint_checks import (LATEST_FILENAME, SAVING_MARKER,
 from megatron.training.config import CheckpointConfig, TrainConfig, plain_value
 from megatron.training.dist_utils import barrier, gather_objects, is_rank_0, print_rank_0
 from megatron.training.engine import is_pipeline_engine
+from megatron.training.megatron_deepspeed_resume import foreign_reads, own_rng_states, restore_optimizer_states
 from megatron.training.metrics import loaded_checkpoint_line, saved_checkpoint_line, saving_checkpoint_line
 
 CHECKPOINT_VERSION = 3.0
@@ -323,12 +325,19 @@ def load_checkpoint(engine, config: TrainConfig) -> TrainingProgress | None:
         return None
     tag_directory, manifest, saved = checked
     universal = settings.universal_checkpoint
+    foreign = not universal and megatron_deepspeed.is_translated(saved)
+    # Megatron-DeepSpeed's ZeRO partitions flatten other parameter groups than ours: their states move by name
+    by_name = foreign and megatron_deepspeed.has_optimizer_partitions(tag_directory)
     # An imported model has no schedule to restore: the configured one starts.
     with verified_reads(engine, tag_directory, manifest) as verified, \
-            _universal_parameter_names(engine, config.model.num_layers, universal):
-        _, state = engine.load_checkpoint(settings.load, load_optimizer_states=not settings.no_load_optim,
+            _universal_parameter_names(engine, config.model.num_layers, universal), \
+            foreign_reads(engine, foreign, load_optimizer=not settings.no_load_optim):
+        _, state = engine.load_checkpoint(settings.load,
+                                          load_optimizer_states=not settings.no_load_optim and not by_name,
                                           load_lr_scheduler_states=not settings.finetune
                                           and saved.get("lr_scheduler") is not None)
+    if by_name and not settings.no_load_optim:
+        restore_optimizer_states(engine, tag_directory)
     if universal:
         _steps_beside_moments(engine)
     if settings.finetune:
@@ -341,7 +350,7 @@ def load_checkpoint(engine, config: TrainConfig) -> TrainingProgress | None:
             print_rank_0("  RNG states not restored from the universal checkpoint (they belong to the saved layout's "
                          "ranks): each rank starts from its seeded state")
         elif not settings.no_load_rng:
-            restore_rng_states(state)
+            restore_rng_states(own_rng_states(state) if foreign else state)
     barrier()
     print_rank_0(loaded_checkpoint_line(settings.load, state["iteration"]))
     if manifest is not None:

@@ -23,6 +23,9 @@ layer at a time. Besides, this tool
     model-states files record it (their universal_checkpoint_info);
   - names every parameter as the pipeline module does, whichever engine saved it, so either engine
     resumes it (DeepSpeed keeps the saving module's names);
+  - takes in a checkpoint written by Megatron-DeepSpeed (megatron.core.checkpoint.megatron_deepspeed):
+    its model-states files are read translated, its three optimizer groups become the trainer's two
+    and its parameter names ours;
   - writes into a hidden directory that is renamed when complete, with a manifest of every file, and
     writes ``latest_universal`` last. A failed conversion leaves no output.
 """
@@ -35,9 +38,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
+from megatron.core.checkpoint import megatron_deepspeed  # noqa: E402
 from megatron.core.checkpoint.output import (staged_directory, tree_size, write_pointer,  # noqa: E402
                                              write_tree_manifest)
-from megatron.core.checkpoint.reader import open_checkpoint  # noqa: E402
+from megatron.core.checkpoint.reader import open_checkpoint, resolve_tag_directory  # noqa: E402
 from megatron.core.checkpoint.universal import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info  # noqa: E402
 from megatron.core.checkpoint.universal_writer import write_universal_zero  # noqa: E402
 from tools.convert_checkpoint.reshape import report  # noqa: E402
@@ -69,18 +73,35 @@ def write_model_states(checkpoint, output: str) -> None:
             torch.save({**state, UNIVERSAL_CHECKPOINT_INFO: info}, os.path.join(output, name))
 
 
+def take_in_megatron_deepspeed(output: str) -> None:
+    """Megatron-DeepSpeed's parameter names and optimizer groups made ours in ``output``/zero: its three
+    groups merged into our two (the universal loader gives our groups the saved groups' settings in
+    order), its embedding LayerNorm's folders renamed (megatron.core.checkpoint.megatron_deepspeed)."""
+    megatron_deepspeed.rename_universal_parameters(os.path.join(output, "zero"))
+    path = os.path.join(output, "zero", "optimizer_state.pt")
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    state["param_groups"] = megatron_deepspeed.merge_parameter_groups(state["param_groups"])
+    torch.save(state, path)
+
+
 def convert(arguments) -> str:
     """The whole conversion; returns the summary line."""
     from tqdm import tqdm
 
     started = time.perf_counter()
-    checkpoint = open_checkpoint(arguments.input_folder, read_optimizer=True)
     output = os.path.normpath(arguments.output_folder)
-    layers = checkpoint.model["num_layers"] + 2
-    with staged_directory(output) as staging, tqdm(total=layers, desc="layers", unit="layer", file=sys.stderr) as bar:
-        write_universal_zero(checkpoint, staging, arguments.num_extract_workers, bar.update)
-        write_model_states(checkpoint, staging)
-        files = write_tree_manifest(staging, checkpoint.iteration)
+    with megatron_deepspeed.translated_input(resolve_tag_directory(arguments.input_folder),
+                                             os.path.dirname(output) or ".") as input_folder:
+        checkpoint = open_checkpoint(input_folder, read_optimizer=True)
+        foreign = megatron_deepspeed.is_translated(checkpoint.state)
+        layers = checkpoint.model["num_layers"] + 2
+        with staged_directory(output) as staging, \
+                tqdm(total=layers, desc="layers", unit="layer", file=sys.stderr) as bar:
+            write_universal_zero(checkpoint, staging, arguments.num_extract_workers, bar.update)
+            if foreign:
+                take_in_megatron_deepspeed(staging)
+            write_model_states(checkpoint, staging)
+            files = write_tree_manifest(staging, checkpoint.iteration)
     write_pointer(os.path.join(os.path.dirname(output) or ".", UNIVERSAL_LATEST), os.path.basename(output))
     return (f"universal checkpoint of iteration {checkpoint.iteration} (saved at TP {checkpoint.tp}, PP "
             f"{checkpoint.pp}, DP {checkpoint.dp}) written to {output}: {files} files, "
