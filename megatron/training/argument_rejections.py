@@ -1,8 +1,11 @@
-"""Flags of Megatron-DeepSpeed that are recognised and refused, each with its reason.
+"""Flags that are recognised and refused, each with its reason: the one table, REJECTED_FLAGS.
 
 A flag we accept must work (docs/architecture.md, "Principles"), so every Megatron-DeepSpeed flag
 whose feature we lack, that was a no-op there, or that belongs to another model type is refused
 at parse time with a message that says why and what to do instead. The flags are hidden from ``--help``.
+The table below covers Megatron-DeepSpeed (BigScience); the flags of Megatron-LM and of Microsoft's
+Megatron-DeepSpeed join it from argument_foreign_flags.py, which also registers the foreign spellings
+that are accepted.
 
 | Flags | Why refused |
 |---|---|
@@ -24,14 +27,11 @@ at parse time with a message that says why and what to do instead. The flags are
 
 Not refused here but checked after parsing: ``--lazy-mpu-init true`` (validation.py).
 """
-from megatron.training.argument_types import RejectedFlag
+from megatron.training.argument_foreign_flags import (FOREIGN_REFUSALS, OTHER_MODEL, OWN_DDP, OWN_PIPELINE,
+                                                      add_foreign_accepted_flags)
+from megatron.training.argument_types import ArgumentError, RejectedFlag
 
 _LONG_RUN = "is not available yet (it comes with the long-run work); remove the flag"
-_OTHER_MODEL = "this trainer pretrains GPT models only; remove the flag"
-_OWN_DDP = ("Megatron's own data parallelism is not used: DeepSpeed provides it (ZeRO stage in the "
-            "ds_config's zero_optimization.stage); remove the flag")
-_OWN_PIPELINE = ("Megatron's own pipeline schedule is not used: DeepSpeed's pipeline engine runs "
-                 "1F1B; remove the flag")
 _NO_OP_IN_MEGATRON_DEEPSPEED = "had no effect in Megatron-DeepSpeed; remove the flag"
 _CHECKPOINTING = ("is a DeepSpeed activation-checkpointing option that our activation checkpointing "
                   "(RNG-replaying, optionally partitioned with --partition-activations) does not "
@@ -75,10 +75,10 @@ _SPECIFIC_REASONS = {
     "--accumulate-allreduce-grads-in-fp32": (
         "is an option of Megatron's own DDP, which is not used; with DeepSpeed set "
         "data_types.grad_accum_dtype in the ds_config (\"fp32\" by default with --bf16)"),
-    "--DDP-impl": _OWN_DDP,
-    "--use-contiguous-buffers-in-ddp": _OWN_DDP,
-    "--num-layers-per-virtual-pipeline-stage": _OWN_PIPELINE,
-    "--no-scatter-gather-tensors-in-pipeline": _OWN_PIPELINE,
+    "--DDP-impl": OWN_DDP,
+    "--use-contiguous-buffers-in-ddp": OWN_DDP,
+    "--num-layers-per-virtual-pipeline-stage": OWN_PIPELINE,
+    "--no-scatter-gather-tensors-in-pipeline": OWN_PIPELINE,
     "--adlr-autoresume": ("NVIDIA's ADLR cluster autoresume is not supported; stop with "
                           "--exit-duration-in-mins or --kill-switch-path and resume with --load"),
     "--adlr-autoresume-interval": "NVIDIA's ADLR cluster autoresume is not supported; remove the flag",
@@ -101,16 +101,30 @@ _MODEL_TYPE_FLAGS = {
 }
 REJECTED_FLAGS = {
     **_SPECIFIC_REASONS,
-    **{flag: f"is a {model_type}-only flag; {_OTHER_MODEL}"
+    **{flag: f"is a {model_type}-only flag; {OTHER_MODEL}"
        for model_type, flags in _MODEL_TYPE_FLAGS.items() for flag in flags},
+    **FOREIGN_REFUSALS,
 }
 
 
+class _RefusedFlags(RejectedFlag):
+    """Every refused flag in one action (registering each alone would slow every parser build): parsing
+    ``--flag`` raises ArgumentError with ``reasons[--flag]``."""
+
+    def __init__(self, option_strings, dest, reasons, **kwargs):
+        super().__init__(option_strings, dest, reason=None, **kwargs)
+        self.reasons = reasons
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        raise ArgumentError(f"{option_string}: {self.reasons[option_string]}")
+
+
 def add_rejected_flags(parser) -> None:
-    """Register every flag of REJECTED_FLAGS so that giving it raises ArgumentError with its reason."""
+    """Register the accepted foreign spellings, then every flag of REJECTED_FLAGS so that giving it raises
+    ArgumentError with its reason; a flag the parser already has is left to it."""
+    add_foreign_accepted_flags(parser)
     group = parser.add_argument_group(
-        "refused", "Megatron-DeepSpeed flags that are recognised and refused with a reason (hidden; the "
-                   "table is in megatron/training/argument_rejections.py)")
-    for flag, reason in REJECTED_FLAGS.items():
-        dest = "rejected_" + flag.lstrip("-").replace("-", "_")
-        group.add_argument(flag, dest=dest, action=RejectedFlag, reason=reason)
+        "refused", "flags that are recognised and refused with a reason (hidden; the table is in "
+                   "megatron/training/argument_rejections.py and argument_foreign_flags.py)")
+    refused = [flag for flag in REJECTED_FLAGS if flag not in parser._option_string_actions]
+    group.add_argument(*refused, dest="rejected_flag", action=_RefusedFlags, reasons=REJECTED_FLAGS)
