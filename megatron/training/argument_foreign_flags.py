@@ -54,18 +54,14 @@ FOREIGN_SETTINGS = {
     "--apply-query-key-layer-scaling": ("--no-query-key-layer-scaling", True),
 }
 
-_FLASH = ("attention runs through torch's scaled_dot_product_attention, which uses its flash kernel "
-          "wherever dtype, head size and mask allow")
-FOREIGN_NO_OPS = {
-    "--use-flash-attn": _FLASH,
-    "--use-flash-attn-v1": _FLASH,
-    "--use-flash-attn-v2": _FLASH,
-    "--use-flash-attn-triton": _FLASH,
-    "--use-flash-attn-builder": _FLASH,
-    "--no-persist-layer-norm": "no persistent layer-norm kernel is used",
-    "--disable-mem-efficient-ln": "no memory-efficient layer-norm kernel is used",
-    "--ds_fused_adam": "Adam is torch's fused AdamW on CUDA",
-}
+FOREIGN_NO_OPS = (
+    # attention runs through torch's scaled_dot_product_attention, whose flash kernel serves every call
+    # that dtype, head size and mask allow
+    "--use-flash-attn", "--use-flash-attn-v1", "--use-flash-attn-v2", "--use-flash-attn-triton",
+    "--use-flash-attn-builder",
+    "--no-persist-layer-norm", "--disable-mem-efficient-ln",  # no such layer-norm kernels are used
+    "--ds_fused_adam",  # Adam is torch's fused AdamW on CUDA
+)
 
 FOREIGN_VALUE_FLAGS = {
     "--transformer-impl": ("local", "Transformer Engine is not used: the layers are this trainer's own"),
@@ -88,7 +84,7 @@ _LLAMA_MEANWHILE = {
 _LLAMA_FLAGS = (
     "--add-qkv-bias", "--disable-bias-linear", "--fused-residual-rmsnorm", "--group-query-attention",
     "--no-bias-swiglu-fusion", "--no-position-embedding", "--no-rope-freq", "--no-rope-fusion",
-    "--no-yarn-correction-range-round-to-int", "--num-key-value-heads", "--num-query-groups", "--qk-layernorm",
+    "--no-yarn-correction-range-round-to-int", "--num-key-value-heads", "--num-query-groups",
     "--rope-scaling-factor", "--rope-type", "--rotary-base", "--rotary-interleaved", "--rotary-percent",
     "--rotary-position-embeddings-theta", "--rotary-scaling-factor", "--rotary-seq-len-interpolation-factor",
     "--swiglu", "--untie-embeddings-and-output-weights", "--use-rope-scaling",
@@ -218,8 +214,8 @@ _ARCHITECTURE_VARIANT_FLAGS = (
     "--mhc-num-residual-streams", "--mhc-recompute-layer-num", "--mhc-sinkhorn-iterations",
     "--mlp-chunks-for-training", "--mup-attn-scale-power", "--mup-base-head-dim", "--mup-base-hidden-size",
     "--mup-embedding-mult", "--mup-output-mult", "--mup-width-mult", "--qk-clip", "--qk-clip-alpha",
-    "--qk-clip-threshold", "--qk-l2-norm", "--quick-geglu", "--random-ltd", "--softmax-type", "--spec",
-    "--squared-relu", "--use-kitchen-attention", "--use-mup", "--window-attn-skip-freq", "--window-size",
+    "--qk-clip-threshold", "--qk-l2-norm", "--qk-layernorm", "--quick-geglu", "--random-ltd", "--softmax-type",
+    "--spec", "--squared-relu", "--use-kitchen-attention", "--use-mup", "--window-attn-skip-freq", "--window-size",
 )
 _OTHER_MODELS = {
     **dict.fromkeys(_MOE_FLAGS, "is a mixture-of-experts option; this trainer pretrains dense GPT models; "

@@ -17,7 +17,7 @@ from megatron.training.argument_types import ErrorRaisingParser
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 FLAG_LISTS = {"NVIDIA/Megatron-LM": "megatron_lm_flags.txt",
               "microsoft/Megatron-DeepSpeed": "microsoft_megatron_deepspeed_flags.txt"}
-FOREIGN_ACCEPTED = {**FOREIGN_ALIASES, **FOREIGN_SETTINGS, **FOREIGN_NO_OPS, **FOREIGN_VALUE_FLAGS}
+FOREIGN_ACCEPTED = {*FOREIGN_ALIASES, *FOREIGN_SETTINGS, *FOREIGN_NO_OPS, *FOREIGN_VALUE_FLAGS}
 # Flags of ours whose foreign namesake takes a value ours does not: Microsoft Megatron-DeepSpeed's
 # "--profile pt|pt-full" against Megatron-LM's switch, which pretrain_gpt.py has.
 VALUE_CONFLICTS = {("microsoft/Megatron-DeepSpeed", "--profile")}
@@ -71,9 +71,9 @@ def test_profile_with_a_value_is_a_known_conflict(parser):
 
 def test_the_table_names_only_flags_of_the_two_lists():
     listed = {flag for name in FLAG_LISTS.values() for flag, _ in read_flag_list(name)[1]}
-    stale = sorted((set(FOREIGN_REFUSALS) | set(FOREIGN_ACCEPTED)) - listed)
+    stale = sorted((set(FOREIGN_REFUSALS) | FOREIGN_ACCEPTED) - listed)
     assert not stale, f"entries of argument_foreign_flags.py that neither parser has: {stale}"
-    assert not set(FOREIGN_REFUSALS) & set(FOREIGN_ACCEPTED)
+    assert not set(FOREIGN_REFUSALS) & FOREIGN_ACCEPTED
 
 
 def test_no_entry_names_a_flag_of_our_own_groups():
@@ -81,7 +81,7 @@ def test_no_entry_names_a_flag_of_our_own_groups():
     ours = ErrorRaisingParser()
     for add_group in ARGUMENT_GROUPS:
         add_group(ours)
-    shadowed = sorted(flag for flag in {**REJECTED_FLAGS, **FOREIGN_ACCEPTED} if flag in ours._option_string_actions)
+    shadowed = sorted(flag for flag in {*REJECTED_FLAGS, *FOREIGN_ACCEPTED} if flag in ours._option_string_actions)
     assert not shadowed, f"remove these from argument_rejections.py / argument_foreign_flags.py: {shadowed}"
 
 
