@@ -38,10 +38,10 @@ def flags(data, tensorboard: str, tp: int = 1, zero_stage: int = 1) -> list[str]
         "--zero-stage", str(zero_stage), "--tensorboard-dir", tensorboard]
 
 
-def run_foreign(data, directory, nproc: int = 2, zero_stage: int = 1) -> dict:
+def run_foreign(data, directory, nproc: int = 2, zero_stage: int = 1, extra: tuple = ()) -> dict:
     """The Megatron-DeepSpeed-format run: {"scalars", "output", "save"}."""
     save = str(directory / "checkpoints")
-    result = run_script([FIXTURE, *flags(data, str(directory / "tb"), zero_stage=zero_stage), "--save", save,
+    result = run_script([FIXTURE, *flags(data, str(directory / "tb"), zero_stage=zero_stage), *extra, "--save", save,
                          "--save-interval", str(SAVE_ITERATION)], nproc=nproc, timeout=600)
     result.assert_ok()
     return {"scalars": read_scalars(str(directory / "tb")), "output": result.output, "save": save}
@@ -117,6 +117,16 @@ def test_load_continues_a_zero_stage_0_run(e2e_data, tmp_path):
     assert len(megatron_deepspeed.load_file(os.path.join(source["save"], f"global_step{SAVE_ITERATION}",
                                                          "mp_rank_00_model_states.pt"))["optimizer"]["param_groups"]) == 3
     result = run_pretrain(flags(e2e_data, str(tmp_path / "tb"), zero_stage=0) + ["--load", rolled_back(source["save"])])
+    result.assert_ok()
+    assert_continues(source, {"scalars": read_scalars(str(tmp_path / "tb")), "output": result.output}, rtol=1e-5)
+
+
+def test_load_continues_a_bf16_run(e2e_data, tmp_path):
+    """bf16 (BLOOM's precision): DeepSpeed's bf16 optimizer writes bf16_zero_pp_rank partitions."""
+    source = run_foreign(e2e_data, tmp_path / "source", nproc=1, extra=("--bf16",))
+    tag = os.path.join(source["save"], f"global_step{SAVE_ITERATION}")
+    assert any(name.startswith("bf16_zero_pp_rank_0") for name in os.listdir(tag))
+    result = run_pretrain(flags(e2e_data, str(tmp_path / "tb")) + ["--bf16", "--load", rolled_back(source["save"])])
     result.assert_ok()
     assert_continues(source, {"scalars": read_scalars(str(tmp_path / "tb")), "output": result.output}, rtol=1e-5)
 
