@@ -5,7 +5,8 @@ Names and defaults are Megatron-DeepSpeed's, with these deliberate differences (
 stage is the ds_config's), ``--tokenizer-type`` defaults to GPT2BPETokenizer (pretrain_gpt.py's
 default there), ``--use-cpu-initialization`` is a plain store_true, integer flags accept "6_000_000"
 and "10e6", and the ``type=bool`` flags read true/false. New flags: ``--lr-warmup-tokens``,
-``--data-cache-path`` and the ``inverse-square-root`` decay style; ``--train-tokens`` and
+``--data-cache-path``, the ``inverse-square-root`` decay style and Megatron-LM's
+``--wandb-project``, ``--wandb-exp-name``, ``--wandb-save-dir``; ``--train-tokens`` and
 ``--codecarbon-dir`` work (no-ops in Megatron-DeepSpeed). ``--local_rank`` is also spelled
 ``--local-rank``. The two misplaced flags of Megatron-DeepSpeed's ``--help`` are in their groups here:
 ``--kill-switch-path`` under "training", ``--log-level``/``--log-level-replica`` under "logging".
@@ -316,6 +317,12 @@ def add_logging_args(parser):
                        help="the iteration after which profiling starts")
     group.add_argument("--profile-step-end", type=parse_int, default=12, help="the last iteration profiled")
     group.add_argument("--profile-ranks", type=parse_int, nargs="+", default=[0], help="the global ranks to profile")
+    group.add_argument("--wandb-project", default=None,
+                       help="log the TensorBoard scalars to this Weights & Biases project too (Megatron-LM's flag; "
+                            "needs the 'wandb' extra; offline when WANDB_MODE=offline or no W&B server answers)")
+    group.add_argument("--wandb-exp-name", default=None, help="the W&B run's name (default: W&B's own)")
+    group.add_argument("--wandb-save-dir", default=None,
+                       help="directory of the W&B run files (default: the wandb/ directory in --save)")
     group.add_argument("--log-level", choices=LOG_LEVELS, default=None, help="log level of rank 0")
     group.add_argument("--log-level-replica", choices=LOG_LEVELS, default=None,
                        help="log level of the other ranks")

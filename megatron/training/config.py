@@ -29,7 +29,7 @@ from megatron.training.argument_types import ArgumentError, parse_interval_range
 from megatron.training.arguments import ParsedArguments
 from megatron.training.curriculum import BLOCK as CURRICULUM_BLOCK
 from megatron.training.curriculum import CurriculumConfig, curriculum_config
-from megatron.training.validation import DerivedValues, lr_lengths_in_samples
+from megatron.training.validation import DerivedValues, lr_lengths_in_samples, wandb_directory
 
 DEFAULT_PP_PARTITION_METHOD = "type:transformer"
 
@@ -237,7 +237,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    """Logs, TensorBoard and emissions.
+    """Logs, TensorBoard, Weights & Biases and emissions.
 
     Attributes:
         tensorboard_dir: TensorBoard output directory, or None.
@@ -254,6 +254,10 @@ class LoggingConfig:
         log_level: log level of rank 0, or None for the default.
         log_level_replica: log level of the other ranks, or None.
         log_path: directory for the arguments listing (arguments.write_args_listing), or None.
+        wandb_project: the W&B project the TensorBoard scalars also go to (--wandb-project), or None.
+        wandb_exp_name: the W&B run's name (--wandb-exp-name), or None for W&B's own.
+        wandb_save_dir: directory of the W&B run files: --wandb-save-dir, else the wandb/ directory in
+            --save; None without wandb_project.
     """
 
     tensorboard_dir: str | None
@@ -270,6 +274,9 @@ class LoggingConfig:
     log_level: str | None
     log_level_replica: str | None
     log_path: str | None
+    wandb_project: str | None
+    wandb_exp_name: str | None
+    wandb_save_dir: str | None
 
 
 @dataclass(frozen=True)
@@ -516,7 +523,7 @@ def build_config(parsed: ParsedArguments, tokenizer_vocab_size: int) -> TrainCon
             universal_checkpoint=bool(derived.ds_config.get("checkpoint", {}).get("load_universal")),
             save_interval_ranges=parse_interval_ranges(flags.save_interval_ranges or (), "--save-interval-ranges"),
             pinned_checkpoints=tuple(sorted(set(flags.pin_checkpoints or ())))),
-        logging=_fields_from_args(LoggingConfig, flags),
+        logging=_fields_from_args(LoggingConfig, flags, wandb_save_dir=wandb_directory(flags)),
         profile=ProfileConfig(enabled=flags.profile, step_start=flags.profile_step_start,
                               step_end=flags.profile_step_end, ranks=tuple(flags.profile_ranks),
                               directory=flags.tensorboard_dir),

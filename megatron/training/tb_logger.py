@@ -1,11 +1,12 @@
 """TensorBoard scalars with Megatron-DeepSpeed's tag names and x-axes, so existing dashboards keep
-working (docs/logging.md lists every tag).
+working (docs/logging.md lists every tag); with --wandb-project the same scalars also go to a
+Weights & Biases run (wandb_logger.py).
 
 x-axes: "vs samples" tags use the consumed training samples as the step, "vs tokens" the consumed
 tokens, "vs gigaflos (without embeddings)" Megatron-DeepSpeed's accumulated 6·samples·s·params(B);
 every other tag uses the iteration. Only the rank the trainer enables (the last rank, as in
-Megatron-DeepSpeed) creates a writer; elsewhere every method returns at once. Each (re)start opens
-a new events file.
+Megatron-DeepSpeed, and Megatron-LM's W&B writer) creates a writer; elsewhere every method returns at
+once. Each (re)start opens a new events file and a new W&B run.
 
 Ours, beside Megatron-DeepSpeed's tags: ``iteration-time/model TFLOP/s per gpu`` and, when a matmul
 peak was measured, ``iteration-time/MFU``; the test set's loss under ``lm-loss-test/`` (Megatron-
@@ -16,20 +17,21 @@ from dataclasses import dataclass
 from collections.abc import Mapping
 
 from megatron.training.metrics import Throughput, perplexity
+from megatron.training.wandb_logger import WandbRun, WandbSettings
 
 
 @dataclass(frozen=True)
 class TensorBoardSettings:
-    """The TensorBoard flags.
+    """The TensorBoard flags (they also choose the scalars W&B gets).
 
-    log_dir: --tensorboard-dir; queue_size: --tensorboard-queue-size (SummaryWriter max_queue);
-    log_interval: --tensorboard-log-interval; log_timers: --log-timers-to-tensorboard;
+    log_dir: --tensorboard-dir, or None to write only to W&B; queue_size: --tensorboard-queue-size
+    (SummaryWriter max_queue); log_interval: --tensorboard-log-interval; log_timers: --log-timers-to-tensorboard;
     log_batch_size: --log-batch-size-to-tensorboard; log_learning_rate: not
     --no-log-learnig-rate-to-tensorboard (sic); log_loss_scale: not --no-log-loss-scale-to-tensorboard;
     log_validation_ppl: --log-validation-ppl-to-tensorboard.
     """
 
-    log_dir: str
+    log_dir: str | None
     queue_size: int = 1000
     log_interval: int = 1
     log_timers: bool = False
@@ -73,35 +75,70 @@ class IterationScalars:
     curriculum_seqlen: int | None = None
 
 
-class TensorBoardLogger:
-    """Writes the scalars through a SummaryWriter when ``enabled`` (the trainer passes is_last_rank)."""
+def logger_settings(logging) -> tuple[TensorBoardSettings | None, WandbSettings | None]:
+    """The TensorBoard and W&B settings of a config.LoggingConfig; None where that output is off."""
+    wandb = None
+    if logging.wandb_project:
+        wandb = WandbSettings(project=logging.wandb_project, name=logging.wandb_exp_name,
+                              directory=logging.wandb_save_dir)
+    if not (logging.tensorboard_dir or wandb):
+        return None, None
+    return TensorBoardSettings(
+        log_dir=logging.tensorboard_dir, queue_size=logging.tensorboard_queue_size,
+        log_interval=logging.tensorboard_log_interval, log_timers=logging.log_timers_to_tensorboard,
+        log_batch_size=logging.log_batch_size_to_tensorboard,
+        log_learning_rate=logging.log_learning_rate_to_tensorboard,
+        log_loss_scale=logging.log_loss_scale_to_tensorboard,
+        log_validation_ppl=logging.log_validation_ppl_to_tensorboard), wandb
 
-    def __init__(self, settings: TensorBoardSettings | None, enabled: bool):
+
+class TensorBoardLogger:
+    """Writes the scalars through a SummaryWriter (with a log_dir) and a W&B run (with ``wandb``) when
+    ``enabled`` (the trainer passes is_last_rank)."""
+
+    def __init__(self, settings: TensorBoardSettings | None, enabled: bool, wandb: WandbSettings | None = None):
         self.settings = settings
         self.writer = None
-        if settings is not None and enabled:
+        self.wandb = None
+        if settings is not None and enabled and settings.log_dir:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(log_dir=settings.log_dir, max_queue=settings.queue_size)
+        if settings is not None and enabled and wandb is not None:
+            self.wandb = WandbRun(wandb)
 
     @property
     def active(self) -> bool:
-        return self.writer is not None
+        return self.writer is not None or self.wandb is not None
+
+    def _add(self, tag: str, value: float, iteration: int):
+        """``tag`` at ``iteration``, in TensorBoard and W&B."""
+        if self.writer is not None:
+            self.writer.add_scalar(tag, value, iteration)
+        if self.wandb is not None:
+            self.wandb.log(tag, value, iteration)
 
     def _add_with_axes(self, tag: str, value: float, progress: Progress, axes: tuple[str, ...]):
-        """``tag`` against the iteration, then ``tag vs {axis}`` for each of samples/tokens/gigaflos."""
-        self.writer.add_scalar(tag, value, progress.iteration)
+        """``tag`` against the iteration, then ``tag vs {axis}`` for each of samples/tokens/gigaflos
+        (in W&B: the axis's value as ``x/{axis}`` at the iteration)."""
+        self._add(tag, value, progress.iteration)
         steps = {"samples": progress.consumed_samples, "tokens": progress.consumed_tokens,
                  "gigaflos (without embeddings)": progress.gigaflos_no_embeddings}
         for axis in axes:
-            self.writer.add_scalar(f"{tag} vs {axis}", value, steps[axis])
+            if self.writer is not None:
+                self.writer.add_scalar(f"{tag} vs {axis}", value, steps[axis])
+            if self.wandb is not None:
+                self.wandb.log_axis(axis, steps[axis], progress.iteration)
 
     def write_run_start(self, configuration: Mapping[str, object], iteration: int, world_size: int):
         """Every configuration value as text at ``iteration``, and the world size at ``iteration``."""
         if not self.active:
             return
-        for name, value in configuration.items():
-            self.writer.add_text(name, str(value), global_step=iteration)
-        self.writer.add_scalar("iteration-time/world_size", world_size, iteration)
+        if self.writer is not None:
+            for name, value in configuration.items():
+                self.writer.add_text(name, str(value), global_step=iteration)
+        if self.wandb is not None:
+            self.wandb.update_config(configuration)
+        self._add("iteration-time/world_size", world_size, iteration)
 
     def should_write_iteration(self, iteration: int) -> bool:
         return self.active and iteration % self.settings.log_interval == 0
@@ -111,10 +148,11 @@ class TensorBoardLogger:
         if not self.should_write_iteration(progress.iteration):
             return
         it, samples, tokens = progress.iteration, progress.consumed_samples, progress.consumed_tokens
-        self.writer.add_scalar("steps-vs-samples/y=steps,x=samples", it, samples)
-        self.writer.add_scalar("steps-vs-samples/y=samples,x=steps", samples, it)
-        self.writer.add_scalar("steps-vs-tokens/y=steps,x=tokens", it, tokens)
-        self.writer.add_scalar("steps-vs-tokens/y=tokens,x=steps", tokens, it)
+        self._add("steps-vs-samples/y=samples,x=steps", samples, it)
+        self._add("steps-vs-tokens/y=tokens,x=steps", tokens, it)
+        if self.writer is not None:  # their x-axis is not the iteration; W&B plots against x/samples, x/tokens
+            self.writer.add_scalar("steps-vs-samples/y=steps,x=samples", it, samples)
+            self.writer.add_scalar("steps-vs-tokens/y=steps,x=tokens", it, tokens)
         if self.settings.log_learning_rate:
             self._add_with_axes("learning-rate/learning-rate", scalars.learning_rate, progress,
                                 ("samples", "tokens"))
@@ -130,14 +168,14 @@ class TensorBoardLogger:
             if value is not None:
                 self._add_with_axes(tag, value, progress, ("samples", "tokens"))
         if scalars.curriculum_seqlen is not None:
-            self.writer.add_scalar("curriculum_seqlen", scalars.curriculum_seqlen, it)
+            self._add("curriculum_seqlen", scalars.curriculum_seqlen, it)
 
     def write_timers(self, iteration: int, seconds_by_name: Mapping[str, float]):
         """``time/{name}-time`` for each timer, with --log-timers-to-tensorboard."""
         if not self.active or not self.settings.log_timers:
             return
         for name, seconds in seconds_by_name.items():
-            self.writer.add_scalar(f"time/{name}-time", seconds, iteration)
+            self._add(f"time/{name}-time", seconds, iteration)
 
     def write_throughput(self, progress: Progress, throughput: Throughput):
         """The ``iteration-time/*`` scalars of a log interval, with --log-timers-to-tensorboard."""
@@ -146,16 +184,16 @@ class TensorBoardLogger:
         it = progress.iteration
         self._add_with_axes("iteration-time/iteration-time", throughput.iteration_time, progress,
                             ("samples", "tokens"))
-        self.writer.add_scalar("iteration-time/samples per second", throughput.samples_per_second, it)
-        self.writer.add_scalar("iteration-time/samples per second per replica",
+        self._add("iteration-time/samples per second", throughput.samples_per_second, it)
+        self._add("iteration-time/samples per second per replica",
                                throughput.samples_per_second_per_replica, it)
-        self.writer.add_scalar("iteration-time/tokens per second", throughput.tokens_per_second, it)
-        self.writer.add_scalar("iteration-time/tokens per second per replica",
+        self._add("iteration-time/tokens per second", throughput.tokens_per_second, it)
+        self._add("iteration-time/tokens per second per replica",
                                throughput.tokens_per_second_per_replica, it)
-        self.writer.add_scalar("iteration-time/TFLOPs per gpu (estimated)", throughput.tflops, it)
-        self.writer.add_scalar("iteration-time/model TFLOP/s per gpu", throughput.model_tflops, it)
+        self._add("iteration-time/TFLOPs per gpu (estimated)", throughput.tflops, it)
+        self._add("iteration-time/model TFLOP/s per gpu", throughput.model_tflops, it)
         if throughput.mfu is not None:
-            self.writer.add_scalar("iteration-time/MFU", throughput.mfu, it)
+            self._add("iteration-time/MFU", throughput.mfu, it)
 
     def write_validation(self, progress: Progress, losses: Mapping[str, float], group_name: str | None = None,
                          split: str = "validation"):
@@ -171,10 +209,15 @@ class TensorBoardLogger:
                 self._add_with_axes(f"{prefix}/{key} {split} ppl", perplexity(value), progress, axes)
 
     def flush(self):
-        if self.active:
+        if self.writer is not None:
             self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.flush()
 
     def close(self):
-        if self.active:
+        if self.writer is not None:
             self.writer.close()
             self.writer = None
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None

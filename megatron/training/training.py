@@ -36,6 +36,7 @@ import contextlib
 import io
 import math
 import os
+import resource
 import time
 from dataclasses import dataclass
 
@@ -64,7 +65,7 @@ from megatron.training.metrics import (BUILDING_DATASETS_LINE, TEST_END_PREFIX, 
 from megatron.training.microbatches import build_num_microbatches_calculator, train_iters_for_samples
 from megatron.training.profiling import IterationProfiler
 from megatron.training.signals import ExitSignals, launcher_gone_line, signal_name
-from megatron.training.tb_logger import IterationScalars, Progress, TensorBoardLogger, TensorBoardSettings
+from megatron.training.tb_logger import IterationScalars, Progress, TensorBoardLogger, logger_settings
 from megatron.training.timers import Timers
 
 LOSS_KEY = "lm loss"
@@ -142,6 +143,13 @@ def stop_request(kill_switch_path: str | None, signals: ExitSignals) -> StopRequ
     kill_switch, number, launcher_gone = dist_utils.max_each_across_ranks([float(seen), float(signals.first),
                                                                            float(gone)])
     return StopRequest(kill_switch > 0, int(number), launcher_gone > 0)
+
+
+def peak_memory_megabytes(device: torch.device) -> float:
+    """The peak the memory line reports first: CUDA's max allocated, or on CPU the peak resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # kilobytes on Linux
 
 
 def _loss_scale(engine) -> float | None:
@@ -264,18 +272,10 @@ class Trainer:
                                self.progress.consumed_train_samples, self.progress.consumed_valid_samples)
 
     def _build_reporting(self):
-        """(TensorBoard logger, codecarbon tracker or None)."""
+        """(TensorBoard and W&B logger, codecarbon tracker or None)."""
         logging = self.config.logging
-        settings = None
-        if logging.tensorboard_dir:
-            settings = TensorBoardSettings(
-                log_dir=logging.tensorboard_dir, queue_size=logging.tensorboard_queue_size,
-                log_interval=logging.tensorboard_log_interval, log_timers=logging.log_timers_to_tensorboard,
-                log_batch_size=logging.log_batch_size_to_tensorboard,
-                log_learning_rate=logging.log_learning_rate_to_tensorboard,
-                log_loss_scale=logging.log_loss_scale_to_tensorboard,
-                log_validation_ppl=logging.log_validation_ppl_to_tensorboard)
-        tensorboard = TensorBoardLogger(settings, enabled=dist_utils.is_last_rank())
+        settings, wandb = logger_settings(logging)
+        tensorboard = TensorBoardLogger(settings, enabled=dist_utils.is_last_rank(), wandb=wandb)
         tensorboard.write_run_start(flat_config(self.config), self.progress.iteration, dist_utils.world_size())
         emissions = None
         if logging.codecarbon_dir:
@@ -536,8 +536,19 @@ class Trainer:
         self.accumulator.reset()
         if not self.memory_reported:
             self.memory_reported = True
-            if self.groups.dp_rank == 0:
-                dist_utils.print_line(memory_report_line(dist_utils.rank(), p.iteration, self.device))
+            self._report_memory(p.iteration)
+
+    def _report_memory(self, iteration: int):
+        """Collective. Rank 0 prints the memory line of the rank that used the most (ranks of DP index
+        0 compete: their replicas use what theirs do), with how many ranks were compared."""
+        entry = None
+        if self.groups.dp_rank == 0:
+            entry = (peak_memory_megabytes(self.device), memory_report_line(dist_utils.rank(), iteration, self.device))
+        entries = [found for found in dist_utils.gather_objects(entry) if found is not None]
+        line = max(entries)[1]
+        if len(entries) > 1:
+            line += f" | the largest of {len(entries)} ranks"
+        dist_utils.print_rank_0(line)
 
     def evaluate(self, iterator) -> float:
         """Mean loss over --eval-iters global batches at the full sequence length (the curriculum's
@@ -555,8 +566,7 @@ class Trainer:
         for name, iterator in named_iterators:
             losses = {LOSS_KEY: self.evaluate(iterator)}
             group_name = name if self.named_sets else None
-            for line in validation_log_lines(prefix, losses, group_name):
-                dist_utils.print_rank_last(line)
+            dist_utils.print_rank_last("\n".join(validation_log_lines(prefix, losses, group_name)))  # one write
             self.tensorboard.write_validation(self._tensorboard_progress(), losses, group_name, split)
             label = f"{split} {group_name}" if group_name else split
             self.summary_losses.update({f"{label} {key}": value for key, value in losses.items()})

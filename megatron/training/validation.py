@@ -40,7 +40,7 @@ NON_NEGATIVE_NUMBERS = ("eval_iters", "num_workers", "valid_num_workers", "lr_wa
 POSITIVE_FLOATS = ("adam_eps", "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window")
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "micro_batch_size")
 # The flags naming a directory the run writes into (created when missing).
-OUTPUT_DIRECTORIES = ("save", "tensorboard_dir", "log_path", "data_cache_path", "codecarbon_dir")
+OUTPUT_DIRECTORIES = ("save", "tensorboard_dir", "log_path", "data_cache_path", "codecarbon_dir", "wandb_save_dir")
 
 
 @dataclass(frozen=True)
@@ -272,6 +272,33 @@ def _check_run_length(args, derived: DerivedValues, curriculum: CurriculumConfig
                             f"first iteration; give at least {batch * seq_length}")
 
 
+def wandb_directory(args) -> str | None:
+    """Where the W&B run files go: --wandb-save-dir, else the wandb/ directory in --save (Megatron-LM's
+    default); None without --wandb-project."""
+    if not args.wandb_project:
+        return None
+    if args.wandb_save_dir:
+        return args.wandb_save_dir
+    return os.path.join(args.save, "wandb") if args.save else None
+
+
+def _check_wandb(args, explicit):
+    """--wandb-project: the wandb package and a directory for the run files; the other W&B flags need it."""
+    if not args.wandb_project:
+        given = sorted(flag(dest) for dest in ("wandb_exp_name", "wandb_save_dir") if dest in explicit)
+        if given:
+            verb = "takes" if len(given) == 1 else "take"
+            raise ArgumentError(f"{', '.join(given)} {verb} effect only with --wandb-project: add it, or drop "
+                                f"{'it' if len(given) == 1 else 'them'}")
+        return
+    if importlib.util.find_spec("wandb") is None:
+        raise ArgumentError("--wandb-project needs the wandb package, which is not installed: pip install wandb "
+                            "(or this package's 'wandb' extra)")
+    if wandb_directory(args) is None:
+        raise ArgumentError("--wandb-project needs a directory for the run files: give --wandb-save-dir, or "
+                            "--save (its wandb/ directory is used)")
+
+
 def unwritable_reason(path: str) -> str | None:
     """Why the run could not create or write the directory ``path``, or None when it can. Leaves nothing
     on disk: the probe is an unnamed temporary file in the deepest directory that exists."""
@@ -411,5 +438,6 @@ def validate_args(args: argparse.Namespace, explicit: set[str], launch: LaunchEn
     _check_profile(args, explicit, launch.world_size)
     _check_data(args)
     _check_tokenizer_and_tools(args)
+    _check_wandb(args, explicit)
     _check_output_directories(args)
     return derived

@@ -1,6 +1,7 @@
 """build_config: the typed, frozen TrainConfig derived from parsed flags and a tokenizer's vocabulary."""
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -211,6 +212,17 @@ def test_logging_and_checkpoint_flags(tmp_path):
     assert config.logging.log_path == logs
     assert dataclasses.astuple(config.checkpoint) == (save, load, 10, False, True, False, True, False, False, (), None, (),
                                                       False)
+
+
+def test_wandb_flags_and_the_run_directory(tmp_path):
+    pytest.importorskip("wandb", reason="--wandb-project needs wandb (the 'wandb' extra)")
+    save = str(tmp_path / "ckpt")
+    logging = config_of(["--wandb-project", "p", "--save", save, "--save-interval", "10"]).logging
+    assert (logging.wandb_project, logging.wandb_exp_name, logging.wandb_save_dir) == \
+        ("p", None, os.path.join(save, "wandb"))
+    logging = config_of(["--wandb-project", "p", "--wandb-exp-name", "run", "--wandb-save-dir", str(tmp_path)]).logging
+    assert (logging.wandb_exp_name, logging.wandb_save_dir) == ("run", str(tmp_path))
+    assert config_of().logging.wandb_save_dir is None
 
 
 def test_every_config_field_is_documented():

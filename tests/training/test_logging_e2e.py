@@ -7,17 +7,22 @@ iterations (so the printed loss is an average of two), evaluation every 2 iterat
 at iteration 4, and Megatron-DeepSpeed's TensorBoard flags.
 """
 import glob
+import importlib.util
+import json
 import math
 import os
 import re
 
 import pytest
 
+from tests.dist_utils import free_port
 from tests.training.e2e_utils import read_scalars, run_pretrain, tiny_gpt_flags
 
 pytestmark = pytest.mark.distributed
 
 GBS, SEQ, LAYERS, HIDDEN, PADDED_VOCAB, WORLD_SIZE, TRAIN_ITERS, LOG_INTERVAL = 4, 64, 2, 64, 1152, 2, 4, 2
+HAS_WANDB = importlib.util.find_spec("wandb") is not None
+NO_WANDB = "wandb is not installed (pip install wandb, or the 'wandb' extra)"
 
 # Megatron-DeepSpeed's line (docs/logging.md), fp32 so no loss scale; DeepSpeed counts no zeros, so no
 # "num zeros" either; then our model TFLOP/s (MFU only when a GPU peak was measured).
@@ -54,17 +59,35 @@ def model_tflops(iteration_time):
 
 
 @pytest.fixture(scope="module")
-def logged_run(e2e_data, tmp_path_factory):
+def wandb_dir(tmp_path_factory) -> str | None:
+    """--wandb-save-dir of the logged run, when wandb is installed (the run then also logs to W&B)."""
+    return str(tmp_path_factory.mktemp("wandb")) if HAS_WANDB else None
+
+
+@pytest.fixture(scope="module")
+def logged_run(e2e_data, tmp_path_factory, wandb_dir):
+    """The run; with wandb installed it also logs to W&B, offline: no API key and an unreachable server
+    (WANDB_MODE unset, so the trainer has to notice that itself), W&B's own files kept in the test's
+    directories."""
     tensorboard_dir = str(tmp_path_factory.mktemp("tensorboard"))
     checkpoint_dir = str(tmp_path_factory.mktemp("checkpoints"))
+    wandb_flags, env = [], None
+    if wandb_dir:
+        wandb_flags = ["--wandb-project", "tiny", "--wandb-exp-name", "logged-run", "--wandb-save-dir", wandb_dir]
+        home = str(tmp_path_factory.mktemp("wandb_home"))
+        env = {"WANDB_BASE_URL": f"http://127.0.0.1:{free_port()}", "WANDB_CONFIG_DIR": home,
+               "WANDB_CACHE_DIR": home, "WANDB_DATA_DIR": home}
     flags = tiny_gpt_flags(e2e_data, seq_length=SEQ) + [
         "--pipeline-model-parallel-size", "2", "--micro-batch-size", "2", "--global-batch-size", str(GBS),
         "--train-iters", str(TRAIN_ITERS), "--lr", "1e-3", "--pad-vocab-size-to", str(PADDED_VOCAB),
         "--log-interval", str(LOG_INTERVAL), "--eval-interval", "2", "--eval-iters", "2",
         "--tensorboard-dir", tensorboard_dir, "--tensorboard-queue-size", "5", "--log-timers-to-tensorboard",
         "--log-batch-size-to-tensorboard", "--log-validation-ppl-to-tensorboard",
-        "--save", checkpoint_dir, "--save-interval", "4"]
-    result = run_pretrain(flags, nproc=WORLD_SIZE)
+        "--save", checkpoint_dir, "--save-interval", "4"] + wandb_flags
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("WANDB_MODE", "WANDB_API_KEY"):
+            patch.delenv(name, raising=False)
+        result = run_pretrain(flags, nproc=WORLD_SIZE, env=env)
     result.assert_ok()
     lines = [LOG_LINE.match(text) for text in result.output.splitlines() if text.startswith(" iteration ")]
     return result, lines, read_scalars(tensorboard_dir), tensorboard_dir, checkpoint_dir
@@ -223,3 +246,82 @@ def test_summary_gives_the_last_losses_and_the_throughput(logged_run):
     seconds = sum(LOG_INTERVAL * GBS / samples_per_second[int(match["iteration"])] for match in lines)
     assert float(fields["samples per second"]) == pytest.approx(GBS * TRAIN_ITERS / seconds, rel=1e-3)
     assert float(fields["model TFLOP/s per GPU"]) == pytest.approx(model_tflops(seconds / TRAIN_ITERS), rel=1e-3)
+
+
+# ---- Weights & Biases: the same scalars, read back from the offline run's transaction log -------------------
+
+WANDB_LOG_BLOCK = 32768  # the .wandb file is a LevelDB-format log of wandb_internal_pb2.Record messages
+
+
+def wandb_records(path: str) -> list:
+    """The records of an offline run's .wandb file: after a 7-byte header (":W&B", magic, version), chunks
+    of [crc32c (4), length (2, little-endian), type (1: whole, 2: first, 3: middle, 4: last)] + data that
+    never cross a 32 KiB block (a block's last < 7 bytes are padding). ``wandb sync`` uploads these."""
+    from wandb.proto import wandb_internal_pb2
+
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[:4] == b":W&B", f"{path} is not a W&B transaction log"
+    position, pending, records = 7, b"", []
+    while position + 7 <= len(data):
+        if WANDB_LOG_BLOCK - position % WANDB_LOG_BLOCK < 7:
+            position += WANDB_LOG_BLOCK - position % WANDB_LOG_BLOCK
+            continue
+        length, kind = int.from_bytes(data[position + 4:position + 6], "little"), data[position + 6]
+        pending += data[position + 7:position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def wandb_history(records) -> list[dict[str, float]]:
+    """The rows of the history records, in order."""
+    return [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            for record in records if record.WhichOneof("record_type") == "history"]
+
+
+@pytest.fixture(scope="module")
+def wandb_run(logged_run, wandb_dir):
+    if not HAS_WANDB:
+        pytest.skip(NO_WANDB)
+    runs = glob.glob(os.path.join(wandb_dir, "wandb", "offline-run-*"))
+    assert len(runs) == 1, f"one rank writes one run, found {runs}"
+    (log,) = glob.glob(os.path.join(runs[0], "run-*.wandb"))
+    return wandb_records(log)
+
+
+def test_wandb_runs_offline_from_the_rank_that_writes_tensorboard(logged_run, wandb_run, wandb_dir):
+    result = logged_run[0]
+    noticed = [line for line in result.output.splitlines() if "the run is written offline" in line]
+    assert len(noticed) == 1 and "no W&B API key" in noticed[0] and wandb_dir in noticed[0], noticed
+    (run,) = [record.run for record in wandb_run if record.WhichOneof("record_type") == "run"]
+    assert (run.project, run.display_name) == ("tiny", "logged-run")
+    config = {item.key: json.loads(item.value_json) for record in wandb_run
+              if record.WhichOneof("record_type") == "config" for item in record.config.update}
+    assert config["model.num_layers"] == LAYERS and config["logging.wandb_project"] == "tiny"
+
+
+def test_wandb_has_tensorboards_scalars(logged_run, wandb_run):
+    """Every scalar TensorBoard has against the iteration, W&B has in the rows of that iteration, value for
+    value (a second value at one iteration, the end-of-training validation, in a row of its own); every
+    "vs samples/tokens/gigaflos" series is W&B's metric against its x/samples, x/tokens, x/gigaflos."""
+    scalars, rows = logged_run[2], wandb_history(wandb_run)
+    axis_only = {"steps-vs-samples/y=steps,x=samples": "steps-vs-samples/y=samples,x=steps",
+                 "steps-vs-tokens/y=steps,x=tokens": "steps-vs-tokens/y=tokens,x=steps"}
+    for tag, series in scalars.items():
+        if tag in axis_only:
+            expected = [(row[axis_only[tag]], row["iteration"]) for row in rows if axis_only[tag] in row]
+        elif " vs " in tag:
+            base, axis = tag.split(" vs ")
+            expected = [(int(row[f"x/{axis}"]), row[base]) for row in rows if base in row]
+        else:
+            expected = [(row["iteration"], row[tag]) for row in rows if tag in row]
+        assert [step for step, _ in series] == [step for step, _ in expected], tag
+        assert [value for _, value in series] == pytest.approx([value for _, value in expected], rel=1e-6), tag
+    logged = {tag for row in rows for tag in row if not tag.startswith(("_", "x/")) and tag != "iteration"}
+    assert logged == {tag for tag in scalars if " vs " not in tag and tag not in axis_only}
+    assert len(rows) > 4 and [row["iteration"] for row in rows] == sorted(row["iteration"] for row in rows)

@@ -1,7 +1,10 @@
 """Flags that would waste a run are refused by pretrain_gpt.py itself, before any process group: a run
-that does nothing it was asked to, or an output directory it could not write. Each case: exit status 2,
-one ``pretrain_gpt.py: error:`` line naming the flag and the fix, and nothing written (every output
-directory of the command line still absent)."""
+that does nothing it was asked to, an output directory it could not write, a ds_config key DeepSpeed
+does not know, W&B flags without their project. Each case: exit status 2, one ``pretrain_gpt.py:
+error:`` line naming the flag and the fix, and nothing written (every output directory of the command
+line still absent)."""
+import importlib.util
+import json
 import os
 import sys
 
@@ -67,15 +70,17 @@ def test_one_global_batch_of_samples_and_tokens_is_accepted():
     assert parse_args(argv, env={}, cuda_available=False).flags.train_tokens == 128
 
 
-@pytest.mark.parametrize("dest", ["save", "tensorboard_dir", "log_path", "data_cache_path"])
+@pytest.mark.parametrize("dest", ["save", "tensorboard_dir", "log_path", "data_cache_path", "wandb_save_dir"])
 @pytest.mark.parametrize("where", ["under a file", "a file"])
 def test_an_output_directory_that_cannot_be_written_is_named(dest, where, tmp_path, capsys, monkeypatch):
+    if dest == "wandb_save_dir":
+        pytest.importorskip("wandb", reason="--wandb-project needs wandb (the 'wandb' extra)")
     blocker = tmp_path / "taken"
     blocker.write_text("a file where a directory was meant to be")
     path = str(blocker / "run") if where == "under a file" else str(blocker)
     option = "--" + dest.replace("_", "-")
     argv = MODEL_AND_RUN + ["--data-path", str(tmp_path / "corpus"), "--train-iters", "10"] + outputs(tmp_path)
-    argv += [option, path]
+    argv += [option, path] + (["--wandb-project", "p"] if dest == "wandb_save_dir" else [])
     message = start_error(argv, capsys, monkeypatch)
     assert f"{option} {path}: {blocker} is a file, not a directory" in message
     assert "choose a directory this job can write" in message
@@ -91,3 +96,51 @@ def test_a_read_only_directory_is_named(tmp_path, capsys, monkeypatch):
     message = start_error(argv, capsys, monkeypatch)
     assert f"--tensorboard-dir {locked / 'tb'}: cannot write in {locked}: Permission denied" in message
     assert os.listdir(locked) == []
+
+
+@pytest.mark.parametrize("config, words", [
+    ({"train_batch_sizee": 8, "gradient_clippping": 0.5},
+     ["unknown keys train_batch_sizee (did you mean train_batch_size?), gradient_clippping (did you mean "
+      "gradient_clipping?)"]),
+    ({"zero_optimization": {"stage": 1, "overlap_comn": True}},
+     ["unknown key zero_optimization.overlap_comn (did you mean overlap_comm?)"]),
+])
+def test_a_ds_config_key_deepspeed_does_not_know_is_named(config, words, tmp_path, capsys, monkeypatch):
+    ds_config = tmp_path / "ds_config.json"
+    ds_config.write_text(json.dumps(config))
+    argv = MODEL_AND_RUN + ["--data-path", str(tmp_path / "corpus"), "--train-iters", "10", "--deepspeed",
+                            "--deepspeed_config", str(ds_config)] + outputs(tmp_path)
+    message = start_error(argv, capsys, monkeypatch)
+    assert all(word in message for word in words) and f"in {ds_config}: DeepSpeed" in message, message
+    assert os.listdir(tmp_path) == ["ds_config.json"] and json.loads(ds_config.read_text()) == config
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--wandb-exp-name", "run1"], ["--wandb-exp-name takes effect only with --wandb-project"]),
+    (["--wandb-exp-name", "run1", "--wandb-save-dir", "/w"],
+     ["--wandb-exp-name, --wandb-save-dir take effect only with --wandb-project"]),
+])
+def test_wandb_flags_need_the_project(extra, words, tmp_path, capsys, monkeypatch):
+    argv = MODEL_AND_RUN + ["--data-path", str(tmp_path / "corpus"), "--train-iters", "10"] + outputs(tmp_path)
+    message = start_error(argv + extra, capsys, monkeypatch)
+    assert all(word in message for word in words), message
+    assert os.listdir(tmp_path) == []
+
+
+def test_wandb_project_needs_a_directory(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("wandb", reason="--wandb-project needs wandb (the 'wandb' extra)")
+    argv = MODEL_AND_RUN + ["--data-path", str(tmp_path / "corpus"), "--train-iters", "10", "--wandb-project", "p"]
+    message = start_error(argv, capsys, monkeypatch)
+    assert "--wandb-project needs a directory for the run files: give --wandb-save-dir, or --save" in message
+    assert os.listdir(tmp_path) == []
+
+
+def test_wandb_project_needs_wandb_installed(tmp_path, capsys, monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "wandb" else
+                        find_spec(name, *rest))
+    argv = MODEL_AND_RUN + ["--data-path", str(tmp_path / "corpus"), "--train-iters", "10", "--wandb-project", "p",
+                            "--wandb-save-dir", str(tmp_path / "wandb")]
+    message = start_error(argv, capsys, monkeypatch)
+    assert "--wandb-project needs the wandb package, which is not installed: pip install wandb" in message
+    assert os.listdir(tmp_path) == []

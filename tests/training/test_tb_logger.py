@@ -1,12 +1,16 @@
 """TensorBoard events written by the logger, read back with tensorboard's EventAccumulator."""
 import glob
 import math
+import socket
+from types import SimpleNamespace
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megatron.training.metrics import Throughput
-from megatron.training.tb_logger import IterationScalars, Progress, TensorBoardLogger, TensorBoardSettings
+from megatron.training.tb_logger import (IterationScalars, Progress, TensorBoardLogger, TensorBoardSettings,
+                                         logger_settings)
+from megatron.training.wandb_logger import WandbSettings, offline_reason
 from megatron.training.timers import Timers
 
 GBS, SEQ = 8, 16
@@ -147,6 +151,9 @@ def test_disabled_logger_writes_nothing(tmp_path):
     logger.close()
     assert not logger.active and glob.glob(str(tmp_path / "*")) == []
     assert not TensorBoardLogger(None, enabled=True).active
+    wandb = WandbSettings(project="p", name=None, directory=str(tmp_path / "wandb"))
+    assert not TensorBoardLogger(TensorBoardSettings(log_dir=None), enabled=False, wandb=wandb).active
+    assert glob.glob(str(tmp_path / "*")) == []
 
 
 def test_each_restart_opens_a_new_events_file(tmp_path):
@@ -163,3 +170,36 @@ def test_each_restart_opens_a_new_events_file(tmp_path):
 def test_invalid_settings(tmp_path, field, flag):
     with pytest.raises(ValueError, match=flag):
         TensorBoardSettings(log_dir=str(tmp_path), **{field: 0})
+
+
+def logging_config(**given):
+    fields = dict(tensorboard_dir=None, tensorboard_queue_size=7, tensorboard_log_interval=3,
+                  log_timers_to_tensorboard=True, log_batch_size_to_tensorboard=False,
+                  log_learning_rate_to_tensorboard=True, log_loss_scale_to_tensorboard=False,
+                  log_validation_ppl_to_tensorboard=True, wandb_project=None, wandb_exp_name=None, wandb_save_dir=None)
+    return SimpleNamespace(**{**fields, **given})
+
+
+def test_wandb_takes_the_tensorboard_flags_with_or_without_a_tensorboard_dir():
+    assert logger_settings(logging_config()) == (None, None)
+    settings, wandb = logger_settings(logging_config(wandb_project="p", wandb_exp_name="run", wandb_save_dir="/w"))
+    assert wandb == WandbSettings(project="p", name="run", directory="/w")
+    assert settings == TensorBoardSettings(log_dir=None, queue_size=7, log_interval=3, log_timers=True,
+                                           log_batch_size=False, log_learning_rate=True, log_loss_scale=False,
+                                           log_validation_ppl=True)
+    settings, wandb = logger_settings(logging_config(tensorboard_dir="/tb"))
+    assert settings.log_dir == "/tb" and wandb is None
+
+
+def test_wandb_goes_offline_without_an_api_key_or_a_server():
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        listening = f"http://127.0.0.1:{server.getsockname()[1]}"
+        assert "no W&B API key" in offline_reason({"WANDB_BASE_URL": listening})
+        assert offline_reason({"WANDB_BASE_URL": listening, "WANDB_API_KEY": "k"}) is None
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        unreachable = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    assert offline_reason({"WANDB_BASE_URL": unreachable, "WANDB_API_KEY": "k"}) == \
+        "the W&B server 127.0.0.1 cannot be reached"
