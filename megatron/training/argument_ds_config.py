@@ -45,12 +45,14 @@ are set to false (refused when the config sets them true): the stages exchange w
 """
 import difflib
 import json
+import logging
 import math
 import typing
 
 import deepspeed
 import pydantic
 from deepspeed.runtime.config import DeepSpeedConfig, _reject_removed_config_keys
+from deepspeed.utils import logger as deepspeed_logger
 
 from megatron.core.dtypes import canonical_dtype_name
 from megatron.training.argument_types import ArgumentError
@@ -482,6 +484,8 @@ def check_known_keys(config: dict, where: str):
     recorded = _ReadKeys(config, (), reads)
     parser = object.__new__(DeepSpeedConfig)
     parser.global_rank, parser.world_size = 0, 1
+    level = deepspeed_logger.level
+    deepspeed_logger.setLevel(logging.ERROR)  # its warnings (deprecated keys) come again when the engine starts
     try:
         _reject_removed_config_keys(recorded)
         DeepSpeedConfig._initialize_params(parser, recorded)
@@ -490,6 +494,8 @@ def check_known_keys(config: dict, where: str):
     except Exception as exc:  # DeepSpeed's own checks: assertions, DeepSpeedConfigError, ValueError
         raise ArgumentError(f"DeepSpeed {deepspeed.__version__} refuses the ds_config {where}: "
                             f"{str(exc).strip()}") from None
+    finally:
+        deepspeed_logger.setLevel(level)
     unknown = _unread_keys(config, reads)
     if unknown:
         keys = "key " + unknown[0] if len(unknown) == 1 else "keys " + ", ".join(unknown)
