@@ -114,8 +114,9 @@ def test_load_continues_the_megatron_deepspeed_run(foreign_run, e2e_data, tmp_pa
 def test_load_continues_a_zero_stage_0_run(e2e_data, tmp_path):
     """fp32 at ZeRO stage 0: the torch optimizer's state, three groups, in the model-states file."""
     source = run_foreign(e2e_data, tmp_path / "source", nproc=1, zero_stage=0)
-    assert len(megatron_deepspeed.load_file(os.path.join(source["save"], f"global_step{SAVE_ITERATION}",
-                                                         "mp_rank_00_model_states.pt"))["optimizer"]["param_groups"]) == 3
+    saved = megatron_deepspeed.load_file(os.path.join(source["save"], f"global_step{SAVE_ITERATION}",
+                                                      "mp_rank_00_model_states.pt"))
+    assert len(saved["optimizer"]["param_groups"]) == 3
     result = run_pretrain(flags(e2e_data, str(tmp_path / "tb"), zero_stage=0) + ["--load", rolled_back(source["save"])])
     result.assert_ok()
     assert_continues(source, {"scalars": read_scalars(str(tmp_path / "tb")), "output": result.output}, rtol=1e-5)

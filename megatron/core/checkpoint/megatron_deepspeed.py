@@ -142,7 +142,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
         return _foreign_class(module, name)
 
 
-restricted_pickle = types.SimpleNamespace(Unpickler=_RestrictedUnpickler, load=pickle.load, __name__="restricted_pickle")
+restricted_pickle = types.SimpleNamespace(Unpickler=_RestrictedUnpickler, load=pickle.load,
+                                          __name__="restricted_pickle")
 
 
 def load_file(path: str, mmap: bool = True) -> dict:
@@ -277,7 +278,8 @@ def parameter_states(directory: str, model_parallel_rank: int) -> tuple[dict[str
                         tensor.narrow(0, int(fragment.start), int(fragment.numel)))
     if not shapes:
         raise MegatronDeepSpeedError(f"{shapes_file} has no param_shapes: not a ZeRO checkpoint")
-    states = {own_name(name): {key: torch.cat(parts).view(shapes[group_of[name]][name]) for key, parts in by_key.items()}
+    states = {own_name(name): {key: torch.cat(parts).view(shapes[group_of[name]][name])
+                               for key, parts in by_key.items()}
               for name, by_key in pieces.items()}
     step = partitions[0]["base_optimizer_state"]["state"][0].get("step")
     return states, step

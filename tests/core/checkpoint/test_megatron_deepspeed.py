@@ -133,7 +133,8 @@ def test_parameter_states_join_the_fragments_of_every_dp_rank(tmp_path):
     _partition(tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt", [{"3.w": FragmentAddress(4, 0)}, {}],
                [weight.flatten()[:4], torch.zeros(0)], [weight.flatten()[:4] + 100, torch.zeros(0)])
     _partition(tmp_path / "zero_pp_rank_1_mp_rank_00_optim_states.pt",
-               [{"3.w": FragmentAddress(2, 0)}, {"tied_modules.embed.word_embeddings.norm.weight": FragmentAddress(2, 0)}],
+               [{"3.w": FragmentAddress(2, 0)},
+                {"tied_modules.embed.word_embeddings.norm.weight": FragmentAddress(2, 0)}],
                [weight.flatten()[4:], norm], [weight.flatten()[4:] + 100, norm + 100])
     states, step = megatron_deepspeed.parameter_states(str(tmp_path), 0)
     assert step == 5 and sorted(states) == ["3.w", "tied_modules.embed.embed_layernorm.weight"]
