@@ -17,8 +17,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.core.checkpoint.reader import CheckpointInputError, open_checkpoint  # noqa: E402
-from tools.convert_checkpoint.reshape import report, reshape_with_progress  # noqa: E402
+from megatron.core.checkpoint.reader import CheckpointInputError  # noqa: E402
+from tools.convert_checkpoint.reshape import (ALLOW_MISSING_MANIFEST_HELP, open_input, report,  # noqa: E402
+                                              reshape_with_progress)
 
 CHECKED_MODEL_FLAGS = {"--num-layers": "num_layers", "--hidden-size": "hidden_size",
                        "--num-attention-heads": "num_attention_heads", "--ffn-hidden-size": "ffn_hidden_size",
@@ -34,6 +35,7 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                         help="pipeline-parallel size of the merged checkpoint")
     parser.add_argument("--load", required=True, help="the checkpoint to merge")
     parser.add_argument("--save", required=True, help="the new --save directory (must not exist)")
+    parser.add_argument("--allow-missing-manifest", action="store_true", help=ALLOW_MISSING_MANIFEST_HELP)
     for flag in CHECKED_MODEL_FLAGS:
         parser.add_argument(flag, type=int, default=None, help="checked against the checkpoint's model")
     arguments, ignored = parser.parse_known_args(argv)
@@ -43,7 +45,7 @@ def parse_arguments(argv=None) -> argparse.Namespace:
 
 
 def merge(arguments) -> str:
-    checkpoint = open_checkpoint(arguments.load, "--load")
+    checkpoint = open_input(arguments.load, arguments.allow_missing_manifest, "--load")
     if checkpoint.tp != arguments.tensor_model_parallel_size:
         raise CheckpointInputError(f"--tensor-model-parallel-size {arguments.tensor_model_parallel_size}: {arguments.load} "
                                    f"was saved with TP {checkpoint.tp}")

@@ -14,8 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megatron.core.checkpoint.reader import open_checkpoint  # noqa: E402
-from tools.convert_checkpoint.reshape import layout_parser, report, reshape_with_progress  # noqa: E402
+from tools.convert_checkpoint.reshape import layout_parser, open_input, report, reshape_with_progress  # noqa: E402
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:
@@ -28,8 +27,9 @@ def parse_arguments(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     arguments = parse_arguments(argv)
-    return report(lambda: reshape_with_progress(open_checkpoint(arguments.input_folder), arguments.output_folder,
-                                                arguments.target_tp, arguments.target_pp, arguments.target_dp))
+    return report(lambda: reshape_with_progress(open_input(arguments.input_folder, arguments.allow_missing_manifest),
+                                                arguments.output_folder, arguments.target_tp, arguments.target_pp,
+                                                arguments.target_dp))
 
 
 if __name__ == "__main__":

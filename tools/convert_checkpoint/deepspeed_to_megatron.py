@@ -15,8 +15,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatron.core.checkpoint.megatron_lm import write_megatron_lm_checkpoint  # noqa: E402
-from megatron.core.checkpoint.reader import open_checkpoint  # noqa: E402
-from tools.convert_checkpoint.reshape import layout_parser, report  # noqa: E402
+from tools.convert_checkpoint.reshape import layout_parser, manifest_note, open_input, report  # noqa: E402
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:
@@ -31,13 +30,14 @@ def convert(arguments) -> str:
     from tqdm import tqdm
 
     started = time.perf_counter()
-    checkpoint = open_checkpoint(arguments.input_folder)
+    checkpoint = open_input(arguments.input_folder, arguments.allow_missing_manifest)
     with tqdm(total=checkpoint.model["num_layers"] + 2, desc="layers", unit="layer", file=sys.stderr) as bar:
         written = write_megatron_lm_checkpoint(checkpoint, arguments.output_folder, arguments.target_tp,
                                                arguments.target_pp, arguments.for_release, lambda _: bar.update())
     return (f"iteration {checkpoint.iteration} (TP {checkpoint.tp}, PP {checkpoint.pp}) written in Megatron-LM's layout "
             f"at TP {written.tp}, PP {written.pp} to {written.directory}/{written.iteration_directory} "
-            f"(padded vocabulary {written.padded_vocab_size}) in {time.perf_counter() - started:.1f} s, weights only")
+            f"(padded vocabulary {written.padded_vocab_size}) in {time.perf_counter() - started:.1f} s, weights only"
+            f"{manifest_note(checkpoint)}")
 
 
 def main(argv=None) -> int:

@@ -19,16 +19,17 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatron.core.checkpoint.output import staged_directory, tree_size  # noqa: E402
-from megatron.core.checkpoint.reader import CheckpointInputError, iter_full_layers, open_checkpoint  # noqa: E402
+from megatron.core.checkpoint.reader import CheckpointInputError, iter_full_layers  # noqa: E402
 from megatron.core.checkpoint.transformers_export import (NotExportableError, architecture,  # noqa: E402
                                                           exported_layer, transformers_config)
-from tools.convert_checkpoint.reshape import report  # noqa: E402
+from tools.convert_checkpoint.reshape import ALLOW_MISSING_MANIFEST_HELP, open_input, report  # noqa: E402
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--input_folder", required=True, help="a global_stepN directory (or the --save directory)")
     parser.add_argument("--output_folder", required=True, help="the transformers model directory (must not exist)")
+    parser.add_argument("--allow_missing_manifest", action="store_true", help=ALLOW_MISSING_MANIFEST_HELP)
     return parser.parse_args(argv)
 
 
@@ -65,25 +66,25 @@ def set_end_of_document(output: str, vocab_size: int) -> None:
 
 
 def export(arguments) -> str:
-    from safetensors.torch import save_file
+    from safetensors.torch import save
     from tqdm import tqdm
 
     started = time.perf_counter()
-    checkpoint = open_checkpoint(arguments.input_folder)
+    checkpoint = open_input(arguments.input_folder, arguments.allow_missing_manifest)
     try:
         kind = architecture(checkpoint.model)
     except NotExportableError as error:
         raise CheckpointInputError(f"{checkpoint.directory}: {error}") from None
     vocab_size, weight_map, dtype = checkpoint.original_vocab_size, {}, None
-    with staged_directory(arguments.output_folder) as staging:
-        layers = tqdm(iter_full_layers(checkpoint), total=checkpoint.model["num_layers"] + 2, desc="layers",
-                      unit="layer", file=sys.stderr)
+    with staged_directory(arguments.output_folder) as staging, \
+            tqdm(iter_full_layers(checkpoint), total=checkpoint.model["num_layers"] + 2, desc="layers", unit="layer",
+                 file=sys.stderr) as layers:
         for layer, state in layers:
             tensors = exported_layer(checkpoint.model, layer, state, vocab_size)
             dtype = dtype or next(iter(tensors.values())).dtype
             shard = f"model-layer{layer:05d}.safetensors"
-            save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, os.path.join(staging, shard),
-                      metadata={"format": "pt"})
+            with open(os.path.join(staging, shard), "wb") as f:  # Python's write: a refused write names its cause
+                f.write(save({name: tensor.contiguous() for name, tensor in tensors.items()}, metadata={"format": "pt"}))
             weight_map.update({name: shard for name in tensors})
         with open(os.path.join(staging, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": tree_size(staging)}, "weight_map": weight_map}, f, indent=1)

@@ -26,8 +26,9 @@ layer at a time. Besides, this tool
   - takes in a checkpoint written by Megatron-DeepSpeed (megatron.core.checkpoint.megatron_deepspeed):
     its model-states files are read translated, its three optimizer groups become the trainer's two
     and its parameter names ours;
-  - writes into a hidden directory that is renamed when complete, with a manifest of every file, and
-    writes ``latest_universal`` last. A failed conversion leaves no output.
+  - writes into a hidden directory that is renamed when complete, with a manifest of every file (none
+    when the input had none: --allow_missing_manifest), and writes ``latest_universal`` last. A
+    failed conversion leaves no output; an output that cannot be written is named in one line.
 """
 import argparse
 import os
@@ -39,12 +40,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 
 from megatron.core.checkpoint import megatron_deepspeed  # noqa: E402
-from megatron.core.checkpoint.output import (staged_directory, tree_size, write_pointer,  # noqa: E402
-                                             write_tree_manifest)
-from megatron.core.checkpoint.reader import open_checkpoint, resolve_tag_directory  # noqa: E402
+from megatron.core.checkpoint.output import (output_errors, save_torch_file, staged_directory,  # noqa: E402
+                                             tree_size, write_pointer, write_tree_manifest)
+from megatron.core.checkpoint.reader import resolve_tag_directory  # noqa: E402
 from megatron.core.checkpoint.universal import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info  # noqa: E402
 from megatron.core.checkpoint.universal_writer import write_universal_zero  # noqa: E402
-from tools.convert_checkpoint.reshape import report  # noqa: E402
+from tools.convert_checkpoint.reshape import (ALLOW_MISSING_MANIFEST_HELP, manifest_note, open_input,  # noqa: E402
+                                              report)
 
 UNIVERSAL_LATEST = "latest_universal"
 
@@ -57,6 +59,7 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                         help="processes converting layers side by side (each holds one layer's states)")
     parser.add_argument("--num_merge_workers", type=int, default=2,
                         help="accepted for Megatron-DeepSpeed's scripts: each worker merges the layer it extracts")
+    parser.add_argument("--allow_missing_manifest", action="store_true", help=ALLOW_MISSING_MANIFEST_HELP)
     return parser.parse_args(argv)
 
 
@@ -70,7 +73,7 @@ def write_model_states(checkpoint, output: str) -> None:
         if name.startswith("mp_rank_"):
             state = torch.load(os.path.join(checkpoint.directory, name), map_location="cpu", weights_only=False,
                                mmap=True)
-            torch.save({**state, UNIVERSAL_CHECKPOINT_INFO: info}, os.path.join(output, name))
+            save_torch_file({**state, UNIVERSAL_CHECKPOINT_INFO: info}, os.path.join(output, name))
 
 
 def take_in_megatron_deepspeed(output: str) -> None:
@@ -92,7 +95,7 @@ def convert(arguments) -> str:
     output = os.path.normpath(arguments.output_folder)
     with megatron_deepspeed.translated_input(resolve_tag_directory(arguments.input_folder),
                                              os.path.dirname(output) or ".") as input_folder:
-        checkpoint = open_checkpoint(input_folder, read_optimizer=True)
+        checkpoint = open_input(input_folder, arguments.allow_missing_manifest, read_optimizer=True)
         foreign = megatron_deepspeed.is_translated(checkpoint.state)
         layers = checkpoint.model["num_layers"] + 2
         with staged_directory(output) as staging, \
@@ -101,12 +104,16 @@ def convert(arguments) -> str:
             if foreign:
                 take_in_megatron_deepspeed(staging)
             write_model_states(checkpoint, staging)
-            files = write_tree_manifest(staging, checkpoint.iteration)
-    write_pointer(os.path.join(os.path.dirname(output) or ".", UNIVERSAL_LATEST), os.path.basename(output))
+            if checkpoint.unverified is None:  # no manifest vouches for unverified input
+                write_tree_manifest(staging, checkpoint.iteration)
+    with output_errors(output, "--output_folder"):
+        write_pointer(os.path.join(os.path.dirname(output) or ".", UNIVERSAL_LATEST), os.path.basename(output))
+    files = sum(len(names) for _, _, names in os.walk(output))
     return (f"universal checkpoint of iteration {checkpoint.iteration} (saved at TP {checkpoint.tp}, PP "
             f"{checkpoint.pp}, DP {checkpoint.dp}) written to {output}: {files} files, "
             f"{tree_size(output) / 1e9:.3f} GB in {time.perf_counter() - started:.1f} s; "
-            f"{UNIVERSAL_LATEST} names it. Resume with --load {os.path.dirname(output) or '.'} --universal-checkpoint")
+            f"{UNIVERSAL_LATEST} names it. Resume with --load {os.path.dirname(output) or '.'} --universal-checkpoint"
+            f"{manifest_note(checkpoint)}")
 
 
 def main(argv=None) -> int:

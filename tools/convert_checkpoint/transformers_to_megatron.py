@@ -122,10 +122,10 @@ def import_model(arguments) -> str:
     output = os.path.abspath(arguments.output_folder)
     tokenizer_flags, data = tokenizer_settings(source, output)
     state = imported_checkpoint_state(model, vocab_size, tp, pp, {**data, "orig_vocab_size": vocab_size})
-    layers = tqdm(imported_layers(weights, kind, options, padded), total=options["num_layers"] + 2, desc="layers",
-                  unit="layer", file=sys.stderr)
-    written = write_checkpoint(output, 0, layers, state, tp, pp, glu=False,
-                               before_commit=lambda staging: copy_tokenizer_files(source, staging))
+    with tqdm(imported_layers(weights, kind, options, padded), total=options["num_layers"] + 2, desc="layers",
+              unit="layer", file=sys.stderr) as layers:
+        written = write_checkpoint(output, 0, layers, state, tp, pp, glu=False,
+                                   before_commit=lambda staging: copy_tokenizer_files(source, staging))
     padding = (f"padded to {padded} rows ({padded - vocab_size} zero rows, whose logits 0 enter the softmax)"
                if padded > vocab_size else "not padded")
     return (f"{kind} from {source} written at TP {tp}, PP {pp} to {output}/global_step0: {written} layers in "

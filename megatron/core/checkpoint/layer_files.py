@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron.core.checkpoint.output import save_torch_file
 from megatron.core.checkpoint.partitions import merge_partitions, split_partitions, tensor_split
 
 LAYER_FILE = re.compile(r"^layer_(?P<layer>\d+)-model_(?P<rank>\d+)-model_states\.pt$")
@@ -85,9 +86,9 @@ def write_layer(directory: str, layer: int, full_state: dict[str, torch.Tensor],
     for rank in range(tp_size):
         path = os.path.join(directory, layer_file_name(layer, rank))
         handle, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+        os.close(handle)
         try:
-            with os.fdopen(handle, "wb") as f:
-                torch.save({name: parts[name][rank] for name in full_state}, f)
+            save_torch_file({name: parts[name][rank] for name in full_state}, temporary)
             os.replace(temporary, path)
         except BaseException:
             os.unlink(temporary)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron.core.checkpoint.names import EMBEDDING_LAYER, FIRST_TRANSFORMER_LAYER, final_norm_layer
-from megatron.core.checkpoint.output import staged_directory, write_pointer, write_tree_manifest
+from megatron.core.checkpoint.output import save_torch_file, staged_directory, write_pointer, write_tree_manifest
 from megatron.core.checkpoint.partitions import split_partitions, tensor_split
 from megatron.core.checkpoint.reader import CheckpointInputError, SavedCheckpoint, iter_full_layers
 from megatron.core.checkpoint.writer import check_target_layout, padded_rows, target_padded_vocab_size
@@ -93,7 +93,7 @@ class _StageFiles:
                     "weight": split_partitions(self.head, tensor_split("word_embeddings.weight"), self.tp)[rank]}
             directory = os.path.join(self.root, rank_directory(rank, stage, self.pp))
             os.makedirs(directory)
-            torch.save({**self.header, "model": model}, os.path.join(directory, "model_optim_rng.pt"))
+            save_torch_file({**self.header, "model": model}, os.path.join(directory, "model_optim_rng.pt"))
         self.embedding, self.encoder, self.head = {}, {}, None
 
 
@@ -131,6 +131,7 @@ def write_megatron_lm_checkpoint(checkpoint: SavedCheckpoint, output: str, tp: i
                 stage_files.encoder.update({f"layers.{index % per_stage}.{key}": t for key, t in state.items()})
             on_layer(layer)
         stage_files.write(stage)
-        write_tree_manifest(root, arguments.iteration)
+        if checkpoint.unverified is None:  # no manifest vouches for unverified input
+            write_tree_manifest(root, arguments.iteration)
         write_pointer(os.path.join(staging, TRACKER), "release" if release else str(checkpoint.iteration))
     return WrittenMegatronLM(os.path.normpath(output), name, tp, pp, padded)

@@ -3,7 +3,9 @@
 ``open_checkpoint(path)`` takes a tag directory (``global_stepN``) or a --save directory whose
 ``latest`` names one, and refuses, naming the file, anything the trainer would refuse to resume: a
 save that never finished (its ``saving.incomplete`` marker), a file the manifest lists that is
-missing, truncated or fails its CRC-32, a directory without model-states files or trainer state.
+missing, truncated or fails its CRC-32, a directory without model-states files or trainer state, a
+checkpoint of this trainer without its manifest unless the caller allows it (origin.py; it is then
+``unverified``, and a writer gives its output no manifest either).
 The optimizer partitions, several times the weights' size, are read for their CRC-32 only by a
 caller that reads them (``read_optimizer``); for the others their presence and size are checked.
 It then describes the checkpoint from its first model-states file: the model configuration, the
@@ -23,8 +25,9 @@ from typing import Iterator
 import torch
 
 from megatron.core.checkpoint.layer_files import find_layer_files, read_full_layer
-from megatron.core.checkpoint.manifest import SAVING_MARKER, ManifestError, read_manifest
+from megatron.core.checkpoint.manifest import MANIFEST_NAME, SAVING_MARKER, ManifestError, read_manifest
 from megatron.core.checkpoint.names import EMBEDDING_LAYER, pipeline_name
+from megatron.core.checkpoint.origin import UnverifiedCheckpointError, unverified_reading_line
 from megatron.core.checkpoint.partitions import merge_partitions, tensor_split
 
 MODEL_STATES = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
@@ -46,6 +49,8 @@ class SavedCheckpoint:
         tp, pp, dp: the parallel sizes it was saved with.
         pipeline: saved by the pipeline engine (weights in layer files).
         optimizer_files: the ZeRO optimizer partitions (empty at ZeRO stage 0).
+        unverified: None when a manifest verified the files; else the notice or warning the caller
+            prints (origin.unverified_reading_line). A conversion writes no manifest for such input.
     """
 
     directory: str
@@ -56,6 +61,7 @@ class SavedCheckpoint:
     dp: int
     pipeline: bool
     optimizer_files: tuple[str, ...]
+    unverified: str | None = None
 
     @property
     def iteration(self) -> int:
@@ -87,17 +93,16 @@ def resolve_tag_directory(path: str, flag: str = "--input_folder") -> str:
                                f"and no 'latest' file (give a global_stepN directory or the --save directory)")
 
 
-def verify_files(directory: str, read_optimizer: bool = True) -> int:
+def verify_files(directory: str, read_optimizer: bool = True) -> int | None:
     """Every file of the manifest present with its size, and its CRC-32 unless it is an optimizer
-    partition and not ``read_optimizer``; returns how many CRCs were checked (0 without a manifest:
-    an older trainer's checkpoint, read unverified)."""
+    partition and not ``read_optimizer``; returns how many CRCs were checked, None without a manifest."""
     if os.path.exists(os.path.join(directory, SAVING_MARKER)):
         raise CheckpointInputError(f"{directory} is a save that never finished ({SAVING_MARKER} is still there): "
                                    f"convert an earlier checkpoint")
     try:
         manifest = read_manifest(directory)
         if manifest is None:
-            return 0
+            return None
         manifest.check_present(directory)
         names = [name for name in sorted(manifest.files)
                  if read_optimizer or not fnmatch.fnmatch(os.path.basename(name), OPTIMIZER_FILES)]
@@ -125,16 +130,20 @@ def load_file(path: str) -> dict:
         raise CheckpointInputError(f"cannot read {path} ({type(error).__name__}: {error})") from None
 
 
-def open_checkpoint(path: str, flag: str = "--input_folder", read_optimizer: bool = False) -> SavedCheckpoint:
-    """The checkpoint at ``path`` (module docstring); CheckpointInputError names what is wrong."""
+def open_checkpoint(path: str, flag: str = "--input_folder", read_optimizer: bool = False,
+                    allow_missing_manifest: bool = False) -> SavedCheckpoint:
+    """The checkpoint at ``path`` (module docstring); CheckpointInputError names what is wrong.
+    ``allow_missing_manifest``: the flag spelled like ``flag`` (--allow_missing_manifest beside
+    --input_folder, --allow-missing-manifest beside --load) was given."""
     directory = resolve_tag_directory(path, flag)
-    verify_files(directory, read_optimizer)
+    verified = verify_files(directory, read_optimizer) is not None
     model_files = _model_states_files(directory)
     state = load_file(model_files[0])
     arguments = state.get("args")
     if not isinstance(arguments, dict) or "model" not in arguments or "iteration" not in state:
         raise CheckpointInputError(f"{model_files[0]} holds no trainer state (args.model, iteration): the checkpoint "
                                    f"was not written by this trainer")
+    unverified = None if verified else _unverified_line(directory, state, allow_missing_manifest, flag)
     tp, pp = arguments["tensor_model_parallel_size"], arguments["pipeline_model_parallel_size"]
     if len(model_files) != tp * pp:
         raise CheckpointInputError(f"{directory}: {len(model_files)} mp_rank files for TP {tp} x PP {pp}: the "
@@ -142,7 +151,16 @@ def open_checkpoint(path: str, flag: str = "--input_folder", read_optimizer: boo
     pipeline = bool(glob.glob(os.path.join(directory, "layer_*-model_*-model_states.pt")))
     return SavedCheckpoint(directory, {k: v for k, v in state.items() if k != "module"}, arguments["model"], tp, pp,
                            arguments["data_parallel_size"], pipeline,
-                           tuple(sorted(glob.glob(os.path.join(directory, OPTIMIZER_FILES)))))
+                           tuple(sorted(glob.glob(os.path.join(directory, OPTIMIZER_FILES)))), unverified)
+
+
+def _unverified_line(directory: str, state: dict, allowed: bool, flag: str) -> str:
+    allow_flag = "--allow_missing_manifest" if "_" in flag else "--allow-missing-manifest"
+    try:
+        return unverified_reading_line(directory, state, allowed, allow_flag,
+                                       f"restore its {MANIFEST_NAME} or convert another checkpoint")
+    except UnverifiedCheckpointError as error:
+        raise CheckpointInputError(str(error)) from None
 
 
 def iter_full_layers(checkpoint: SavedCheckpoint) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:

@@ -41,6 +41,7 @@ import torch
 
 from megatron.core.checkpoint.layer_files import find_layer_files, read_full_layer
 from megatron.core.checkpoint.names import EMBEDDING_LAYER, as_pipeline_name
+from megatron.core.checkpoint.output import save_torch_file
 from megatron.core.checkpoint.partitions import GLU_STRIDED, merge_partitions, tensor_split
 from megatron.core.checkpoint.reader import CheckpointInputError, SavedCheckpoint
 
@@ -183,7 +184,7 @@ def write_optimizer_state(files: PartitionFiles, zero_directory: str) -> None:
     optimizer = files.optimizer_state(0, 0, 0)
     common = {key: value for key, value in optimizer.items() if key not in SHARDED_KEYS}
     common["param_groups"] = optimizer["base_optimizer_state"]["param_groups"]
-    torch.save(common, os.path.join(zero_directory, "optimizer_state.pt"))
+    save_torch_file(common, os.path.join(zero_directory, "optimizer_state.pt"))
 
 
 def _stage0_optimizer(path: str) -> tuple[dict, dict[str, int]]:
@@ -244,10 +245,10 @@ def _write_parameter(zero_directory: str, name: str, split, full: dict[str, torc
         if split.stride == 2 and name.endswith(GLU_STRIDED):
             entry["param_n_sub_params"] = 2
         path = os.path.join(folder, f"{state}.pt")
-        torch.save(entry, path)
+        save_torch_file(entry, path)
         written += os.path.getsize(path)
     if step is not None:
-        torch.save(step, os.path.join(folder, "step.pt"))
+        save_torch_file(step, os.path.join(folder, "step.pt"))
     return written
 
 
@@ -257,7 +258,7 @@ def write_stage0_optimizer_state(checkpoint: SavedCheckpoint, zero_directory: st
     groups = [{key: value for key, value in group.items() if key != "params"}
               for group in state["optimizer"]["param_groups"]]
     clip_grad = (state.get("ds_config") or {}).get("gradient_clipping", 0.0)
-    torch.save({"ds_version": state.get("ds_version"), "clip_grad": clip_grad, "param_groups": groups},
+    save_torch_file({"ds_version": state.get("ds_version"), "clip_grad": clip_grad, "param_groups": groups},
                os.path.join(zero_directory, "optimizer_state.pt"))
 
 

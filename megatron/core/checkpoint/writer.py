@@ -4,7 +4,8 @@ layout (docs/checkpoint-format.md), one layer at a time.
 What the output holds: the layer files at the target TP size (the layer numbering does not depend
 on PP: the pipeline module assigns layers to stages when it loads), one model-states file per
 (stage, TP rank) with the source's trainer state (counters, LR schedule, model configuration) and
-the new sizes, a manifest, ``latest`` and ``latest_checkpointed_iteration.txt``. What it does not
+the new sizes, a manifest (none when the source was read unverified: reader.py), ``latest`` and
+``latest_checkpointed_iteration.txt``. What it does not
 hold: optimizer states and RNG states, which belong to the source's ranks. Resume it with
 ``--no-load-optim --no-load-rng`` (the schedule and counters continue) or ``--finetune``; for the
 optimizer state, convert to a universal checkpoint instead.
@@ -21,7 +22,7 @@ import torch
 
 from megatron.core.checkpoint.layer_files import write_layer
 from megatron.core.checkpoint.names import EMBEDDING_LAYER
-from megatron.core.checkpoint.output import staged_directory, write_pointer, write_tree_manifest
+from megatron.core.checkpoint.output import save_torch_file, staged_directory, write_pointer, write_tree_manifest
 from megatron.core.checkpoint.reader import CheckpointInputError, SavedCheckpoint, iter_full_layers
 from megatron.core.checkpoint.universal import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info
 from megatron.core.checkpoint.universal_writer import OPTIMIZER_PARAMETER_NAMES
@@ -80,12 +81,12 @@ def _trainer_state(checkpoint: SavedCheckpoint, tp: int, pp: int, dp: int, padde
 def write_checkpoint(output: str, iteration: int, layers: Iterable[tuple[int, dict[str, torch.Tensor]]],
                      trainer_state: dict, tp: int, pp: int, glu: bool,
                      on_layer: Callable[[int], None] = lambda layer: None, flag: str = "--output_folder",
-                     before_commit: Callable[[str], None] = lambda staging: None) -> int:
+                     before_commit: Callable[[str], None] = lambda staging: None, manifest: bool = True) -> int:
     """The pipeline engine's files of ``layers`` ((pipeline layer index, full state dict), vocabulary
     already padded) at TP ``tp``, with ``trainer_state`` as every (stage, TP rank)'s model-states
     file, under ``output`` (a --save directory, ``global_step{iteration}`` inside); staged, with a
-    manifest, then ``latest``; ``before_commit(staging directory)`` may add files beside the tag.
-    Returns the number of layers written."""
+    manifest unless not ``manifest`` (unverified input), then ``latest``; ``before_commit(staging
+    directory)`` may add files beside the tag. Returns the number of layers written."""
     tag = f"global_step{iteration}"
     with staged_directory(output, flag) as staging:
         tag_directory = os.path.join(staging, tag)
@@ -96,8 +97,9 @@ def write_checkpoint(output: str, iteration: int, layers: Iterable[tuple[int, di
             written += 1
             on_layer(layer)
         for rank in range(tp * pp):
-            torch.save(trainer_state, os.path.join(tag_directory, f"mp_rank_{rank:02d}_model_states.pt"))
-        write_tree_manifest(tag_directory, iteration)
+            save_torch_file(trainer_state, os.path.join(tag_directory, f"mp_rank_{rank:02d}_model_states.pt"))
+        if manifest:
+            write_tree_manifest(tag_directory, iteration)
         before_commit(staging)
         write_pointer(os.path.join(staging, "latest"), tag)
         write_pointer(os.path.join(staging, "latest_checkpointed_iteration.txt"), f"{iteration}\n")
@@ -120,7 +122,7 @@ def write_model_checkpoint(checkpoint: SavedCheckpoint, output: str, tp: int, pp
 
     trainer_state = _trainer_state(checkpoint, tp, pp, dp, padded)
     layers = write_checkpoint(output, checkpoint.iteration, padded_layers(), trainer_state, tp, pp, checkpoint.glu,
-                              on_layer, flag)
+                              on_layer, flag, manifest=checkpoint.unverified is None)
     return WrittenCheckpoint(os.path.normpath(output), f"global_step{checkpoint.iteration}", tp, pp, dp, padded, layers)
 
 
