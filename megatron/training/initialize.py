@@ -19,12 +19,15 @@ lone ``python pretrain_gpt.py ...`` becomes rank 0 of 1 on a local address. Unle
 says otherwise, the processes a launcher started on one node share its CPUs (the deepspeed launcher
 sets no thread count, and every process taking every core runs a 2-process CPU job at half speed).
 """
+import contextlib
 import hashlib
 import importlib.util
+import io
 import logging
 import os
 import random
 import sys
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -32,7 +35,8 @@ import torch
 from megatron.core.models.gpt import GPTModelConfig
 from megatron.core.parallel_state import ParallelGroups, initialize_model_parallel
 from megatron.core.tensor_parallel import model_parallel_seed, share_rng_tracker_with_deepspeed
-from megatron.training.config import LoggingConfig, ParallelConfig
+if TYPE_CHECKING:  # the config module imports deepspeed, which must wait for select_accelerator
+    from megatron.training.config import LoggingConfig, ParallelConfig
 from megatron.training.dist_utils import print_line, print_rank_0
 from megatron.training.launch_env import threads_per_process
 
@@ -73,7 +77,7 @@ def use_environment_extensions_dir() -> str:
     return os.environ[EXTENSIONS_DIR_ENV]
 
 
-def _rendezvous_environment(parallel: ParallelConfig) -> dict:
+def _rendezvous_environment(parallel: "ParallelConfig") -> dict:
     return {"RANK": str(parallel.rank), "WORLD_SIZE": str(parallel.world_size),
             "LOCAL_RANK": str(parallel.local_rank), "MASTER_ADDR": parallel.master_addr,
             "MASTER_PORT": str(parallel.master_port)}
@@ -157,7 +161,7 @@ def share_cpu_threads(rank: int) -> None:
                    f"this node); set OMP_NUM_THREADS to choose")
 
 
-def initialize_distributed(parallel: ParallelConfig) -> ParallelGroups:
+def initialize_distributed(parallel: "ParallelConfig") -> ParallelGroups:
     """CPU threads per process, torch.cuda.set_device(local rank) on GPU, deepspeed.init_distributed,
     then our TP/DP/PP groups."""
     import deepspeed
@@ -174,8 +178,13 @@ def initialize_distributed(parallel: ParallelConfig) -> ParallelGroups:
     if parallel.rank == 0:  # torch.distributed does not know the rank yet
         print_line(f"> initializing torch distributed with backend {parallel.distributed_backend}, "
                    f"world size {parallel.world_size} (launcher: {parallel.launcher}) ...")
-    deepspeed.init_distributed(dist_backend=parallel.distributed_backend, auto_mpi_discovery=False,
-                               verbose=False, rank=parallel.rank, world_size=parallel.world_size)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):  # DeepSpeed's CPU backend prints "... built successfully" per rank
+        deepspeed.init_distributed(dist_backend=parallel.distributed_backend, auto_mpi_discovery=False,
+                                   verbose=False, rank=parallel.rank, world_size=parallel.world_size)
+    for line in printed.getvalue().splitlines():
+        if not line.endswith(" built successfully"):  # also said when the op only came from the cache
+            print_line(line)
     use_current_collective_names()
     print_rank_0(f"> initializing tensor model parallel with size {parallel.tensor_model_parallel_size}")
     print_rank_0(f"> initializing pipeline model parallel with size {parallel.pipeline_model_parallel_size}")
@@ -194,7 +203,7 @@ def set_random_seeds(seed: int, groups: ParallelGroups) -> None:
     share_rng_tracker_with_deepspeed()
 
 
-def apply_log_levels(logging_config: LoggingConfig, global_rank: int) -> None:
+def apply_log_levels(logging_config: "LoggingConfig", global_rank: int) -> None:
     """--log-level on rank 0, --log-level-replica elsewhere, for our, DeepSpeed's and transformers' loggers."""
     name = logging_config.log_level if global_rank == 0 else logging_config.log_level_replica
     if name is None:
@@ -263,7 +272,7 @@ def check_fused_kernel_constraints(model: GPTModelConfig, tensor_model_parallel_
                                          "back to their reference: " + "; ".join(problems))
 
 
-def initialize_megatron(parallel: ParallelConfig, logging_config: LoggingConfig, seed: int) -> ParallelGroups:
+def initialize_megatron(parallel: "ParallelConfig", logging_config: "LoggingConfig", seed: int) -> ParallelGroups:
     """Process group, model-parallel groups, log levels and seeds; returns this rank's groups."""
     groups = initialize_distributed(parallel)
     apply_log_levels(logging_config, parallel.rank)

@@ -96,10 +96,18 @@ def test_one_rank_failing_ends_every_rank_with_its_error_shown_once(e2e_data, tm
 
 @pytest.fixture(scope="module")
 def zero1_checkpoint(e2e_data, tmp_path_factory):
-    """(flags, directory) of a 2-rank ZeRO-1 run saved at iteration 2: one optimizer shard per rank."""
+    """(flags, directory) of a 2-rank TP=2 ZeRO-1 run saved at iteration 2: one optimizer shard per rank.
+
+    Its console has one memory line for both ranks, and no per-rank line of DeepSpeed's start."""
     directory = tmp_path_factory.mktemp("zero1") / "ckpt"
-    flags = tiny_gpt_flags(e2e_data) + FLAGS + ["--train-iters", "2", "--zero-stage", "1", "--save-interval", "2"]
-    run_pretrain(flags + ["--save", str(directory)], nproc=2).assert_ok()
+    flags = tiny_gpt_flags(e2e_data) + FLAGS + ["--train-iters", "2", "--zero-stage", "1", "--save-interval", "2",
+                                                "--tensor-model-parallel-size", "2"]
+    result = run_pretrain(flags + ["--save", str(directory)], nproc=2)
+    result.assert_ok()
+    memory = re.findall(r"^\[Rank (\d)\] \(after 1 iterations\) memory \(MB\) \| max resident: [\d.]+ \| the largest "
+                        r"of 2 ranks$", result.output, re.MULTILINE)
+    assert len(memory) == 1 and result.output.count("memory (MB)") == 1, result.output[-4000:]
+    assert "built successfully" not in result.output
     return flags, directory
 
 
@@ -124,7 +132,7 @@ def error_lines(output):
 @pytest.mark.distributed
 def test_a_damaged_optimizer_shard_of_one_rank_is_one_error_and_one_status(zero1_checkpoint, tmp_path):
     """Rank 1 alone reads a damaged shard: its error, and rank 0's one line (no gloo traceback)."""
-    shard = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    shard = "zero_pp_rank_0_mp_rank_01_optim_states.pt"  # tensor-parallel rank 1's
 
     def damage(step_directory):
         raw = bytearray((step_directory / shard).read_bytes())

@@ -7,6 +7,8 @@ import multiprocessing
 import pickle
 import os
 import random
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -26,6 +28,7 @@ from megatron.training.data_loading import (DataLoadingError, LoaderSettings, cy
 from megatron.training.engine import (EngineSetupError, build_optimizer, check_engine_grid, gradient_norm_share,
                                       parameter_counts, uses_pipeline_engine, weight_decay_groups)
 from megatron.training.training import exit_label
+from tests.conftest import REPO_ROOT
 from tests.dist_utils import run_distributed
 from tests.training.test_config import config_of
 
@@ -328,6 +331,19 @@ def test_select_accelerator_sets_cpu_without_cuda(monkeypatch):
     assert select_accelerator(cuda_available=False) == "cpu" and os.environ[ACCELERATOR_ENV] == "cpu"
     monkeypatch.setenv(ACCELERATOR_ENV, "cuda")
     assert select_accelerator(cuda_available=False) == "cuda"  # the user's choice stays
+
+
+def test_the_accelerator_is_chosen_before_anything_imports_deepspeed():
+    """Importing the start-up module must not import deepspeed, whose own guess prints a warning on
+    every process of a CPU run ("Setting accelerator to CPU")."""
+    code = ("import sys; from megatron.training.initialize import select_accelerator; "
+            "assert 'deepspeed' not in sys.modules; select_accelerator(); import deepspeed.accelerator as a; "
+            "print(a.get_accelerator().device_name())")
+    env = {key: value for key, value in os.environ.items() if key != "DS_ACCELERATOR"}
+    result = subprocess.run([sys.executable, "-c", code], env={**env, "CUDA_VISIBLE_DEVICES": ""}, cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "cpu", result.stderr[-2000:]
+    assert "Setting accelerator" not in result.stdout + result.stderr
 
 
 def test_each_python_environment_builds_its_ops_in_its_own_directory(monkeypatch, tmp_path):
