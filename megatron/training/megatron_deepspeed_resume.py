@@ -11,7 +11,8 @@ DeepSpeed engine whose layout (TP, PP, DP) is the checkpoint's:
   - ``restore_optimizer_states``: DeepSpeed cannot load the ZeRO partitions itself (Megatron-DeepSpeed's
     optimizer has three parameter groups, ours two, so the flat partitions differ); each parameter's
     fp32 weights and Adam moments are taken from the partitions by name and written into this rank's
-    fragment of the optimizer, the way DeepSpeed's universal-checkpoint loading does;
+    fragment of the optimizer, the way DeepSpeed's universal-checkpoint loading does (the embedding
+    LayerNorm, which Megatron-DeepSpeed builds on the first stage only, has no state on the last);
   - ``own_rng_states``: Megatron-DeepSpeed's tracker holds one CUDA generator state per stream,
     ours a CPU and a CUDA state: the CUDA part is restored (on a GPU), the CPU part stays as seeded.
 """
@@ -84,6 +85,8 @@ def _restore_optimizer_states(engine, tag_directory: str) -> None:
             if mapping is None:
                 continue
             saved = _saved_parameter(states, optimizer.param_names[lp], tag_directory)
+            if saved is None:
+                continue
             lp_address, hp_address = mapping.lp_fragment_address, mapping.hp_fragment_address
             mapping.hp_fragment.data.copy_(saved["fp32"].flatten().narrow(0, lp_address.start, lp_address.numel))
             for key, moment in moments.items():
@@ -94,7 +97,11 @@ def _restore_optimizer_states(engine, tag_directory: str) -> None:
     optimizer._lazy_init_hp_params_optimizer_state()
 
 
-def _saved_parameter(states: dict, name: str, tag_directory: str) -> dict:
+def _saved_parameter(states: dict, name: str, tag_directory: str) -> dict | None:
+    """The saved states of parameter ``name``; None for the embedding LayerNorm's copy on the last pipeline
+    stage, which Megatron-DeepSpeed does not build (it keeps the weights read from layer_01, no moments)."""
+    if name not in states and name.startswith(megatron_deepspeed.TIED_EMBEDDING_LAYERNORM):
+        return None
     if name not in states:
         raise megatron_deepspeed.MegatronDeepSpeedError(
             f"{tag_directory}: the optimizer partitions hold no state for {name} (they name "

@@ -8,6 +8,9 @@ megatron/optimizer/__init__.py ``_get_params_for_weight_decay_optimization``):
     biases and norm weights (three groups; same updates as our two, other flat ZeRO partitions);
   - the LR schedule's state: AnnealingLR.state_dict's eight keys (megatron/learning_rates.py), none of
     ours added;
+  - the parameter names where they differ from ours: the embedding LayerNorm (--embed-layernorm) is
+    ``word_embeddings.norm.*`` there, in the layer files, the partitions' ``param_slice_mappings`` and
+    the model-states files' ``param_shapes``;
   - the save: the client state ``args`` (an argparse.Namespace, pickled whole, with the counters
     consumed_train_samples, consumed_valid_samples, consumed_train_tokens, gigaflos_no_embeds and
     position_embedding_type as megatron.enums.PositionEmbeddingType), ``checkpoint_version`` 3.0,
@@ -20,6 +23,8 @@ training loop add. Without CUDA, ``cuda_rng_state`` and the tracker's states (CU
 there) are the CPU generator's states, the nearest stand-in.
 """
 import argparse
+import collections
+import contextlib
 import enum
 import os
 import random
@@ -100,6 +105,45 @@ def megatron_deepspeed_args(progress, config) -> argparse.Namespace:
     return args
 
 
+OUR_NAME, THEIR_NAME = "embed_layernorm.", "word_embeddings.norm."
+
+
+def their_name(name: str) -> str:
+    if name.startswith(OUR_NAME) or f".{OUR_NAME}" in name:
+        return name.replace(OUR_NAME, THEIR_NAME, 1)
+    return name
+
+
+def _renamed(mapping: dict) -> collections.OrderedDict:
+    return collections.OrderedDict((their_name(key), value) for key, value in mapping.items())
+
+
+def with_their_names(state, path: str):
+    """What DeepSpeed writes to ``path``, under Megatron-DeepSpeed's parameter names (copies; the
+    engine's own structures stay as they are)."""
+    name = os.path.basename(path)
+    if name.startswith("layer_"):
+        return _renamed(state)
+    if name.startswith("mp_rank_") and state.get("param_shapes"):
+        return {**state, "param_shapes": [_renamed(group) for group in state["param_shapes"]]}
+    if name.endswith("optim_states.pt"):
+        optimizer = state["optimizer_state_dict"]
+        mappings = [_renamed(group) for group in optimizer["param_slice_mappings"]]
+        return {**state, "optimizer_state_dict": {**optimizer, "param_slice_mappings": mappings}}
+    return state
+
+
+@contextlib.contextmanager
+def their_file_names(engine):
+    writer = engine.checkpoint_engine
+    own_save = writer.save
+    writer.save = lambda state_dict, path: own_save(with_their_names(state_dict, path), path)
+    try:
+        yield
+    finally:
+        writer.save = own_save
+
+
 def _cuda_or_cpu_state() -> torch.Tensor:
     return torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.get_rng_state()
 
@@ -127,7 +171,8 @@ def save_checkpoint(engine, progress, config) -> None:
         state_dict['rng_tracker_states'] = {
             name: streams.cuda if streams.cuda is not None else streams.cpu
             for name, streams in get_rng_tracker().get_states().items()}
-    engine.save_checkpoint(args.save, client_state=state_dict)
+    with their_file_names(engine):
+        engine.save_checkpoint(args.save, client_state=state_dict)
     barrier()
     print_rank_0('  successfully saved checkpoint at iteration {:7d} to {}'.format(iteration, args.save))
 

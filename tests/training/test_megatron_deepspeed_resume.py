@@ -3,12 +3,13 @@ matches, refused with the conversion advice when it does not, and taken in by ds
 
 The checkpoint comes from tests/training/megatron_deepspeed_checkpoint.py: pretrain_gpt.py with
 Megatron-DeepSpeed's optimizer groups (three) and its save path (pickled argparse.Namespace, its
-client-state keys, DeepSpeed's files and ``latest`` only). That run trains 4 iterations at TP 1,
-PP 1, DP 2, ZeRO 1, fp32, dropout 0 (test_layout_equivalence's flags) and saves at 2 and 4: it is the
-uninterrupted reference. A run of this trainer resumed from its global_step2 must log the same
-losses (1e-5 relative; the split of the weight-decay group changes only the order of sums),
-learning rates and consumed samples and tokens at iterations 3 and 4: the weights, the Adam
-moments and step, the LR schedule and the data position all came through.
+client-state keys, its parameter names, DeepSpeed's files and ``latest`` only). That run trains 4
+iterations at TP 1, PP 1, DP 2, ZeRO 1, fp32, dropout 0 (test_layout_equivalence's flags), with
+--embed-layernorm (BLOOM's, named otherwise there), and saves at 2 and 4: it is the uninterrupted
+reference. A run of this trainer resumed from its global_step2 must log the same losses (1e-5
+relative; the split of the weight-decay group changes only the order of sums), learning rates and
+consumed samples and tokens at iterations 3 and 4: the weights, the Adam moments and step, the LR
+schedule and the data position all came through.
 """
 import os
 import pickletools
@@ -30,6 +31,7 @@ FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_dee
 TRAIN_ITERS, SAVE_ITERATION = 4, 2
 RESUMED = list(range(SAVE_ITERATION + 1, TRAIN_ITERS + 1))
 LOSS_TAG, LR_TAG = "lm-loss-training/lm loss", "learning-rate/learning-rate"
+EMBED_LAYERNORM = ("--embed-layernorm",)  # BLOOM's; its parameters are named otherwise there
 
 
 def flags(data, tensorboard: str, tp: int = 1, zero_stage: int = 1) -> list[str]:
@@ -49,7 +51,7 @@ def run_foreign(data, directory, nproc: int = 2, zero_stage: int = 1, extra: tup
 
 @pytest.fixture(scope="module")
 def foreign_run(e2e_data, tmp_path_factory):
-    return run_foreign(e2e_data, tmp_path_factory.mktemp("megatron_deepspeed"))
+    return run_foreign(e2e_data, tmp_path_factory.mktemp("megatron_deepspeed"), extra=EMBED_LAYERNORM)
 
 
 def rolled_back(save: str) -> str:
@@ -95,13 +97,18 @@ def test_the_fixture_writes_megatron_deepspeeds_files(foreign_run):
     assert sorted(state["lr_scheduler"]) == sorted(["max_lr", "warmup_steps", "num_steps", "warmup_tokens",
                                                     "num_tokens", "decay_style", "decay_steps", "min_lr"])
     partition = megatron_deepspeed.load_file(os.path.join(tag, "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
-    assert len(partition["optimizer_state_dict"]["param_slice_mappings"]) == 3  # its three parameter groups
+    mappings = partition["optimizer_state_dict"]["param_slice_mappings"]
+    assert len(mappings) == 3  # its three parameter groups
+    names = {name for group in mappings for name in group} | {name for group in state["param_shapes"] for name in group}
+    assert "tied_modules.embed.word_embeddings.norm.weight" in names and not any("embed_layernorm" in n for n in names)
+    embedding = megatron_deepspeed.load_file(os.path.join(tag, "layer_01-model_00-model_states.pt"))
+    assert {"word_embeddings.weight", "word_embeddings.norm.weight", "word_embeddings.norm.bias"} <= set(embedding)
 
 
 def test_load_continues_the_megatron_deepspeed_run(foreign_run, e2e_data, tmp_path):
     load = rolled_back(foreign_run["save"])
     save = str(tmp_path / "ours")
-    result = run_pretrain(flags(e2e_data, str(tmp_path / "tb")) + ["--load", load, "--save", save,
+    result = run_pretrain(flags(e2e_data, str(tmp_path / "tb")) + [*EMBED_LAYERNORM, "--load", load, "--save", save,
                                                                      "--save-interval", str(TRAIN_ITERS)], nproc=2)
     result.assert_ok()
     output = result.output
@@ -134,7 +141,7 @@ def test_load_continues_a_bf16_run(e2e_data, tmp_path):
 
 def test_another_layout_is_refused_with_the_conversion_advice(foreign_run, e2e_data, tmp_path):
     load = rolled_back(foreign_run["save"])
-    result = run_pretrain(flags(e2e_data, str(tmp_path / "tb"), tp=2) + ["--load", load], nproc=2)
+    result = run_pretrain(flags(e2e_data, str(tmp_path / "tb"), tp=2) + [*EMBED_LAYERNORM, "--load", load], nproc=2)
     assert result.returncode != 0
     assert "saved with --tensor-model-parallel-size 1" in result.output
     assert "tools/convert_checkpoint/ds_to_universal.py" in result.output
@@ -152,8 +159,8 @@ def test_ds_to_universal_takes_it_in(foreign_run, e2e_data, tmp_path, capsys):
     saved = torch.load(os.path.join(load, f"global_step{SAVE_ITERATION}_universal", "zero", "optimizer_state.pt"),
                        weights_only=False)
     assert [group["weight_decay"] for group in saved["param_groups"]] == [WEIGHT_DECAY, 0.0]
-    result = run_pretrain(flags(e2e_data, str(tmp_path / "tb"), tp=2) + ["--load", load, "--universal-checkpoint"],
-                          nproc=2)
+    result = run_pretrain(flags(e2e_data, str(tmp_path / "tb"), tp=2) + [*EMBED_LAYERNORM, "--load", load,
+                                                                       "--universal-checkpoint"], nproc=2)
     result.assert_ok()
     assert f"successfully loaded checkpoint from {load} at iteration {SAVE_ITERATION}" in result.output
     assert_continues(foreign_run, {"scalars": read_scalars(str(tmp_path / "tb")), "output": result.output}, rtol=1e-5)

@@ -59,6 +59,7 @@ PARTITION_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 # Megatron-DeepSpeed's name -> ours, as prefixes of a layer's state-dict key.
 NAME_PREFIXES = {"word_embeddings.norm.": "embed_layernorm."}
+TIED_EMBEDDING_LAYERNORM = "tied_modules.embed.embed_layernorm."  # ours; first pipeline stage only in theirs
 # Megatron-DeepSpeed's enums (megatron/enums.py): value -> member name.
 FOREIGN_ENUMS = {
     "PositionEmbeddingType": {1: "rotary", 2: "absolute", 3: "alibi"},
