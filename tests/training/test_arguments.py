@@ -4,6 +4,7 @@ import os
 
 import pytest
 
+from megatron.training.argument_foreign_flags import FOREIGN_REFUSALS
 from megatron.training.argument_rejections import REJECTED_FLAGS
 from megatron.training.config import build_config
 from megatron.training.arguments import (ArgumentError, build_parser, format_args, parse_args, parse_args_or_exit,
@@ -84,7 +85,8 @@ def test_unknown_flag_and_abbreviation_are_errors():
 
 # ---- refused flags -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("flag", sorted(REJECTED_FLAGS))
+# The foreign parsers' refusals are checked all at once in test_foreign_flags.py.
+@pytest.mark.parametrize("flag", sorted(set(REJECTED_FLAGS) - set(FOREIGN_REFUSALS)))
 def test_refused_flag_gives_its_reason(flag):
     message = error([flag, "1"])
     assert message == f"{flag}: {REJECTED_FLAGS[flag]}"
