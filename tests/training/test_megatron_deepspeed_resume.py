@@ -34,17 +34,17 @@ LOSS_TAG, LR_TAG = "lm-loss-training/lm loss", "learning-rate/learning-rate"
 EMBED_LAYERNORM = ("--embed-layernorm",)  # BLOOM's; its parameters are named otherwise there
 
 
-def flags(data, tensorboard: str, tp: int = 1, zero_stage: int = 1) -> list[str]:
+def flags(data, tensorboard: str, tp: int = 1, zero_stage: int = 1, pp: int = 1) -> list[str]:
     return common_flags(data, seq_length=32, num_layers=2, global_batch=4, train_iters=TRAIN_ITERS) + [
-        "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", "1",
+        "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
         "--zero-stage", str(zero_stage), "--tensorboard-dir", tensorboard]
 
 
-def run_foreign(data, directory, nproc: int = 2, zero_stage: int = 1, extra: tuple = ()) -> dict:
+def run_foreign(data, directory, nproc: int = 2, zero_stage: int = 1, pp: int = 1, extra: tuple = ()) -> dict:
     """The Megatron-DeepSpeed-format run: {"scalars", "output", "save"}."""
     save = str(directory / "checkpoints")
-    result = run_script([FIXTURE, *flags(data, str(directory / "tb"), zero_stage=zero_stage), *extra, "--save", save,
-                         "--save-interval", str(SAVE_ITERATION)], nproc=nproc, timeout=600)
+    result = run_script([FIXTURE, *flags(data, str(directory / "tb"), zero_stage=zero_stage, pp=pp), *extra,
+                         "--save", save, "--save-interval", str(SAVE_ITERATION)], nproc=nproc, timeout=600)
     result.assert_ok()
     return {"scalars": read_scalars(str(directory / "tb")), "output": result.output, "save": save}
 
@@ -129,12 +129,15 @@ def test_load_continues_a_zero_stage_0_run(e2e_data, tmp_path):
     assert_continues(source, {"scalars": read_scalars(str(tmp_path / "tb")), "output": result.output}, rtol=1e-5)
 
 
-def test_load_continues_a_bf16_run(e2e_data, tmp_path):
-    """bf16 (BLOOM's precision): DeepSpeed's bf16 optimizer writes bf16_zero_pp_rank partitions."""
-    source = run_foreign(e2e_data, tmp_path / "source", nproc=1, extra=("--bf16",))
+def test_load_continues_a_bf16_pipeline_run(e2e_data, tmp_path):
+    """bf16 (BLOOM's precision) at PP 2: DeepSpeed's bf16 optimizer writes bf16_zero_pp_rank partitions,
+    one model-parallel rank per stage; the tied embedding is on both stages."""
+    source = run_foreign(e2e_data, tmp_path / "source", pp=2, extra=("--bf16", *EMBED_LAYERNORM))
     tag = os.path.join(source["save"], f"global_step{SAVE_ITERATION}")
-    assert any(name.startswith("bf16_zero_pp_rank_0") for name in os.listdir(tag))
-    result = run_pretrain(flags(e2e_data, str(tmp_path / "tb")) + ["--bf16", "--load", rolled_back(source["save"])])
+    assert {"bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt",
+            "layer_06-model_00-model_states.pt"} <= set(os.listdir(tag))
+    result = run_pretrain(flags(e2e_data, str(tmp_path / "tb"), pp=2) + ["--bf16", *EMBED_LAYERNORM, "--load",
+                                                                         rolled_back(source["save"])], nproc=2)
     result.assert_ok()
     assert_continues(source, {"scalars": read_scalars(str(tmp_path / "tb")), "output": result.output}, rtol=1e-5)
 
