@@ -35,6 +35,13 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         return text + " (default: %(default)s)"
 
 
+def _profile_switch_only(value: str):
+    """--profile is Megatron-LM's switch; Microsoft Megatron-DeepSpeed's form takes a value (pt, pt-full)."""
+    raise argparse.ArgumentTypeError(
+        f"takes no value here (got {value!r}: Microsoft Megatron-DeepSpeed's form); for torch.profiler "
+        "traces give --profile --use-pytorch-profiler --profile-step-start A --profile-step-end B")
+
+
 def _bool_value_flag(group, flag, help_text):
     group.add_argument(flag, type=parse_bool, nargs="?", const=True, default=None, metavar="BOOL",
                        help=help_text + " (true/false; the bare flag means true)")
@@ -308,7 +315,7 @@ def add_logging_args(parser):
                        action="store_false", help="do not write loss-scale/*")
     group.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
                        help="also write validation perplexity")
-    group.add_argument("--profile", action="store_true",
+    group.add_argument("--profile", nargs="?", const=True, default=False, type=_profile_switch_only,
                        help="profile iterations --profile-step-start + 1 .. --profile-step-end on --profile-ranks "
                             "(Megatron-LM's flag; needs --use-pytorch-profiler)")
     group.add_argument("--use-pytorch-profiler", action="store_true",

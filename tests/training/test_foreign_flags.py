@@ -18,9 +18,6 @@ DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 FLAG_LISTS = {"NVIDIA/Megatron-LM": "megatron_lm_flags.txt",
               "microsoft/Megatron-DeepSpeed": "microsoft_megatron_deepspeed_flags.txt"}
 FOREIGN_ACCEPTED = {*FOREIGN_ALIASES, *FOREIGN_SETTINGS, *FOREIGN_NO_OPS, *FOREIGN_VALUE_FLAGS}
-# Flags of ours whose foreign namesake takes a value ours does not: Microsoft Megatron-DeepSpeed's
-# "--profile pt|pt-full" against Megatron-LM's switch, which pretrain_gpt.py has.
-VALUE_CONFLICTS = {("microsoft/Megatron-DeepSpeed", "--profile")}
 # A value our flag takes, for the aliases of flags that take one.
 OUR_SAMPLE_VALUES = {"--layernorm-epsilon": ["1e-6"], "--kill-switch-path": ["/tmp/stop-now"]}
 
@@ -52,8 +49,6 @@ def test_every_flag_is_accepted_or_refused_by_name(parser, repository):
     assert header.startswith(f"# {repository} at commit ") and len(flags) > 300
     unanswered = []
     for flag, values in flags:
-        if (repository, flag) in VALUE_CONFLICTS:
-            continue
         result = parse(parser, [flag, *values])
         if flag in REJECTED_FLAGS:
             if result != f"{flag}: {REJECTED_FLAGS[flag]}":
@@ -63,10 +58,12 @@ def test_every_flag_is_accepted_or_refused_by_name(parser, repository):
     assert not unanswered, f"{len(unanswered)} flags of {repository} not answered by name: {unanswered[:5]}"
 
 
-def test_profile_with_a_value_is_a_known_conflict(parser):
-    """Until --profile takes Microsoft Megatron-DeepSpeed's pt / pt-full, its value is left unrecognized."""
+def test_profile_with_microsofts_value_is_answered(parser):
+    """--profile is Megatron-LM's switch; Microsoft Megatron-DeepSpeed's --profile pt|pt-full is answered by name."""
     assert parse(parser, ["--profile"])["profile"] is True
-    assert parse(parser, ["--profile", "pt"]) == "unrecognized arguments: pt"
+    assert parse(parser, [])["profile"] is False
+    message = parse(parser, ["--profile", "pt-full"])
+    assert message.startswith("argument --profile: takes no value here") and "--use-pytorch-profiler" in message
 
 
 def test_the_table_names_only_flags_of_the_two_lists():
