@@ -42,6 +42,14 @@ def _profile_switch_only(value: str):
         "traces give --profile --use-pytorch-profiler --profile-step-start A --profile-step-end B")
 
 
+# Megatron-LM's names of the same position embeddings (its rope: GPT-NeoX's rotation, base 10000).
+_MEGATRON_LM_POSITION_TYPES = {"learned_absolute": "absolute", "rope": "rotary"}
+
+
+def _position_embedding_type(value: str) -> str:
+    return _MEGATRON_LM_POSITION_TYPES.get(value, value)
+
+
 def _bool_value_flag(group, flag, help_text):
     group.add_argument(flag, type=parse_bool, nargs="?", const=True, default=None, metavar="BOOL",
                        help=help_text + " (true/false; the bare flag means true)")
@@ -69,7 +77,9 @@ def add_network_size_args(parser):
     _bool_value_flag(group, "--onnx-safe", "erf GeLU for ONNX export (our exact GeLU already is the erf "
                      "form, so any value gives the same model)")
     group.add_argument("--position-embedding-type", choices=POSITION_EMBEDDING_TYPES, default="absolute",
-                       help="absolute (learned), rotary or alibi")
+                       type=_position_embedding_type,
+                       help="absolute (learned), rotary or alibi (Megatron-LM's learned_absolute and rope "
+                            "are the same as absolute and rotary)")
     group.add_argument("--glu-activation", choices=GLU_ACTIVATIONS, default=None,
                        help="gated MLP activation; needs --no-bias-gelu-fusion")
 

@@ -132,3 +132,8 @@ def test_refusal_says_what_to_do(parser, flag, words):
 def test_foreign_flags_are_hidden_from_help(parser):
     text = parser.format_help()
     assert not any(flag in text for flag in ("--use-flash-attn", "--norm-epsilon", "--moe-router-topk"))
+
+
+@pytest.mark.parametrize("megatron_lm_name, ours", [("learned_absolute", "absolute"), ("rope", "rotary")])
+def test_megatron_lm_position_embedding_names(parser, megatron_lm_name, ours):
+    assert parse(parser, ["--position-embedding-type", megatron_lm_name])["position_embedding_type"] == ours
