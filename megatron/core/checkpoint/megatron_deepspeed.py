@@ -24,10 +24,14 @@ they are by megatron.training.lr_schedule). Its optimizer has three parameter gr
 weight-decay parameters split in two halves (a workaround for apex's FusedAdam), then the biases and
 norm weights, where this trainer has two; the ZeRO partitions' ``param_slice_mappings`` name every
 parameter's fragment, so the states are moved by name (``parameter_states``), whatever the groups.
+At ZeRO stage 0 (fp32) the torch optimizer state in the model-states files numbers the parameters
+in group order: merging its groups gives ours (``own_optimizer_state``). A universal conversion reads
+such a checkpoint through ``translated_input`` and gives its groups our shape too.
 
 Parameter names are this trainer's, layer for layer (docs/checkpoint-format.md), except the
 embedding LayerNorm (--embed-layernorm), which Megatron-DeepSpeed keeps inside the word embedding:
-``word_embeddings.norm.*`` there, ``embed_layernorm.*`` here (``own_name``).
+``word_embeddings.norm.*`` there, ``embed_layernorm.*`` here (``own_name``), and builds on the first
+pipeline stage only.
 
 Reading: the ``args`` entry is a pickled Namespace holding Megatron-DeepSpeed's enums (and,
 possibly, other objects of its code, such as a curriculum scheduler), so a plain ``torch.load``
