@@ -1,6 +1,6 @@
 """How a job of several ranks ends when one part of it goes away, end to end on CPU with 2 gloo ranks.
 
-    one rank fails (set-up after the data loaders exist, mid-training, a damaged optimizer shard)
+    one rank fails (in set-up after the data loaders exist, or on a damaged optimizer shard)
         every rank ends within seconds: the failed rank with its error, the others with one line
         each, no gloo traceback, no DataLoader worker left; the last checkpoint stays intact
     every rank meets the same error
@@ -68,12 +68,11 @@ def wait_for_every_rank(job: Job) -> tuple[list[int], float]:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("fail_at", ["reporting", "iteration"])
-def test_one_rank_failing_ends_every_rank_with_its_error_shown_once(e2e_data, tmp_path, fail_at):
-    """Rank 1 raises while the trainer opens TensorBoard (its loaders' workers already run), or at
-    iteration 4 after the checkpoint of iteration 2: rank 0, waiting in a collective, stops too."""
-    job = start_failing_ranks(flags_with_workers(e2e_data, tmp_path, 6) + ["--save-interval", "2"],
-                              {"FAIL_AT": fail_at, "FAIL_RANK": "1", "FAIL_ITERATION": "4"})
+def test_one_rank_failing_in_set_up_ends_every_rank_with_its_error_shown_once(e2e_data, tmp_path):
+    """Rank 1 raises while the trainer opens TensorBoard, its loaders' workers already running (their
+    exit hung the rank for good); rank 0, waiting in a collective, stops too."""
+    job = start_failing_ranks(flags_with_workers(e2e_data, tmp_path, 6) + ["--save-interval", "1000"],
+                              {"FAIL_RANK": "1"})
     try:
         statuses, spread = wait_for_every_rank(job)
     finally:
@@ -81,17 +80,12 @@ def test_one_rank_failing_ends_every_rank_with_its_error_shown_once(e2e_data, tm
     output = job.text()
     assert statuses == [1, 1], output[-4000:]
     assert spread < scaled_timeout(END_WITHIN), f"rank 0 ended {spread:.0f} s after rank 1:\n{output[-4000:]}"
-    injected = "FileNotFoundError: [Errno 2] No such file or directory: '/injected/tensorboard'" \
-        if fail_at == "reporting" else "RuntimeError: injected failure at iteration 4"
+    injected = "FileNotFoundError: [Errno 2] No such file or directory: '/injected/tensorboard'"
     assert output.count(injected) == 1 and output.count("Traceback (most recent call last)") == 1, output[-4000:]
     assert len(LOST_PEER_LINE.findall(output)) == 1, output[-4000:]
     assert "Connection closed by peer" not in output and "pair.cc" not in output, output[-4000:]
     assert not processes_with_argument(str(tmp_path)), "a DataLoader worker outlived its rank"
-    if fail_at == "reporting":
-        assert not (tmp_path / "ckpt").exists()
-    else:
-        assert (tmp_path / "ckpt" / "latest").read_text() == "global_step2"
-        assert [name for name in os.listdir(tmp_path / "ckpt") if name.startswith("global_step")] == ["global_step2"]
+    assert not (tmp_path / "ckpt").exists()
 
 
 @pytest.fixture(scope="module")
