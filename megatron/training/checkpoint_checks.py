@@ -2,8 +2,11 @@
 good is overwritten.
 
 Before any process group (``check_checkpoint_directories``, every rank, rank 0 reports):
-  - ``latest`` in --load must name a tag directory: an empty, binary or overlong file, or one that
-    names a file or nothing, is refused with its content;
+  - --load must be a directory (a file is refused; so is a tag directory itself, with the --load
+    that holds it);
+  - ``latest`` in --load must name a global_stepN directory inside it: an empty, binary or overlong
+    file, a path (``../run/global_step10``), or a tag that names a file, nothing, or a save that never
+    finished (``saving.incomplete``) is refused with its content;
   - the manifest of the tag to resume lists every file with its size (megatron.core.checkpoint.manifest):
     a missing or truncated file is named before the model is built;
   - a --load directory that holds global_stepN directories but no ``latest`` is refused (a deleted
@@ -12,7 +15,9 @@ Before any process group (``check_checkpoint_directories``, every rank, rank 0 r
     already holds global_stepN directories, unless --overwrite-checkpoints.
 Before DeepSpeed reads anything (``check_before_loading``): the checkpoint was written by this
 trainer, for the same model, engine kind, TP and PP sizes, and DP size when ZeRO partitioned the
-optimizer (unless --no-load-optim); every layer file of this stage is present. While DeepSpeed reads
+optimizer (unless --no-load-optim); every layer file of this stage is present; a checkpoint of this
+trainer without its manifest is refused unless --allow-missing-manifest (then read with a warning;
+another trainer's is read with a notice: megatron.core.checkpoint.origin). While DeepSpeed reads
 (``verified_reads``): each file is checked against its manifest entry (size and CRC-32) first, and
 any file that cannot be read is named. Each refusal is a CheckpointError.
 With --universal-checkpoint, ``latest_universal`` is read instead of ``latest``; the manifest and
@@ -30,8 +35,9 @@ from dataclasses import dataclass
 import torch
 
 from megatron.core.checkpoint import megatron_deepspeed
-from megatron.core.checkpoint.manifest import SAVING_MARKER, Manifest, ManifestError, read_manifest
+from megatron.core.checkpoint.manifest import MANIFEST_NAME, SAVING_MARKER, Manifest, ManifestError, read_manifest
 from megatron.core.checkpoint.names import PIPELINE_EMBEDDING_PREFIX
+from megatron.core.checkpoint.origin import UnverifiedCheckpointError, unverified_reading_line
 from megatron.training.config import CheckpointConfig, TrainConfig, plain_value
 from megatron.training.dist_utils import print_rank_0
 from megatron.training.engine import is_pipeline_engine
@@ -78,9 +84,46 @@ def _read_latest(latest: str) -> str:
     return tag
 
 
+def _check_load_directory(directory: str) -> None:
+    """--load must be a directory, and not a checkpoint's own tag directory: DeepSpeed would find no
+    ``latest`` in either and the run would start from scratch."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise CheckpointError(f"--load {directory} is a file, not a checkpoint directory: give the --save directory "
+                              f"of the run to resume")
+    holds_files = os.path.isdir(directory) and not os.path.lexists(os.path.join(directory, LATEST_FILENAME)) and any(
+        name == MANIFEST_NAME or name.startswith("mp_rank_") for name in os.listdir(directory))
+    if holds_files:
+        parent, tag = os.path.split(os.path.normpath(directory))
+        raise CheckpointError(f"--load {directory} is a checkpoint's own directory: give the directory that holds "
+                              f"it, --load {parent or '.'}, whose '{LATEST_FILENAME}' names the tag to resume ({tag})")
+
+
+def _named_tag(latest: str, directory: str, universal: bool) -> str:
+    """The tag directory ``latest`` names: a global_stepN (any directory name for ``latest_universal``,
+    which ds_to_universal names after its output) inside --load ``directory``, complete."""
+    tag = _read_latest(latest)
+    plain = os.sep not in tag and (os.altsep is None or os.altsep not in tag) and tag not in (".", "..")
+    named = os.path.join(directory, tag)
+    if plain and not os.path.isdir(named):
+        what = "a file" if os.path.exists(named) else "nothing"
+        raise CheckpointError(f"{latest} names {named}, which is {what}: write the tag of a checkpoint "
+                              f"directory there")
+    if not (plain if universal else TAG_PATTERN.fullmatch(tag)):
+        raise CheckpointError(f"{latest} names {tag!r}, not a {'directory' if universal else 'global_stepN directory'} "
+                              f"of --load {directory}: write the tag of one of its checkpoints there; to resume "
+                              f"another directory's checkpoint, give that directory as --load")
+    if os.path.exists(os.path.join(named, SAVING_MARKER)):
+        complete = checkpoint_tags(directory)
+        known = f" (complete: {', '.join(complete[-3:])})" if complete else ""
+        raise CheckpointError(f"{latest} names {named}, a save that never finished ({SAVING_MARKER} is in it): "
+                              f"{earlier_tag_advice(named)}{known}")
+    return named
+
+
 def resume_directory(directory: str, universal: bool = False) -> str | None:
     """The directory ``latest`` (``latest_universal`` when ``universal``) names; None when there is
     nothing to resume (no ``latest``, and no global_stepN that a missing ``latest`` would leave behind)."""
+    _check_load_directory(directory)
     if universal:
         latest = os.path.join(directory, UNIVERSAL_LATEST_FILENAME)
         if not os.path.lexists(latest):
@@ -96,12 +139,7 @@ def resume_directory(directory: str, universal: bool = False) -> str | None:
         return None
     if not os.path.isfile(latest):
         raise CheckpointError(f"{latest} is not a file")
-    named = os.path.join(directory, _read_latest(latest))
-    if not os.path.isdir(named):
-        what = "a file" if os.path.exists(named) else "nothing"
-        raise CheckpointError(f"{latest} names {named}, which is {what}: write the tag of a checkpoint "
-                              f"directory there")
-    return named
+    return _named_tag(latest, directory, universal)
 
 
 def check_checkpoint_directories(settings: CheckpointConfig) -> None:
@@ -305,12 +343,19 @@ def _read_manifest(tag_directory: str, check_present: bool) -> Manifest | None:
 
 def _manifest(tag_directory: str) -> Manifest | None:
     """The manifest that verified_reads checks each read file against (their presence was checked at
-    start by check_checkpoint_directories), with a notice when there is none."""
-    manifest = _read_manifest(tag_directory, check_present=False)
-    if manifest is None:
-        print_rank_0(f"notice: {tag_directory} has no manifest (written by an older trainer or by "
-                     f"Megatron-DeepSpeed): its files are loaded without checksum verification")
-    return manifest
+    start by check_checkpoint_directories); None without one (``_without_manifest`` decides)."""
+    return _read_manifest(tag_directory, check_present=False)
+
+
+def _without_manifest(tag_directory: str, saved: dict, settings: CheckpointConfig) -> None:
+    """A checkpoint without manifest: refused when this trainer wrote it, unless --allow-missing-manifest
+    (then a warning); another trainer's gets a notice (megatron.core.checkpoint.origin)."""
+    try:
+        line = unverified_reading_line(tag_directory, saved, settings.allow_missing_manifest, "--allow-missing-manifest",
+                                       f"restore its {MANIFEST_NAME}, or {earlier_tag_advice(tag_directory)}")
+    except UnverifiedCheckpointError as error:
+        raise CheckpointError(str(error)) from None
+    print_rank_0(line)
 
 
 def _megatron_deepspeed_state(tag_directory: str) -> dict | None:
@@ -341,6 +386,8 @@ def check_before_loading(engine, config: TrainConfig) -> tuple[str, Manifest | N
     if not universal:
         _check_engine_layout(engine, directory)
     saved = foreign if foreign is not None else _read_saved_state(directory, manifest)
+    if manifest is None and foreign is None:
+        _without_manifest(directory, saved, config.checkpoint)
     _check_compatible(saved, config, config.checkpoint.load, universal)
     if universal:
         _check_universal_vocabulary(directory, config.model.padded_vocab_size)

@@ -17,14 +17,17 @@ client state adds:
     --no-save-rng the RNG states: random_rng_state, np_rng_state, torch_rng_state, cuda_rng_state,
     rng_tracker_states.
 
-Commit: rank 0 first marks the tag directory as incomplete (``saving.incomplete``); each rank flushes
+Commit: rank 0 first marks the tag directory as incomplete (``saving.incomplete``: the directory is
+made under a hidden name with the marker inside, then renamed); each rank flushes
 every file it writes to the disk (fsync) and records its size and CRC-32; once every rank is done,
 rank 0 writes ``manifest.json`` (megatron.core.checkpoint.manifest), removes the mark, syncs the
 directory, then points ``latest`` ("global_stepN") at the new tag, and then Megatron's
 ``latest_checkpointed_iteration.txt`` ("N"); each is replaced atomically and durably. DeepSpeed
 itself lets rank 0 write ``latest`` as soon as its own files are done, so a job killed while another
 rank was still writing pointed the next run at a partial checkpoint. Killed at any moment of a save,
-or after a power loss right after it, a run resumes from a complete checkpoint.
+or after a power loss right after it, a run resumes from a complete checkpoint. A write the
+filesystem refuses (full, read-only) stops every rank with one line naming the cause, the file and
+the last complete checkpoint, which ``latest`` still names (``SaveError``).
 
 Loading (--load) takes ``latest``, after the checks of checkpoint_checks.py (nothing damaged, from
 another model or layout, or incomplete is loaded). What is restored:
@@ -51,7 +54,7 @@ import torch
 from megatron.core.checkpoint import megatron_deepspeed
 from megatron.core.checkpoint.manifest import FileEntry, describe_file, fsync_path, write_manifest
 from megatron.core.checkpoint.names import pipeline_name
-from megatron.core.checkpoint.output import write_pointer
+from megatron.core.checkpoint.output import naming_refused_writes, os_error_cause, write_pointer
 from megatron.core.checkpoint.universal import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info
 from megatron.core.checkpoint.universal_writer import OPTIMIZER_PARAMETER_NAMES
 from megatron.core.models.gpt.config import GPTModelConfig
@@ -59,7 +62,7 @@ from megatron.core.tensor_parallel import get_rng_tracker
 from megatron.training.checkpoint_checks import (LATEST_FILENAME, SAVING_MARKER, CheckpointError,
                                                  check_before_loading, checkpoint_tags, verified_reads)
 from megatron.training.config import CheckpointConfig, TrainConfig, plain_value
-from megatron.training.dist_utils import barrier, gather_objects, is_rank_0, print_rank_0
+from megatron.training.dist_utils import barrier, gather_objects, is_rank_0, print_rank_0, rank
 from megatron.training.engine import is_pipeline_engine
 from megatron.training.megatron_deepspeed_resume import foreign_reads, own_rng_states, restore_optimizer_states
 from megatron.training.metrics import loaded_checkpoint_line, saved_checkpoint_line, saving_checkpoint_line
@@ -68,7 +71,8 @@ CHECKPOINT_VERSION = 3.0
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
-__all__ = ["CHECKPOINT_VERSION", "CheckpointError", "TrainingProgress", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CHECKPOINT_VERSION", "CheckpointError", "SaveError", "TrainingProgress", "load_checkpoint",
+           "save_checkpoint"]
 
 
 @dataclass
@@ -179,7 +183,9 @@ def _recorded_writes(engine, tag_directory: str):
     written = WrittenFiles()
 
     def save(state_dict, path):
-        result = original_save(state_dict, path)
+        # Through a Python file: torch's writer, given a path, reports a refused write as a bare RuntimeError.
+        with naming_refused_writes(path), open(path, "wb") as f:
+            result = original_save(state_dict, f)
         started = time.perf_counter()
         written.files[os.path.relpath(path, tag_directory)] = describe_file(path)
         written.seconds += time.perf_counter() - started
@@ -201,39 +207,120 @@ class WrittenFiles:
     seconds: float = 0.0
 
 
+class SaveError(CheckpointError):
+    """A save the filesystem refused (full, read-only); raised on every rank, the same line on each."""
+
+
+@dataclass(frozen=True)
+class WriteFailure:
+    """A write of a save that the filesystem refused on one rank: the cause ("No space left on device
+    (ENOSPC)") and the file, when the error names it."""
+
+    rank: int
+    cause: str
+    path: str | None
+
+
+def _refused(action) -> tuple[object, WriteFailure | None]:
+    """(``action()``, None), or (None, the failure) when a write of it raised an OSError."""
+    try:
+        return action(), None
+    except OSError as error:
+        return None, WriteFailure(rank(), os_error_cause(error), os.fsdecode(error.filename) if error.filename else None)
+
+
+def _raise_if_refused(failures: list[WriteFailure | None], directory: str, tag: str) -> None:
+    """The SaveError of the first refused write of any rank (``failures``: one per rank, gathered)."""
+    refused = [failure for failure in failures if failure is not None]
+    if not refused:
+        return
+    first = refused[0]
+    where = f" writing {first.path}" if first.path else ""
+    ranks = f"rank {first.rank}" if len(refused) == 1 else f"ranks {', '.join(str(f.rank) for f in refused)}"
+    left = (f"{tag} stays incomplete ({SAVING_MARKER}: never loaded or counted, it may be deleted)"
+            if os.path.exists(os.path.join(directory, tag, SAVING_MARKER)) else f"{tag} is complete")
+    raise SaveError(f"saving {tag} to --save {directory} failed: {first.cause}{where} ({ranks}); "
+                    f"{_current_checkpoint(directory)}; {left}. Free space or fix the filesystem, then resume with "
+                    f"--load {directory}")
+
+
+def _current_checkpoint(directory: str) -> str:
+    """Which checkpoint ``latest`` names after a failed save: the last complete one."""
+    try:
+        with open(os.path.join(directory, LATEST_FILENAME)) as f:
+            tag = f.read().strip()
+    except OSError:
+        return f"no complete checkpoint is in {directory} yet"
+    return f"{os.path.join(directory, tag)} stays the last complete checkpoint ('{LATEST_FILENAME}' names it)"
+
+
+def _start_save(tag_directory: str) -> None:
+    """Rank 0: ``tag_directory`` marked incomplete. A new one is made under a hidden name with the
+    marker inside, then renamed, so no kill leaves a global_stepN without it; an existing one (an
+    unfinished save's, or a checkpoint --overwrite-checkpoints replaces) gets the marker in place."""
+    if os.path.isdir(tag_directory):
+        write_pointer(os.path.join(tag_directory, SAVING_MARKER), "")
+        return
+    parent, tag = os.path.split(tag_directory)
+    starting = os.path.join(parent, f".{tag}.starting")
+    shutil.rmtree(starting, ignore_errors=True)  # what a save killed here left
+    os.makedirs(starting)
+    write_pointer(os.path.join(starting, SAVING_MARKER), "")
+    os.rename(starting, tag_directory)
+    fsync_path(parent)
+
+
+def _write_files(engine, progress: TrainingProgress, config: TrainConfig, tag_directory: str):
+    """(this rank's WrittenFiles, its WriteFailure or None) of DeepSpeed's save into ``tag_directory``."""
+    with _recorded_writes(engine, tag_directory) as written:
+        state = client_state(progress, config, is_pipeline_engine(engine))
+        if config.parallel.zero_stage == 0:
+            state[OPTIMIZER_PARAMETER_NAMES] = optimizer_parameter_names(engine)
+        _, failure = _refused(lambda: engine.save_checkpoint(config.checkpoint.save, tag=os.path.basename(tag_directory),
+                                                             client_state=state, save_latest=False))
+    if failure is not None:
+        # DeepSpeed's save ends in a barrier the ranks whose files are written now wait in; its other
+        # collectives come before the first write.
+        barrier()
+    return written, failure
+
+
+def _finish_save(engine, every_rank_written: list, progress: TrainingProgress, config: TrainConfig,
+                 tag_directory: str) -> list[str]:
+    """Rank 0: the manifest, the marker removed, ``latest`` and the tracker, the pruning; the tags removed."""
+    directory = config.checkpoint.save
+    if is_pipeline_engine(engine):
+        _remove_recovery_scripts(directory)
+    files = {name: entry for record in every_rank_written for name, entry in record.files.items()}
+    write_manifest(tag_directory, progress.iteration, files)
+    os.remove(os.path.join(tag_directory, SAVING_MARKER))
+    fsync_path(tag_directory)
+    _commit(directory, progress.iteration)
+    return prune_checkpoints(directory, config.checkpoint, os.path.basename(tag_directory))
+
+
 def save_checkpoint(engine, progress: TrainingProgress, config: TrainConfig) -> None:
     """Collective: every rank writes and records its part through the engine; rank 0 then writes the
-    manifest and commits (module docstring)."""
+    manifest and commits (module docstring). A refused write raises SaveError on every rank, after
+    the ranks have agreed on it (each phase ends in a gather of the failures)."""
     directory = config.checkpoint.save
     tag = checkpoint_tag(progress.iteration)
     tag_directory = os.path.join(directory, tag)
     started = time.perf_counter()
     print_rank_0(saving_checkpoint_line(progress.iteration, directory))
-    if is_rank_0():
-        os.makedirs(tag_directory, exist_ok=True)
-        write_pointer(os.path.join(tag_directory, SAVING_MARKER), "")
-    barrier()
-    with _recorded_writes(engine, tag_directory) as written:
-        state = client_state(progress, config, is_pipeline_engine(engine))
-        if config.parallel.zero_stage == 0:
-            state[OPTIMIZER_PARAMETER_NAMES] = optimizer_parameter_names(engine)
-        engine.save_checkpoint(directory, tag=tag, client_state=state, save_latest=False)
-    every_rank_written = gather_objects(written)  # collective: every rank has finished writing
-    removed = []
-    if is_rank_0():
-        if is_pipeline_engine(engine):
-            _remove_recovery_scripts(directory)
-        files = {name: entry for record in every_rank_written for name, entry in record.files.items()}
-        write_manifest(tag_directory, progress.iteration, files)
-        os.remove(os.path.join(tag_directory, SAVING_MARKER))
-        fsync_path(tag_directory)
-        _commit(directory, progress.iteration)
-        removed = prune_checkpoints(directory, config.checkpoint, tag)
-    barrier()
+    _, failure = _refused(lambda: _start_save(tag_directory)) if is_rank_0() else (None, None)
+    _raise_if_refused(gather_objects(failure), directory, tag)
+    written, failure = _write_files(engine, progress, config, tag_directory)
+    every_rank = gather_objects((written, failure))  # collective: every rank has finished writing
+    _raise_if_refused([failure for _, failure in every_rank], directory, tag)
+    every_rank_written = [written for written, _ in every_rank]
+    removed, failure = _refused(lambda: _finish_save(engine, every_rank_written, progress, config, tag_directory)) \
+        if is_rank_0() else ([], None)
+    _raise_if_refused(gather_objects(failure), directory, tag)
     print_rank_0(saved_checkpoint_line(progress.iteration, directory))
-    if is_rank_0():
-        print_rank_0(manifest_cost_line(files, max(record.seconds for record in every_rank_written),
-                                        time.perf_counter() - started))
+    files = {name: entry for record in every_rank_written for name, entry in record.files.items()}
+    print_rank_0(manifest_cost_line(files, max(record.seconds for record in every_rank_written),
+                                    time.perf_counter() - started))
     if removed:
         print_rank_0(f"  removed {', '.join(removed)} (--keep-last-checkpoints {config.checkpoint.keep_last_checkpoints})")
 

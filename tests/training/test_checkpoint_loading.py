@@ -2,15 +2,20 @@
 
 One 2-process run (DP=2, ZeRO-1) saves at iterations 1 and 2; each test damages a copy of it, or
 resumes under another layout: another TP size is refused before anything is read into the model
-(DeepSpeed would re-split the weights and fail later); 15 kinds of damage (missing, truncated,
-bit-flipped or foreign files, a broken manifest, a broken or missing ``latest``) are each named
-before training starts; another data-parallel size needs --no-load-optim, as DeepSpeed cannot
-repartition ZeRO's optimizer states; a run from iteration 0 refuses a --save that holds checkpoints.
+(DeepSpeed would re-split the weights and fail later); 19 kinds of damage (missing, truncated,
+bit-flipped or foreign files, a broken or deleted manifest, a broken or missing ``latest``, a
+``latest`` naming another directory's checkpoint or a save that never finished) are each named
+before training starts, and leave the checkpoint as it was; a --load naming a file or a tag
+directory is refused rather than started from scratch; --allow-missing-manifest loads a checkpoint
+whose manifest was deleted, with a warning; another data-parallel size needs --no-load-optim, as
+DeepSpeed cannot repartition ZeRO's optimizer states; a run from iteration 0 refuses a --save that
+holds checkpoints.
 """
 import shutil
 
 import pytest
 
+from megatron.core.checkpoint.manifest import SAVING_MARKER
 from tests.training.pretrain_helpers import run_pretrain, tiny_run_args, training_lines
 
 FLAGS = ["--global-batch-size", "4", "--lr-warmup-iters", "1", "--lr-decay-iters", "8", "--eval-iters", "0",
@@ -95,6 +100,17 @@ DAMAGES = {
                               "{ckpt}/latest names {ckpt}/global_step9, which is nothing"),
     "deleted latest": (lambda ckpt, tag: (ckpt / "latest").unlink(),
                        "--load {ckpt} holds checkpoints (global_step1, global_step2) but no 'latest' file"),
+    "deleted manifest and a bit flip in a layer file": (
+        lambda ckpt, tag: ((tag / "manifest.json").unlink(), flip_a_bit(tag / LAYER)),
+        "{tag} has no manifest.json, though this trainer wrote it"),
+    "latest naming another directory's checkpoint": (
+        lambda ckpt, tag: (shutil.copytree(tag, ckpt.parent / "base" / "global_step2"),
+                           (ckpt / "latest").write_text("../base/global_step2")),
+        "{ckpt}/latest names '../base/global_step2', not a global_stepN directory of --load {ckpt}"),
+    "latest naming a save that never finished": (
+        lambda ckpt, tag: (shutil.copytree(tag, ckpt / "global_step3"), (ckpt / "global_step3" / SAVING_MARKER).touch(),
+                           (ckpt / "latest").write_text("global_step3")),
+        "{ckpt}/latest names {ckpt}/global_step3, a save that never finished (saving.incomplete is in it)"),
 }
 
 
@@ -104,11 +120,41 @@ def test_a_damaged_checkpoint_is_named_before_training(preprocessed_corpus, save
     tag = checkpoint / "global_step2"
     mutate, message = DAMAGES[damage]
     mutate(checkpoint, tag)
+    before = snapshot(checkpoint)
     result = _resume(preprocessed_corpus, checkpoint)
     assert result.returncode != 0
     assert message.format(ckpt=checkpoint, tag=tag) in result.stdout, result.stdout[-3000:]
     assert "pretrain_gpt.py: error: " in result.stdout and "successfully loaded checkpoint" not in result.stdout
     assert not training_lines(result.stdout)
+    assert snapshot(checkpoint) == before
+
+
+def snapshot(directory):
+    """Every path under ``directory`` with its modification time: what a refused run must not change."""
+    return {path: path.stat().st_mtime_ns for path in directory.rglob("*")}
+
+
+def test_load_naming_a_file_or_a_tag_directory_is_refused(preprocessed_corpus, saved_at_2, tmp_path):
+    checkpoint = _copy(saved_at_2, tmp_path)
+    before = snapshot(checkpoint)
+    for load, message in [(checkpoint / "latest", f"--load {checkpoint}/latest is a file, not a checkpoint directory"),
+                          (checkpoint / "global_step2",
+                           f"--load {checkpoint}/global_step2 is a checkpoint's own directory: give the directory "
+                           f"that holds it, --load {checkpoint}")]:
+        result = _resume(preprocessed_corpus, load, nproc=1)
+        assert result.returncode != 0 and message in result.stdout, result.stdout[-3000:]
+        assert "starts from scratch" not in result.stdout and not training_lines(result.stdout)
+    assert snapshot(checkpoint) == before
+
+
+def test_a_deleted_manifest_loads_only_with_the_flag_and_a_warning(preprocessed_corpus, saved_at_2, tmp_path):
+    checkpoint = _copy(saved_at_2, tmp_path)
+    (checkpoint / "global_step2" / "manifest.json").unlink()
+    resumed = _resume(preprocessed_corpus, checkpoint, "--allow-missing-manifest", check=True).stdout
+    assert (f"WARNING: {checkpoint}/global_step2 has no manifest.json, though this trainer wrote it" in resumed
+            and "--allow-missing-manifest: its files are read UNVERIFIED" in resumed)
+    assert f"successfully loaded checkpoint from {checkpoint} at iteration 2" in resumed
+    assert [line["iteration"] for line in training_lines(resumed)] == [3, 4]
 
 
 def test_a_fresh_start_never_overwrites_saved_checkpoints(preprocessed_corpus, saved_at_2, tmp_path):
