@@ -16,6 +16,7 @@ their next collective and stop with one line each, exit status 1.
 """
 import os
 import sys
+import time
 
 from megatron.training.initialize import select_accelerator
 
@@ -30,11 +31,13 @@ from megatron.training.arguments import (ArgumentError, parse_args_or_exit, repo
 from megatron.training.checkpoint_checks import CheckpointError, check_checkpoint_directories  # noqa: E402
 from megatron.training.config import build_config  # noqa: E402
 from megatron.training.data_loading import DataLoadingError, check_dataset_files  # noqa: E402
-from megatron.training.dist_utils import first_to_report, peer_lost, rank  # noqa: E402
+from megatron.training.dist_utils import first_to_report, peer_lost, rank, world_size  # noqa: E402
 from megatron.training.initialize import FusedKernelConstraintError  # noqa: E402
 from megatron.training.lr_schedule import LRScheduleError  # noqa: E402
 from megatron.training.training import TrainingDivergedError, pretrain  # noqa: E402
 
+# How long rank 0 stays after an error so that the other ranks meeting it can learn it is reported.
+STORE_LINGER_SECONDS = 2.0
 # Errors of the run's inputs (checkpoint, data, schedule), reported as one line rather than a traceback.
 RUN_ERRORS = (CheckpointError, DataLoadingError, FusedKernelConstraintError, IndexedDatasetError, LRScheduleError,
               TrainingDivergedError)
@@ -79,7 +82,10 @@ def report_run_failure(error: Exception):
         print(f"{program}: rank {rank()} stops: another rank of the job has ended (its own message, if it printed "
               f"one, says why)", file=sys.stderr, flush=True)
         sys.exit(1)
-    if not first_to_report(f"{type(error).__name__}: {error}"):
+    first = first_to_report(f"{type(error).__name__}: {error}")
+    if rank() == 0 and world_size() > 1:
+        time.sleep(STORE_LINGER_SECONDS)  # the rendezvous store lives here: the others' lookups need it
+    if not first:
         sys.exit(1)
     if isinstance(error, RUN_ERRORS):
         report_error_and_exit(error, 1, every_rank=True)
