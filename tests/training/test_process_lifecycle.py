@@ -254,3 +254,19 @@ def test_the_watch_of_this_process_reads_the_real_process_table():
     assert _proc_parent(os.getpid()) == os.getppid()
     assert _proc_parent(2 ** 22 + 1) is None  # beyond pid_max: no such process
     assert not LauncherWatch().gone()
+
+
+def test_a_lost_peer_is_told_from_other_errors():
+    from megatron.training.dist_utils import first_to_report, peer_lost
+
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:22193. GLHF!")
+    assert peer_lost(gloo) and peer_lost(RuntimeError("Connection reset by peer"))
+    try:
+        try:
+            raise gloo
+        except RuntimeError as error:
+            raise ValueError("while saving") from error
+    except ValueError as wrapped:
+        assert peer_lost(wrapped)  # the cause decides
+    assert not peer_lost(RuntimeError("injected failure")) and not peer_lost(OSError("Connection closed by peer"))
+    assert first_to_report("any message")  # one process without a process group: always its own report
