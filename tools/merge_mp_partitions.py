@@ -17,6 +17,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.training.initialize import select_accelerator  # noqa: E402
+
+select_accelerator()  # before anything imports deepspeed: one accelerator choice, no per-process guess
+
 from megatron.core.checkpoint.reader import CheckpointInputError  # noqa: E402
 from tools.convert_checkpoint.reshape import (ALLOW_MISSING_MANIFEST_HELP, open_input, report,  # noqa: E402
                                               reshape_with_progress)

@@ -14,6 +14,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from megatron.training.initialize import select_accelerator  # noqa: E402
+
+select_accelerator()  # before anything imports deepspeed: one accelerator choice, no per-process guess
+
 from tools.convert_checkpoint.reshape import layout_parser, open_input, report, reshape_with_progress  # noqa: E402
 
 

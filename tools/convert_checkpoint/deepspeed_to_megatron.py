@@ -14,6 +14,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from megatron.training.initialize import select_accelerator  # noqa: E402
+
+select_accelerator()  # before anything imports deepspeed: one accelerator choice, no per-process guess
+
 from megatron.core.checkpoint.megatron_lm import write_megatron_lm_checkpoint  # noqa: E402
 from tools.convert_checkpoint.reshape import layout_parser, manifest_note, open_input, report  # noqa: E402
 

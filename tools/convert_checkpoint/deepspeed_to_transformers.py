@@ -18,6 +18,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from megatron.training.initialize import select_accelerator  # noqa: E402
+
+select_accelerator()  # before anything imports deepspeed: one accelerator choice, no per-process guess
+
 from megatron.core.checkpoint.output import staged_directory, tree_size  # noqa: E402
 from megatron.core.checkpoint.reader import CheckpointInputError, iter_full_layers  # noqa: E402
 from megatron.core.checkpoint.transformers_export import (NotExportableError, architecture,  # noqa: E402

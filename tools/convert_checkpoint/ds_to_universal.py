@@ -37,6 +37,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from megatron.training.initialize import select_accelerator  # noqa: E402
+
+select_accelerator()  # before anything imports deepspeed: one accelerator choice, no per-process guess
+
 import torch  # noqa: E402
 
 from megatron.core.checkpoint import megatron_deepspeed  # noqa: E402

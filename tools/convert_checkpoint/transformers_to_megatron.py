@@ -25,6 +25,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from megatron.training.initialize import select_accelerator  # noqa: E402
+
+select_accelerator()  # before anything imports deepspeed: one accelerator choice, no per-process guess
+
 from megatron.core.checkpoint.reader import CheckpointInputError  # noqa: E402
 from megatron.core.checkpoint.transformers_import import (BLOOM, TransformersWeights,  # noqa: E402
                                                           imported_layers, model_options, read_transformers_config)
