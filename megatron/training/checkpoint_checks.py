@@ -177,7 +177,9 @@ def _check_compatible(state: dict, config: TrainConfig, directory: str, universa
     arguments = state.get("args", {})
     if not isinstance(arguments, dict):  # Megatron-DeepSpeed pickles its argparse Namespace there
         raise CheckpointError(f"{directory}: the checkpoint was written by Megatron-DeepSpeed (its args entry is "
-                              f"a {type(arguments).__name__}), not by this trainer: resuming it is not supported")
+                              f"a {type(arguments).__name__}) and is read only as its own global_stepN directory: "
+                              f"--load its save directory without --universal-checkpoint, or convert it with "
+                              f"tools/convert_checkpoint/ds_to_universal.py")
     saved = arguments.get("model", {})
     configured = plain_value(config.model)
     fields = [name for name in CHECKED_MODEL_FIELDS if not (universal and name == "padded_vocab_size")]

@@ -53,11 +53,11 @@ import types
 
 import torch
 
+from megatron.core.checkpoint.origin import WRITER_KEY
 from megatron.core.checkpoint.reader import CheckpointInputError
 from megatron.core.models.gpt.config import GPTModelConfig
 
 WRITER = "Megatron-DeepSpeed"
-FOREIGN_WRITER_KEY = "checkpoint_written_by"  # set in a translated state: the trainer knows where it came from
 MODEL_STATES_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 PARTITION_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
@@ -172,7 +172,7 @@ def is_megatron_deepspeed_state(state) -> bool:
 
 def is_translated(state) -> bool:
     """``state`` is the translation of a Megatron-DeepSpeed model-states file (``trainer_state``)."""
-    return isinstance(state, dict) and state.get(FOREIGN_WRITER_KEY) == WRITER
+    return isinstance(state, dict) and state.get(WRITER_KEY) == WRITER
 
 
 def model_states_files(directory: str) -> list[str]:
@@ -227,7 +227,7 @@ def progress_entries(state: dict) -> dict:
 def trainer_state(state: dict) -> dict:
     """A Megatron-DeepSpeed model-states dict in this trainer's terms: ``args`` as plain values
     (``model``, the TP / PP / DP sizes, and the whole Namespace under ``megatron_deepspeed_args``),
-    the counters under our keys (progress_entries), FOREIGN_WRITER_KEY set; the rest as saved."""
+    the counters under our keys (progress_entries), WRITER_KEY set; the rest as saved."""
     arguments = state["args"]
     translated = dict(state)
     translated["args"] = {
@@ -238,7 +238,7 @@ def trainer_state(state: dict) -> dict:
         "megatron_deepspeed_args": plain(vars(arguments)),
     }
     translated.update(progress_entries(state))
-    translated[FOREIGN_WRITER_KEY] = WRITER
+    translated[WRITER_KEY] = WRITER
     return translated
 
 
