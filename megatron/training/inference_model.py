@@ -54,7 +54,7 @@ from megatron.training.config import ParallelConfig
 from megatron.training.dist_utils import shutdown
 from megatron.training.engine import current_device
 from megatron.training.initialize import initialize_distributed, set_random_seeds
-from megatron.training.launch_env import effective_backend, read_launch_env
+from megatron.training.launch_env import effective_backend, rank_in_environment, read_launch_env
 
 # Flags whose value, when given, must be the checkpoint's (dest = the saved configuration's key).
 MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
@@ -225,7 +225,9 @@ def load_inference_model(argv: Sequence[str] | None = None, add_flags: Callable 
     parser, flags = parse_inference_flags(argv, add_flags)
     if not flags.load:
         raise InferenceSetupError("give --load, the checkpoint directory")
-    checkpoint = open_checkpoint(flags.load, "--load")
+    checkpoint = open_checkpoint(flags.load, "--load", allow_missing_manifest=flags.allow_missing_manifest)
+    if checkpoint.unverified and rank_in_environment(os.environ) == 0:
+        print(checkpoint.unverified, flush=True)
     check_model_flags(parser, flags, checkpoint)
     seq_length = checked_seq_length(flags, checkpoint)
     tokenizer = checked_tokenizer(flags, checkpoint)

@@ -10,12 +10,14 @@ flags are refused by name before any process group starts.
 """
 import json
 import os
+import shutil
 
 import pytest
 import torch
 
+from megatron.core.checkpoint.manifest import MANIFEST_NAME
 from megatron.core.checkpoint.model_loading import load_gpt_model
-from megatron.core.checkpoint.reader import open_checkpoint
+from megatron.core.checkpoint.reader import CheckpointInputError, open_checkpoint
 from megatron.training.inference_model import InferenceSetupError, load_inference_model
 from tests.conftest import REPO_ROOT
 from tests.tasks.trained_checkpoint import checkpoint_path, model_flags
@@ -109,3 +111,18 @@ def test_wrong_flags_are_refused_before_starting(trained, monkeypatch):
         load_inference_model(["--load", save, *model_flags(data), "--seq-length", "100",
                               "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"])
     assert not torch.distributed.is_initialized()
+
+
+def test_a_checkpoint_without_its_manifest_loads_only_with_the_flag(trained, tmp_path, monkeypatch, capsys):
+    data, save = trained
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    copy = tmp_path / "checkpoints"
+    shutil.copytree(save, copy)
+    os.remove(os.path.join(checkpoint_path(str(copy)), MANIFEST_NAME))
+    with pytest.raises(CheckpointInputError, match="--allow-missing-manifest"):
+        load_inference_model(["--load", str(copy), *model_flags(data)])
+    with pytest.raises(InferenceSetupError, match="1 processes cannot hold TP 2 x PP 2"):  # past the checkpoint
+        load_inference_model(["--load", str(copy), *model_flags(data), "--allow-missing-manifest"])
+    assert "UNVERIFIED" in capsys.readouterr().out
+    assert not os.path.exists(os.path.join(checkpoint_path(str(copy)), MANIFEST_NAME))
