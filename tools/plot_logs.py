@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.training.log_reader import read_log  # noqa: E402
 
-MATPLOTLIB_MISSING = "tools/plot_logs.py needs matplotlib: pip install -e .[plot]"
+MATPLOTLIB_MISSING = "tools/plot_logs.py needs matplotlib: pip install -e '.[plot]'"
 EVENT_FILES = "events.out.tfevents.*"
 VALIDATION_TAG = re.compile(r"lm-loss-validation/(?:(?P<set_name>.+)/)?lm loss validation")
 UNNAMED_VALIDATION_SET = "validation"

@@ -228,5 +228,5 @@ def test_a_missing_matplotlib_is_named_with_its_install_command(runs, tmp_path, 
         monkeypatch.setitem(sys.modules, module, None)  # None in sys.modules makes the import fail
     with pytest.raises(SystemExit) as raised:
         main([*runs, "--out", str(tmp_path / "out")])
-    assert raised.value.code == MATPLOTLIB_MISSING == "tools/plot_logs.py needs matplotlib: pip install -e .[plot]"
+    assert raised.value.code == MATPLOTLIB_MISSING == "tools/plot_logs.py needs matplotlib: pip install -e '.[plot]'"
     assert not (tmp_path / "out").exists()
