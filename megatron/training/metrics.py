@@ -416,11 +416,12 @@ def skipped_iterations_line(start: int, end: int) -> str:
     return f"Skipped iterations {start} to {end} due to --skip-train-iteration-range flag."
 
 
-def signal_exit_line(signal_name: str, iteration: int, save_directory: str | None) -> str:
-    """Where a run stopped by a signal stands and how to resume it."""
+def stop_line(reason: str, iteration: int, save_directory: str | None) -> str:
+    """Where a run stopped for ``reason`` ("received SIGTERM", "the deepspeed launcher (pid 7) has
+    ended") stands and how to resume it."""
     if save_directory is None:
-        return f"received {signal_name}: exiting after iteration {iteration} without a checkpoint (no --save)"
-    return (f"received {signal_name}: saved a checkpoint at iteration {iteration} in {save_directory}; "
+        return f"{reason}: exiting after iteration {iteration} without a checkpoint (no --save)"
+    return (f"{reason}: saved a checkpoint at iteration {iteration} in {save_directory}; "
             f"resume with the same command and --load {save_directory}")
 
 

@@ -167,10 +167,3 @@ class LauncherWatch:
         pid, name = self.ended
         return f"the {name} launcher (pid {pid}) has ended"
 
-
-def launcher_gone_line(description: str, iteration: int, save_directory: str | None) -> str:
-    """Where a run stopped for a lost launcher stands and how to resume it (as signal_exit_line)."""
-    if save_directory is None:
-        return f"{description}: exiting after iteration {iteration} without a checkpoint (no --save)"
-    return (f"{description}: saved a checkpoint at iteration {iteration} in {save_directory}; "
-            f"resume with the same command and --load {save_directory}")

@@ -59,12 +59,12 @@ from megatron.training.metrics import (BUILDING_DATASETS_LINE, TEST_END_PREFIX, 
                                        gigaflos_no_embeddings, initialization_time_line, kill_switch_line,
                                        measure_matmul_peak_tflops, memory_report_line, model_flops,
                                        parameter_count_lines, rank_parameter_line, remaining_seconds,
-                                       run_summary_lines, signal_exit_line, skipped_iterations_line,
+                                       run_summary_lines, skipped_iterations_line, stop_line,
                                        train_iterations_line,
                                        training_log_line, validation_log_lines, validation_prefix)
 from megatron.training.microbatches import build_num_microbatches_calculator, train_iters_for_samples
 from megatron.training.profiling import IterationProfiler
-from megatron.training.signals import ExitSignals, launcher_gone_line, signal_name
+from megatron.training.signals import ExitSignals, signal_name
 from megatron.training.tb_logger import IterationScalars, Progress, TensorBoardLogger, logger_settings
 from megatron.training.timers import Timers
 
@@ -452,12 +452,12 @@ class Trainer:
         if stop.kill_switch:
             return kill_switch_line(self.schedule.kill_switch_path)
         if stop.signal_number:
-            return signal_exit_line(signal_name(stop.signal_number), self.progress.iteration,
-                                    self.config.checkpoint.save)
+            return stop_line(f"received {signal_name(stop.signal_number)}", self.progress.iteration,
+                             self.config.checkpoint.save)
         watch = self.signals.launcher
         seen_here = watch is not None and watch.gone()
         description = watch.description() if seen_here else "the launcher of another rank has ended"
-        return launcher_gone_line(description, self.progress.iteration, self.config.checkpoint.save)
+        return stop_line(description, self.progress.iteration, self.config.checkpoint.save)
 
     def _exit_requested(self) -> str | None:
         elapsed = None
