@@ -18,7 +18,11 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "random_seed")
 
 def put(url: str, body: dict) -> tuple[int, str]:
     """(status, response text) of a PUT of ``body`` as JSON to ``url``."""
-    data = json.dumps(body).encode()
+    return put_bytes(url, json.dumps(body).encode())
+
+
+def put_bytes(url: str, data: bytes) -> tuple[int, str]:
+    """(status, response text) of a PUT of the raw JSON body ``data`` to ``url``."""
     request = urllib.request.Request(url, data=data, method="PUT", headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request) as response:

@@ -15,8 +15,6 @@ import os
 import re
 import signal
 import sys
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -28,7 +26,7 @@ from megatron.core.tokenizer import GPT2BPETokenizer
 from tests.conftest import REPO_ROOT
 from tests.tasks.trained_checkpoint import SEQ_LENGTH, checkpoint_path, model_flags
 from tests.training.e2e_utils import Job, run_command, torchrun_command
-from tools.text_generation_cli import put
+from tools.text_generation_cli import put, put_bytes
 
 pytest.importorskip("flask")
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -75,16 +73,6 @@ def kill_job_and_workers(job: Job) -> None:
     for pid in workers_by_local_rank(job.processes[0].pid).values():
         os.kill(pid, signal.SIGKILL)
     job.kill()
-
-
-def put_bytes(url: str, data: bytes) -> tuple[int, str]:
-    """(status, response text) of a PUT of the raw body ``data``."""
-    request = urllib.request.Request(url, data=data, method="PUT", headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode()
 
 
 def check_hostile_requests(url: str, greedy_rome: str) -> None:
