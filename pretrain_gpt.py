@@ -36,7 +36,8 @@ from megatron.training.initialize import FusedKernelConstraintError  # noqa: E40
 from megatron.training.lr_schedule import LRScheduleError  # noqa: E402
 from megatron.training.training import TrainingDivergedError, pretrain  # noqa: E402
 
-# How long rank 0 stays after an error so that the other ranks meeting it can learn it is reported.
+# How long every rank stays after an error: rank 0 holds the store the others ask whether it is reported, and
+# the first to report it must print before a launcher, seeing a rank end, stops the job.
 STORE_LINGER_SECONDS = 2.0
 # Errors of the run's inputs (checkpoint, data, schedule), reported as one line rather than a traceback.
 RUN_ERRORS = (CheckpointError, DataLoadingError, FusedKernelConstraintError, IndexedDatasetError, LRScheduleError,
@@ -71,25 +72,27 @@ def main(argv=None):
 
 
 def report_run_failure(error: Exception):
-    """Show each error of the run once for the whole job, then exit 1 (or let a bug's traceback out).
+    """Show each error of the run once for the whole job, then exit 1.
 
     A rank that finds another one gone mid-collective prints one line instead of gloo's traceback
     (the gone rank's own error, if it printed one, is the message that matters). An error several
     ranks meet alike is printed by the first of them only (dist_utils.first_to_report): a run error
-    as one line, anything else as its traceback."""
+    as one line, anything else as its traceback. The first prints before any rank exits: a launcher
+    stops the whole job when one rank ends with an error, so every rank lingers a moment first (and
+    rank 0 holds the rendezvous store the others' lookups need)."""
     program = os.path.basename(sys.argv[0])
     if peer_lost(error):
         print(f"{program}: rank {rank()} stops: another rank of the job has ended (its own message, if it printed "
               f"one, says why)", file=sys.stderr, flush=True)
         sys.exit(1)
     first = first_to_report(f"{type(error).__name__}: {error}")
-    if rank() == 0 and world_size() > 1:
-        time.sleep(STORE_LINGER_SECONDS)  # the rendezvous store lives here: the others' lookups need it
-    if not first:
-        sys.exit(1)
-    if isinstance(error, RUN_ERRORS):
-        report_error_and_exit(error, 1, every_rank=True)
-    raise error
+    if first and isinstance(error, RUN_ERRORS):
+        print(f"{program}: error: {error}", file=sys.stderr, flush=True)
+    if world_size() > 1:
+        time.sleep(STORE_LINGER_SECONDS)
+    if first and not isinstance(error, RUN_ERRORS):
+        raise error  # the traceback, also for torchrun's error record; the first to linger is the first to end
+    sys.exit(1)
 
 
 if __name__ == "__main__":
