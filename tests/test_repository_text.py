@@ -171,7 +171,7 @@ def test_seed_rules_on_examples():
 def test_citation_and_path_rules_on_examples():
     assert outside_citations("x.py", "see ..{}shared/notes".format("/"))
     assert outside_citations("x.py", "{}.md principle 3".format("DESIGN"))
-    assert outside_citations("docs/a.md", "performance.md") and not outside_citations("x.py", "docs/architecture.md")
+    assert outside_citations("docs/a.md", "reliability.md") and not outside_citations("x.py", "docs/architecture.md")
     assert missing_paths("docs/a.md", "[x](no-such-file.md)") == ["no-such-file.md"]
     assert missing_paths("docs/a.md", "[x](architecture.md#principles) [y](https://github.com/a/b.md)") == []
     assert missing_paths("x.py", "see docs/no-such-doc.md") == ["docs/no-such-doc.md"]
