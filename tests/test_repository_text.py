@@ -3,7 +3,7 @@ names exists, and "seed" only ever means a random seed.
 
 Files checked: every text file git knows of (tracked, or untracked and not ignored) ending in .py,
 .md, .sh, .slurm, .txt, .json, .toml or .cfg, except the recorded GPU outputs under
-tests/gpu/results/ (their README.md files are checked), the licence text of the sample corpus
+benchmarks/results/ (their README.md files are checked), the licence text of the sample corpus
 (examples/data/LICENSE-PSF.txt, not ours) and this file. This file passes the same check as text:
 its patterns and examples spell the phrases they look for in pieces (``[-]``, ``{SYSTEM}``).
 
@@ -42,7 +42,7 @@ import subprocess
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SELF = os.path.relpath(os.path.abspath(__file__), REPO_ROOT)
 TEXT_SUFFIXES = (".py", ".md", ".sh", ".slurm", ".txt", ".json", ".toml", ".cfg")
-RECORDED_OUTPUTS = "tests/gpu/results/"  # logs and tables as the GPU runs wrote them
+RECORDED_OUTPUTS = "benchmarks/results/"  # logs and tables as the GPU runs wrote them
 EXCLUDED_FILES = {"examples/data/LICENSE-PSF.txt", SELF}
 IGNORED_DIRECTORIES = {".git", "__pycache__", "build", "dist", "_build", "runs", ".whl", ".pytest_cache"}
 
