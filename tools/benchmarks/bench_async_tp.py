@@ -10,7 +10,7 @@ of a width-4096 GPT (micro-batch 4), at TP = world size and in bf16, rank 0 prin
 
     gemm        the product alone, on the gathered (or full) operand
     serial      NCCL's collective, then the GEMM (or the GEMM, then the collective)
-    fused       megatron.core.tensor_parallel.utils.all_gather_matmul / matmul_reduce_scatter
+    fused       megatron.core.tensor_parallel.async_tp.all_gather_matmul / matmul_reduce_scatter
 
 and checks once that fused and serial agree (relative error of bf16 GEMMs summed over ranks).
 "fused host" is the median time the host takes to issue one fused call (on an idle GPU, so that
@@ -42,9 +42,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from megatron.core.tensor_parallel.async_tp import (  # noqa: E402
+    all_gather_matmul, all_gather_matmul_each_block, matmul_reduce_scatter, start_matmul_reduce_scatter)
 from megatron.core.tensor_parallel.utils import (  # noqa: E402
-    all_gather_along_first_dim, all_gather_matmul, all_gather_matmul_each_block, matmul_reduce_scatter,
-    reduce_scatter_along_first_dim, start_matmul_reduce_scatter, start_reduce_scatter_along_first_dim)
+    all_gather_along_first_dim, reduce_scatter_along_first_dim, start_reduce_scatter_along_first_dim)
 
 WARMUP_CALLS = 5
 # (model, product, kind, rows of the full operand, its columns, the product's columns at TP=k)

@@ -26,10 +26,11 @@ from megatron.core.tensor_parallel.mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 from megatron.core.tensor_parallel.random import get_rng_tracker
-from megatron.core.tensor_parallel.utils import (VocabUtility, all_gather_along_first_dim, all_gather_matmul,
-                                                 all_gather_matmul_each_block, divide, matmul_reduce_scatter,
+from megatron.core.tensor_parallel.async_tp import (all_gather_matmul, all_gather_matmul_each_block,
+                                                    matmul_reduce_scatter, start_matmul_reduce_scatter)
+from megatron.core.tensor_parallel.utils import (VocabUtility, all_gather_along_first_dim, divide,
                                                  start_all_gather_along_first_dim, start_all_reduce,
-                                                 start_matmul_reduce_scatter, start_reduce_scatter_along_first_dim)
+                                                 start_reduce_scatter_along_first_dim)
 
 InitMethod = Callable[[torch.Tensor], None]
 
