@@ -63,8 +63,8 @@ from megatron.training.checkpoint_checks import (LATEST_FILENAME, SAVING_MARKER,
                                                  check_before_loading, checkpoint_tags, verified_reads)
 from megatron.training.config import CheckpointConfig, TrainConfig, plain_value
 from megatron.training.dist_utils import barrier, gather_objects, is_rank_0, print_rank_0, rank
-from megatron.training.engine import is_pipeline_engine
-from megatron.training.megatron_deepspeed_resume import foreign_reads, own_rng_states, restore_optimizer_states
+from megatron.training.engine.deepspeed_engine import is_pipeline_engine
+from megatron.training.engine.megatron_deepspeed_resume import foreign_reads, own_rng_states, restore_optimizer_states
 from megatron.training.metrics import loaded_checkpoint_line, saved_checkpoint_line, saving_checkpoint_line
 
 CHECKPOINT_VERSION = 3.0

@@ -49,7 +49,7 @@ from megatron.training.curriculum import SequenceLengthCurriculum
 from megatron.training.data_loading import (DataLoadingError, LMBatch, LoaderSettings, batch_function, build_datasets,
                                             build_iterators, pipeline_batch, train_valid_test_num_samples,
                                             truncate_batch)
-from megatron.training.engine import (build_lr_scheduler, build_model, build_optimizer, counts_once,
+from megatron.training.engine.deepspeed_engine import (build_lr_scheduler, build_model, build_optimizer, counts_once,
                                       current_device, initialize_engine, parameter_counts, uses_pipeline_engine)
 from megatron.training.initialize import check_fused_kernel_constraints, initialize_megatron
 from megatron.training.log_files import write_log_file

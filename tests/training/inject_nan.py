@@ -12,7 +12,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 if __name__ == "__main__":
     sys.path.insert(0, REPO_ROOT)
-    from megatron.core.models.gpt.pipeline import LanguageModelLoss
+    from megatron.training.engine.pipeline_module import LanguageModelLoss
 
     nan_iterations = {int(value) for value in os.environ["NAN_ITERATIONS"].split(",")}
     micro_batches = int(os.environ["MICRO_BATCHES"])

@@ -4,7 +4,7 @@ import torch
 
 from megatron.core.tensor_parallel import get_rng_tracker, model_parallel_seed
 from megatron.core.tensor_parallel.random import MODEL_PARALLEL_RNG
-from megatron.training.megatron_deepspeed_resume import own_rng_states
+from megatron.training.engine.megatron_deepspeed_resume import own_rng_states
 
 
 def test_their_tracker_states_become_ours_keeping_the_seeded_cpu_stream():

@@ -25,7 +25,7 @@ from megatron.training.checkpointing import TrainingProgress, client_state, rest
 from megatron.training.config import CheckpointConfig, DataConfig
 from megatron.training.data_loading import (DataLoadingError, LoaderSettings, cycling_iterator, get_batch,
                                             pipeline_batch, train_valid_test_num_samples, training_iterator)
-from megatron.training.engine import (EngineSetupError, build_optimizer, check_engine_grid, gradient_norm_share,
+from megatron.training.engine.deepspeed_engine import (EngineSetupError, build_optimizer, check_engine_grid, gradient_norm_share,
                                       parameter_counts, uses_pipeline_engine, weight_decay_groups)
 from megatron.training.training import exit_label
 from tests.conftest import REPO_ROOT
@@ -368,7 +368,7 @@ def test_each_python_environment_builds_its_ops_in_its_own_directory(monkeypatch
 
 
 def test_fused_kernel_constraints_name_each_kernel_that_would_fall_back(monkeypatch):
-    from megatron.core.fused_kernels import dispatch
+    from megatron.core.fused_kernels import set_fused_kernels_enabled
     from megatron.training.initialize import (FusedKernelConstraintError, check_fused_kernel_constraints,
                                               fused_kernel_violations)
 
@@ -379,14 +379,14 @@ def test_fused_kernel_constraints_name_each_kernel_that_would_fall_back(monkeypa
     too_long = GPTModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, padded_vocab_size=128,
                               seq_length=20000, max_position_embeddings=20000, attention_impl="materialized")
     assert fused_kernel_violations(too_long, 1, 1) == ["scale-mask-softmax: sk = 20000 keys > 16384"]
-    dispatch.set_fused_kernels_enabled(False)
+    set_fused_kernels_enabled(False)
     try:
         assert fused_kernel_violations(fits, 1, 2)[0].startswith("fused kernels are disabled")
         with pytest.raises(FusedKernelConstraintError, match="--abort-on-unmet-fused-kernel-constraints"):
             check_fused_kernel_constraints(fits, 1, 2, cuda_available=True)
         check_fused_kernel_constraints(fits, 1, 2, cuda_available=False)  # CPU: references by design
     finally:
-        dispatch.set_fused_kernels_enabled(None)
+        set_fused_kernels_enabled(None)
 
 
 def test_log_levels_per_rank():

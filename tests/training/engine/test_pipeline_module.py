@@ -7,7 +7,7 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.models.gpt.masks import get_ltor_masks_and_position_ids
-from megatron.core.models.gpt.pipeline import (GPTModelPipe, LanguageModelLoss, PipelineInputError, SwapFirstDims,
+from megatron.training.engine.pipeline_module import (GPTModelPipe, LanguageModelLoss, PipelineInputError, SwapFirstDims,
                                                check_pipeline_inputs, gpt_layer_specs, stage_boundaries)
 from megatron.core.parallel_state import initialize_model_parallel, single_rank_groups
 from megatron.core.tensor_parallel.random import model_parallel_seed

@@ -33,7 +33,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.layer_norm import LayerNorm
 from megatron.core.parallel_state import DeepSpeedMPU, ParallelGroups
 from megatron.core.tensor_parallel import VocabParallelEmbedding
-from megatron.training.bf16_optimizer_steps import (accumulate_bf16_gradients_in_one_kernel,
+from megatron.training.engine.bf16_steps import (accumulate_bf16_gradients_in_one_kernel,
                                                     accumulate_linear_weight_gradients_in_their_gemms,
                                                     clip_inside_the_fused_adamw_step,
                                                     skip_the_one_rank_gradient_reduction,
@@ -65,7 +65,7 @@ def build_model(config: TrainConfig, groups: ParallelGroups) -> torch.nn.Module:
         return GPTModel(config.model, groups, device=device)
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-    from megatron.core.models.gpt.pipeline import GPTModelPipe
+    from megatron.training.engine.pipeline_module import GPTModelPipe
 
     topology = PipeModelDataParallelTopology(num_pp=groups.pp_size, num_mp=groups.tp_size, num_dp=groups.dp_size)
     return GPTModelPipe(config.model, groups, topology, partition_method=config.parallel.pp_partition_method,

@@ -1,4 +1,4 @@
-"""megatron/training/bf16_optimizer_steps.py: the fused fp32 accumulation of bf16 gradients on DeepSpeed's
+"""megatron/training/engine/bf16_steps.py: the fused fp32 accumulation of bf16 gradients on DeepSpeed's
 BF16_Optimizer, the weight-gradient GEMMs adding into its fp32 accumulators (gradient-accumulation
 fusion), the gradient norm over the flat accumulators, the AdamW step writing the bf16 weights, the clip folded into the fused AdamW step, and the
 pipeline engine's one-rank gradient "reduction" skipped."""
@@ -7,8 +7,8 @@ import functools
 import torch
 
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.training import bf16_optimizer_steps
-from megatron.training.bf16_optimizer_steps import (accumulate_bf16_gradients_in_one_kernel,
+from megatron.training.engine import bf16_steps
+from megatron.training.engine.bf16_steps import (accumulate_bf16_gradients_in_one_kernel,
                                                     accumulate_linear_weight_gradients_in_their_gemms,
                                                     clip_inside_the_fused_adamw_step,
                                                     skip_the_one_rank_gradient_reduction,
@@ -216,7 +216,7 @@ def _adamw_writing_bf16_equals_deepspeeds_step(rank, world_size):
     reference_engine = _mlp_engine(fused=True, fused_adamw=True)
     clip_inside_the_fused_adamw_step(reference_engine)
     reference_norms, _ = _two_steps(reference_engine)
-    bf16_optimizer_steps.runs_fused_adamw = lambda tensor: True  # the reference kernel on the CPU
+    bf16_steps.runs_fused_adamw = lambda tensor: True  # the reference kernel on the CPU
     engine = _mlp_engine(fused=True, fused_adamw=True)
     copy_and_gather = engine.optimizer.update_lp_params
     assert write_the_bf16_weights_in_the_adamw_step(engine) and clip_inside_the_fused_adamw_step(engine)
@@ -251,7 +251,7 @@ def test_adamw_step_stays_with_torch_where_its_kernel_does_not_run():
 
 def _adamw_stays_with_torch(rank, world_size):
     assert not write_the_bf16_weights_in_the_adamw_step(_mlp_engine(fused=True, fused_adamw=True))  # CPU
-    bf16_optimizer_steps.runs_fused_adamw = lambda tensor: True
+    bf16_steps.runs_fused_adamw = lambda tensor: True
     assert not write_the_bf16_weights_in_the_adamw_step(_mlp_engine(fused=False))  # not a fused AdamW
 
 

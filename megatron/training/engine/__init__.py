@@ -1,0 +1,1 @@
+"""The engine: the only code of the project that imports DeepSpeed (docs/architecture.md)."""
