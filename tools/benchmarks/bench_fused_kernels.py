@@ -30,7 +30,7 @@ import torch
 
 from megatron.core import fused_kernels
 from megatron.core.dtypes import DTYPES
-from megatron.core.fused_kernels import dispatch, reference
+from megatron.core.fused_kernels import reference, selection
 
 SEQ, MICRO_BATCH, HIDDEN, HEADS, FFN = 2048, 8, 2048, 16, 8192
 SOFTMAX_BATCH = 4
@@ -224,7 +224,7 @@ def _bytes(case, dtype):
 
 
 def _check_fast_path(case, inputs):
-    blocker = dispatch.runtime_blocker(*[t for t in inputs if t is not None])
+    blocker = selection.runtime_blocker(*[t for t in inputs if t is not None])
     if blocker is not None:
         sys.exit(f"{case.name}: the fast path is blocked: {blocker}")
 
@@ -393,7 +393,7 @@ def main(argv=None):
     for kernels in ("triton_elementwise", "triton_layer_norm", "triton_softmax"):
         importlib.import_module(f"megatron.core.fused_kernels.{kernels}")
 
-    dispatch.set_fused_kernels_enabled(True)
+    selection.set_fused_kernels_enabled(True)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
     if args.sweep:
         sweep(torch.bfloat16)

@@ -1,28 +1,20 @@
 """Fused kernels for the memory-bound steps of a GPT layer, each with a plain-torch reference.
 
 ``scale_mask_softmax``, ``layer_norm``, ``bias_gelu``, ``bias_dropout_add`` and
-``split_query_key_value`` run Triton kernels (forward and backward; the split's forward is views) on
-CUDA when their constraints hold, and the references (``*_reference``) otherwise and always on CPU;
-``dispatch`` states the rules. ``linear``, ``layer_norm_linear`` (one row of input, with a layer
-norm, activation or residual folded in) and ``decode_attention`` are the forward-only kernels of a
-one-token decoding step. ``adamw_step`` is the optimizer's: one pass over a flat fp32 tensor that
-also writes the weights' bf16 copy. The environment variable ``MEGATRON_FUSED_KERNELS=0`` or
-``set_fused_kernels_enabled(False)`` forces the references.
+``split_query_key_value`` (``training_ops``) run Triton kernels (forward and backward; the split's
+forward is views) on CUDA when their constraints hold, and the references (``*_reference``)
+otherwise and always on CPU; ``selection`` states the rules. ``linear``, ``layer_norm_linear`` (one
+row of input, with a layer norm, activation or residual folded in) and ``decode_attention``
+(``decode_ops``) are the forward-only kernels of a one-token decoding step. ``adamw_step`` is the
+optimizer's: one pass over a flat fp32 tensor that also writes the weights' bf16 copy. The
+environment variable ``MEGATRON_FUSED_KERNELS=0`` or ``set_fused_kernels_enabled(False)`` forces
+the references.
 """
-from megatron.core.fused_kernels.dispatch import (
-    FusedKernelArgumentError,
-    adamw_step,
-    bias_dropout_add,
-    bias_gelu,
-    decode_attention,
-    fused_kernels_enabled,
-    layer_norm,
-    layer_norm_linear,
-    linear,
-    scale_mask_softmax,
-    set_fused_kernels_enabled,
-    split_query_key_value,
-)
+from megatron.core.fused_kernels.decode_ops import decode_attention, layer_norm_linear, linear
+from megatron.core.fused_kernels.selection import (FusedKernelArgumentError, fused_kernels_enabled,
+                                                   set_fused_kernels_enabled)
+from megatron.core.fused_kernels.training_ops import (adamw_step, bias_dropout_add, bias_gelu, layer_norm,
+                                                      scale_mask_softmax, split_query_key_value)
 from megatron.core.fused_kernels.reference import (
     adamw_step_reference,
     bias_dropout_add_reference,

@@ -2,7 +2,7 @@
 
 Each function is written with ordinary torch operations, runs on any device and supports autograd
 through torch itself. On CPU they are always the path taken; on GPU they are the fallback whenever a
-fast kernel's constraints do not hold (see ``dispatch``).
+fast kernel's constraints do not hold (see ``selection``).
 """
 import functools
 
@@ -156,7 +156,7 @@ def adamw_bias_corrections(step, lr, beta1, beta2):
 
 def adamw_step_reference(param, grad, exp_avg, exp_avg_sq, step, *, lr, beta1, beta2, eps, weight_decay,
                          grad_scale=None, param_copy=None):
-    """``dispatch.adamw_step`` in torch operations, in place (temporaries of param's size)."""
+    """``training_ops.adamw_step`` in torch operations, in place (temporaries of param's size)."""
     step_size, bias_correction2_sqrt = adamw_bias_corrections(step, lr, beta1, beta2)
     if grad_scale is not None:
         grad = grad / grad_scale

@@ -1,6 +1,6 @@
 """Triton AdamW step over one flat fp32 tensor that also writes the weights' low-precision copy.
 
-Per element (``dispatch.adamw_step`` states the math): read p, g, m, v (fp32), write p, m, v and
+Per element (``training_ops.adamw_step`` states the math): read p, g, m, v (fp32), write p, m, v and
 the copy of p in its dtype (bf16 for the trainer's weights): 30 bytes per parameter with a bf16
 copy, in one pass, where torch's fused AdamW and a separate cast move 38. The two step-dependent
 scalars, lr / (1 - beta1^t) and sqrt(1 - beta2^t), come from a 2-element device tensor
@@ -8,7 +8,7 @@ scalars, lr / (1 - beta1^t) and sqrt(1 - beta2^t), come from a 2-element device 
 the square root round to nearest, as torch's CUDA kernel does. Offsets are int64: a flat partition
 can pass 2^31 elements.
 
-This module imports triton; ``dispatch`` imports it only when a CUDA tensor needs it.
+This module imports triton; ``selection.kernel_module`` imports it only when a CUDA tensor needs it.
 """
 import triton
 import triton.language as tl
@@ -50,7 +50,7 @@ def _adamw_kernel(
 
 def adamw_step(param, grad, exp_avg, exp_avg_sq, step, *, lr, beta1, beta2, eps, weight_decay,
                grad_scale=None, param_copy=None, block=BLOCK, num_warps=NUM_WARPS):
-    """``dispatch.adamw_step`` on contiguous CUDA tensors (fp32 but ``param_copy``): one launch."""
+    """``training_ops.adamw_step`` on contiguous CUDA tensors (fp32 but ``param_copy``): one launch."""
     corrections = adamw_bias_corrections(step, lr, beta1, beta2)
     n_elements = param.numel()
     _adamw_kernel[(cdiv(n_elements, block),)](

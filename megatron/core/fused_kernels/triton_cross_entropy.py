@@ -9,7 +9,7 @@ forward     m_r = max_j z_j,   s_r = sum_j exp(z_j - m_r),   z_t (the target's l
 backward    dloss/dz_j = (exp(z_j - m) / s - [j == t]) * g, recomputed from z, m and s.
 
 Arithmetic in fp32 whatever the logits' dtype; the gradient is rounded once to it.
-This module imports triton; ``dispatch`` imports it only when a CUDA tensor needs it.
+This module imports triton; ``selection.kernel_module`` imports it only when a CUDA tensor needs it.
 """
 import torch
 import triton

@@ -38,7 +38,7 @@ whole cache took 27 us per layer at batch 1 on an H200 (16 programs for 132 SMs)
 own key and value, the program whose chunk holds p writes them into the cache at p and uses them
 there, which saves the two cache-writing kernels.
 
-This module imports triton; ``dispatch`` imports it only when a CUDA tensor needs it.
+This module imports triton; ``selection.kernel_module`` imports it only when a CUDA tensor needs it.
 """
 import functools
 
@@ -71,7 +71,7 @@ _GEMV_MAX_NORM_BLOCK_K = 4096
 _ATTENTION_BLOCK_T = 16
 _ATTENTION_MAX_CHUNKS = 128
 _ATTENTION_MANY_PAIRS = 256
-# the GEMV's epilogue activation by name (dispatch's names) -> the kernel's ACTIVATION code
+# the GEMV's epilogue activation by name (decode_ops' names) -> the kernel's ACTIVATION code
 _ACTIVATION_CODES = {None: 0, "gelu_tanh": 1, "gelu": 2}
 
 

@@ -21,7 +21,7 @@ column block, each striding over rows with fp32 partial sums, added by torch aft
 dropout the bias_dropout_add backward is this column sum alone: torch's sum over dim 0 of a
 [n, h] tensor reaches about half the bandwidth).
 
-This module imports triton; ``dispatch`` imports it only when a CUDA tensor needs it.
+This module imports triton; ``selection.kernel_module`` imports it only when a CUDA tensor needs it.
 """
 import torch
 import triton

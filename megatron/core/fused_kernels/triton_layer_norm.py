@@ -16,7 +16,7 @@ dx is written row by row; dw and db are accumulated in fp32 registers by a fixed
 programs, each striding over rows, and the per-program partial sums [programs, 2, h] are added by
 torch afterwards (a small tensor next to x).
 
-This module imports triton; ``dispatch`` imports it only when a CUDA tensor needs it.
+This module imports triton; ``selection.kernel_module`` imports it only when a CUDA tensor needs it.
 """
 import torch
 import triton

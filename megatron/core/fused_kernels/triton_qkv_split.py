@@ -16,7 +16,7 @@ keeps fp32 partial sums, added by torch afterwards. With dq, dk, dv as cuDNN's a
 leaves them ([s, b, np, hn], dense) this ran at 0.128 ms against 0.153 for one launch per q, k, v
 at micro-batch 8 on an H200.
 
-This module imports triton; ``dispatch`` imports it only when a CUDA tensor needs it.
+This module imports triton; ``selection.kernel_module`` imports it only when a CUDA tensor needs it.
 """
 import torch
 import triton

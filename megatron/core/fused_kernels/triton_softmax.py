@@ -13,7 +13,7 @@ from the indices: the masked upper triangle is never read, only written (zeros).
 Backward: grad_scores_k = scale * p_k * (g_k - sum_j p_j g_j) on visible keys, 0 on masked ones
 (masked_fill passes no gradient).
 
-This module imports triton; ``dispatch`` imports it only when a CUDA tensor needs it.
+This module imports triton; ``selection.kernel_module`` imports it only when a CUDA tensor needs it.
 """
 import torch
 import triton

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from megatron.core.fused_kernels import dispatch
+from megatron.core.fused_kernels.selection import fused_or_reference, kernel_module
+from megatron.core.fused_kernels.training_ops import cross_entropy_constraint_violation
 from megatron.core.parallel_state import group_rank, group_size
 from megatron.core.tensor_parallel.utils import VocabUtility
 
@@ -95,7 +96,7 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def _triton_kernels():
-    return dispatch.kernel_module("triton_cross_entropy")
+    return kernel_module("triton_cross_entropy")
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
@@ -104,7 +105,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
 
     Targets must be ids of the full vocabulary, in [0, V); mask padded or ignored positions in the
     loss afterwards (a loss mask), not with a special id. The loss is fp32 whatever the logits' dtype.
-    On a GPU the Triton kernels compute it when the fused kernels may run (fused_kernels.dispatch).
+    On a GPU the Triton kernels compute it when the fused kernels may run (fused_kernels.selection).
     """
     if logits.dim() == 3 and not logits.is_contiguous() and logits.transpose(0, 1).is_contiguous():
         # a batch-first view of sequence-first logits (the pipeline's head under sequence
@@ -112,8 +113,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
         # rather than copying them (and their gradient) into the view's order
         return vocab_parallel_cross_entropy(logits.transpose(0, 1), target.transpose(0, 1), tp_group).transpose(0, 1)
     group = tp_group if group_size(tp_group) > 1 else None
-    fused = dispatch.runtime_blocker(logits, target) is None \
-        and dispatch.cross_entropy_constraint_violation(logits) is None and _triton_kernels() is not None
-    if fused:
-        return _FusedVocabParallelCrossEntropy.apply(logits, target, group)
-    return _VocabParallelCrossEntropy.apply(logits, target, group)
+    return fused_or_reference(
+        "triton_cross_entropy", (logits, target), lambda: cross_entropy_constraint_violation(logits),
+        lambda kernels: _FusedVocabParallelCrossEntropy.apply(logits, target, group),
+        lambda: _VocabParallelCrossEntropy.apply(logits, target, group))

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from megatron.core import fused_kernels
-from megatron.core.fused_kernels import dispatch, reference
+from megatron.core.fused_kernels import decode_ops, reference, training_ops
 
 pytestmark = pytest.mark.gpu
 
@@ -40,12 +40,12 @@ def _forbidden(name):
 
 @pytest.fixture
 def references(monkeypatch):
-    dispatch.set_fused_kernels_enabled(True)
+    fused_kernels.set_fused_kernels_enabled(True)
     originals = SimpleNamespace(**{name: getattr(reference, name) for name in _REFERENCE_NAMES})
     for name in _REFERENCE_NAMES:
         monkeypatch.setattr(reference, name, _forbidden(name))
     yield originals
-    dispatch.set_fused_kernels_enabled(None)
+    fused_kernels.set_fused_kernels_enabled(None)
 
 
 def _assert_matches(fast, ref, ulps, reduced=1):
@@ -112,7 +112,7 @@ def test_softmax_fully_masked_rows_and_half_precision_reference(references, dtyp
 
 
 def test_softmax_falls_back_beyond_the_key_limit():
-    scores = torch.randn(1, 1, 2, dispatch.MAX_SOFTMAX_KEYS + 1, device="cuda", dtype=torch.bfloat16)
+    scores = torch.randn(1, 1, 2, training_ops.MAX_SOFTMAX_KEYS + 1, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(
         fused_kernels.scale_mask_softmax(scores, None, 1.0, False, True),
         reference.scale_mask_softmax_reference(scores, None, 1.0, False, True),
@@ -309,19 +309,19 @@ def test_bias_dropout_add_mask_follows_the_cuda_generator_and_checkpoint_replays
 
 
 def test_disabled_kernels_use_the_references_on_cuda():
-    dispatch.set_fused_kernels_enabled(False)
+    fused_kernels.set_fused_kernels_enabled(False)
     try:
         x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
         weight, bias = torch.randn(256, device="cuda"), torch.randn(256, device="cuda")
         assert torch.equal(fused_kernels.layer_norm(x, weight, bias, 1e-5), reference.layer_norm_reference(x, weight, bias, 1e-5))
     finally:
-        dispatch.set_fused_kernels_enabled(None)
+        fused_kernels.set_fused_kernels_enabled(None)
 
 
 @pytest.fixture
 def no_cublas_linear(monkeypatch):
     """F.linear inside the public ops raises: a call that returns took the GEMV."""
-    monkeypatch.setattr(dispatch, "F", SimpleNamespace(linear=_forbidden("F.linear")))
+    monkeypatch.setattr(decode_ops, "F", SimpleNamespace(linear=_forbidden("F.linear")))
 
 
 @pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=DTYPE_IDS)

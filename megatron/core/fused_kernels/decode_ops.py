@@ -1,0 +1,151 @@
+"""The fused ops of a one-token decoding step: ``linear`` and ``layer_norm_linear`` (one row of input,
+with a layer norm, activation or residual folded in) and ``decode_attention``, forward only.
+
+Unlike the training ops they also run under torch.compile: the decoding step is compiled and then
+replayed from a CUDA graph (text_generation), and inductor would otherwise put cuBLAS's GEMM and a
+masked attention over the whole cache there. They are registered as custom ops (``megatron::gemv``,
+``megatron::decode_attention``, ``megatron::decode_attention_write``, which writes the cache),
+which inductor calls as they are. The kernels run when the inputs fit (CUDA, one fast dtype, no
+gradient wanted, the shapes each op names), fused kernels are enabled and triton imports
+(``selection``); anything else runs the reference.
+"""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.fused_kernels import reference
+from megatron.core.fused_kernels.selection import (FAST_DTYPES, FusedKernelArgumentError, check_hidden_vector,
+                                                   device_blocker, fused_kernels_enabled, kernel_module)
+
+
+@torch.library.custom_op("megatron::gemv", mutates_args=())
+def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
+             norm_weight: Optional[torch.Tensor], norm_bias: Optional[torch.Tensor], eps: float,
+             activation: Optional[str]) -> torch.Tensor:
+    norm = None if norm_weight is None else (norm_weight, norm_bias, eps)
+    return kernel_module("triton_decode").gemv(x, weight, bias, residual, norm, activation)
+
+
+@_gemv_op.register_fake
+def _gemv_shape(x, weight, bias, residual, norm_weight, norm_bias, eps, activation):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("megatron::decode_attention", mutates_args=())
+def _decode_attention_op(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor,
+                         slopes: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    return kernel_module("triton_decode").decode_attention(query, keys, values, position, slopes, scale)
+
+
+@_decode_attention_op.register_fake
+def _decode_attention_shape(query, keys, values, position, slopes, scale):
+    return query.new_empty(query.shape)
+
+
+@torch.library.custom_op("megatron::decode_attention_write", mutates_args=("keys", "values"))
+def _decode_attention_write_op(query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor,
+                               keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor,
+                               slopes: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    return kernel_module("triton_decode").decode_attention(query, keys, values, position, slopes, scale, new_key,
+                                                           new_value)
+
+
+@_decode_attention_write_op.register_fake
+def _decode_attention_write_shape(query, new_key, new_value, keys, values, position, slopes, scale):
+    return query.new_empty(query.shape)
+
+
+# What torch.compiler.assume_constant_result sets on a function (tested against it): the decorator
+# itself imports torch._dynamo, seconds at the start of every process that imports this module.
+CONSTANT_RESULT_MARKER = "_dynamo_marked_constant"
+
+
+def _decode_kernels_available():
+    """Fused kernels enabled and triton importable: a constant for torch.compile, which traces the callers."""
+    return fused_kernels_enabled() and kernel_module("triton_decode") is not None
+
+
+setattr(_decode_kernels_available, CONSTANT_RESULT_MARKER, True)
+
+
+def _needs_autograd(*tensors):
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _decode_inputs_fit(dtype, *tensors):
+    """All given tensors CUDA, on one device, of one fast dtype, and no gradient wanted."""
+    present = [t for t in tensors if t is not None]
+    return (dtype in FAST_DTYPES and all(t.dtype == dtype for t in present) and device_blocker(present) is None
+            and not _needs_autograd(*present))
+
+
+def _gemv_fits(x, weight, *vectors):
+    """One row of x, a 2-d contiguous weight, contiguous optional vectors, all fit for a decode kernel."""
+    return (x.numel() == x.shape[-1] > 0 and weight.dim() == 2 and weight.is_contiguous()
+            and all(v is None or v.is_contiguous() for v in vectors)
+            and _decode_inputs_fit(x.dtype, x, weight, *vectors) and _decode_kernels_available())
+
+
+def linear(x, weight, bias=None, residual=None):
+    """x W^T + b (+ r), as ``torch.nn.functional.linear``: x [..., K], weight [N, K], bias [N] or None,
+    residual [..., N] or None (then round(x W^T) + b + r, as a separate add would compute it).
+
+    A single row of input (a batch-1 decoding step) on CUDA, outside autograd, with a contiguous
+    weight, bias and residual runs the Triton GEMV (triton_decode.gemv, fp32 accumulation); anything
+    else ``reference.linear_reference``.
+    """
+    if residual is not None and residual.shape != (*x.shape[:-1], weight.shape[0]):
+        raise FusedKernelArgumentError(f"linear: residual {tuple(residual.shape)} does not match the output "
+                                       f"{(*x.shape[:-1], weight.shape[0])}")
+    if _gemv_fits(x, weight, bias, residual):
+        return torch.ops.megatron.gemv(x, weight, bias, residual, None, None, 0.0, None)
+    if residual is None:
+        return F.linear(x, weight, bias)
+    return reference.linear_reference(x, weight, bias, residual)
+
+
+def layer_norm_linear(x, norm_weight, norm_bias, eps, weight, bias=None, activation=None):
+    """act(LN(x) W^T + b): ``layer_norm`` then ``linear``, then act (None, "gelu_tanh" or "gelu", the
+    erf form) of the sum with the bias; x [..., K], norm_weight and norm_bias [K], weight [N, K].
+
+    One row on CUDA (the rules of ``linear``) runs the GEMV with the layer norm in its prologue and
+    the activation in its epilogue; anything else ``reference.layer_norm_linear_reference``.
+    """
+    if activation not in reference.ACTIVATIONS:
+        raise FusedKernelArgumentError(f"layer_norm_linear: activation must be one of "
+                                       f"{sorted(reference.ACTIVATIONS, key=str)}, got {activation!r}")
+    check_hidden_vector("layer_norm_linear", "norm_weight", norm_weight, x.shape[-1])
+    check_hidden_vector("layer_norm_linear", "norm_bias", norm_bias, x.shape[-1])
+    if _gemv_fits(x, weight, bias, norm_weight, norm_bias):
+        return torch.ops.megatron.gemv(x, weight, bias, None, norm_weight, norm_bias, eps, activation)
+    return reference.layer_norm_linear_reference(x, norm_weight, norm_bias, eps, weight, bias, activation)
+
+
+def decode_attention(query, keys, values, position, slopes, scale, new_key=None, new_value=None):
+    """One query per row and head at position p of a fixed-size key/value cache (see
+    ``reference.decode_attention_reference`` for the math and shapes; given new_key and new_value,
+    the step's own [b, np, 1, hn], they are first written into the cache at p): the Triton kernel on
+    CUDA for fp16/bf16/fp32 with contiguous caches, which reads only positions 0 .. p; else the reference."""
+    if query.dim() != 4 or query.shape[-2] != 1 or keys.shape != values.shape or keys.shape[:2] != query.shape[:2] \
+            or keys.shape[-1] != query.shape[-1]:
+        raise FusedKernelArgumentError(f"decode_attention: query must be [b, np, 1, hn] and keys, values "
+                                       f"[b, np, T, hn], got {tuple(query.shape)}, {tuple(keys.shape)}, "
+                                       f"{tuple(values.shape)}")
+    if position.numel() != 1 or position.dtype != torch.long:
+        raise FusedKernelArgumentError(f"decode_attention: position must be one int64 element, got "
+                                       f"{position.dtype} of shape {tuple(position.shape)}")
+    if (new_key is None) != (new_value is None) or new_key is not None and not (
+            new_key.shape == new_value.shape == query.shape and new_key.dtype == new_value.dtype == keys.dtype):
+        raise FusedKernelArgumentError("decode_attention: new_key and new_value come together, shaped as the "
+                                       "query and of the cache's dtype")
+    if (keys.is_contiguous() and values.is_contiguous() and query.stride(-1) == 1 and position.is_cuda
+            and (slopes is None or slopes.is_cuda and slopes.is_contiguous())
+            and (new_key is None or new_key.stride() == new_value.stride() and new_key.stride(-1) == 1)
+            and _decode_inputs_fit(query.dtype, query, keys, values, new_key, new_value)
+            and _decode_kernels_available()):
+        if new_key is None:
+            return torch.ops.megatron.decode_attention(query, keys, values, position, slopes, scale)
+        return torch.ops.megatron.decode_attention_write(query, new_key, new_value, keys, values, position, slopes,
+                                                         scale)
+    return reference.decode_attention_reference(query, keys, values, position, slopes, scale, new_key, new_value)

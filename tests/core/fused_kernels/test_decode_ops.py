@@ -1,0 +1,81 @@
+"""The decode ops (fused_kernels/decode_ops.py) on CPU: the references exactly, bad arguments, and what
+torch.compile sees of them."""
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from megatron.core import fused_kernels
+from megatron.core.fused_kernels import decode_ops, selection
+from megatron.core.fused_kernels.selection import FusedKernelArgumentError
+
+
+def test_cpu_runs_the_references_exactly(monkeypatch):
+    requested = {}
+    monkeypatch.setattr(selection, "_kernel_modules", requested)
+    torch.manual_seed(0)
+    bias = torch.randn(16)
+    row, matrix = torch.randn(1, 1, 16, dtype=torch.bfloat16), torch.randn(8, 16, dtype=torch.bfloat16)
+    assert torch.equal(fused_kernels.linear(row, matrix, bias[:8].bfloat16()),
+                       torch.nn.functional.linear(row, matrix, bias[:8].bfloat16()))
+    query, keys, values = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    position = torch.tensor([5])
+    assert torch.equal(fused_kernels.decode_attention(query, keys, values, position, None, 0.25),
+                       fused_kernels.decode_attention_reference(query, keys, values, position, None, 0.25))
+    new_key, new_value = torch.randn(2, 1, 2, 1, 16)
+    written = keys.clone(), values.clone()
+    assert torch.equal(fused_kernels.decode_attention(query, keys, values, position, None, 0.25, new_key, new_value),
+                       fused_kernels.decode_attention_reference(query, *written, position, None, 0.25, new_key, new_value))
+    assert torch.equal(keys, written[0]) and torch.equal(values, written[1])
+    residual = torch.randn(1, 1, 8, dtype=torch.bfloat16)
+    assert torch.equal(fused_kernels.linear(row, matrix, bias[:8].bfloat16(), residual),
+                       fused_kernels.linear_reference(row, matrix, bias[:8].bfloat16(), residual))
+    norm = (torch.randn(16, dtype=torch.bfloat16), torch.randn(16, dtype=torch.bfloat16), 1e-5)
+    assert torch.equal(fused_kernels.layer_norm_linear(row, *norm, matrix, None, "gelu"),
+                       fused_kernels.layer_norm_linear_reference(row, *norm, matrix, None, "gelu"))
+    assert requested == {}
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: fused_kernels.decode_attention(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 6, 8), torch.zeros(1, 2, 6, 8),
+                                                torch.tensor([2]), None, 1.0), r"\[b, np, 1, hn\]"),
+        (lambda: fused_kernels.decode_attention(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 6, 8), torch.zeros(1, 2, 6, 8),
+                                                torch.tensor([2, 3]), None, 1.0), "one int64 element"),
+        (lambda: fused_kernels.decode_attention(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 6, 8), torch.zeros(1, 2, 6, 8),
+                                                torch.tensor([2]), None, 1.0, torch.zeros(1, 2, 1, 8)), "come together"),
+        (lambda: fused_kernels.linear(torch.zeros(1, 8), torch.zeros(4, 8), None, torch.zeros(1, 8)), "residual"),
+        (lambda: fused_kernels.layer_norm_linear(torch.zeros(1, 8), torch.ones(8), torch.zeros(8), 1e-5,
+                                                 torch.zeros(4, 8), None, "relu"), "activation must be one of"),
+        (lambda: fused_kernels.layer_norm_linear(torch.zeros(1, 8), torch.ones(4), torch.zeros(8), 1e-5,
+                                                 torch.zeros(4, 8)), "norm_weight must have shape"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(call, message):
+    with pytest.raises(FusedKernelArgumentError, match=message):
+        call()
+
+
+def test_kernel_availability_is_constant_under_compile(monkeypatch):
+    """decode_ops marks it as torch.compiler.assume_constant_result does (without importing torch._dynamo
+    at import time): traced with nothing cached, dynamo calls it once instead of tracing the import."""
+    assert getattr(torch.compiler.assume_constant_result(lambda: 1), decode_ops.CONSTANT_RESULT_MARKER) is True
+    monkeypatch.setattr(selection, "_kernel_modules", {})
+
+    def step(x):
+        return x + 1 if decode_ops._decode_kernels_available() else x - 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no triton on CPU machines: the one warning saying so
+        compiled = torch.compile(step, fullgraph=True, backend="eager")(torch.zeros(2))
+    assert torch.equal(compiled, step(torch.zeros(2)))
+
+
+def test_import_leaves_torch_dynamo_out():
+    """torch._dynamo takes seconds to import; every process of a run imports the fused kernels."""
+    code = "import sys, megatron.core.fused_kernels; print('torch._dynamo' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() \
+        == "False"
