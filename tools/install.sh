@@ -1,9 +1,9 @@
 #!/bin/bash
 # Installs the framework and what it needs into the active Python environment (a virtualenv or not).
-# torch is installed only if missing: on our machines `torch==2.13.0` resolves to a local CPU wheel,
-# while a plain `pip install torch` would pull a multi-GB CUDA build. DeepSpeed is built from its
-# source archive without its CUDA ops (they are JIT-built where a GPU exists); on a machine without
-# CUDA its two CPU ops are compiled here, once.
+# torch is installed only if missing, as torch==$TORCH_VERSION (default 2.13.0) from the configured
+# index: install the build that fits the machine first, since the default index may serve a multi-GB
+# CUDA build. DeepSpeed is built from its source archive without its CUDA ops (they are JIT-built
+# where a GPU exists); on a machine without CUDA its two CPU ops are compiled here, once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}

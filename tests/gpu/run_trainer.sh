@@ -7,7 +7,7 @@
 #   4. layouts on 2 GPUs (RUNS="layout_single layout_dp2 layout_tp2 layout_pp2 layout_compare"): fp32,
 #      dropout 0, CPU initialization, the same padded vocabulary and global batch; DP=2 (ZeRO-1),
 #      TP=2 and PP=2 must give the single GPU's losses
-#   5. issue 5's 6.7B GPT (32 layers, hidden 4096, 32 heads, seq 2048, bf16, CPU initialization,
+#   5. the 6.7B GPT (32 layers, hidden 4096, 32 heads, seq 2048, bf16, CPU initialization,
 #      global batch 16, 60 iterations): on 4 GPUs RUNS="6p7b_tp2pp2 6p7b_tp2dp2 6p7b_compare", the
 #      losses and grad norms of iterations 1-5 must agree in bf16; RUNS="6p7b_tp2pp2_save
 #      6p7b_tp2pp2_resume 6p7b_resume_compare" saves at iteration 30 (SAVE_AT), stops, resumes and must
@@ -138,7 +138,7 @@ compare_layouts() {  # tolerance iterations run... : losses and grad norms of it
     $py tests/gpu/compare_logs.py layouts --tolerance "$tolerance" --first "$iterations" $(logs_of "$@")
 }
 
-big_run() {  # name ngpus [flags...]: the 6.7B GPT of issue 5 (bf16, CPU initialization, global batch 16)
+big_run() {  # name ngpus [flags...]: the 6.7B GPT (bf16, CPU initialization, global batch 16)
     local name=$1 ngpus=$2
     shift 2
     NGPUS=$ngpus ITERS=${ITERS_6P7B:-60} LOG_INTERVAL=1 gpt_run "$name" 32 4096 32 bf16 2 16 \

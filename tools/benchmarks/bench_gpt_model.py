@@ -1,6 +1,6 @@
 """Forward + backward time of a GPT on one GPU, with model TFLOP/s and MFU (defined in docs/architecture.md).
 
-Default: the 1.3B GPT of issue 3 (24 layers, hidden 2048, 16 heads, seq 2048, micro-batch 8,
+Default: the 1.3B GPT (24 layers, hidden 2048, 16 heads, seq 2048, micro-batch 8,
 padded vocab 50304, bf16), timed in three settings: no dropout, dropout 0.1, and dropout 0.1
 with activation checkpointing of every layer. MFU divides model TFLOP/s (recomputation earns no
 credit) by the bf16 peak of an 8192³ matmul measured in the same run. The optimizer step is not
