@@ -5,8 +5,8 @@ once computed (causal attention, fixed weights), so each layer keeps them and a 
 new tokens: K_{0..t} = [K_{0..t-1}; k_t], V likewise. A cache holds one layer's K and V as
 [b, np, capacity, hn] buffers (np heads of this TP rank), allocated on the first call.
 
-``extend(key, value)`` is what attention calls (ParallelSelfAttention.forward): it stores the new
-keys and values and returns (K, V, mask, query positions) to attend over. Two kinds:
+``extend(key, value)`` is what attention over the cache calls (decode_layers.cached_attention): it
+stores the new keys and values and returns (K, V, mask, query positions) to attend over. Two kinds:
 
 * LayerKVCache: K, V are the filled prefix [b, np, t + s, hn]; mask and positions None (the new
   queries are the last s positions: the plain bottom-right causal mask).
@@ -104,8 +104,9 @@ class StaticKVCache(LayerKVCache):
 class StaticKVCaches(list):
     """The StaticKVCache of every layer of a stage for ``batch`` rows and their shared DecodeStep
     (``position`` set before a call, ``step.begin`` at its start, inside a captured step too).
-    ``decode_graph`` keeps a captured decode step (forward.py). The caches may serve call after call: positions past a call's prefix are masked,
-    and every position up to it is written by that call before it is read."""
+    ``decode_graph`` keeps a captured decode step (forward.py). The caches may serve call after call:
+    positions past a call's prefix are masked, and every position up to it is written by that call
+    before it is read."""
 
     def __init__(self, num_layers: int, batch: int, capacity: int, device=None):
         self.step = DecodeStep(capacity, device)

@@ -4,7 +4,8 @@ Stage p of P holds a contiguous run of the transformer layers (``stage_layer_ran
 possible, the first stages taking one more when L is not a multiple of P, as DeepSpeed's partition
 of the transformer layers does), plus the embedding on the first stage and the final LayerNorm and
 the output head (tied to the word embeddings) on the last. Its modules are GPTModel's own
-(Embedding, ParallelTransformerLayer, LayerNorm), so the function is the training model's.
+(Embedding, ParallelTransformerLayer, LayerNorm), so the function is the training model's; over a
+key/value cache the layers run as decode_layers.py's steps, on the same weights.
 
 Weights come from the layer files of any TP / PP layout (both engines): a rank reads only the layers
 of its stage; when the checkpoint's TP is the run's, only its own partition file of each, otherwise
@@ -15,13 +16,14 @@ from torch import nn
 
 from megatron.core.checkpoint.layer_files import find_layer_files, read_full_layer
 from megatron.core.checkpoint.names import EMBEDDING_LAYER, final_norm_layer, transformer_layer
-from megatron.core.checkpoint.partitions import split_partitions, tensor_split
+from megatron.core.checkpoint.partitions import split_partitions
 from megatron.core.checkpoint.reader import CheckpointInputError, SavedCheckpoint, iter_full_layers
 from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.models.gpt.embedding import Embedding
 from megatron.core.models.gpt.layer_norm import LayerNorm
 from megatron.core.models.gpt.transformer_layer import ParallelTransformerLayer
 from megatron.core.parallel_state import ParallelGroups
+from megatron.core.text_generation.decode_layers import fuses_one_row_steps, layer_step
 
 
 def stage_layer_range(num_layers: int, pp_size: int, pp_rank: int) -> range:
@@ -52,6 +54,7 @@ class InferenceStage(nn.Module):
         self.final_layernorm = None
         if groups.is_last_stage:
             self.final_layernorm = LayerNorm(config.hidden_size, config.layernorm_epsilon, config.params_dtype, device)
+        self.fuses_one_row_steps = fuses_one_row_steps(config, groups.tp_size)
 
     @property
     def hidden_dtype(self) -> torch.dtype:
@@ -77,7 +80,10 @@ class InferenceStage(nn.Module):
         """What follows the embedding: the layers (``caches``: one per layer, or None each), then on
         the last stage LN_f and the head. [s, b, h] -> [s, b, h], or the logits [b, s, V / tp]."""
         for layer, cache in zip(self.layers, caches):
-            hidden_states = layer(hidden_states, position_ids, None, kv_cache=cache)
+            if cache is None:
+                hidden_states = layer(hidden_states, position_ids)
+            else:
+                hidden_states = layer_step(layer, hidden_states, position_ids, cache, self.fuses_one_row_steps)
         if not self.groups.is_last_stage:
             return hidden_states
         logits = self.embedding.logits(self.final_layernorm(hidden_states))  # [s, b, V / tp]
@@ -94,9 +100,10 @@ def _module_prefixes(stage: InferenceStage) -> dict[int, str]:
     return prefixes
 
 
-def _my_partition(full_state: dict[str, torch.Tensor], groups: ParallelGroups, glu: bool) -> dict[str, torch.Tensor]:
-    """This TP rank's slice of each full tensor of a layer."""
-    return {name: split_partitions(tensor, tensor_split(name, glu), groups.tp_size)[groups.tp_rank]
+def _my_partition(checkpoint: SavedCheckpoint, layer: int, full_state: dict[str, torch.Tensor],
+                  groups: ParallelGroups) -> dict[str, torch.Tensor]:
+    """This TP rank's slice of each full tensor of pipeline layer ``layer``."""
+    return {name: split_partitions(tensor, checkpoint.sharding.layer_split(layer, name), groups.tp_size)[groups.tp_rank]
             for name, tensor in full_state.items()}
 
 
@@ -108,11 +115,12 @@ def _stage_layers(checkpoint: SavedCheckpoint, wanted: set[int], groups: Paralle
             if files.tp_size == groups.tp_size:
                 yield layer, torch.load(files.paths[layer][groups.tp_rank], map_location="cpu", weights_only=True)
             else:
-                yield layer, _my_partition(read_full_layer(files, layer, checkpoint.glu), groups, checkpoint.glu)
+                full_state = read_full_layer(files, layer, checkpoint.sharding)
+                yield layer, _my_partition(checkpoint, layer, full_state, groups)
         return
     for layer, full_state in iter_full_layers(checkpoint):
         if layer in wanted:
-            yield layer, _my_partition(full_state, groups, checkpoint.glu)
+            yield layer, _my_partition(checkpoint, layer, full_state, groups)
 
 
 def load_stage_weights(stage: InferenceStage, checkpoint: SavedCheckpoint) -> None:

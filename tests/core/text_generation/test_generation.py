@@ -5,9 +5,7 @@ training model.
   transformers' GPT2LMHeadModel (learned positions) and BloomForCausalLM (ALiBi, embedding LayerNorm)
   generate from the same weights, one prompt at a time; with the growing cache, the static one (the
   CUDA-graph path's) and without a cache (--recompute).
-* For every position option we train (learned, rotary, ALiBi) with a GLU, an embedding LayerNorm and
-  fp32 residuals: the logits of a cached run (either cache), fed in chunks, equal GPTModel's logits
-  of the whole sequence; the batched greedy output equals GPTModel's step-by-step argmax of each prompt alone.
+* Compiled one-token steps equal the training model; the static caches serve the next call.
 * Sampling under a seed repeats, and the cache does not change which tokens a seed draws.
 """
 import dataclasses
@@ -15,46 +13,15 @@ import dataclasses
 import pytest
 import torch
 
-from megatron.core import fused_kernels
 from megatron.core.checkpoint.names import pipeline_name
 from megatron.core.checkpoint.transformers_export import exported_layer, transformers_config
 from megatron.core.models.gpt.gpt_model import GPTModel
-from megatron.core.parallel_state import single_rank_groups
-from megatron.core.text_generation.forward import PipelineForward
-from megatron.core.text_generation.generation import GenerationInputError, generate
+from megatron.core.text_generation.generation import GenerationInputError
 from megatron.core.text_generation.sampling import SamplingParams
-from megatron.core.text_generation.stage_model import InferenceStage
-from tests.core.models.gpt.gpt_test_utils import randomize_parameters, tiny_config
+from tests.core.text_generation.generation_test_utils import (EOD, MAX_LENGTH, NEW_TOKENS, OPTIONS, PROMPTS, VOCAB,
+                                                              cached_logits_in_chunks, inference_of, run, tiny_model)
 
 transformers = pytest.importorskip("transformers")
-
-VOCAB, PADDED_VOCAB, EOD, MAX_LENGTH = 100, 128, 99, 64
-PROMPTS = [[5, 17, 42], [8], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70], [3, 3, 3, 3, 3], [90, 12, 7, 33, 21, 50]]
-NEW_TOKENS = 32
-GREEDY = SamplingParams(greedy=True)
-OPTIONS = {"learned": dict(),
-           "rotary + swiglu": dict(position_embedding_type="rotary", glu_activation="swiglu", bias_gelu_fusion=False),
-           "alibi + embedding LN + fp32 residual": dict(position_embedding_type="alibi", embed_layernorm=True,
-                                                          fp32_residual_connection=True)}
-
-
-def tiny_model(seed: int = 1, **options) -> GPTModel:
-    config = tiny_config(padded_vocab_size=PADDED_VOCAB, seq_length=MAX_LENGTH, max_position_embeddings=MAX_LENGTH,
-                         num_layers=3, **options)
-    model = GPTModel(config, single_rank_groups())
-    randomize_parameters(model, seed=seed, scale=0.3)
-    return model.eval()
-
-
-def inference_of(model: GPTModel, static_cache: bool = False, compiled_decode: bool = False) -> PipelineForward:
-    stage = InferenceStage(model.config, single_rank_groups())
-    stage.load_state_dict(model.state_dict())
-    return PipelineForward(stage, single_rank_groups(), static_cache=static_cache, compiled_decode=compiled_decode)
-
-
-def run(model: PipelineForward, params=GREEDY, use_cache=True, generator=None, prompts=PROMPTS):
-    return generate(model, prompts, NEW_TOKENS, params, eod=EOD, vocab_size=VOCAB, max_length=MAX_LENGTH,
-                    use_cache=use_cache, generator=generator)
 
 
 def transformers_model(model: GPTModel, vocab_size: int = VOCAB, eod: int = EOD):
@@ -92,63 +59,6 @@ def test_greedy_equals_transformers_generate(options):
         found = run(inference_of(model, static_cache), use_cache=use_cache)
         assert [found.continuation(row) for row in range(len(PROMPTS))] == expected
     assert sum(len(tokens) for tokens in expected) > 4 * NEW_TOKENS  # not all stopped at once
-
-
-def cached_logits_in_chunks(inference: PipelineForward, tokens: torch.Tensor) -> torch.Tensor:
-    """tokens [b, 40] fed to a fresh cache in chunks (a prompt, one-token steps, longer chunks) -> logits [b, 40, V]."""
-    caches, chunks = inference.new_caches(tokens.shape[0], 40), []
-    for start, end in ((0, 7), (7, 8), (8, 9), (9, 25), (25, 26), (26, 27), (27, 40)):
-        chunks.append(inference.last_stage_logits(tokens[:, start:end], start, caches))
-    return torch.cat(chunks, dim=1)
-
-
-@pytest.mark.parametrize("static_cache", [False, True], ids=["growing cache", "static cache"])
-@pytest.mark.parametrize("name", OPTIONS)
-def test_cached_logits_equal_the_training_model(name, static_cache):
-    model = tiny_model(seed=3, **OPTIONS[name])
-    inference = inference_of(model, static_cache)
-    tokens = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        expected = model(tokens).float()
-    torch.testing.assert_close(cached_logits_in_chunks(inference, tokens), expected, rtol=1e-5, atol=5e-5)  # fp32 rounding
-
-    found = run(inference)
-    for row, prompt in enumerate(PROMPTS):
-        sequence = list(prompt)
-        while len(sequence) < len(prompt) + NEW_TOKENS and (len(sequence) == len(prompt) or sequence[-1] != EOD):
-            with torch.no_grad():
-                sequence.append(int(model(torch.tensor([sequence]))[0, -1, :VOCAB].argmax()))
-        assert found.sequence(row) == sequence
-
-
-ONE_ROW_OPTIONS = {"learned, tanh GeLU": dict(), "rotary, erf GeLU": dict(position_embedding_type="rotary",
-                                                                        bias_gelu_fusion=False),
-                   "alibi, embedding LN": dict(position_embedding_type="alibi", embed_layernorm=True)}
-
-
-@pytest.mark.parametrize("name", ONE_ROW_OPTIONS)
-def test_one_row_steps_take_the_fused_layer_path_and_equal_the_training_model(name, monkeypatch):
-    """One-token steps of one sequence over the static cache run each layer as layer_norm_linear,
-    attention, linear + residual, layer_norm_linear + activation, linear + residual (the kernels of
-    a GPU); their logits are the training model's, and batch 1 generates what batch 5 does."""
-    fused_calls = []
-    fused = fused_kernels.layer_norm_linear
-    monkeypatch.setattr(fused_kernels, "layer_norm_linear",
-                        lambda *args: fused_calls.append(args[6] if len(args) > 6 else "qkv") or fused(*args))
-    model = tiny_model(seed=8, **ONE_ROW_OPTIONS[name])
-    inference = inference_of(model, static_cache=True)
-    tokens = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        expected = model(tokens).float()
-    torch.testing.assert_close(cached_logits_in_chunks(inference, tokens), expected, rtol=1e-5, atol=5e-5)
-    activation = "gelu" if name == "rotary, erf GeLU" else "gelu_tanh"
-    assert fused_calls == ["qkv", activation] * (4 * 3)  # 4 one-token steps of 3 layers
-    fused_calls.clear()
-    batched = run(inference)
-    assert fused_calls == []  # five rows: forward's path
-    for row, prompt in enumerate(PROMPTS):
-        assert run(inference, prompts=[prompt]).continuation(0) == batched.continuation(row)
-    assert fused_calls
 
 
 @pytest.mark.slow

@@ -65,64 +65,48 @@ class ParallelSelfAttention(nn.Module):
             self.register_buffer("alibi_slopes", slopes.to(device), persistent=False)
 
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask: torch.Tensor | None = None, kv_cache=None) -> tuple[torch.Tensor, torch.Tensor]:
+                attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden_states [s, b, h], position_ids [b, s], attention_mask bool [b, 1, s, s] (True = masked,
-        causality included) or None for plain causal attention -> (output [s, b, h], bias [h]).
-
-        ``kv_cache`` (inference, text_generation/kv_cache.py): ``extend(key, value)`` stores this
-        call's keys and values [b, np, s, hn] after those of earlier calls and returns the keys and
-        values to attend over [b, np, T, hn], a mask [.., s, T] (True = hidden) and the queries'
-        positions [s]; or None for both, then the queries are the last s of the T positions (causal,
-        bottom-right). Attention then runs through sdpa, or, for one query over a fixed-size cache
-        (a decoding step), through ``fused_kernels.decode_attention``, which also stores the step's
-        key and value (``buffers`` instead of ``extend``).
-        """
+        causality included) or None for plain causal attention -> (output [s, b, h], bias [h])."""
         # [s, b, np * 3 * hn], whole s under sequence parallelism; the bias gradient is summed by the split
         mixed, _ = self.query_key_value(hidden_states, bias_grad_by_caller=True)
-        return self.dense(self.attend(mixed, position_ids, attention_mask, kv_cache, self.query_key_value.bias))
+        return self.dense(self.attend(mixed, position_ids, attention_mask, self.query_key_value.bias))
 
     def attend(self, mixed: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-               kv_cache=None, mixed_bias: torch.Tensor | None = None) -> torch.Tensor:
+               mixed_bias: torch.Tensor | None = None) -> torch.Tensor:
         """What runs between the two projections (arguments as ``forward``'s): query_key_value's
         output [s, b, np * 3 * hn] -> the heads' outputs [s, b, np * hn], dense's input. ``mixed_bias``:
         the projection's bias when it is in ``mixed`` without its gradient (``split_query_key_value``)."""
-        seq_length, batch = mixed.shape[:2]
+        seq_length = mixed.shape[0]
+        query, key, value = self.heads(mixed, position_ids, mixed_bias)
+        alibi = None
+        if self.config.position_embedding_type == "alibi":
+            alibi = alibi_bias(self.alibi_slopes, seq_length, seq_length).to(query.dtype)
+        if self.config.attention_impl == "sdpa":
+            context = self.sdpa(query, key, value, alibi, attention_mask)
+        else:
+            context = self._materialized(query, key, value, alibi, attention_mask)
+        return merge_heads(context)
+
+    def heads(self, mixed: torch.Tensor, position_ids: torch.Tensor,
+              mixed_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """query_key_value's output [s, b, np * 3 * hn] -> query, key, value [b, np, s, hn], the rotary
+        embedding applied to query and key."""
         query, key, value = fused_kernels.split_query_key_value(mixed, mixed_bias, self.head_dim)  # 3 x [s, b, np, hn]
         if self.config.position_embedding_type == "rotary":
             cos, sin = rotary_cos_sin(position_ids, self.head_dim)
             query, key = apply_rotary_embedding(query, cos, sin), apply_rotary_embedding(key, cos, sin)
         # [s, b, np, hn] -> [b, np, s, hn]
-        query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        if (kv_cache is not None and kv_cache.fixed_size and seq_length == 1 and attention_mask is None
-                and not self.training):
-            # one query over a fixed-size cache: a kernel that stores this step's key and value and
-            # reads only the filled positions
-            keys, values, position = kv_cache.buffers(key)
-            slopes = self.alibi_slopes if self.config.position_embedding_type == "alibi" else None
-            context = fused_kernels.decode_attention(query, keys, values, position, slopes,
-                                                     1.0 / math.sqrt(self.head_dim), key, value)
-        else:
-            query_positions = None
-            if kv_cache is not None:
-                key, value, cache_mask, query_positions = kv_cache.extend(key, value)  # [b, np, T, hn]
-                if cache_mask is not None:
-                    attention_mask = cache_mask if attention_mask is None else attention_mask | cache_mask
-            alibi = None
-            if self.config.position_embedding_type == "alibi":
-                alibi = alibi_bias(self.alibi_slopes, seq_length, key.shape[-2], query_positions).to(query.dtype)
-            if self.config.attention_impl == "sdpa" or kv_cache is not None:
-                context = self._sdpa(query, key, value, alibi, attention_mask)
-            else:
-                context = self._materialized(query, key, value, alibi, attention_mask)
-        # [b, np, s, hn] -> [s, b, np * hn]
-        return context.permute(2, 0, 1, 3).reshape(seq_length, batch, -1)
+        return tuple(t.permute(1, 2, 0, 3) for t in (query, key, value))
 
     def _dropout_probability(self) -> float:
         return self.config.attention_dropout if self.training else 0.0
 
-    def _sdpa(self, query, key, value, alibi, attention_mask):
-        """scaled_dot_product_attention with is_causal, or with the additive bias B + mask (queries
-        the last of the key positions when there are fewer of them: a cached decode step)."""
+    def sdpa(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, alibi: torch.Tensor | None,
+             attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """scaled_dot_product_attention of query [b, np, s, hn] over key, value [b, np, T, hn] -> [b, np, s, hn]:
+        with is_causal, or with the additive bias B + mask (True = hidden; without one the queries are
+        the last s of the T positions, as in a decoding step over a cache)."""
         bias = None
         seq_length, key_length = query.shape[-2], key.shape[-2]
         if alibi is not None or attention_mask is not None or seq_length != key_length:
@@ -166,3 +150,9 @@ class ParallelSelfAttention(nn.Module):
             with get_rng_tracker().fork(MODEL_PARALLEL_RNG):
                 probs = F.dropout(probs, p=dropout, training=True)
         return torch.matmul(probs, value)  # [b, np, s, hn]
+
+
+def merge_heads(context: torch.Tensor) -> torch.Tensor:
+    """The heads' outputs [b, np, s, hn] -> [s, b, np * hn], dense's input."""
+    batch, _, seq_length, _ = context.shape
+    return context.permute(2, 0, 1, 3).reshape(seq_length, batch, -1)

@@ -36,28 +36,21 @@ class ParallelTransformerLayer(nn.Module):
         self.post_attention_layernorm = LayerNorm(config.hidden_size, **norm)
         self.mlp = ParallelMLP(config, layer_number, groups, device=device)
         self.residual_dtype = torch.float32 if config.fp32_residual_connection else config.params_dtype
-        # the options _decode_one_row covers; GLU, a second residual source, fp32 residuals and TP's
-        # all-reduce (between a product and its bias) take forward's path
-        self.fuses_one_row_steps = (groups.tp_size == 1 and not config.sequence_parallel
-                                    and config.glu_activation is None
-                                    and not config.apply_residual_connection_post_layernorm
-                                    and not config.fp32_residual_connection)
 
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
-        """hidden_states [s, b, h], position_ids [b, s], attention_mask bool [b, 1, s, s] or None -> [s, b, h];
-        ``kv_cache``: the layer's key/value cache during inference (ParallelSelfAttention.forward)."""
-        if (self.fuses_one_row_steps and kv_cache is not None and kv_cache.fixed_size and attention_mask is None
-                and hidden_states.shape[:2] == (1, 1) and not self.training):
-            return self._decode_one_row(hidden_states, position_ids, kv_cache)
-        normed, residual = self._norm_and_residual(self.input_layernorm, hidden_states)
-        attention_output, attention_bias = self.self_attention(normed, position_ids, attention_mask, kv_cache)
-        hidden_states = self._bias_dropout_add(attention_output, attention_bias, residual)
-        normed, residual = self._norm_and_residual(self.post_attention_layernorm, hidden_states)
-        mlp_output, mlp_bias = self.mlp(normed)
-        return self._bias_dropout_add(mlp_output, mlp_bias, residual)
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden_states [s, b, h], position_ids [b, s], attention_mask bool [b, 1, s, s] or None -> [s, b, h]."""
+        normed, residual = self.norm_and_residual(self.input_layernorm, hidden_states)
+        attention_output, attention_bias = self.self_attention(normed, position_ids, attention_mask)
+        return self.mlp_block(self.bias_dropout_add(attention_output, attention_bias, residual))
 
-    def _norm_and_residual(self, norm: LayerNorm, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def mlp_block(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The layer's second half: x' [s, b, h] -> y = r_2 + dropout(MLP(LN_2(x')))."""
+        normed, residual = self.norm_and_residual(self.post_attention_layernorm, hidden_states)
+        mlp_output, mlp_bias = self.mlp(normed)
+        return self.bias_dropout_add(mlp_output, mlp_bias, residual)
+
+    def norm_and_residual(self, norm: LayerNorm, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(LN(x) in the params dtype, the residual branch: LN(x) or x)."""
         if self.config.apply_residual_connection_post_layernorm:
             normed = norm(x).to(self.config.params_dtype)
@@ -65,27 +58,7 @@ class ParallelTransformerLayer(nn.Module):
         normed, residual = norm.norm_and_input(x)
         return normed.to(self.config.params_dtype), residual
 
-    def _decode_one_row(self, hidden_states: torch.Tensor, position_ids: torch.Tensor, kv_cache) -> torch.Tensor:
-        """``forward`` in eval mode for one token of one sequence over a fixed-size cache, in five ops
-        (each one kernel on a GPU, a GEMV with its neighbours folded in, see fused_kernels.layer_norm_linear):
-
-            qkv = LN_1(x) W_qkv^T + b_qkv;  x' = x + (Attn(qkv) W_o^T + b_o)   (attention stores k, v)
-            y = x' + (act(LN_2(x') W_1^T + b_1) W_2^T + b_2)
-
-        [1, 1, h] -> [1, 1, h]. A batch-1 step is bound by reading the weights; separate layer-norm and
-        add kernels between the GEMVs cost a launch and a ramp each."""
-        attention, mlp = self.self_attention, self.mlp
-        first, second = self.input_layernorm, self.post_attention_layernorm
-        mixed = fused_kernels.layer_norm_linear(hidden_states, first.weight, first.bias, first.eps,
-                                                attention.query_key_value.weight, attention.query_key_value.bias)
-        context = attention.attend(mixed, position_ids, None, kv_cache)  # [1, 1, np * hn]
-        hidden_states = fused_kernels.linear(context, attention.dense.weight, attention.dense.bias, hidden_states)
-        intermediate = fused_kernels.layer_norm_linear(hidden_states, second.weight, second.bias, second.eps,
-                                                       mlp.dense_h_to_4h.weight, mlp.dense_h_to_4h.bias,
-                                                       mlp.gelu_form)
-        return fused_kernels.linear(intermediate, mlp.dense_4h_to_h.weight, mlp.dense_4h_to_h.bias, hidden_states)
-
-    def _bias_dropout_add(self, x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def bias_dropout_add(self, x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + dropout(x + bias) in the residual dtype."""
         dtype = self.residual_dtype
         add = fused_kernels.bias_dropout_add if self.config.bias_dropout_fusion \
