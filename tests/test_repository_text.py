@@ -34,6 +34,10 @@ words), matches one of these:
    ``seed=``.
 
 The failure lists every offending ``path:line``.
+
+The README (``test_readme_is_a_guide_without_dated_measurements``) is the user guide: at most
+README_MAX_LINES lines and no date (YYYY-MM-DD) on any line, since measurements, each with its date,
+machine and command, belong in docs/performance.md.
 """
 import os
 import re
@@ -52,6 +56,8 @@ OUTSIDE_ALWAYS = re.compile(r"\.\.[/]shared|seed[-]system", re.IGNORECASE)
 MARKDOWN_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 DOCS_PATH = re.compile(r"(?<![\w/.-])docs/[\w./-]*?\.md\b")
 URL_SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*:", re.IGNORECASE)
+README_MAX_LINES = 250
+DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
 
 SYSTEM_NOUNS = (r"flags?|names?|scripts?|examples?|semantics|format|fields|tags|numbering|loop|rules?|padding|"
                 r"form|tflops|flops|vocabulary|layout|defaults?|path|order of operations")
@@ -151,6 +157,26 @@ def test_seed_means_a_random_seed():
     report = violations(lambda path, line: seed_as_system(line) if SEED.search(line) else [], checked_files())
     assert not report, ("these lines use \"seed\" for the system we follow: say Megatron-DeepSpeed (rules in "
                         f"{SELF}):\n" + "\n".join(report))
+
+
+def dated_lines(path: str) -> list[str]:
+    """``path:line: text`` for every line of ``path`` that holds a date."""
+    return [f"{path}:{number}: {line.strip()[:120]}" for number, line in numbered_lines(path) if DATE.search(line)]
+
+
+def test_readme_is_a_guide_without_dated_measurements():
+    lines = sum(1 for _ in numbered_lines("README.md"))
+    assert lines <= README_MAX_LINES, (f"README.md has {lines} lines, more than {README_MAX_LINES}: move the "
+                                       "detail into a page of docs/ and link it")
+    report = dated_lines("README.md")
+    assert not report, ("README.md holds dated lines; measurements go to docs/performance.md with their date, "
+                        "machine and command:\n" + "\n".join(report))
+
+
+def test_dated_lines_are_found(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# Guide\nmeasured 2026-11-27 on one H200\nversion 0.19.8, seq 2048\n")
+    assert dated_lines(str(page)) == [f"{page}:2: measured 2026-11-27 on one H200"]
 
 
 def test_seed_rules_on_examples():
