@@ -11,7 +11,8 @@ ffn and vocabulary split over TP) and the dataset config (the weighted split pat
 here). Their errors become ArgumentErrors naming the flags, still before any process group.
 Values that the ds_config decides (batch sizes, precision, ZeRO stage, gradient clipping, loss
 scaling) are read from the final ds_config, so config and engine cannot disagree. Learning-rate
-lengths are resolved to samples (Megatron-DeepSpeed's AnnealingLR "steps").
+lengths in samples (Megatron-DeepSpeed's AnnealingLR "steps") and the curriculum are validation's
+DerivedValues.
 """
 import copy
 import dataclasses
@@ -28,8 +29,8 @@ from megatron.core.tokenizer import vocab_size_with_padding
 from megatron.training.argument_types import ArgumentError, parse_interval_ranges, parse_iteration_ranges
 from megatron.training.arguments import ParsedArguments
 from megatron.training.curriculum import BLOCK as CURRICULUM_BLOCK
-from megatron.training.curriculum import CurriculumConfig, curriculum_config
-from megatron.training.validation import DerivedValues, lr_lengths_in_samples, wandb_directory
+from megatron.training.curriculum import CurriculumConfig
+from megatron.training.validation import DerivedValues, wandb_directory
 
 DEFAULT_PP_PARTITION_METHOD = "type:transformer"
 
@@ -436,12 +437,12 @@ def dataset_config_from_args(flags, seq_length: int, vocab_size: int | None = No
 
 
 def _schedule_config(flags, derived: DerivedValues) -> ScheduleConfig:
-    warmup, decay = lr_lengths_in_samples(flags, derived.global_batch_size)
     return ScheduleConfig(
         micro_batch_size=flags.micro_batch_size, global_batch_size=derived.global_batch_size,
         rampup_batch_size=tuple(flags.rampup_batch_size) if flags.rampup_batch_size else None,
         train_iters=flags.train_iters, train_samples=flags.train_samples, train_tokens=flags.train_tokens,
-        lr_decay_style=flags.lr_decay_style, lr_warmup_steps=warmup, lr_decay_steps=decay,
+        lr_decay_style=flags.lr_decay_style, lr_warmup_steps=derived.lr_warmup_samples,
+        lr_decay_steps=derived.lr_decay_samples,
         lr_warmup_tokens=flags.lr_warmup_tokens, lr_decay_tokens=flags.lr_decay_tokens,
         eval_interval=flags.eval_interval, eval_iters=flags.eval_iters, eval_only=bool(flags.eval_only),
         log_interval=flags.log_interval, exit_interval=flags.exit_interval,
@@ -451,8 +452,7 @@ def _schedule_config(flags, derived: DerivedValues) -> ScheduleConfig:
         skip_train_iteration_ranges=parse_iteration_ranges(flags.skip_train_iteration_range or (),
                                                            "--skip-train-iteration-range"),
         max_consecutive_nan_iterations=flags.max_consecutive_nan_iterations,
-        curriculum=curriculum_config(derived.ds_config, flags.deepspeed_config or flags.deepscale_config,
-                                     derived.seq_length))
+        curriculum=derived.curriculum)
 
 
 def _precision_config(flags, derived: DerivedValues) -> PrecisionConfig:

@@ -2,8 +2,9 @@
 
 ``validate_args`` checks the parsed flags against each other, against the launcher's world size
 and against the ds_config, and returns what they imply as a frozen ``DerivedValues`` (the launch
-layout, the data-parallel size, the backend, the sequence length and the final ds_config, which
-decides the global batch, precision, clipping and ZeRO stage). The parsed Namespace is only read.
+layout, the data-parallel size, the backend, the sequence length, the final ds_config, which
+decides the global batch, precision, clipping and ZeRO stage, the learning-rate lengths in samples
+and the curriculum), each computed here once. The parsed Namespace is only read.
 Every error is an ArgumentError naming the flags and the fix. The model and dataset rules live
 with their configs in megatron/core (GPTModelConfig, GPTDatasetConfig, data_paths) and run when
 config.build_config builds those configs, once, with the tokenizer's vocabulary.
@@ -19,7 +20,7 @@ import torch
 
 from megatron.core.parallel_state import validate_parallel_sizes
 from megatron.core.tokenizer import REJECTED_TOKENIZER_TYPES
-from megatron.training.argument_ds_config import resolve_ds_config
+from megatron.training.engine.ds_config import resolve_ds_config
 from megatron.training.argument_types import ArgumentError
 from megatron.training.bnb_optimizer import INSTALL_HINT
 from megatron.training.curriculum import CurriculumConfig, CurriculumConfigError, curriculum_config
@@ -55,6 +56,10 @@ class DerivedValues:
         ds_config: the final ds_config (argument_ds_config.py); the properties below read it, so the
             trainer and the DeepSpeed engine cannot disagree.
         notices: one-line notices printed once on rank 0 (flags the ds_config overrides, ...).
+        lr_warmup_samples: the warmup length in samples (``lr_lengths_in_samples``; a float when
+            --lr-warmup-fraction gives it).
+        lr_decay_samples: the decay length in samples.
+        curriculum: the ds_config's sequence-length curriculum (curriculum.py), or None.
     """
 
     launch: LaunchEnv
@@ -63,6 +68,9 @@ class DerivedValues:
     seq_length: int
     ds_config: dict
     notices: tuple[str, ...]
+    lr_warmup_samples: int | float
+    lr_decay_samples: int
+    curriculum: CurriculumConfig | None
 
     @property
     def global_batch_size(self) -> int:
@@ -196,16 +204,15 @@ def _check_learning_rate_and_saving(args):
         raise ArgumentError("--save needs --save-interval (iterations between checkpoints)")
 
 
-def _check_batch(args, explicit, derived: DerivedValues):
+def _check_batch(args, explicit, global_batch_size: int, data_parallel_size: int, world_size: int):
     """microbatches.check_batch_sizes, the one home of the batch-size rules, with where d comes from."""
     try:
-        check_batch_sizes(derived.global_batch_size, args.micro_batch_size, derived.data_parallel_size,
-                          args.rampup_batch_size)
+        check_batch_sizes(global_batch_size, args.micro_batch_size, data_parallel_size, args.rampup_batch_size)
     except BatchSizeError as exc:
         source = "" if "global_batch_size" in explicit else \
-            f"; the global batch size {derived.global_batch_size} is the ds_config's train_batch_size"
-        raise ArgumentError(f"{exc} (data-parallel size {derived.data_parallel_size} = world size "
-                            f"{derived.launch.world_size} / (TP {args.tensor_model_parallel_size} x PP "
+            f"; the global batch size {global_batch_size} is the ds_config's train_batch_size"
+        raise ArgumentError(f"{exc} (data-parallel size {data_parallel_size} = world size "
+                            f"{world_size} / (TP {args.tensor_model_parallel_size} x PP "
                             f"{args.pipeline_model_parallel_size}){source})") from None
 
 
@@ -223,11 +230,11 @@ def lr_lengths_in_samples(args, global_batch_size: int) -> tuple[int | float, in
     return warmup, decay
 
 
-def _check_lr_schedule(args, global_batch_size: int):
-    """The schedule's own rules (lr_schedule.AnnealingLR), applied to a stand-in optimizer."""
+def _check_lr_schedule(args, warmup: int | float, decay: int):
+    """The schedule's own rules (lr_schedule.AnnealingLR) for these lengths in samples, applied to a
+    stand-in optimizer."""
     if args.lr is None:
         return
-    warmup, decay = lr_lengths_in_samples(args, global_batch_size)
     try:
         AnnealingLR(SimpleNamespace(param_groups=[{}]), args.lr, args.min_lr, warmup, decay, args.lr_decay_style,
                     warmup_tokens=args.lr_warmup_tokens, decay_tokens=args.lr_decay_tokens)
@@ -235,22 +242,22 @@ def _check_lr_schedule(args, global_batch_size: int):
         raise ArgumentError(str(exc)) from None
 
 
-def _check_curriculum(args, derived: DerivedValues) -> CurriculumConfig | None:
+def _checked_curriculum(args, ds_config: dict, seq_length: int) -> CurriculumConfig | None:
     """The ds_config's curriculum_learning block (curriculum.py), and the token-based LR decay it needs:
     a decay in samples would run on while the early, short batches hold few tokens. Returns the block."""
     where = args.deepspeed_config or args.deepscale_config
     try:
-        curriculum = curriculum_config(derived.ds_config, where, derived.seq_length)
+        curriculum = curriculum_config(ds_config, where, seq_length)
     except CurriculumConfigError as exc:
         raise ArgumentError(str(exc)) from None
     if curriculum is not None and args.lr_decay_style != "constant" and args.lr_decay_tokens is None:
         raise ArgumentError(f"curriculum_learning in {where} needs a token-based learning-rate decay: give "
                             f"--lr-decay-tokens (Megatron-DeepSpeed's recipe: the decay samples x --seq-length "
-                            f"{derived.seq_length}), or --lr-decay-style constant")
+                            f"{seq_length}), or --lr-decay-style constant")
     return curriculum
 
 
-def _check_run_length(args, derived: DerivedValues, curriculum: CurriculumConfig | None):
+def _check_run_length(args, derived: DerivedValues):
     """A run must do what its flags ask: --eval-only and --finetune read --load, and the training
     length holds at least the first global batch (its samples, and its tokens: the rampup's first
     batch size times the curriculum's first sequence length)."""
@@ -265,6 +272,7 @@ def _check_run_length(args, derived: DerivedValues, curriculum: CurriculumConfig
     if args.train_samples is not None and args.train_samples < batch:
         raise ArgumentError(f"--train-samples {args.train_samples} is less than one global batch ({batch} "
                             f"samples): nothing would be trained; give at least {batch}")
+    curriculum = derived.curriculum
     seq_length = curriculum.min_difficulty if curriculum is not None else derived.seq_length
     if args.train_tokens is not None and args.train_tokens < batch * seq_length:
         raise ArgumentError(f"--train-tokens {args.train_tokens} is less than one global batch ({batch} samples "
@@ -396,7 +404,7 @@ def _check_tokenizer_and_tools(args):
     if args.codecarbon_dir and importlib.util.find_spec("codecarbon") is None:
         raise ArgumentError("--codecarbon-dir needs the codecarbon package: pip install codecarbon")
     if args.pp_partition_method is not None:
-        from megatron.core.models.gpt.pipeline import check_partition_method
+        from megatron.training.engine.pipeline_module import check_partition_method
         try:
             check_partition_method(args.pp_partition_method)
         except ValueError as exc:
@@ -429,11 +437,15 @@ def validate_args(args: argparse.Namespace, explicit: set[str], launch: LaunchEn
     data_parallel_size, backend, notices = _parallel_layout(args, explicit, launch, cuda_available)
     ds_config, ds_notices = resolve_ds_config(args, explicit, data_parallel_size,
                                               args.pipeline_model_parallel_size, cuda_available)
+    global_batch_size = ds_config["train_batch_size"]
+    _check_batch(args, explicit, global_batch_size, data_parallel_size, launch.world_size)
+    warmup, decay = lr_lengths_in_samples(args, global_batch_size)
+    _check_lr_schedule(args, warmup, decay)
     derived = DerivedValues(launch=launch, data_parallel_size=data_parallel_size, distributed_backend=backend,
-                            seq_length=seq_length, ds_config=ds_config, notices=tuple(notices + ds_notices))
-    _check_batch(args, explicit, derived)
-    _check_lr_schedule(args, derived.global_batch_size)
-    _check_run_length(args, derived, _check_curriculum(args, derived))
+                            seq_length=seq_length, ds_config=ds_config, notices=tuple(notices + ds_notices),
+                            lr_warmup_samples=warmup, lr_decay_samples=decay,
+                            curriculum=_checked_curriculum(args, ds_config, seq_length))
+    _check_run_length(args, derived)
     _check_bnb_optimizer(args, derived)
     _check_profile(args, explicit, launch.world_size)
     _check_data(args)
