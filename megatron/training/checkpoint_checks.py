@@ -24,7 +24,6 @@ With --universal-checkpoint, ``latest_universal`` is read instead of ``latest``;
 the model are checked, the layout is not (a universal checkpoint fits any), and the word
 embeddings it holds must fit this run's padded vocabulary (docs/checkpoint-tools.md).
 """
-import contextlib
 import glob
 import os
 import pickle
@@ -35,19 +34,18 @@ from dataclasses import dataclass
 import torch
 
 from megatron.core.checkpoint import megatron_deepspeed
+from megatron.core.checkpoint.latest import LATEST as LATEST_FILENAME
+from megatron.core.checkpoint.latest import UNIVERSAL_LATEST as UNIVERSAL_LATEST_FILENAME
+from megatron.core.checkpoint.latest import LatestError, read_latest
 from megatron.core.checkpoint.manifest import MANIFEST_NAME, SAVING_MARKER, Manifest, ManifestError, read_manifest
 from megatron.core.checkpoint.names import PIPELINE_EMBEDDING_PREFIX
 from megatron.core.checkpoint.origin import UnverifiedCheckpointError, unverified_reading_line
 from megatron.training.config import CheckpointConfig, TrainConfig, plain_value
 from megatron.training.dist_utils import print_rank_0
-from megatron.training.engine import is_pipeline_engine
 
-LATEST_FILENAME = "latest"  # DeepSpeed's name; engine.load_checkpoint reads it
-UNIVERSAL_LATEST_FILENAME = "latest_universal"  # read instead with --universal-checkpoint
 UNIVERSAL_ADVICE = ("convert it with tools/convert_checkpoint/ds_to_universal.py and resume with "
                     "--universal-checkpoint")
 TAG_PATTERN = re.compile(r"global_step\d+")
-MAX_LATEST_BYTES = 4096
 # Model fields whose change between save and load is an error (not a shape mismatch DeepSpeed reports).
 CHECKED_MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
                         "padded_vocab_size", "position_embedding_type", "max_position_embeddings",
@@ -70,20 +68,6 @@ def checkpoint_tags(directory: str) -> list[str]:
     return sorted(tags, key=lambda tag: int(tag[len("global_step"):]))
 
 
-def _read_latest(latest: str) -> str:
-    with open(latest, "rb") as f:
-        raw = f.read(MAX_LATEST_BYTES + 1)
-    try:
-        tag = raw.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        tag = None
-    if not tag or len(raw) > MAX_LATEST_BYTES or "\x00" in tag or "\n" in tag:
-        shown = "empty" if not raw.strip() else f"not a tag name ({raw[:40]!r})"
-        raise CheckpointError(f"{latest} is {shown}: it must hold the tag to resume from, e.g. global_step1000; "
-                              f"write one of the global_stepN directories there")
-    return tag
-
-
 def _check_load_directory(directory: str) -> None:
     """--load must be a directory, and not a checkpoint's own tag directory: DeepSpeed would find no
     ``latest`` in either and the run would start from scratch."""
@@ -98,10 +82,10 @@ def _check_load_directory(directory: str) -> None:
                               f"it, --load {parent or '.'}, whose '{LATEST_FILENAME}' names the tag to resume ({tag})")
 
 
-def _named_tag(latest: str, directory: str, universal: bool) -> str:
-    """The tag directory ``latest`` names: a global_stepN (any directory name for ``latest_universal``,
-    which ds_to_universal names after its output) inside --load ``directory``, complete."""
-    tag = _read_latest(latest)
+def _named_tag(latest: str, tag: str, directory: str, universal: bool) -> str:
+    """The tag directory that ``latest``, holding ``tag``, names: a global_stepN (any directory name for
+    ``latest_universal``, which ds_to_universal names after its output) inside --load ``directory``,
+    complete."""
     plain = os.sep not in tag and (os.altsep is None or os.altsep not in tag) and tag not in (".", "..")
     named = os.path.join(directory, tag)
     if plain and not os.path.isdir(named):
@@ -129,17 +113,20 @@ def resume_directory(directory: str, universal: bool = False) -> str | None:
         if not os.path.lexists(latest):
             raise CheckpointError(f"--universal-checkpoint: {latest} does not exist; convert a checkpoint of "
                                   f"--load {directory} with tools/convert_checkpoint/ds_to_universal.py first")
-    latest = os.path.join(directory, UNIVERSAL_LATEST_FILENAME if universal else LATEST_FILENAME)
-    if not os.path.lexists(latest):
+    name = UNIVERSAL_LATEST_FILENAME if universal else LATEST_FILENAME
+    latest = os.path.join(directory, name)
+    try:
+        tag = read_latest(directory, name)
+    except LatestError as error:
+        raise CheckpointError(str(error)) from None
+    if tag is None:
         tags = checkpoint_tags(directory)
         if tags:
             raise CheckpointError(f"--load {directory} holds checkpoints ({', '.join(tags[-3:])}) but no 'latest' "
                                   f"file: write the tag to resume from into {latest} (e.g. {tags[-1]}), or give "
                                   f"another --load")
         return None
-    if not os.path.isfile(latest):
-        raise CheckpointError(f"{latest} is not a file")
-    return _named_tag(latest, directory, universal)
+    return _named_tag(latest, tag, directory, universal)
 
 
 def check_checkpoint_directories(settings: CheckpointConfig) -> None:
@@ -194,7 +181,7 @@ def _check_engine_layout(engine, tag_directory: str) -> None:
     """A pipeline engine's checkpoint keeps the module in layer_XX files, the plain engine's in
     mp_rank_XX; neither engine reads the other's. Name the cause rather than fail inside DeepSpeed."""
     saved_by_pipeline = any(name.startswith("layer_") for name in os.listdir(tag_directory))
-    loading_with_pipeline = is_pipeline_engine(engine)
+    loading_with_pipeline = engine.pipeline_layout
     if saved_by_pipeline != loading_with_pipeline:
         engines = {True: "the pipeline engine (ZeRO stage 0/1 or PP > 1)", False: "the plain engine (ZeRO stage 2)"}
         raise CheckpointError(f"{tag_directory} was written by {engines[saved_by_pipeline]} but this run uses "
@@ -289,30 +276,22 @@ def _read_saved_state(tag_directory: str, manifest: Manifest | None) -> dict:
     return state if isinstance(state, dict) else {}
 
 
-@contextlib.contextmanager
-def verified_reads(engine, tag_directory: str, manifest: Manifest | None):
-    """Inside the block, every file DeepSpeed's checkpoint engine reads is first checked against its
-    manifest entry (size, CRC-32); a damaged, missing, truncated or unreadable file raises a
-    CheckpointError that names it. Yields the VerifiedReads of this rank (the check's cost)."""
-    reader = engine.checkpoint_engine
-    original_load = reader.load
-    verified = VerifiedReads()
+def verifying_filter(tag_directory: str, manifest: Manifest | None, verified: "VerifiedReads"):
+    """A read filter (engine/interface.py): every file the engine reads is first checked against its
+    manifest entry (size, CRC-32), its cost added to ``verified``; a damaged, missing, truncated or
+    unreadable file raises a CheckpointError that names it."""
 
-    def load(path, map_location=None):
+    def read(path: str, engine_read):
         try:
             if manifest is not None:
                 started = time.perf_counter()
                 manifest.verify_file(path, tag_directory)
                 verified.add(os.path.getsize(path), time.perf_counter() - started)
-            return original_load(path, map_location=map_location)
+            return engine_read()
         except READ_ERRORS as error:
             raise unreadable(path, error, tag_directory) from error
 
-    reader.load = load
-    try:
-        yield verified
-    finally:
-        reader.load = original_load
+    return read
 
 
 @dataclass
@@ -396,6 +375,6 @@ def check_before_loading(engine, config: TrainConfig) -> tuple[str, Manifest | N
         return directory, manifest, saved
     _check_weights_only(saved, config, directory)
     _check_parallel_layout(saved.get("args", {}), config, directory)
-    if is_pipeline_engine(engine):
+    if engine.pipeline_layout:
         _check_layer_files(engine.module, directory, config.parallel.tensor_model_parallel_size)
     return directory, manifest, saved

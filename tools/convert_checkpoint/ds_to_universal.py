@@ -44,15 +44,14 @@ select_accelerator()  # before anything imports deepspeed: one accelerator choic
 import torch  # noqa: E402
 
 from megatron.core.checkpoint import megatron_deepspeed  # noqa: E402
+from megatron.core.checkpoint.latest import UNIVERSAL_LATEST, write_universal_latest  # noqa: E402
 from megatron.core.checkpoint.output import (output_errors, save_torch_file, staged_directory,  # noqa: E402
-                                             tree_size, write_pointer, write_tree_manifest)
+                                             tree_size, write_tree_manifest)
 from megatron.core.checkpoint.reader import resolve_tag_directory  # noqa: E402
-from megatron.core.checkpoint.universal import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info  # noqa: E402
+from megatron.core.checkpoint.universal import UNIVERSAL_CHECKPOINT_INFO, universal_info  # noqa: E402
 from megatron.core.checkpoint.universal_writer import write_universal_zero  # noqa: E402
 from tools.convert_checkpoint.reshape import (ALLOW_MISSING_MANIFEST_HELP, manifest_note, open_input,  # noqa: E402
                                               report)
-
-UNIVERSAL_LATEST = "latest_universal"
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:
@@ -71,8 +70,8 @@ def write_model_states(checkpoint, output: str) -> None:
     """The source's model-states files, their parameter patterns keeping the padded vocabulary
     (module docstring)."""
     padded = checkpoint.model["padded_vocab_size"]
-    info = universal_checkpoint_info(checkpoint.glu, checkpoint.model["position_embedding_type"] == "absolute",
-                                     checkpoint.pipeline, padded_vocab_size=padded, original_vocab_size=padded)
+    info = universal_info(checkpoint.sharding, checkpoint.pipeline, padded_vocab_size=padded,
+                          original_vocab_size=padded)
     for name in os.listdir(checkpoint.directory):
         if name.startswith("mp_rank_"):
             state = torch.load(os.path.join(checkpoint.directory, name), map_location="cpu", weights_only=False,
@@ -111,7 +110,7 @@ def convert(arguments) -> str:
             if checkpoint.unverified is None:  # no manifest vouches for unverified input
                 write_tree_manifest(staging, checkpoint.iteration)
     with output_errors(output, "--output_folder"):
-        write_pointer(os.path.join(os.path.dirname(output) or ".", UNIVERSAL_LATEST), os.path.basename(output))
+        write_universal_latest(os.path.dirname(output) or ".", os.path.basename(output))
     files = sum(len(names) for _, _, names in os.walk(output))
     return (f"universal checkpoint of iteration {checkpoint.iteration} (saved at TP {checkpoint.tp}, PP "
             f"{checkpoint.pp}, DP {checkpoint.dp}) written to {output}: {files} files, "

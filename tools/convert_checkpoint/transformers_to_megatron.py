@@ -30,6 +30,7 @@ from megatron.training.initialize import select_accelerator  # noqa: E402
 select_accelerator()  # before anything imports deepspeed: one accelerator choice, no per-process guess
 
 from megatron.core.checkpoint.reader import CheckpointInputError  # noqa: E402
+from megatron.core.checkpoint.sharding import ModelSharding  # noqa: E402
 from megatron.core.checkpoint.transformers_import import (BLOOM, TransformersWeights,  # noqa: E402
                                                           imported_layers, model_options, read_transformers_config)
 from megatron.core.checkpoint.writer import check_target_layout, write_checkpoint  # noqa: E402
@@ -128,7 +129,7 @@ def import_model(arguments) -> str:
     state = imported_checkpoint_state(model, vocab_size, tp, pp, {**data, "orig_vocab_size": vocab_size})
     with tqdm(imported_layers(weights, kind, options, padded), total=options["num_layers"] + 2, desc="layers",
               unit="layer", file=sys.stderr) as layers:
-        written = write_checkpoint(output, 0, layers, state, tp, pp, glu=False,
+        written = write_checkpoint(output, 0, layers, state, tp, pp, ModelSharding(model),
                                    before_commit=lambda staging: copy_tokenizer_files(source, staging))
     padding = (f"padded to {padded} rows ({padded - vocab_size} zero rows, whose logits 0 enter the softmax)"
                if padded > vocab_size else "not padded")

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron.core.checkpoint.names import ParameterNameError
 from megatron.core.checkpoint.output import save_torch_file
-from megatron.core.checkpoint.partitions import merge_partitions, split_partitions, tensor_split
+from megatron.core.checkpoint.partitions import merge_partitions, split_partitions
+from megatron.core.checkpoint.sharding import ModelSharding
 
 LAYER_FILE = re.compile(r"^layer_(?P<layer>\d+)-model_(?P<rank>\d+)-model_states\.pt$")
 
@@ -61,15 +63,19 @@ def find_layer_files(directory: str) -> LayerFiles:
     return LayerFiles(directory, {layer: [found[rank] for rank in range(tp_size)] for layer, found in ranks.items()})
 
 
-def read_full_layer(files: LayerFiles, layer: int, glu: bool = False) -> dict[str, torch.Tensor]:
-    """Layer ``layer``'s state dict with every parameter merged over the TP ranks (partitions.py);
-    ``glu``: the model's MLP is gated. Only this layer's files are in memory."""
+def read_full_layer(files: LayerFiles, layer: int, sharding: ModelSharding) -> dict[str, torch.Tensor]:
+    """Layer ``layer``'s state dict with every parameter merged over the TP ranks as ``sharding``
+    splits it. Only this layer's files are in memory."""
     states = [torch.load(path, map_location="cpu", weights_only=True) for path in files.paths[layer]]
     names = list(states[0])
     for path, state in zip(files.paths[layer][1:], states[1:]):
         if list(state) != names:
             raise LayerFilesError(f"{path}: parameters {sorted(state)} differ from rank 0's {sorted(names)}")
-    return {name: merge_partitions([state[name] for state in states], tensor_split(name, glu)) for name in names}
+    try:
+        splits = sharding.layer_splits(layer, names)
+    except ParameterNameError as error:
+        raise LayerFilesError(f"{files.paths[layer][0]}: {error}") from None
+    return {name: merge_partitions([state[name] for state in states], splits[name]) for name in names}
 
 
 def layer_file_name(layer: int, tp_rank: int) -> str:
@@ -77,11 +83,12 @@ def layer_file_name(layer: int, tp_rank: int) -> str:
 
 
 def write_layer(directory: str, layer: int, full_state: dict[str, torch.Tensor], tp_size: int,
-                glu: bool = False) -> list[str]:
-    """Write layer ``layer`` of ``full_state`` (full tensors) as its ``tp_size`` partition files in
-    ``directory``, each under a temporary name renamed when written; returns the paths in rank order.
-    Vocabulary rows must already be padded to a multiple of ``tp_size``."""
-    parts = {name: split_partitions(value, tensor_split(name, glu), tp_size) for name, value in full_state.items()}
+                sharding: ModelSharding) -> list[str]:
+    """Write layer ``layer`` of ``full_state`` (full tensors) as its ``tp_size`` partition files, split
+    as ``sharding`` says, in ``directory``, each under a temporary name renamed when written; returns
+    the paths in rank order. Vocabulary rows must already be padded to a multiple of ``tp_size``."""
+    parts = {name: split_partitions(value, sharding.layer_split(layer, name), tp_size)
+             for name, value in full_state.items()}
     paths = []
     for rank in range(tp_size):
         path = os.path.join(directory, layer_file_name(layer, rank))

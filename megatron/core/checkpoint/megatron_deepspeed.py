@@ -30,7 +30,7 @@ such a checkpoint through ``translated_input`` and gives its groups our shape to
 
 Parameter names are this trainer's, layer for layer (docs/checkpoint-format.md), except the
 embedding LayerNorm (--embed-layernorm), which Megatron-DeepSpeed keeps inside the word embedding:
-``word_embeddings.norm.*`` there, ``embed_layernorm.*`` here (``own_name``), and builds on the first
+``word_embeddings.norm.*`` there, ``embed_layernorm.*`` here (names.own_name), and builds on the first
 pipeline stage only.
 
 Reading: the ``args`` entry is a pickled Namespace holding Megatron-DeepSpeed's enums (and,
@@ -53,6 +53,7 @@ import types
 
 import torch
 
+from megatron.core.checkpoint.names import own_name
 from megatron.core.checkpoint.origin import WRITER_KEY
 from megatron.core.checkpoint.reader import CheckpointInputError
 from megatron.core.models.gpt.config import GPTModelConfig
@@ -61,8 +62,6 @@ WRITER = "Megatron-DeepSpeed"
 MODEL_STATES_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 PARTITION_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
-# Megatron-DeepSpeed's name -> ours, as prefixes of a layer's state-dict key.
-NAME_PREFIXES = {"word_embeddings.norm.": "embed_layernorm."}
 TIED_EMBEDDING_LAYERNORM = "tied_modules.embed.embed_layernorm."  # ours; first pipeline stage only in theirs
 # Megatron-DeepSpeed's enums (megatron/enums.py): value -> member name.
 FOREIGN_ENUMS = {
@@ -240,15 +239,6 @@ def trainer_state(state: dict) -> dict:
     translated.update(progress_entries(state))
     translated[WRITER_KEY] = WRITER
     return translated
-
-
-def own_name(name: str) -> str:
-    """Our name of a parameter or state-dict key that Megatron-DeepSpeed names ``name`` (NAME_PREFIXES),
-    anywhere in a dotted name."""
-    for theirs, ours in NAME_PREFIXES.items():
-        if name.startswith(theirs) or f".{theirs}" in name:
-            return name.replace(theirs, ours, 1)
-    return name
 
 
 def own_layer_state(state: dict) -> dict:

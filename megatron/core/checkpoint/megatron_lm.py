@@ -19,7 +19,7 @@ tokenizer), ``checkpoint_version`` 3.0,
      "word_embeddings_for_head": {"weight"}}                                   last stage, PP > 1
 
 Each stage holds L / PP consecutive transformer layers. The TP split of each tensor is the
-trainer's (partitions.py). There is no optimizer, LR schedule or RNG state: weights only.
+trainer's (sharding.py). There is no optimizer, LR schedule or RNG state: weights only.
 
 Memory: the layers of one pipeline stage (a rank's file holds all of them; the stage's TP files are
 written once its last layer is read), plus the word embeddings kept for the last stage's head.
@@ -32,13 +32,13 @@ from dataclasses import dataclass
 import torch
 
 from megatron.core.checkpoint.names import EMBEDDING_LAYER, FIRST_TRANSFORMER_LAYER, final_norm_layer
-from megatron.core.checkpoint.output import save_torch_file, staged_directory, write_pointer, write_tree_manifest
-from megatron.core.checkpoint.partitions import split_partitions, tensor_split
+from megatron.core.checkpoint.latest import write_tracker
+from megatron.core.checkpoint.output import save_torch_file, staged_directory, write_tree_manifest
+from megatron.core.checkpoint.partitions import TensorSplit, split_partitions
 from megatron.core.checkpoint.reader import CheckpointInputError, SavedCheckpoint, iter_full_layers
 from megatron.core.checkpoint.writer import check_target_layout, padded_rows, target_padded_vocab_size
 from megatron.core.dtypes import torch_dtype
 
-TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
 
 
@@ -69,28 +69,30 @@ def megatron_lm_arguments(checkpoint: SavedCheckpoint, tp: int, pp: int, padded:
 
 
 class _StageFiles:
-    """One pipeline stage's tensors, gathered layer by layer and written as its TP ranks' files."""
+    """One pipeline stage's tensors with their splits, gathered layer by layer and written as its TP
+    ranks' files."""
 
-    def __init__(self, root: str, header: dict, tp: int, pp: int, glu: bool):
-        self.root, self.header, self.tp, self.pp, self.glu = root, header, tp, pp, glu
-        self.embedding: dict[str, dict[str, torch.Tensor]] = {}
-        self.encoder: dict[str, torch.Tensor] = {}
-        self.head: torch.Tensor | None = None
+    def __init__(self, root: str, header: dict, tp: int, pp: int):
+        self.root, self.header, self.tp, self.pp = root, header, tp, pp
+        self.embedding: dict[str, dict[str, tuple[torch.Tensor, TensorSplit]]] = {}
+        self.encoder: dict[str, tuple[torch.Tensor, TensorSplit]] = {}
+        self.head: tuple[torch.Tensor, TensorSplit] | None = None
+
+    def _parts(self, tensors: dict[str, tuple[torch.Tensor, TensorSplit]]) -> dict[str, list[torch.Tensor]]:
+        return {name: split_partitions(tensor, split, self.tp) for name, (tensor, split) in tensors.items()}
 
     def write(self, stage: int) -> None:
-        parts = {name: split_partitions(tensor, tensor_split(name, self.glu), self.tp)
-                 for name, tensor in self.encoder.items()}
+        encoder = self._parts(self.encoder)
+        embedding = {module: self._parts(tensors) for module, tensors in self.embedding.items()}
+        head = self._parts({"weight": self.head}) if self.head is not None else None
         for rank in range(self.tp):
-            language_model = {"encoder": {name: split[rank] for name, split in parts.items()}}
-            if self.embedding:
-                language_model["embedding"] = {module: {p: split_partitions(tensor, tensor_split(f"{module}.{p}"),
-                                                                            self.tp)[rank]
-                                                        for p, tensor in tensors.items()}
-                                               for module, tensors in self.embedding.items()}
+            language_model = {"encoder": {name: parts[rank] for name, parts in encoder.items()}}
+            if embedding:
+                language_model["embedding"] = {module: {p: parts[rank] for p, parts in tensors.items()}
+                                               for module, tensors in embedding.items()}
             model = {"language_model": language_model}
-            if self.head is not None:
-                model["word_embeddings_for_head"] = {
-                    "weight": split_partitions(self.head, tensor_split("word_embeddings.weight"), self.tp)[rank]}
+            if head is not None:
+                model["word_embeddings_for_head"] = {"weight": head["weight"][rank]}
             directory = os.path.join(self.root, rank_directory(rank, stage, self.pp))
             os.makedirs(directory)
             save_torch_file({**self.header, "model": model}, os.path.join(directory, "model_optim_rng.pt"))
@@ -113,25 +115,28 @@ def write_megatron_lm_checkpoint(checkpoint: SavedCheckpoint, output: str, tp: i
     name = "release" if release else f"iter_{checkpoint.iteration:07d}"
     with staged_directory(output) as staging:
         root = os.path.join(staging, name)
-        stage_files, stage, words = _StageFiles(root, header, tp, pp, checkpoint.glu), 0, None
+        stage_files, stage, words = _StageFiles(root, header, tp, pp), 0, None
         for layer, state in iter_full_layers(checkpoint):
+            entries = {key: (tensor, checkpoint.sharding.layer_split(layer, key)) for key, tensor in state.items()}
             if layer == EMBEDDING_LAYER:
-                words = padded_rows(state.pop("word_embeddings.weight"), padded)
+                table, table_split = entries.pop("word_embeddings.weight")
+                words = (padded_rows(table, padded), table_split)
                 stage_files.embedding["word_embeddings"] = {"weight": words}
-                for module, _, p in (key.rpartition(".") for key in state):
-                    stage_files.embedding.setdefault(module, {})[p] = state[f"{module}.{p}"]
+                for module, _, p in (key.rpartition(".") for key in entries):
+                    stage_files.embedding.setdefault(module, {})[p] = entries[f"{module}.{p}"]
             elif layer == final_norm_layer(num_layers):
-                stage_files.encoder.update({f"final_layernorm.{p}": tensor for p, tensor in state.items()})
+                stage_files.encoder.update({f"final_layernorm.{p}": entry for p, entry in entries.items()})
                 stage_files.head = words if pp > 1 else None
             else:
                 index = layer - FIRST_TRANSFORMER_LAYER
                 if index // per_stage != stage:
                     stage_files.write(stage)
                     stage = index // per_stage
-                stage_files.encoder.update({f"layers.{index % per_stage}.{key}": t for key, t in state.items()})
+                stage_files.encoder.update({f"layers.{index % per_stage}.{key}": entry
+                                            for key, entry in entries.items()})
             on_layer(layer)
         stage_files.write(stage)
         if checkpoint.unverified is None:  # no manifest vouches for unverified input
             write_tree_manifest(root, arguments.iteration)
-        write_pointer(os.path.join(staging, TRACKER), "release" if release else str(checkpoint.iteration))
+        write_tracker(staging, "release" if release else str(checkpoint.iteration))
     return WrittenMegatronLM(os.path.normpath(output), name, tp, pp, padded)

@@ -1,13 +1,11 @@
 """A saved checkpoint as one single-process GPTModel (TP = PP = 1), whatever layout saved it: the
 model configuration it records, and its weights merged layer by layer (reader.py) under the plain
 module's names (names.py). For tools and tests that run the whole model in one process."""
-import dataclasses
-
 import torch
 
 from megatron.core.checkpoint.names import EMBEDDING_LAYER, PIPELINE_EMBEDDING_PREFIX, plain_name
 from megatron.core.checkpoint.reader import SavedCheckpoint, iter_full_layers
-from megatron.core.dtypes import torch_dtype
+from megatron.core.checkpoint.sharding import saved_model_config
 from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.parallel_state import single_rank_groups
@@ -15,10 +13,7 @@ from megatron.core.parallel_state import single_rank_groups
 
 def gpt_model_config(checkpoint: SavedCheckpoint, **overrides) -> GPTModelConfig:
     """The saved model configuration (``args.model``) as a GPTModelConfig, with ``overrides``."""
-    names = {field.name for field in dataclasses.fields(GPTModelConfig)}
-    values = {name: value for name, value in checkpoint.model.items() if name in names}
-    values["params_dtype"] = torch_dtype(str(values["params_dtype"]).removeprefix("torch."), "args.model.params_dtype")
-    return GPTModelConfig(**{**values, **overrides})
+    return saved_model_config(checkpoint.model, **overrides)
 
 
 def full_model_state(checkpoint: SavedCheckpoint) -> dict[str, torch.Tensor]:

@@ -9,7 +9,9 @@ stage 2) by its attribute path. For L transformer layers:
     <i + 3>.<rest>, i = 0 .. L - 1          layers.<i>.<rest>         transformer layer i + 1
     <L + 4>.<rest>                          final_layernorm.<rest>    final LayerNorm
 
-Universal checkpoints always hold pipeline names, so either engine reads them.
+Universal checkpoints always hold pipeline names, so either engine reads them. Megatron-DeepSpeed
+names the parameters as we do except the embedding LayerNorm (--embed-layernorm), which it keeps
+inside the word embedding: ``word_embeddings.norm.*`` there, ``embed_layernorm.*`` here (``own_name``).
 """
 import re
 
@@ -18,6 +20,8 @@ FIRST_TRANSFORMER_LAYER = 3
 PIPELINE_EMBEDDING_PREFIX = "tied_modules.embed."
 _PLAIN_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _PIPELINE_LAYER = re.compile(r"^(\d+)\.(.+)$")
+# Megatron-DeepSpeed's name -> ours, as prefixes of a layer's state-dict key.
+NAME_PREFIXES = {"word_embeddings.norm.": "embed_layernorm."}
 
 
 class ParameterNameError(ValueError):
@@ -63,3 +67,12 @@ def plain_name(pipeline_name_: str, num_layers: int) -> str:
     if not FIRST_TRANSFORMER_LAYER <= layer < transformer_layer(num_layers):
         raise ParameterNameError(f"{pipeline_name_} is not a parameter of a {num_layers}-layer GPT model")
     return f"layers.{layer - FIRST_TRANSFORMER_LAYER}.{match[2]}"
+
+
+def own_name(name: str) -> str:
+    """Our name of a parameter or state-dict key that Megatron-DeepSpeed names ``name`` (NAME_PREFIXES),
+    anywhere in a dotted name."""
+    for theirs, ours in NAME_PREFIXES.items():
+        if name.startswith(theirs) or f".{theirs}" in name:
+            return name.replace(theirs, ours, 1)
+    return name

@@ -20,15 +20,18 @@ import glob
 import os
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Iterator
 
 import torch
 
-from megatron.core.checkpoint.layer_files import find_layer_files, read_full_layer
+from megatron.core.checkpoint.latest import LATEST, LatestError, read_latest
+from megatron.core.checkpoint.layer_files import LayerFilesError, find_layer_files, read_full_layer
 from megatron.core.checkpoint.manifest import MANIFEST_NAME, SAVING_MARKER, ManifestError, read_manifest
 from megatron.core.checkpoint.names import EMBEDDING_LAYER, pipeline_name
 from megatron.core.checkpoint.origin import UnverifiedCheckpointError, unverified_reading_line
-from megatron.core.checkpoint.partitions import merge_partitions, tensor_split
+from megatron.core.checkpoint.partitions import merge_partitions
+from megatron.core.checkpoint.sharding import ModelSharding
 
 MODEL_STATES = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 OPTIMIZER_FILES = "*zero_pp_rank_*_mp_rank_*_optim_states.pt"
@@ -67,9 +70,13 @@ class SavedCheckpoint:
     def iteration(self) -> int:
         return int(self.state["iteration"])
 
-    @property
-    def glu(self) -> bool:
-        return self.model.get("glu_activation") is not None
+    @cached_property
+    def sharding(self) -> ModelSharding:
+        """How the saved model's parameters are split over TP ranks, read from its layers (sharding.py)."""
+        try:
+            return ModelSharding.of_saved(self.model)
+        except ValueError as error:
+            raise CheckpointInputError(f"{self.directory}: the model it records cannot be built ({error})") from None
 
     @property
     def original_vocab_size(self) -> int:
@@ -82,13 +89,14 @@ def resolve_tag_directory(path: str, flag: str = "--input_folder") -> str:
         raise CheckpointInputError(f"{flag} {path}: no such directory")
     if glob.glob(os.path.join(path, "mp_rank_*_model_states.pt")):
         return path
-    latest = os.path.join(path, "latest")
-    if os.path.isfile(latest):
-        with open(latest) as f:
-            tag = f.read().strip()
-        if tag and os.path.isdir(os.path.join(path, tag)):
+    try:
+        tag = read_latest(path)
+    except LatestError as error:
+        raise CheckpointInputError(str(error)) from None
+    if tag is not None:
+        if os.path.isdir(os.path.join(path, tag)):
             return os.path.join(path, tag)
-        raise CheckpointInputError(f"{latest} names {tag!r}, which is not a directory of {path}")
+        raise CheckpointInputError(f"{os.path.join(path, LATEST)} names {tag!r}, which is not a directory of {path}")
     raise CheckpointInputError(f"{flag} {path} is not a checkpoint: it holds no mp_rank_*_model_states.pt file "
                                f"and no 'latest' file (give a global_stepN directory or the --save directory)")
 
@@ -165,15 +173,18 @@ def _unverified_line(directory: str, state: dict, allowed: bool, flag: str) -> s
 
 def iter_full_layers(checkpoint: SavedCheckpoint) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
     """(pipeline layer index, its full state dict), layer by layer (module docstring)."""
-    if checkpoint.pipeline:
+    if not checkpoint.pipeline:
+        yield from _plain_engine_layers(checkpoint)
+        return
+    try:
         files = find_layer_files(checkpoint.directory)
         if files.tp_size != checkpoint.tp:
             raise CheckpointInputError(f"{checkpoint.directory}: layer files of {files.tp_size} TP ranks, the "
                                        f"checkpoint says TP {checkpoint.tp}")
         for layer in files.layers:
-            yield layer, read_full_layer(files, layer, checkpoint.glu)
-        return
-    yield from _plain_engine_layers(checkpoint)
+            yield layer, read_full_layer(files, layer, checkpoint.sharding)
+    except LayerFilesError as error:
+        raise CheckpointInputError(str(error)) from None
 
 
 def _plain_engine_layers(checkpoint: SavedCheckpoint):
@@ -187,6 +198,6 @@ def _plain_engine_layers(checkpoint: SavedCheckpoint):
         index = EMBEDDING_LAYER if layer == "tied_modules" else int(layer)
         local = local.removeprefix("embed.")
         layers.setdefault(index, {})[local] = merge_partitions([module[name] for module in modules],
-                                                               tensor_split(local, checkpoint.glu))
+                                                               checkpoint.sharding.split(name))
     for index in sorted(layers):
         yield index, layers.pop(index)

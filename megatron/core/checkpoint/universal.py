@@ -3,16 +3,17 @@
 DeepSpeed's ``ds_to_universal`` merges each parameter's ZeRO fragments into one full tensor per
 TP rank, then joins the TP slices by the regex patterns of the ``universal_checkpoint_info`` entry
 of the model-states file; its ``load_universal`` loader cuts them again for the new TP size. The
-patterns say what partitions.py says, in DeepSpeed's vocabulary (names are those of the pipeline
-module, e.g. ``tied_modules.embed.word_embeddings.weight``, ``5.self_attention.dense.weight``,
-``8.weight`` for the final norm):
+patterns say what the model's layers mark on their parameters (sharding.py), in DeepSpeed's
+vocabulary: one pattern per parameter, its layer index matching any index (names are the plain or
+the pipeline module's, e.g. ``tied_modules.embed.word_embeddings.weight``,
+``5.self_attention.dense.weight``, ``8.weight`` for the final norm):
 
     averaged over TP       LayerNorms, the position table, the row-parallel biases (copies that are
                            equal; averaging keeps them exact)
     joined along dim 1     the row-parallel weights
     joined along dim 0     everything else (column-parallel weights and biases, word embeddings)
-    two halves             a GLU's first MLP weight and bias: each rank holds [A_r; G_r], joined as
-                           [A; G]
+    two halves             stride 2, a GLU's first MLP weight and bias: each rank holds [A_r; G_r],
+                           joined as [A; G]
     vocabulary             the word embeddings: padding rows stripped to the original vocabulary
                            and padded again for the new TP size
     pipeline-replicated    the embedding module, held by the first and the last stage: only its word
@@ -20,36 +21,69 @@ module, e.g. ``tied_modules.embed.word_embeddings.weight``, ``5.self_attention.d
                            stage's position table and embedding norm are unused copies that drift
                            (weight decay without gradient), so the first stage's are the weights
 """
-from megatron.core.checkpoint.partitions import GLU_STRIDED, ROW_PARALLEL, VOCABULARY
+import re
+
+from megatron.core.checkpoint.names import PIPELINE_EMBEDDING_PREFIX, pipeline_name
+from megatron.core.checkpoint.sharding import ModelSharding
 
 UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"  # DeepSpeed's key in the model-states file
-# Parameters every TP rank holds in full (names end so).
-TP_REPLICATED = (r".*layernorm\.(weight|bias)$", r".*self_attention\.dense\.bias$", r".*mlp\.dense_4h_to_h\.bias$")
-PIPELINE_FINAL_NORM = r"^\d+\.(weight|bias)$"  # the plain module's is final_layernorm.*, matched above
-POSITION_TABLE = r".*position_embeddings\.weight$"
-EMBEDDING_MODULE = r"^tied_modules\.embed\."
+EMBEDDING_MODULE = "^" + re.escape(PIPELINE_EMBEDDING_PREFIX)
+_LAYER_INDEX = re.compile(r"^(layers\.)?\d+\.(.+)$")
 
 
-def _patterns(names) -> list[str]:
-    return [r".*" + name.replace(".", r"\.") + "$" for name in names]
+def parameter_pattern(name: str) -> str:
+    """The pattern of the parameter ``name`` in every layer: its layer index, if any, matches any index."""
+    match = _LAYER_INDEX.match(name)
+    if match is None:
+        return f"^{re.escape(name)}$"
+    return f"^{re.escape(match[1] or '')}\\d+\\.{re.escape(match[2])}$"
 
 
-def universal_checkpoint_info(glu: bool, learned_positions: bool, pipeline: bool, padded_vocab_size: int,
-                              original_vocab_size: int) -> dict:
-    """The ``universal_checkpoint_info`` entry for a GPT model (module docstring); ``glu``: the MLP
-    is gated, so its first weight and bias are two halves; ``learned_positions``: the model has a
-    position table; ``pipeline``: the names are the pipeline module's (names.py). DeepSpeed refuses
-    a pattern that matches no parameter, so only the model's are listed."""
-    two_halves = _patterns(GLU_STRIDED) if glu else []
-    averaged = list(TP_REPLICATED) + ([POSITION_TABLE] if learned_positions else [])
-    averaged += [PIPELINE_FINAL_NORM] if pipeline else []
+def _patterns(sharding: ModelSharding, pipeline: bool, wanted) -> list[str]:
+    """The patterns of the parameters whose split is ``wanted``, in the model's order, each once."""
+    names = [pipeline_name(name, sharding.num_layers) if pipeline else name
+             for name, split in sharding.splits.items() if wanted(split)]
+    return list(dict.fromkeys(parameter_pattern(name) for name in names))
+
+
+def universal_info(sharding: ModelSharding, pipeline: bool, padded_vocab_size: int, original_vocab_size: int) -> dict:
+    """The ``universal_checkpoint_info`` entry of a GPT model whose parameters ``sharding`` splits
+    (module docstring); ``pipeline``: the names are the pipeline module's (names.py). DeepSpeed refuses
+    a pattern that matches no parameter, so each names parameters of the model."""
+    odd = [name for name, split in sharding.splits.items() if split.stride > 1 and (split.stride, split.dim) != (2, 0)]
+    if odd:
+        raise ValueError(f"{odd[0]}: a universal checkpoint joins strided partitions only as 2 halves of dimension 0")
     return {
         "universal_checkpoint_version": 0.2,
         "original_vocab_size": original_vocab_size,
         "padded_vocab_size": padded_vocab_size,
-        "vocabulary_parameter_patterns": _patterns(VOCABULARY),
+        "vocabulary_parameter_patterns": _patterns(sharding, pipeline, lambda split: split.vocabulary),
+        "pipeline_replicated_parameter_patterns": [EMBEDDING_MODULE],
+        "parameter_to_average_patterns": _patterns(sharding, pipeline, lambda split: split.replicated),
+        "parameter_with_row_parallelism_patterns": _patterns(sharding, pipeline, lambda split: split.dim == 1),
+        "parameter_with_2_sub_params_cat_dim_0": _patterns(sharding, pipeline, lambda split: split.stride == 2),
+    }
+
+
+# The entry the trainer's save still writes by parameter-name suffixes; universal_info reads the model instead.
+_TP_REPLICATED = (r".*layernorm\.(weight|bias)$", r".*self_attention\.dense\.bias$", r".*mlp\.dense_4h_to_h\.bias$")
+_ROW_PARALLEL = (r".*self_attention\.dense\.weight$", r".*mlp\.dense_4h_to_h\.weight$")
+_GLU_HALVES = (r".*mlp\.dense_h_to_4h\.weight$", r".*mlp\.dense_h_to_4h\.bias$")
+
+
+def universal_checkpoint_info(glu: bool, learned_positions: bool, pipeline: bool, padded_vocab_size: int,
+                              original_vocab_size: int) -> dict:
+    """universal_info's entry for the trainer's save, from the model's options (``glu``: gated MLP;
+    ``learned_positions``: a position table; ``pipeline``: pipeline names)."""
+    averaged = list(_TP_REPLICATED) + ([r".*position_embeddings\.weight$"] if learned_positions else [])
+    averaged += [r"^\d+\.(weight|bias)$"] if pipeline else []
+    return {
+        "universal_checkpoint_version": 0.2,
+        "original_vocab_size": original_vocab_size,
+        "padded_vocab_size": padded_vocab_size,
+        "vocabulary_parameter_patterns": [r".*word_embeddings\.weight$"],
         "pipeline_replicated_parameter_patterns": [EMBEDDING_MODULE],
         "parameter_to_average_patterns": averaged,
-        "parameter_with_row_parallelism_patterns": _patterns(ROW_PARALLEL),
-        "parameter_with_2_sub_params_cat_dim_0": two_halves,
+        "parameter_with_row_parallelism_patterns": list(_ROW_PARALLEL),
+        "parameter_with_2_sub_params_cat_dim_0": list(_GLU_HALVES) if glu else [],
     }

@@ -11,7 +11,7 @@ The output is what DeepSpeed's conversion writes and its ``load_universal`` read
 
     zero/<pipeline name>/fp32.pt, exp_avg.pt, exp_avg_sq.pt   {"param": the full tensor, plus
         "cat_dim" for a TP-split tensor, "vocab_tensor" for the word embeddings, and
-        "param_n_sub_params" 2 for a GLU's first MLP weight, whose TP slices hold two halves}
+        "param_n_sub_params" s for a tensor split with stride s (a GLU's first MLP weight: 2 halves)}
     zero/<pipeline name>/step.pt                                Adam's step count
     zero/optimizer_state.pt                                     the optimizer's settings and param_groups
 
@@ -42,8 +42,9 @@ import torch
 from megatron.core.checkpoint.layer_files import find_layer_files, read_full_layer
 from megatron.core.checkpoint.names import EMBEDDING_LAYER, as_pipeline_name
 from megatron.core.checkpoint.output import save_torch_file
-from megatron.core.checkpoint.partitions import GLU_STRIDED, merge_partitions, tensor_split
+from megatron.core.checkpoint.partitions import TensorSplit, merge_partitions
 from megatron.core.checkpoint.reader import CheckpointInputError, SavedCheckpoint
+from megatron.core.checkpoint.sharding import ModelSharding
 
 PARTITION_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
@@ -160,13 +161,13 @@ def _step(states: dict, parameter: Parameter):
     return states[tp][dp]["base_optimizer_state"]["state"][parameter.group].get("step")
 
 
-def convert_layer(files: PartitionFiles, task: LayerTask, num_layers: int, glu: bool, zero_directory: str) -> int:
+def convert_layer(files: PartitionFiles, task: LayerTask, sharding: ModelSharding, zero_directory: str) -> int:
     """Write the universal files of one pipeline layer (module docstring); returns the bytes written."""
     states = {tp: [files.optimizer_state(task.stage, tp, dp) for dp in range(files.dp)] for tp in range(files.tp)}
     written = 0
     for parameter in task.parameters:
-        name = as_pipeline_name(parameter.name, num_layers)
-        split = tensor_split(name, glu)
+        name = as_pipeline_name(parameter.name, sharding.num_layers)
+        split = sharding.split(name)
         full = {state: merge_partitions([_tp_slice(states, parameter, tp, state) for tp in range(files.tp)], split)
                 for state in STATES}
         written += _write_parameter(zero_directory, name, split, full, _step(states, parameter))
@@ -174,8 +175,8 @@ def convert_layer(files: PartitionFiles, task: LayerTask, num_layers: int, glu: 
 
 
 def _convert_in_worker(arguments) -> int:
-    checkpoint, task, glu, zero_directory = arguments
-    return convert_layer(PartitionFiles(checkpoint), task, checkpoint.model["num_layers"], glu, zero_directory)
+    checkpoint, task, zero_directory = arguments
+    return convert_layer(PartitionFiles(checkpoint), task, checkpoint.sharding, zero_directory)
 
 
 def write_optimizer_state(files: PartitionFiles, zero_directory: str) -> None:
@@ -204,7 +205,7 @@ def convert_stage0_layer(checkpoint: SavedCheckpoint, layer_files, layer: int, z
     """The universal files of pipeline layer ``layer`` of a ZeRO stage 0 checkpoint: the weights of the
     layer files as fp32, the moments and step from each (stage, TP rank)'s optimizer state."""
     num_layers = checkpoint.model["num_layers"]
-    weights = read_full_layer(layer_files, layer, checkpoint.glu)
+    weights = read_full_layer(layer_files, layer, checkpoint.sharding)
     stage = stage_of_layer(checkpoint, layer)
     optimizers = [_stage0_optimizer(os.path.join(checkpoint.directory, f"mp_rank_{stage * checkpoint.tp + tp:02d}"
                                                  f"_model_states.pt")) for tp in range(checkpoint.tp)]
@@ -212,7 +213,7 @@ def convert_stage0_layer(checkpoint: SavedCheckpoint, layer_files, layer: int, z
     for local, weight in weights.items():
         name = as_pipeline_name(f"{PIPELINE_REPLICATED_PREFIX}embed.{local}" if layer == EMBEDDING_LAYER
                                 else f"{layer}.{local}", num_layers)
-        split = tensor_split(name, checkpoint.glu)
+        split = checkpoint.sharding.split(name)
         saved = [optimizer["state"][indices[name]] for optimizer, indices in optimizers]
         full = {"fp32": weight.float(), **{state: merge_partitions([entry[state] for entry in saved], split)
                                            for state in STATES[1:]}}
@@ -231,7 +232,7 @@ def stage_of_layer(checkpoint: SavedCheckpoint, layer: int) -> int:
     raise CheckpointInputError(f"{checkpoint.directory}: no pipeline stage's optimizer names layer {layer}")
 
 
-def _write_parameter(zero_directory: str, name: str, split, full: dict[str, torch.Tensor], step) -> int:
+def _write_parameter(zero_directory: str, name: str, split: TensorSplit, full: dict[str, torch.Tensor], step) -> int:
     """zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt (module docstring); returns the bytes written."""
     folder = os.path.join(zero_directory, name)
     os.makedirs(folder, exist_ok=True)
@@ -242,8 +243,8 @@ def _write_parameter(zero_directory: str, name: str, split, full: dict[str, torc
             entry["cat_dim"] = split.dim
         if split.vocabulary:
             entry["vocab_tensor"] = True
-        if split.stride == 2 and name.endswith(GLU_STRIDED):
-            entry["param_n_sub_params"] = 2
+        if split.stride > 1:
+            entry["param_n_sub_params"] = split.stride
         path = os.path.join(folder, f"{state}.pt")
         save_torch_file(entry, path)
         written += os.path.getsize(path)
@@ -282,12 +283,12 @@ def write_universal_zero(checkpoint: SavedCheckpoint, output: str, workers: int 
     written = 0
     if workers <= 1:
         for task in tasks:
-            written += convert_layer(files, task, checkpoint.model["num_layers"], checkpoint.glu, zero_directory)
+            written += convert_layer(files, task, checkpoint.sharding, zero_directory)
             on_layer()
     else:
         # spawn: a process forked from one running torch's threads can hang
         with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            for size in pool.map(_convert_in_worker, [(checkpoint, task, checkpoint.glu, zero_directory)
+            for size in pool.map(_convert_in_worker, [(checkpoint, task, zero_directory)
                                                        for task in tasks]):
                 written += size
                 on_layer()

@@ -22,9 +22,11 @@ import torch
 
 from megatron.core.checkpoint.layer_files import write_layer
 from megatron.core.checkpoint.names import EMBEDDING_LAYER
-from megatron.core.checkpoint.output import save_torch_file, staged_directory, write_pointer, write_tree_manifest
+from megatron.core.checkpoint.latest import checkpoint_tag, write_latest
+from megatron.core.checkpoint.output import save_torch_file, staged_directory, write_tree_manifest
 from megatron.core.checkpoint.reader import CheckpointInputError, SavedCheckpoint, iter_full_layers
-from megatron.core.checkpoint.universal import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info
+from megatron.core.checkpoint.sharding import ModelSharding
+from megatron.core.checkpoint.universal import UNIVERSAL_CHECKPOINT_INFO, universal_info
 from megatron.core.checkpoint.universal_writer import OPTIMIZER_PARAMETER_NAMES
 
 RANK_STATES = ("random_rng_state", "np_rng_state", "torch_rng_state", "cuda_rng_state", "rng_tracker_states",
@@ -72,28 +74,28 @@ def _trainer_state(checkpoint: SavedCheckpoint, tp: int, pp: int, dp: int, padde
                  "pipeline_model_parallel_size": pp, "data_parallel_size": dp}
     state.update(args=arguments, module=None, optimizer=None, mp_world_size=tp * pp, dp_world_size=dp,
                  checkpoint_info={**state["checkpoint_info"], "padded_vocab_size": padded})
-    state[UNIVERSAL_CHECKPOINT_INFO] = universal_checkpoint_info(
-        checkpoint.glu, model["position_embedding_type"] == "absolute", pipeline=True, padded_vocab_size=padded,
-        original_vocab_size=checkpoint.original_vocab_size)
+    state[UNIVERSAL_CHECKPOINT_INFO] = universal_info(checkpoint.sharding, pipeline=True, padded_vocab_size=padded,
+                                                      original_vocab_size=checkpoint.original_vocab_size)
     return state
 
 
 def write_checkpoint(output: str, iteration: int, layers: Iterable[tuple[int, dict[str, torch.Tensor]]],
-                     trainer_state: dict, tp: int, pp: int, glu: bool,
+                     trainer_state: dict, tp: int, pp: int, sharding: ModelSharding,
                      on_layer: Callable[[int], None] = lambda layer: None, flag: str = "--output_folder",
                      before_commit: Callable[[str], None] = lambda staging: None, manifest: bool = True) -> int:
     """The pipeline engine's files of ``layers`` ((pipeline layer index, full state dict), vocabulary
-    already padded) at TP ``tp``, with ``trainer_state`` as every (stage, TP rank)'s model-states
-    file, under ``output`` (a --save directory, ``global_step{iteration}`` inside); staged, with a
-    manifest unless not ``manifest`` (unverified input), then ``latest``; ``before_commit(staging
-    directory)`` may add files beside the tag. Returns the number of layers written."""
-    tag = f"global_step{iteration}"
+    already padded) at TP ``tp``, split as ``sharding`` says, with ``trainer_state`` as every (stage,
+    TP rank)'s model-states file, under ``output`` (a --save directory, ``global_step{iteration}``
+    inside); staged, with a manifest unless not ``manifest`` (unverified input), then ``latest``;
+    ``before_commit(staging directory)`` may add files beside the tag. Returns the number of layers
+    written."""
+    tag = checkpoint_tag(iteration)
     with staged_directory(output, flag) as staging:
         tag_directory = os.path.join(staging, tag)
         os.makedirs(tag_directory)
         written = 0
         for layer, state in layers:
-            write_layer(tag_directory, layer, state, tp, glu)
+            write_layer(tag_directory, layer, state, tp, sharding)
             written += 1
             on_layer(layer)
         for rank in range(tp * pp):
@@ -101,8 +103,7 @@ def write_checkpoint(output: str, iteration: int, layers: Iterable[tuple[int, di
         if manifest:
             write_tree_manifest(tag_directory, iteration)
         before_commit(staging)
-        write_pointer(os.path.join(staging, "latest"), tag)
-        write_pointer(os.path.join(staging, "latest_checkpointed_iteration.txt"), f"{iteration}\n")
+        write_latest(staging, iteration)
     return written
 
 
@@ -121,9 +122,9 @@ def write_model_checkpoint(checkpoint: SavedCheckpoint, output: str, tp: int, pp
             yield layer, state
 
     trainer_state = _trainer_state(checkpoint, tp, pp, dp, padded)
-    layers = write_checkpoint(output, checkpoint.iteration, padded_layers(), trainer_state, tp, pp, checkpoint.glu,
-                              on_layer, flag, manifest=checkpoint.unverified is None)
-    return WrittenCheckpoint(os.path.normpath(output), f"global_step{checkpoint.iteration}", tp, pp, dp, padded, layers)
+    layers = write_checkpoint(output, checkpoint.iteration, padded_layers(), trainer_state, tp, pp,
+                              checkpoint.sharding, on_layer, flag, manifest=checkpoint.unverified is None)
+    return WrittenCheckpoint(os.path.normpath(output), checkpoint_tag(checkpoint.iteration), tp, pp, dp, padded, layers)
 
 
 def resume_advice(written: WrittenCheckpoint, source_padded: int) -> str:
