@@ -5,16 +5,19 @@ the derivations). Notation: L layers, h hidden, a heads, f = ffn hidden size (de
 sequence length, V_p padded vocabulary, t = TP, p = PP, d = DP = GPUs / (t p), b micro batch,
 B global batch, e = bytes of an activation element (2 in fp16/bf16, 4 in fp32).
 
-Parameters (exact for this repository's GPT; V_p = V rounded up to a multiple of
---make-vocab-size-divisible-by x t):
+Parameters (exact): counted on the trainer's own pipeline layers (GPTModelPipe's list, built on the
+meta device, so no memory is taken), with V_p = V rounded up to a multiple of
+--make-vocab-size-divisible-by x t as the trainer pads it. On one GPU a tensor the layers mark as
+split over TP counts 1/t, the others (row-parallel biases, LayerNorms, the position table) whole:
     layer     4h^2 + 2hf + 9h + f             (QKV, output projection, two MLP matmuls, their biases,
                                                two LayerNorms)
-    per GPU   (4h^2 + 2hf + 3h + f)/t + 6h    (row-parallel biases and LayerNorms are replicated)
+    per GPU   (4h^2 + 2hf + 3h + f)/t + 6h
     model     L layer + V_p h [+ s_max h learned positions] [+ 2h embedding LayerNorm] + 2h final
-              LayerNorm [+ V_p h untied output layer]
-The first pipeline stage holds the embeddings, the last the final LayerNorm and the output layer
-(tied: a copy of the embedding module, as DeepSpeed's tied layers do); the default partition
-(type:transformer) gives the first L mod p stages one layer more.
+              LayerNorm [+ V_p h untied output layer, which the trainer does not build]
+The stages are the trainer's split (``stage_boundaries`` with the default --pp-partition-method,
+type:transformer: the first L mod p stages get one layer more); the first holds the embeddings, the
+last the final LayerNorm and the output layer (tied: a copy of the embedding module, as DeepSpeed's
+tied layers do).
 
 Model states per GPU, for P parameters on the GPU (ZeRO, Rajbhandari et al. 2020): weights 2P (4P
 in fp32), gradients 2P (4P in fp32; + 4P with fp32 gradient accumulation, or that 4P alone with
@@ -37,6 +40,7 @@ FLOPs per iteration (Narayanan et al. 2021), matmuls only:
     days      tokens x (F / B s) / (GPUs x peak x MFU) / 86400
 """
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -234,18 +238,6 @@ def padded_vocab_size(shape: ModelShape, tensor_parallel: int) -> int:
         raise CalculatorError(str(error)) from None
 
 
-def layer_parameters(shape: ModelShape) -> int:
-    """4h^2 + 2hf + 9h + f: QKV (3h^2 + 3h), projection (h^2 + h), MLP (hf + f, fh + h), 2 LayerNorms (4h)."""
-    h, f = shape.hidden_size, shape.ffn
-    return 4 * h * h + 2 * h * f + 9 * h + f
-
-
-def layer_parameters_per_gpu(shape: ModelShape, tensor_parallel: int) -> int:
-    """(4h^2 + 2hf + 3h + f)/t + 6h: the projection and second MLP biases and the LayerNorms are replicated."""
-    h, f = shape.hidden_size, shape.ffn
-    return (4 * h * h + 2 * h * f + 3 * h + f) // tensor_parallel + 6 * h
-
-
 @dataclass(frozen=True)
 class ParameterCounts:
     """Parameter counts; ``per_gpu`` has one entry per pipeline stage (any TP rank of it)."""
@@ -259,46 +251,124 @@ class ParameterCounts:
     per_gpu: list[int]
 
 
-def layers_per_stage(num_layers: int, pipeline_parallel: int) -> list[int]:
-    """Transformer layers of each stage: balanced, the first L mod p stages get one more."""
-    base, extra = divmod(num_layers, pipeline_parallel)
-    return [base + (1 if stage < extra else 0) for stage in range(pipeline_parallel)]
+def model_config(shape: ModelShape, tensor_parallel: int):
+    """The trainer's GPTModelConfig of ``shape`` at TP ``tensor_parallel`` (whose padding sets V_p)."""
+    from megatron.core.models.gpt.config import GPTConfigError, GPTModelConfig
+
+    positions = "absolute" if shape.position_embedding_type == "learned" else shape.position_embedding_type
+    try:
+        return GPTModelConfig(
+            num_layers=shape.num_layers, hidden_size=shape.hidden_size,
+            num_attention_heads=shape.num_attention_heads, seq_length=shape.seq_length,
+            padded_vocab_size=padded_vocab_size(shape, tensor_parallel), ffn_hidden_size=shape.ffn,
+            max_position_embeddings=None if positions == "rotary" else shape.max_positions,
+            position_embedding_type=positions, embed_layernorm=shape.embed_layernorm)
+    except GPTConfigError as error:
+        raise CalculatorError(str(error)) from None
 
 
-def _embedding_module_per_gpu(shape: ModelShape, tensor_parallel: int) -> int:
-    """Word rows of this TP rank + the position table + the embedding LayerNorm (both replicated)."""
-    h = shape.hidden_size
-    return (padded_vocab_size(shape, tensor_parallel) * h // tensor_parallel + shape.position_rows * h
-            + (2 * h if shape.embed_layernorm else 0))
+@contextlib.contextmanager
+def _initialisation_stream():
+    """The model-parallel RNG stream the layers' initialisation forks to (it draws nothing on the meta
+    device); the process's tracker is left as it was."""
+    from megatron.core.tensor_parallel.random import MODEL_PARALLEL_RNG, get_rng_tracker
+
+    tracker = get_rng_tracker()
+    saved = tracker.get_states()
+    if MODEL_PARALLEL_RNG in saved:
+        yield
+        return
+    tracker.add(MODEL_PARALLEL_RNG, 0)
+    try:
+        yield
+    finally:
+        tracker.reset()
+        tracker.set_states(saved)
 
 
-def _stage_parameters_per_gpu(shape: ModelShape, tensor_parallel: int, stage: int, layers: list[int]) -> int:
-    h, last = shape.hidden_size, len(layers) - 1
-    count = layers[stage] * layer_parameters_per_gpu(shape, tensor_parallel)
-    embedding = _embedding_module_per_gpu(shape, tensor_parallel)
-    if stage == 0:
-        count += embedding
-    if stage == last:
-        count += 2 * h  # final LayerNorm
-        if shape.untie_embeddings_and_output_weights:
-            count += padded_vocab_size(shape, tensor_parallel) * h // tensor_parallel
-        elif last > 0:
-            count += embedding  # the tied copy of the embedding module
+def pipeline_stages(shape: ModelShape, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> list[list]:
+    """The trainer's pipeline layer list (GPTModelPipe's specs, built on the meta device: shapes
+    without memory), split into stages by the trainer's own rule (``stage_boundaries`` with the
+    default --pp-partition-method)."""
+    from megatron.training.initialize import select_accelerator
+
+    select_accelerator()  # before DeepSpeed's import, which otherwise announces its CPU fallback on stdout
+    from megatron.core.parallel_state import single_rank_groups
+    from megatron.training.config import DEFAULT_PP_PARTITION_METHOD
+    from megatron.training.engine.pipeline_module import gpt_layer_specs, stage_boundaries
+
+    specs = gpt_layer_specs(model_config(shape, tensor_parallel), single_rank_groups(), device="meta")
+    bounds = stage_boundaries(specs, pipeline_parallel, DEFAULT_PP_PARTITION_METHOD)
+    return [specs[bounds[stage]:bounds[stage + 1]] for stage in range(pipeline_parallel)]
+
+
+def _is_transformer_layer(spec) -> bool:
+    return getattr(spec, "typename", None) is not None and spec.typename.__name__ == "ParallelTransformerLayerPipe"
+
+
+def layers_per_stage(shape: ModelShape, pipeline_parallel: int) -> list[int]:
+    """Transformer layers of each pipeline stage, as the trainer splits them."""
+    return [sum(map(_is_transformer_layer, stage)) for stage in pipeline_stages(shape, 1, pipeline_parallel)]
+
+
+class _BuiltLayers:
+    """One module per layer class of the spec list, built on first use: the copies of a class have one
+    shape (the transformer layers differ only in their number; the tied embedding is one module)."""
+
+    def __init__(self):
+        self.modules = {}
+
+    def __call__(self, spec):
+        name = spec.typename.__name__
+        if name not in self.modules:
+            with _initialisation_stream():
+                self.modules[name] = spec.build()
+        return self.modules[name]
+
+
+def _per_gpu(module, tensor_parallel: int) -> int:
+    """Parameters of ``module`` on one GPU: a tensor the layers mark as split over TP counts 1/t."""
+    return sum(p.numel() // tensor_parallel if getattr(p, "tensor_model_parallel", False) else p.numel()
+               for p in module.parameters())
+
+
+def _stage_parameters_per_gpu(stage: list, build: _BuiltLayers, shape: ModelShape, tensor_parallel: int,
+                              output_per_gpu: int) -> int:
+    """A stage's parameters on one GPU: each module once (a tied module is one per stage, as DeepSpeed
+    builds it); an untied output layer instead of the head's tied embedding copy."""
+    count, tied_counted = 0, False
+    for spec in stage:
+        if not hasattr(spec, "build"):
+            continue  # a function: no parameters
+        is_head = getattr(spec, "forward_fn", None) is not None
+        if is_head and shape.untie_embeddings_and_output_weights:
+            count += output_per_gpu
+        elif hasattr(spec, "key"):  # the tied embedding
+            if not tied_counted:
+                count += _per_gpu(build(spec), tensor_parallel)
+                tied_counted = True
+        else:
+            count += _per_gpu(build(spec), tensor_parallel)
     return count
 
 
 def count_parameters(shape: ModelShape, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> ParameterCounts:
-    """Parameters of the model (each counted once) and of one GPU of each pipeline stage."""
-    h = shape.hidden_size
-    word = padded_vocab_size(shape, tensor_parallel) * h
-    position = shape.position_rows * h
+    """Parameters of the model (each counted once) and of one GPU of each pipeline stage, counted on the
+    trainer's layers; an untied output layer (which the trainer does not build) is a word table of its own."""
+    stages = pipeline_stages(shape, tensor_parallel, pipeline_parallel)
+    build = _BuiltLayers()
+    specs = [spec for stage in stages for spec in stage if hasattr(spec, "build")]
+    embedding = build(next(spec for spec in specs if hasattr(spec, "key")))
+    word = embedding.word_embeddings.weight.numel()
+    position = 0 if embedding.position_embeddings is None else embedding.position_embeddings.weight.numel()
     output = word if shape.untie_embeddings_and_output_weights else 0
-    layernorms = 2 * h + (2 * h if shape.embed_layernorm else 0)
-    total = shape.num_layers * layer_parameters(shape) + word + position + output + layernorms
-    layers = layers_per_stage(shape.num_layers, pipeline_parallel)
-    per_gpu = [_stage_parameters_per_gpu(shape, tensor_parallel, stage, layers) for stage in range(pipeline_parallel)]
+    unique = [build(spec) for spec in specs if not hasattr(spec, "key")] + [embedding]
+    total = sum(p.numel() for module in unique for p in module.parameters()) + output
+    per_gpu = [_stage_parameters_per_gpu(stage, build, shape, tensor_parallel, output // tensor_parallel)
+               for stage in stages]
     return ParameterCounts(total=total, without_embeddings=total - word - position - output, word_embeddings=word,
-                           position_embeddings=position, output_layer=output, layers_per_stage=layers,
+                           position_embeddings=position, output_layer=output,
+                           layers_per_stage=[sum(map(_is_transformer_layer, stage)) for stage in stages],
                            per_gpu=per_gpu)
 
 
@@ -418,11 +488,6 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, stage: int, layers
 # ------------------------------------------------------------------------------------------ FLOPs and time
 
 
-def forward_flops_per_token_per_layer(shape: ModelShape) -> int:
-    """8h^2 + 4sh + 4hf: QKV 6h^2, scores 2sh, scores x values 2sh, projection 2h^2, MLP 4hf."""
-    return layer_forward_flops_per_token(shape.hidden_size, shape.seq_length, shape.ffn)
-
-
 def model_flops_per_iteration(shape: ModelShape, layout: Layout) -> float:
     """F = 3 B s [L (8h^2 + 4sh + 4hf) + 2hV_p]: forward + backward (twice the forward), no recomputation;
     the trainer's count (megatron.core.flops), which its model TFLOP/s and MFU use."""
@@ -437,7 +502,8 @@ def hardware_flops_with_recompute(shape: ModelShape, layout: Layout) -> float:
     output layer is not recomputed); 96 B s L h^2 (1 + s/6h + V_p/16Lh) at f = 4h (Narayanan et al. 2021)."""
     tokens = layout.batch * shape.seq_length
     logits = output_layer_forward_flops_per_token(shape.hidden_size, padded_vocab_size(shape, layout.tensor_parallel))
-    return tokens * (4.0 * shape.num_layers * forward_flops_per_token_per_layer(shape) + 3.0 * logits)
+    layer = layer_forward_flops_per_token(shape.hidden_size, shape.seq_length, shape.ffn)
+    return tokens * (4.0 * shape.num_layers * layer + 3.0 * logits)
 
 
 def training_days(model_flops_per_token: float, budget: TrainingBudget, num_gpus: int) -> float:
