@@ -93,14 +93,14 @@ def test_counts_per_gpu_match_the_split_tensors(shape):
     assert counts.per_gpu == [layers[0] * per_layer + embedding, layers[1] * per_layer + head + tied_copy]
 
 
-def test_layers_per_stage_follow_deepspeeds_balanced_partition():
+def test_layers_per_stage():
     # DeepSpeed's partition_balanced over the trainer's layer list, weighting transformer layers 1, gave these.
     assert layers_per_stage(replace(SMALL, num_layers=10), 4) == [3, 3, 2, 2]
     assert layers_per_stage(replace(SMALL, num_layers=24), 5) == [5, 5, 5, 5, 4]
     assert layers_per_stage(replace(SMALL, num_layers=70), 12) == [6] * 10 + [5] * 2
 
 
-def test_zero_stages_shrink_the_model_states_when_dp_is_above_one():
+def test_zero_stages_shrink_states():
     layout = Layout(num_gpus=8, tensor_parallel=2, precision="bf16", fp32_grad_accumulation=True)
     totals = [model_state_bytes(1_000_000, layout, zero).total for zero in range(4)]
     assert totals == sorted(totals, reverse=True) and len(set(totals)) == 4
@@ -127,7 +127,7 @@ def test_memory_equals_a_hand_computation():
     ({"materialized_attention": True}, 32 * 2 * 64 * 34 + 5 * 4 * 32 ** 2 * 2, 4 * 32 * 2 * 1000),
     ({"precision": "fp32"}, 32 * 2 * 64 * (4 * 4 + 2 + 4 * 4 + 8 * 4), 8 * 32 * 2 * 1000),
 ])
-def test_activations_per_layer_follow_the_papers_terms(changes, per_layer, logits):
+def test_activations_per_layer(changes, per_layer, logits):
     layout = Layout(**{"micro_batch_size": 2, "precision": "bf16", **changes})
     plain = stage_activation_bytes(SMALL, layout, 0, layers=2)
     assert (plain.per_micro_batch, plain.logits, plain.recompute) == pytest.approx((2 * per_layer, logits, 0))
@@ -146,7 +146,7 @@ SBH = 32 * 2 * 64  # s b h of SMALL at micro batch 2
     ({"materialized_attention": True}, SBH / 2 * 34 + 5 * 4 * 32 ** 2 * 2 / 2),
     ({"tp_comm_overlap": True}, SBH / 2 * 34 + 2 * 2 * (SBH - SBH / 2)),  # QKV and MLP inputs kept gathered
 ])
-def test_sequence_parallelism_splits_the_replicated_activations(changes, per_layer):
+def test_sequence_parallel_activations(changes, per_layer):
     layout = Layout(**{"tensor_parallel": 2, "num_gpus": 2, "micro_batch_size": 2, "precision": "bf16",
                        "sequence_parallel": True, **changes})
     plain = stage_activation_bytes(SMALL, layout, 0, layers=2)
@@ -157,7 +157,7 @@ def test_sequence_parallelism_splits_the_replicated_activations(changes, per_lay
     assert checkpointed.recompute == pytest.approx(per_layer, rel=1e-12)
 
 
-def test_tp_comm_overlap_adds_four_sbh_over_t_per_extra_rank():
+def test_tp_comm_overlap_activations():
     # s b h / t (34 + 4 (t - 1)) at e = 2, f = 4h: the two gathered inputs at t = 4
     layout = Layout(tensor_parallel=4, num_gpus=4, micro_batch_size=2, precision="fp16", sequence_parallel=True,
                     tp_comm_overlap=True)
@@ -165,7 +165,7 @@ def test_tp_comm_overlap_adds_four_sbh_over_t_per_extra_rank():
     assert per_layer == pytest.approx(SBH / 4 * (34 + 4 * 3), rel=1e-12)
 
 
-def test_pipeline_stages_hold_the_micro_batches_of_1f1b():
+def test_1f1b_micro_batches_in_flight():
     shape = ModelShape(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=1000)
     for global_batch, first_stage in ((8, 4), (2, 2)):
         layout = Layout(pipeline_parallel=4, num_gpus=4, global_batch_size=global_batch, precision="bf16")
@@ -184,7 +184,7 @@ SMALL_PARAMETERS = 2 * (12 * 64 ** 2 + 13 * 64) + 1000 * 64 + 32 * 64 + 2 * 64  
     ("fp16", True, True, 2 + 4),  # immediate_grad_update is bf16's
     ("fp32", False, True, 4),
 ])
-def test_gradient_memory_follows_immediate_grad_update(precision, fp32_accumulation, immediate, gradient_bytes):
+def test_immediate_grad_update_memory(precision, fp32_accumulation, immediate, gradient_bytes):
     layout = Layout(num_gpus=4, precision=precision, fp32_grad_accumulation=fp32_accumulation,
                     immediate_grad_update=immediate)
     assert model_state_bytes(SMALL_PARAMETERS, layout, 0).gradients == gradient_bytes * SMALL_PARAMETERS
@@ -237,7 +237,7 @@ def test_a_bad_layout_raises_from_the_functions_too():
         calculate(SMALL, Layout(tensor_parallel=2, num_gpus=2, tp_comm_overlap=True))
 
 
-def test_sequence_parallel_flags_are_off_by_default_and_at_tp_1(capsys):
+def test_sequence_parallel_off_at_tp_1(capsys):
     tp2 = ["--tensor-model-parallel-size", "2", "--num-gpus", "2", "--bf16"]
     plain = main(SMALL_FLAGS + tp2)
     assert not plain["layout"]["sequence_parallel"] and not plain["layout"]["tp_comm_overlap"]
@@ -251,7 +251,7 @@ def test_sequence_parallel_flags_are_off_by_default_and_at_tp_1(capsys):
     assert ignored == alone  # the trainer turns both off at TP 1
 
 
-def test_bf16_counts_the_fp32_accumulators_unless_immediate_grad_update_is_off(capsys):
+def test_bf16_fp32_accumulators(capsys):
     def gradients(*flags):
         figures = main(SMALL_FLAGS + ["--bf16", *flags])
         return figures["memory_per_gpu"]["stages"][0]["by_zero_stage"]["0"]["gradients"]
@@ -272,7 +272,7 @@ def test_the_report_prints_the_figures(capsys):
     assert figures["layout"]["data_parallel"] == 8
 
 
-def test_cli_prints_json_counted_on_the_trainers_layers():
+def test_cli_json():
     """BLOOM at TP 4, PP 12 from the command line: the model card's count, and stdout holds only the JSON
     (DeepSpeed, imported for the stage split, announces nothing there)."""
     argv = ["--num-layers", "70", "--hidden-size", "14336", "--num-attention-heads", "112", "--seq-length", "2048",
@@ -288,7 +288,7 @@ def test_cli_prints_json_counted_on_the_trainers_layers():
     assert figures["layout"]["data_parallel"] == 8
 
 
-def test_the_report_resolves_defaults_and_counts_in_words(capsys):
+def test_report_defaults_and_words(capsys):
     """--max-position-embeddings left out is the sequence length, in the JSON and the header; one of a
     thing is singular."""
     figures = main(["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "1", "--seq-length", "32",

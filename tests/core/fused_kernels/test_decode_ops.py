@@ -59,7 +59,7 @@ def test_bad_arguments_raise_clear_errors(call, message):
         call()
 
 
-def test_kernel_availability_is_constant_under_compile(monkeypatch):
+def test_availability_constant_under_compile(monkeypatch):
     """decode_ops marks it as torch.compiler.assume_constant_result does (without importing torch._dynamo
     at import time): traced with nothing cached, dynamo calls it once instead of tracing the import."""
     assert getattr(torch.compiler.assume_constant_result(lambda: 1), decode_ops.CONSTANT_RESULT_MARKER) is True

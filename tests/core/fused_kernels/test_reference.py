@@ -29,7 +29,7 @@ def _softmax_formula(scores, masked, scale):
     return torch.where(visible.any(-1, keepdim=True), probs, uniform)
 
 
-def test_causal_mask_is_upper_triangle_and_aligns_queries_at_the_end():
+def test_causal_mask():
     assert torch.equal(causal_mask(4, 4), torch.triu(torch.ones(4, 4, dtype=torch.bool), diagonal=1))
     # 2 queries at absolute positions 3 and 4 of 5: query 0 sees keys 0..3, query 1 sees all.
     expected = torch.tensor([[0, 0, 0, 0, 1], [0, 0, 0, 0, 0]], dtype=torch.bool)
@@ -77,7 +77,7 @@ def test_softmax_reference_gradient_matches_formula():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("softmax_in_fp32", [True, False])
-def test_softmax_reference_half_dtypes_round_the_float64_result(dtype, softmax_in_fp32):
+def test_softmax_reference_half_dtypes(dtype, softmax_in_fp32):
     torch.manual_seed(2)
     scores = (torch.randn(1, 2, 8, 16) * 3).to(dtype)
     mask = torch.rand(1, 1, 8, 16) < 0.2
@@ -94,7 +94,7 @@ def _layer_norm_formula(x, weight, bias, eps):
     return (x - mean) / torch.sqrt(var + eps) * weight + bias
 
 
-def test_layer_norm_reference_matches_formula_and_gradients_in_float64():
+def test_layer_norm_reference_float64():
     torch.manual_seed(3)
     x = (torch.randn(4, 3, 10, dtype=torch.float64) * 2 + 1).requires_grad_(True)
     weight = torch.randn(10, dtype=torch.float64, requires_grad=True)
@@ -117,7 +117,7 @@ def test_layer_norm_reference_matches_formula_and_gradients_in_float64():
 
 
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
-def test_layer_norm_reference_keeps_input_dtype_with_fp32_statistics(weight_dtype):
+def test_layer_norm_reference_dtypes(weight_dtype):
     torch.manual_seed(4)
     x = (torch.randn(6, 64) * 3 + 100).to(torch.bfloat16)  # a large mean: bf16 statistics would be poor
     weight = torch.randn(64).to(weight_dtype)
@@ -141,7 +141,7 @@ def _megatron_bias_gelu_grad(g, bias, y):
     return ff * g
 
 
-def test_bias_gelu_reference_matches_megatron_formula_and_gradient():
+def test_bias_gelu_reference():
     torch.manual_seed(5)
     y = (torch.randn(5, 3, 16, dtype=torch.float64) * 3).requires_grad_(True)
     bias = torch.randn(16, dtype=torch.float64, requires_grad=True)
@@ -155,7 +155,7 @@ def test_bias_gelu_reference_matches_megatron_formula_and_gradient():
     torch.testing.assert_close(bias.grad, expected.sum((0, 1)), rtol=1e-7, atol=1e-6)
 
 
-def test_bias_dropout_add_reference_without_dropout_is_the_sum():
+def test_bias_dropout_add_reference_no_dropout():
     torch.manual_seed(6)
     x, residual = torch.randn(4, 2, 8), torch.randn(4, 2, 8)
     bias = torch.randn(8)
@@ -163,7 +163,7 @@ def test_bias_dropout_add_reference_without_dropout_is_the_sum():
     assert torch.equal(bias_dropout_add_reference(x, None, residual, 0.0, True), residual + x)
 
 
-def test_bias_dropout_add_reference_drops_and_scales_from_the_default_generator():
+def test_bias_dropout_add_reference_dropout():
     x = torch.rand(64, 4, 256) + 0.5  # away from 0, so kept and dropped elements differ
     bias = torch.rand(256) + 0.1
     residual = torch.randn(64, 4, 256)
@@ -181,7 +181,7 @@ def test_bias_dropout_add_reference_drops_and_scales_from_the_default_generator(
 
 
 @pytest.mark.parametrize("alibi", [False, True], ids=["no bias", "alibi"])
-def test_decode_attention_reference_attends_to_the_filled_positions_only(alibi):
+def test_decode_attention_reference(alibi):
     torch.manual_seed(5)
     batch, heads, capacity, head_dim, position = 2, 3, 10, 4, 6
     query = torch.randn(batch, heads, 1, head_dim, dtype=torch.float64)
@@ -198,7 +198,7 @@ def test_decode_attention_reference_attends_to_the_filled_positions_only(alibi):
             torch.testing.assert_close(out[row, head, 0], expected)
 
 
-def test_decode_attention_reference_first_writes_the_step_key_and_value():
+def test_decode_attention_reference_writes_cache():
     torch.manual_seed(6)
     query, new_key, new_value = torch.randn(3, 2, 3, 1, 4, dtype=torch.float64)
     keys, values = torch.randn(2, 2, 3, 10, 4, dtype=torch.float64)
@@ -210,7 +210,7 @@ def test_decode_attention_reference_first_writes_the_step_key_and_value():
     torch.testing.assert_close(out, expected)
 
 
-def test_linear_reference_adds_bias_and_residual_to_the_product():
+def test_linear_reference():
     torch.manual_seed(7)
     x, weight = torch.randn(2, 5, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
     bias, residual = torch.randn(3, dtype=torch.float64), torch.randn(2, 3, dtype=torch.float64)
@@ -221,7 +221,7 @@ def test_linear_reference_adds_bias_and_residual_to_the_product():
 
 
 @pytest.mark.parametrize("activation", [None, "gelu_tanh", "gelu"])
-def test_layer_norm_linear_reference_is_the_norm_the_product_and_the_activation(activation):
+def test_layer_norm_linear_reference(activation):
     torch.manual_seed(8)
     x = torch.randn(2, 1, 6, dtype=torch.float64) * 3 + 1
     norm_weight, norm_bias = torch.randn(6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
@@ -234,7 +234,7 @@ def test_layer_norm_linear_reference_is_the_norm_the_product_and_the_activation(
     torch.testing.assert_close(out, expected)
 
 
-def test_split_query_key_value_reference_views_each_heads_rows_and_gives_the_bias_its_gradient():
+def test_qkv_split_reference():
     """mixed = x W^T + b computed with b's gradient left out: the split hands b the row sum of
     dmixed, so b's gradient is what autograd gives when b is added inside the graph."""
     torch.manual_seed(7)

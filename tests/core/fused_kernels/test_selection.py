@@ -75,7 +75,7 @@ def _choose(violation):
                                         lambda kernels: ("fused", kernels.name), lambda: ("reference", None))
 
 
-def test_fused_or_reference_takes_the_kernel_only_when_every_rule_holds(monkeypatch):
+def test_fused_or_reference(monkeypatch):
     """The runtime rules, then the kernel's constraints, then the import: each one alone sends the
     call to the reference, and the module is imported only once the others hold."""
     imported = []

@@ -101,7 +101,7 @@ def test_scale_mask_softmax_matches_reference(references, dtype, shape, causal, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=DTYPE_IDS[:2])
-def test_softmax_fully_masked_rows_and_half_precision_reference(references, dtype):
+def test_softmax_fully_masked_rows(references, dtype):
     torch.manual_seed(1)
     scores = torch.randn(2, 2, 16, 64, device="cuda").to(dtype).transpose(2, 3)  # not contiguous: [2, 2, 64, 16]
     mask = torch.rand(2, 1, 64, 16, device="cuda") < 0.5
@@ -141,7 +141,7 @@ def test_layer_norm_matches_reference(references, dtype, shape):
     _assert_matches(grads[2], ref_grads[2], ulps=2, reduced=rows)
 
 
-def test_layer_norm_mixed_fp32_weights_and_non_contiguous_input(references):
+def test_layer_norm_mixed_dtypes(references):
     torch.manual_seed(3)
     x = torch.randn(512, 8, 256, device="cuda").to(torch.bfloat16).transpose(0, 1)  # [8, 512, 256], strided
     weight = torch.randn(256, device="cuda")
@@ -162,7 +162,7 @@ def test_layer_norm_mixed_fp32_weights_and_non_contiguous_input(references):
 
 @pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=DTYPE_IDS)
 @pytest.mark.parametrize("shape", [(16, 4, 1024), (7, 3, 1000)])
-def test_layer_norm_returning_its_input_adds_that_branch_gradient_in_its_kernel(references, dtype, shape):
+def test_layer_norm_return_input(references, dtype, shape):
     """y, r = layer_norm(x, return_input=True): x's gradient is dL/dy's through the norm plus dL/dr,
     as when x feeds the norm and a residual branch separately; an unused y passes dL/dr through."""
     torch.manual_seed(2)
@@ -192,7 +192,7 @@ def test_layer_norm_returning_its_input_adds_that_branch_gradient_in_its_kernel(
 
 @pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=DTYPE_IDS)
 @pytest.mark.parametrize("seq, batch, heads, head_dim", [(64, 3, 4, 128), (33, 2, 3, 80), (7, 1, 2, 64)])
-def test_query_key_value_split_packs_the_gradients_and_sums_the_bias_gradient(references, dtype, seq, batch, heads,
+def test_qkv_split(references, dtype, seq, batch, heads,
                                                                                head_dim):
     """dq as attention's backward leaves it (a [b, np, s, hn] tensor seen as [s, b, np, hn]), dk
     contiguous, dv with its batch and position strides swapped; then without a value gradient."""
@@ -236,7 +236,7 @@ def test_bias_gelu_matches_reference(references, dtype, shape):
 @pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=DTYPE_IDS)
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("shape", [(2, 64, 1000), (300, 7, 2048)])
-def test_bias_dropout_add_without_dropout_matches_reference(references, dtype, with_bias, shape):
+def test_bias_dropout_add_no_dropout(references, dtype, with_bias, shape):
     torch.manual_seed(5)
     x, residual = torch.randn(shape, device="cuda").to(dtype), torch.randn(shape, device="cuda").to(dtype)
     bias = torch.randn(shape[-1], device="cuda").to(dtype) if with_bias else None
@@ -256,7 +256,7 @@ def test_bias_dropout_add_without_dropout_matches_reference(references, dtype, w
 
 @pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=DTYPE_IDS)
 @pytest.mark.parametrize("shape", [(32, 4, 1024), (7, 3, 1000)])
-def test_bias_dropout_add_drops_scales_and_backpropagates_its_mask(references, dtype, shape):
+def test_bias_dropout_add_dropout(references, dtype, shape):
     torch.manual_seed(6)
     prob = 0.2
     x = (torch.rand(shape, device="cuda") + 0.5).to(dtype).requires_grad_(True)
@@ -281,7 +281,7 @@ def test_bias_dropout_add_drops_scales_and_backpropagates_its_mask(references, d
     assert abs(both - (1 - prob) ** 2) < 6 * math.sqrt((1 - prob) ** 2 * (1 - (1 - prob) ** 2) / lanes.shape[0])
 
 
-def test_bias_dropout_add_mask_follows_the_cuda_generator_and_checkpoint_replays_it(references):
+def test_bias_dropout_add_checkpoint_replay(references):
     torch.manual_seed(7)
     x = torch.randn(64, 4, 512, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(512, device="cuda", dtype=torch.bfloat16)
@@ -349,7 +349,7 @@ def _normed_product(x, norm_weight, norm_bias, weight, bias):
 @pytest.mark.parametrize("n, k, activation", [(6144, 2048, None), (8192, 2048, "gelu_tanh"), (37, 1000, "gelu"),
                                               (50304, 2048, None), (16, 3000, "gelu_tanh"),
                                               (64, 5000, "gelu")])
-def test_layer_norm_linear_runs_the_gemv_with_the_norm_and_activation_folded_in(references, dtype, n, k,
+def test_layer_norm_linear_gemv(references, dtype, n, k,
                                                                                 activation, no_cublas_linear):
     torch.manual_seed(5)
     x = (torch.randn(1, 1, k, device="cuda") * 4 + 2).to(dtype)
@@ -378,7 +378,7 @@ def test_linear_with_a_residual_runs_the_gemv(references, dtype, n, k, with_bias
     _assert_matches(y, expected.to(dtype), ulps=2, reduced=k)
 
 
-def test_linear_with_gradients_or_several_rows_stays_with_torch():
+def test_linear_falls_back_to_torch():
     x = torch.randn(1, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     weight = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     fused_kernels.linear(x, weight).sum().backward()
@@ -405,7 +405,7 @@ def test_decode_attention_matches_reference(references, dtype, batch, heads, cap
     _assert_matches(out, expected.to(dtype), ulps=2, reduced=position + 1)
 
 
-def test_decode_attention_call_after_call_at_every_position(references):
+def test_decode_attention_every_position(references):
     """Calls queued back to back at every position of the cache (the chunk holding the position, the
     empty chunks after it, the first and the last position), each equal to the reference."""
     torch.manual_seed(7)
@@ -422,7 +422,7 @@ def test_decode_attention_call_after_call_at_every_position(references):
 
 @pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=DTYPE_IDS)
 @pytest.mark.parametrize("batch, position, alibi", [(1, 0, False), (1, 200, True), (3, 383, False)])
-def test_decode_attention_stores_the_step_key_and_value(references, dtype, batch, position, alibi):
+def test_decode_attention_writes_cache(references, dtype, batch, position, alibi):
     torch.manual_seed(8)
     keys, values = (torch.randn(batch, 4, 384, 96, device="cuda").to(dtype) for _ in range(2))
     mixed = torch.randn(1, batch, 4, 3 * 96, device="cuda").to(dtype)  # the model's strided q, k, v
@@ -438,7 +438,7 @@ def test_decode_attention_stores_the_step_key_and_value(references, dtype, batch
     _assert_matches(out, expected.to(dtype), ulps=2, reduced=position + 1)
 
 
-def test_chained_decode_kernels_read_their_predecessors_outputs(references, no_cublas_linear):
+def test_chained_decode_kernels(references, no_cublas_linear):
     """Each kernel reads what the one before it wrote, back to back in one stream (on Hopper each
     starts before its predecessor ends and waits only before reading), eagerly and replayed from a
     CUDA graph: a layer's five ops, 24 layers over, each output equal to the float64 reference of
@@ -492,7 +492,7 @@ def test_chained_decode_kernels_read_their_predecessors_outputs(references, no_c
         check(replayed)
 
 
-def test_decode_kernels_run_compiled_and_replayed_from_a_cuda_graph(references, no_cublas_linear):
+def test_decode_kernels_in_cuda_graph(references, no_cublas_linear):
     """The decode ops under torch.compile, then captured: a replay at a new position writes the
     cache there and gives the eager result."""
     torch.manual_seed(4)
@@ -547,7 +547,7 @@ def _torch_fused_adamw(param, steps, weight_decay, grad_scale):
 
 @pytest.mark.parametrize("copy_dtype", [torch.bfloat16, torch.float16, None], ids=["bf16", "fp16", "no_copy"])
 @pytest.mark.parametrize("weight_decay, clipped", [(0.1, True), (0.0, False)])
-def test_adamw_step_matches_torchs_fused_adamw_and_writes_the_copy(references, copy_dtype, weight_decay, clipped):
+def test_adamw_step(references, copy_dtype, weight_decay, clipped):
     """Three steps on an odd-sized flat tensor: torch's fused kernel's results within fp32 roundings;
     the copy is exactly the new fp32 weights in its dtype; the gradient is left as it was."""
     torch.manual_seed(5)
@@ -572,7 +572,7 @@ def test_adamw_step_matches_torchs_fused_adamw_and_writes_the_copy(references, c
     assert not torch.equal(ours, param)
 
 
-def test_adamw_step_reaches_elements_past_2_to_the_31(references):
+def test_adamw_step_past_2_to_the_31(references):
     """A flat partition of more than 2^31 elements (int64 offsets): its last elements step as the
     reference steps them."""
     n = (1 << 31) + 1000

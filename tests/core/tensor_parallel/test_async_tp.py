@@ -14,7 +14,7 @@ def _rank_operand(rank: int) -> torch.Tensor:
     return torch.randn(4, 3, 5, generator=torch.Generator().manual_seed(10 + rank))  # [n, b, m]
 
 
-def _started_reduce_scatter_is_the_sum_of_products(rank, world_size):
+def _started_reduce_scatter(rank, world_size):
     matrix = torch.randn(5, 6, generator=torch.Generator().manual_seed(3))
     output, work = start_matmul_reduce_scatter(_rank_operand(rank), matrix, dist.group.WORLD)
     torch.randn(64, 64).matmul(torch.randn(64, 64))  # other work between start and wait
@@ -26,7 +26,7 @@ def _started_reduce_scatter_is_the_sum_of_products(rank, world_size):
 @pytest.mark.distributed
 def test_started_matmul_reduce_scatter_on_2_ranks():
     """start_matmul_reduce_scatter's gloo path: rank r's block of the summed products after the wait."""
-    run_distributed(_started_reduce_scatter_is_the_sum_of_products, 2)
+    run_distributed(_started_reduce_scatter, 2)
 
 
 def _blocks_seen(shard, matrix, group):
@@ -93,7 +93,7 @@ def _fused_collectives_match_nccl(rank, world_size):
                            expected_gathered.reshape(-1, inner)), f"call {call}: blocks"
 
 
-def _overlapped_layers_match_plain_sequence_parallelism(rank, world_size):
+def _overlapped_layers(rank, world_size):
     """Column- then row-parallel layer under sequence parallelism, fp32 on the GPU: --tp-comm-overlap's
     pipelined collectives give the outputs and gradients of the plain NCCL ones."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -126,5 +126,5 @@ def test_fused_collectives_match_nccl_on_two_gpus():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_overlapped_sequence_parallel_layers_on_two_gpus():
-    run_distributed(_overlapped_layers_match_plain_sequence_parallelism, 2, backend="nccl")
+def test_overlapped_layers_on_two_gpus():
+    run_distributed(_overlapped_layers, 2, backend="nccl")

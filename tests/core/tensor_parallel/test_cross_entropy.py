@@ -126,7 +126,7 @@ def _check_batch_first_view(device):
     assert torch.equal(sequence_first.grad.transpose(0, 1), copied.grad)
 
 
-def test_batch_first_view_gives_the_losses_and_gradients_of_its_copy():
+def test_batch_first_view():
     _check_batch_first_view("cpu")
 
 
@@ -148,8 +148,8 @@ def test_fused_kernels_match_torch_on_the_gpu(fused_path_only):
 
 
 @pytest.mark.gpu
-def test_batch_first_view_is_not_copied_in_the_fused_kernels(fused_path_only):
-    """The Triton path reads rows of a 2-D view: a strided batch-first view used to be copied first."""
+def test_batch_first_view_not_copied(fused_path_only):
+    """The Triton path reads rows of a 2-D view: a strided batch-first view goes to the kernels without a copy."""
     _check_batch_first_view("cuda")
 
 

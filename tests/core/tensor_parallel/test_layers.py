@@ -284,7 +284,7 @@ def test_single_process_layers_equal_torch_modules():
         check(None, 1, 0)
 
 
-def test_comm_overlap_without_sequence_parallelism_is_refused():
+def test_comm_overlap_needs_sequence_parallel():
     for layer in (ColumnParallelLinear, RowParallelLinear):
         with pytest.raises(ValueError, match="sequence_parallel"):
             layer(IN, OUT, tp_group=None, init_method=init_normal, comm_overlap=True)
