@@ -252,19 +252,23 @@ class ParameterCounts:
 
 
 def model_config(shape: ModelShape, tensor_parallel: int):
-    """The trainer's GPTModelConfig of ``shape`` at TP ``tensor_parallel`` (whose padding sets V_p)."""
+    """The trainer's GPTModelConfig of ``shape`` at TP ``tensor_parallel`` (whose padding sets V_p), checked
+    as the trainer checks it for that TP size."""
     from megatron.core.models.gpt.config import GPTConfigError, GPTModelConfig
+    from megatron.core.parallel_state import ParallelConfigError
 
     positions = "absolute" if shape.position_embedding_type == "learned" else shape.position_embedding_type
     try:
-        return GPTModelConfig(
+        config = GPTModelConfig(
             num_layers=shape.num_layers, hidden_size=shape.hidden_size,
             num_attention_heads=shape.num_attention_heads, seq_length=shape.seq_length,
             padded_vocab_size=padded_vocab_size(shape, tensor_parallel), ffn_hidden_size=shape.ffn,
             max_position_embeddings=None if positions == "rotary" else shape.max_positions,
             position_embedding_type=positions, embed_layernorm=shape.embed_layernorm)
-    except GPTConfigError as error:
+        config.validate_for_tensor_parallel(tensor_parallel)
+    except (GPTConfigError, ParallelConfigError) as error:
         raise CalculatorError(str(error)) from None
+    return config
 
 
 @contextlib.contextmanager

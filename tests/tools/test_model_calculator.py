@@ -222,6 +222,9 @@ SMALL_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-head
      "add --sequence-parallel"),
     (["--seq-length", "30", "--tensor-model-parallel-size", "4", "--num-gpus", "4", "--sequence-parallel"],
      "--tensor-model-parallel-size 4 does not divide --seq-length 30: --sequence-parallel"),
+    (["--pad-vocab-size-to", "1000", "--tensor-model-parallel-size", "16", "--num-attention-heads", "16",
+      "--num-gpus", "16"], "the padded vocabulary size (--make-vocab-size-divisible-by, --pad-vocab-size-to)=1000 is "
+                           "not divisible by --tensor-model-parallel-size=16"),
 ])
 def test_a_bad_flag_exits_2_naming_it(flags, named, capsys):
     with pytest.raises(SystemExit) as exit_info:
