@@ -29,7 +29,7 @@ from megatron.training.argument_types import ArgumentError  # noqa: E402
 from megatron.training.arguments import report_error_and_exit  # noqa: E402
 from megatron.training.dist_utils import print_rank_last, sum_across_group  # noqa: E402
 from megatron.training.inference_model import (InferenceModel, InferenceSetupError, load_inference_model,  # noqa: E402
-                                               parse_inference_flags)
+                                               parse_inference_arguments)
 
 INPUT_ERRORS = (EvaluationInputError, InferenceSetupError, CheckpointInputError, TokenizerError, ArgumentError,
                 OSError)
@@ -52,8 +52,9 @@ def add_task_flags(parser) -> None:
                        help="LAMBADA: the target is the whole last word, not only its last token")
 
 
-def check_task_flags(flags) -> str:
-    """The evaluation file; raises EvaluationInputError naming the flag (before any process group starts)."""
+def check_task_flags(flags, micro_batch_size: int | None) -> str:
+    """The evaluation file of the task flags (``add_task_flags``'); raises EvaluationInputError naming
+    the flag (before any process group starts). ``micro_batch_size``: --micro-batch-size."""
     if flags.task in FINETUNING_TASKS:
         raise EvaluationInputError(f"--task {flags.task}: fine-tuning tasks are not built here; the zero-shot "
                                    f"tasks are {', '.join(TASK_METRICS)}")
@@ -61,49 +62,51 @@ def check_task_flags(flags) -> str:
         raise EvaluationInputError(f"--task {flags.task!r} is unknown; use one of {', '.join(TASK_METRICS)}")
     if not flags.valid_data or len(flags.valid_data) != 1:
         raise EvaluationInputError(f"--task {flags.task} reads exactly one file: give --valid-data PATH")
-    if not flags.micro_batch_size:
+    if not micro_batch_size:
         raise EvaluationInputError("give --micro-batch-size, the samples of one forward")
     return flags.valid_data[0]
 
 
-def evaluate_task(flags, logits_fn, tokenizer, seq_length: int, dp_rank: int = 0, dp_size: int = 1,
-                  sum_over_replicas=lambda values: values) -> AccuracyReport:
-    """The report of ``flags.task`` on ``flags.valid_data``: this data-parallel replica scores samples
-    dp_rank, dp_rank + dp_size, ...; ``sum_over_replicas`` adds the replicas' totals."""
-    path = check_task_flags(flags)
+def evaluate_task(flags, micro_batch_size: int, logits_fn, tokenizer, seq_length: int, dp_rank: int = 0,
+                  dp_size: int = 1, sum_over_replicas=lambda values: values) -> AccuracyReport:
+    """The report of ``flags.task`` on ``flags.valid_data``, ``micro_batch_size`` samples a forward: this
+    data-parallel replica scores samples dp_rank, dp_rank + dp_size, ...; ``sum_over_replicas`` adds
+    the replicas' totals."""
+    path = check_task_flags(flags, micro_batch_size)
     if flags.task == "WIKITEXT103":
         samples = read_wikitext(path, tokenizer, seq_length, flags.overlapping_eval)
     else:
         samples = read_lambada(path, tokenizer, seq_length, flags.strict_lambada)
     metric = TASK_METRICS[flags.task]
     mine = range(dp_rank, len(samples), dp_size)
-    total, = sum_over_replicas([evaluate_samples(logits_fn, samples, flags.micro_batch_size, metric, mine)])
+    total, = sum_over_replicas([evaluate_samples(logits_fn, samples, micro_batch_size, metric, mine)])
     if metric == LOSS:
         return perplexity_report(total, samples)
     return AccuracyReport(round(total), len(samples))
 
 
 def evaluate_loaded(model: InferenceModel, flags) -> AccuracyReport:
-    """``flags.task`` on the loaded model, the samples split over its data-parallel replicas; collective."""
+    """``flags.task`` (the task flags) on the loaded model, the samples split over its data-parallel
+    replicas; collective."""
     groups = model.groups
 
     def sum_over_replicas(values):
         return sum_across_group(values, group=groups.dp) if groups.dp_size > 1 else values
 
-    return evaluate_task(flags, model.logits, model.tokenizer, model.seq_length, groups.dp_rank, groups.dp_size,
-                         sum_over_replicas)
+    return evaluate_task(flags, model.config.micro_batch_size, model.logits, model.tokenizer, model.seq_length,
+                         groups.dp_rank, groups.dp_size, sum_over_replicas)
 
 
 def main(argv=None) -> int:
     """Run the task; the last rank prints Megatron's result line. Exit status 2 on a bad flag or input file."""
-    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        check_task_flags(parse_inference_flags(argv, add_task_flags)[1])
-        model = load_inference_model(argv, add_task_flags)
-        report = evaluate_loaded(model, model.flags)
+        arguments = parse_inference_arguments(argv, add_task_flags)
+        check_task_flags(arguments.tool, arguments.flags.micro_batch_size)
+        model = load_inference_model(arguments)
+        report = evaluate_loaded(model, arguments.tool)
     except INPUT_ERRORS as error:
         report_error_and_exit(error, 2)
-    print_rank_last(report.line(model.flags.task))
+    print_rank_last(report.line(arguments.tool.task))
     model.shutdown()
     return 0
 

@@ -41,7 +41,7 @@ from megatron.training.argument_types import ArgumentError  # noqa: E402
 from megatron.training.arguments import report_error_and_exit  # noqa: E402
 from megatron.training.dist_utils import broadcast_object_from_rank_0, is_rank_0  # noqa: E402
 from megatron.training.inference_model import (InferenceSetupError, load_inference_model,  # noqa: E402
-                                               parse_inference_flags)
+                                               parse_inference_arguments)
 
 INPUT_ERRORS = (InferenceSetupError, CheckpointInputError, TokenizerError, ArgumentError, SamplingError,
                 GenerationInputError, OSError)
@@ -110,8 +110,8 @@ class Writers:
 
 
 def generate_batches(model, prompts: list[str], flags, params, generator, writers) -> None:
-    """Prompts --micro-batch-size at a time; every sample printed (rank 0) and written."""
-    batch_size = flags.micro_batch_size or 1
+    """Prompts --micro-batch-size at a time; every sample printed (rank 0) and written; ``flags``: the tool's."""
+    batch_size = model.config.micro_batch_size or 1
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start:start + batch_size]
         for sample in model.generate_text(batch, flags.out_seq_length, params, generator, use_cache=not flags.recompute):
@@ -147,8 +147,9 @@ def run_interactive(model, flags, params, generator, writers) -> None:
 
 
 def run(model, flags) -> None:
+    """The mode of the tool's ``flags`` on the loaded model."""
     params = sampling_params(flags)
-    generator = torch.Generator(device=model.device).manual_seed(flags.seed)
+    generator = torch.Generator(device=model.device).manual_seed(model.config.seed)
     if flags.num_samples > 0:
         writers = Writers(None, flags.genfile)
         prompts = [""] * flags.num_samples
@@ -169,13 +170,12 @@ def run(model, flags) -> None:
 
 def main(argv=None) -> int:
     """Exit status 2 on a bad flag, checkpoint, prompt file or prompt (rank 0 names it)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        _, flags = parse_inference_flags(argv, add_text_generate_args)
-        sampling_params(flags)
-        check_mode(flags)
-        model = load_inference_model(argv, add_text_generate_args)
-        run(model, model.flags)
+        arguments = parse_inference_arguments(argv, add_text_generate_args)
+        sampling_params(arguments.tool)
+        check_mode(arguments.tool)
+        model = load_inference_model(arguments)
+        run(model, arguments.tool)
     except INPUT_ERRORS as error:
         report_error_and_exit(error, 2)
     model.shutdown()

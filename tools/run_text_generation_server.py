@@ -52,7 +52,8 @@ from megatron.core.tokenizer import TokenizerError  # noqa: E402
 from megatron.training.argument_types import ArgumentError  # noqa: E402
 from megatron.training.arguments import report_error_and_exit  # noqa: E402
 from megatron.training.dist_utils import broadcast_object_from_rank_0, is_rank_0, print_rank_0  # noqa: E402
-from megatron.training.inference_model import InferenceSetupError, load_inference_model  # noqa: E402
+from megatron.training.inference_model import (InferenceSetupError, load_inference_model,  # noqa: E402
+                                               parse_inference_arguments)
 
 MAX_PROMPTS = 128
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes [-2**63, 2**64 - 1]
@@ -189,7 +190,7 @@ def build_app(model, pending: queue.Queue):
 
 
 def serve(model, flags) -> None:
-    """Global rank 0: the HTTP thread and the generation loop, until SIGTERM / SIGINT."""
+    """Global rank 0: the HTTP thread and the generation loop, until SIGTERM / SIGINT. ``flags``: the tool's."""
     from werkzeug.serving import make_server
 
     pending: queue.Queue = queue.Queue()
@@ -200,7 +201,7 @@ def serve(model, flags) -> None:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     print_rank_0(f"> text generation server listening on http://{flags.host}:{server.server_port}/api")
-    generator = torch.Generator(device=model.device).manual_seed(flags.seed)
+    generator = torch.Generator(device=model.device).manual_seed(model.config.seed)
     while not stopping.is_set():
         try:
             job = pending.get(timeout=0.2)
@@ -221,12 +222,12 @@ def serve(model, flags) -> None:
     print_rank_0("> text generation server stopped")
 
 
-def follow(model, flags) -> None:
+def follow(model) -> None:
     """The other ranks: generate each request rank 0 shares, until it shares STOP. A signal here
     waits for rank 0's STOP, so no rank leaves a collective half done."""
     for signal_number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signal_number, signal.SIG_IGN)
-    generator = torch.Generator(device=model.device).manual_seed(flags.seed)
+    generator = torch.Generator(device=model.device).manual_seed(model.config.seed)
     while (request := broadcast_object_from_rank_0(None)) is not STOP:
         try:
             answer(model, request, generator)
@@ -237,15 +238,15 @@ def follow(model, flags) -> None:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        model = load_inference_model(argv, add_server_args)
+        arguments = parse_inference_arguments(argv, add_server_args)
+        model = load_inference_model(arguments)
     except (InferenceSetupError, CheckpointInputError, TokenizerError, ArgumentError, OSError) as error:
         report_error_and_exit(error, 2)
     if is_rank_0():
-        serve(model, model.flags)
+        serve(model, arguments.tool)
     else:
-        follow(model, model.flags)
+        follow(model)
     model.shutdown()
     return 0
 

@@ -36,8 +36,8 @@ DEFAULT_PP_PARTITION_METHOD = "type:transformer"
 
 
 @dataclass(frozen=True)
-class ParallelConfig:
-    """Layout of the job.
+class ProcessLayout:
+    """Where this process sits in the job: what starting the process group needs (training and inference).
 
     Attributes:
         tensor_model_parallel_size: TP degree (--tensor-model-parallel-size).
@@ -50,10 +50,6 @@ class ParallelConfig:
         master_port: rendezvous port.
         launcher: what started the process (launch_env.LaunchEnv.source).
         distributed_backend: the backend used: --distributed-backend, or gloo without CUDA.
-        zero_stage: the ZeRO stage DeepSpeed runs (ds_config zero_optimization.stage).
-        pp_partition_method: PipelineModule partition method (--pp-partition-method).
-        sync_tp_duplicated_parameters: after every step, copy TP rank 0's values of the parameters
-            every TP rank holds whole to the others and report any drift (--sync-tp-duplicated-parameters).
         deterministic: only deterministic kernels, for bitwise-reproducible GPU runs (--deterministic).
     """
 
@@ -67,10 +63,64 @@ class ParallelConfig:
     master_port: int
     launcher: str
     distributed_backend: str
+    deterministic: bool
+
+
+@dataclass(frozen=True)
+class ParallelConfig(ProcessLayout):
+    """Layout of a training job: the ProcessLayout, and how training splits its work over it.
+
+    Attributes:
+        zero_stage: the ZeRO stage DeepSpeed runs (ds_config zero_optimization.stage).
+        pp_partition_method: PipelineModule partition method (--pp-partition-method).
+        sync_tp_duplicated_parameters: after every step, copy TP rank 0's values of the parameters
+            every TP rank holds whole to the others and report any drift (--sync-tp-duplicated-parameters).
+    """
+
     zero_stage: int
     pp_partition_method: str
     sync_tp_duplicated_parameters: bool
-    deterministic: bool
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    """The tokenizer (megatron.core.tokenizer.build_tokenizer's arguments).
+
+    Attributes:
+        tokenizer_type: --tokenizer-type.
+        vocab_file: --vocab-file (GPT2BPETokenizer).
+        merge_file: --merge-file (GPT2BPETokenizer).
+        tokenizer_name_or_path: --tokenizer-name-or-path (PretrainedFromHF).
+    """
+
+    tokenizer_type: str
+    vocab_file: str | None
+    merge_file: str | None
+    tokenizer_name_or_path: str | None
+
+
+@dataclass(frozen=True)
+class InferenceConfig:
+    """What running a checkpoint's model for inference needs (megatron/training/inference_model.py).
+
+    Attributes:
+        model: the checkpoint's model, configured for inference (no dropout, sdpa attention, no
+            activation checkpointing nor sequence parallelism); its seq_length is ``seq_length``.
+        parallel: this process's layout: TP and PP as given, else the checkpoint's.
+        tokenizer: the tokenizer of the flags.
+        load: the checkpoint directory (--load).
+        seq_length: the longest sequence the model takes: --seq-length, else the checkpoint's.
+        seed: --seed, of the sampling generator and the model-parallel RNG.
+        micro_batch_size: --micro-batch-size, or None when not given.
+    """
+
+    model: GPTModelConfig
+    parallel: ProcessLayout
+    tokenizer: TokenizerConfig
+    load: str
+    seq_length: int
+    seed: int
+    micro_batch_size: int | None
 
 
 @dataclass(frozen=True)
@@ -498,6 +548,11 @@ def _data_config(flags, derived: DerivedValues, tokenizer_vocab_size: int) -> Da
 def _fields_from_args(cls, flags, **overrides):
     names = [f.name for f in dataclasses.fields(cls) if f.name not in overrides]
     return cls(**{name: getattr(flags, name) for name in names}, **overrides)
+
+
+def tokenizer_config_from_args(flags) -> TokenizerConfig:
+    """The tokenizer flags as a TokenizerConfig."""
+    return _fields_from_args(TokenizerConfig, flags)
 
 
 def padded_vocab_size(flags, tokenizer_vocab_size: int) -> int:

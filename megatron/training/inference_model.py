@@ -4,20 +4,25 @@ What the generation tools and the evaluation commands call (every rank of the la
 
     from megatron.training.initialize import select_accelerator
     select_accelerator()                                     # before anything imports deepspeed
-    from megatron.training.inference_model import InferenceSetupError, load_inference_model
+    from megatron.training.inference_model import (InferenceSetupError, load_inference_model,
+                                                   parse_inference_arguments)
 
-    model = load_inference_model(argv, add_flags)            # collective; add_flags(parser) adds yours
+    arguments = parse_inference_arguments(argv, add_flags)   # argv parsed once; add_flags(parser) adds
+                                                             # the tool's flags: arguments.tool
+    model = load_inference_model(arguments)                  # collective
     logits = model.logits(tokens)                            # tokens [b, s] int, the same on every rank,
                                                              # s <= model.seq_length -> [b, s, padded V]
                                                              # fp32, the same on every rank of the replica
-    model.tokenizer, model.seq_length, model.flags, model.config (GPTModelConfig)
+    model.tokenizer, model.seq_length, model.config (config.InferenceConfig: model, parallel, seed, ...)
     model.groups                                             # ParallelGroups: dp_rank, dp_size, dp group
     model.forward                                            # PipelineForward (cached generation)
     model.generate_text(prompts, max_new_tokens, SamplingParams(...), generator)   # collective
     model.shutdown()                                         # collective: tear the process group down
 
-The command line is the trainer's parser (model, tokenizer, checkpoint, precision and parallel
-flags; training-only flags are accepted and ignored, none is required) plus ``add_flags``. The model
+The command line is the trainer's flags (model, tokenizer, checkpoint, precision and parallel
+flags; training-only flags are accepted and ignored, none is required) plus the tool's, which
+``add_flags`` declares on a parser of their own. What the model needs becomes an InferenceConfig
+(megatron/training/config.py), the typed configuration load_inference_model builds from. The model
 configuration is the checkpoint's; a model flag given with another value is refused by name.
 ``--load`` is a --save directory (its ``latest``) or a ``global_stepN`` directory; only the model's
 weights are read (``--no-load-optim`` / ``--no-load-rng`` are what happens anyway).
@@ -32,7 +37,7 @@ Precision: ``params_dtype`` when given (e.g. fp32 for an evaluation of a bf16 ch
 On one GPU (TP = PP = 1) generation uses the fixed-size cache and replays its decoding steps from
 CUDA graphs (megatron/core/text_generation/forward.py).
 """
-import dataclasses
+import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -42,17 +47,17 @@ import torch
 
 from megatron.core.checkpoint.model_loading import gpt_model_config
 from megatron.core.checkpoint.reader import SavedCheckpoint, open_checkpoint
-from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.parallel_state import ParallelGroups
 from megatron.core.text_generation.forward import PipelineForward
 from megatron.core.text_generation.generation import generate
 from megatron.core.text_generation.sampling import SamplingParams
 from megatron.core.text_generation.stage_model import InferenceStage, load_stage_weights
 from megatron.core.tokenizer import build_tokenizer
-from megatron.training.arguments import build_parser
-from megatron.training.config import ParallelConfig
+from megatron.training.argument_types import ErrorRaisingParser
+from megatron.training.arguments import build_parser, explicit_dests
+from megatron.training.config import InferenceConfig, ProcessLayout, TokenizerConfig, tokenizer_config_from_args
 from megatron.training.dist_utils import shutdown
-from megatron.training.engine import current_device
+from megatron.training.engine.model_setup import current_device
 from megatron.training.initialize import initialize_distributed, set_random_seeds
 from megatron.training.launch_env import effective_backend, rank_in_environment, read_launch_env
 
@@ -70,14 +75,16 @@ class InferenceSetupError(ValueError):
 class InferenceModel:
     """A checkpoint's model on this rank's stage (module docstring)."""
 
-    flags: object
+    config: InferenceConfig
     checkpoint: SavedCheckpoint
-    config: GPTModelConfig
     groups: ParallelGroups
     tokenizer: object
-    seq_length: int
     forward: PipelineForward
     device: torch.device
+
+    @property
+    def seq_length(self) -> int:
+        return self.config.seq_length
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [b, s] (s <= seq_length) -> logits [b, s, padded V] fp32; collective over the replica."""
@@ -132,19 +139,45 @@ class GeneratedText:
     finished: bool
 
 
-def parse_inference_flags(argv: Sequence[str] | None, add_flags: Callable | None = None):
-    """(parser, flags): the trainer's parser plus ``add_flags(parser)``; no validation of training flags."""
-    parser = build_parser()
+@dataclass(frozen=True)
+class InferenceArguments:
+    """An inference tool's command line, parsed once.
+
+    Attributes:
+        flags: the trainer's flags as argparse read them (defaults included).
+        explicit: the dests of the trainer's flags given on the command line.
+        tool: the flags the tool's ``add_flags`` declared.
+    """
+
+    flags: argparse.Namespace
+    explicit: frozenset[str]
+    tool: argparse.Namespace
+
+
+def parse_inference_arguments(argv: Sequence[str] | None = None,
+                              add_flags: Callable | None = None) -> InferenceArguments:
+    """``argv`` (default sys.argv[1:]): the tool's flags (``add_flags(parser)`` declares them) are taken
+    out first, the rest are the trainer's flags; no validation of training flags. -h / --help prints
+    both."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    tool_parser = ErrorRaisingParser(add_help=False, allow_abbrev=False)
     if add_flags is not None:
-        add_flags(parser)
-    return parser, parser.parse_args(argv)
+        add_flags(tool_parser)
+    if {"-h", "--help"} & set(argv):
+        help_parser = build_parser()
+        if add_flags is not None:
+            add_flags(help_parser)
+        help_parser.print_help()
+        sys.exit(0)
+    tool, trainer_argv = tool_parser.parse_known_args(argv)
+    return InferenceArguments(build_parser().parse_args(trainer_argv), explicit_dests(trainer_argv), tool)
 
 
-def check_model_flags(parser, flags, checkpoint: SavedCheckpoint) -> None:
-    """Every model flag given (not at its default) must have the checkpoint's value."""
+def check_model_flags(arguments: InferenceArguments, checkpoint: SavedCheckpoint) -> None:
+    """Every model flag given must have the checkpoint's value."""
     for dest in MODEL_FLAGS:
-        given, saved = getattr(flags, dest), checkpoint.model.get(dest)
-        if given != parser.get_default(dest) and given != saved:
+        given, saved = getattr(arguments.flags, dest), checkpoint.model.get(dest)
+        if dest in arguments.explicit and given != saved:
             raise InferenceSetupError(f"--{dest.replace('_', '-')} {given}: the checkpoint at --load "
                                       f"{checkpoint.directory} was trained with {saved}")
 
@@ -160,18 +193,9 @@ def model_dtype(flags, params_dtype: torch.dtype | None) -> dict:
     return {}
 
 
-def inference_config(flags, checkpoint: SavedCheckpoint, params_dtype: torch.dtype | None) -> GPTModelConfig:
-    """The checkpoint's model configuration for inference: no dropout, sdpa attention, no activation
-    checkpointing, no sequence parallelism (decoding steps one position at a time); tensors built
-    directly on the device (their values are overwritten on load)."""
-    return gpt_model_config(checkpoint, hidden_dropout=0.0, attention_dropout=0.0, attention_impl="sdpa",
-                            checkpoint_activations=False, sequence_parallel=False, tp_comm_overlap=False,
-                            use_cpu_initialization=False,
-                            **model_dtype(flags, params_dtype))
-
-
-def parallel_config(flags, checkpoint: SavedCheckpoint, explicit: set[str]) -> ParallelConfig:
+def process_layout(arguments: InferenceArguments, checkpoint: SavedCheckpoint) -> ProcessLayout:
     """The run's layout: the launcher's ranks, TP and PP from the flags when given, else the checkpoint's."""
+    flags, explicit = arguments.flags, arguments.explicit
     launch = read_launch_env(os.environ, flags.local_rank)
     tp = flags.tensor_model_parallel_size if "tensor_model_parallel_size" in explicit else checkpoint.tp
     pp = flags.pipeline_model_parallel_size if "pipeline_model_parallel_size" in explicit else checkpoint.pp
@@ -181,20 +205,11 @@ def parallel_config(flags, checkpoint: SavedCheckpoint, explicit: set[str]) -> P
                                   f"{tp * pp} processes or give --tensor-model-parallel-size and "
                                   f"--pipeline-model-parallel-size")
     backend, _ = effective_backend(flags.distributed_backend, torch.cuda.is_available(), explicit=False)
-    return ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                          data_parallel_size=launch.world_size // (tp * pp), world_size=launch.world_size,
-                          rank=launch.rank, local_rank=launch.local_rank, master_addr=launch.master_addr,
-                          master_port=launch.master_port, launcher=launch.source, distributed_backend=backend,
-                          zero_stage=0, pp_partition_method="type:transformer", sync_tp_duplicated_parameters=False,
-                          deterministic=False)
-
-
-def _explicit_layout_flags(parser, argv: Sequence[str]) -> set[str]:
-    """The dests of the TP / PP flags present in ``argv`` (as --flag N or --flag=N)."""
-    given = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
-    return {action.dest for action in parser._actions
-            if action.dest in ("tensor_model_parallel_size", "pipeline_model_parallel_size")
-            and given & set(action.option_strings)}
+    return ProcessLayout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                         data_parallel_size=launch.world_size // (tp * pp), world_size=launch.world_size,
+                         rank=launch.rank, local_rank=launch.local_rank, master_addr=launch.master_addr,
+                         master_port=launch.master_port, launcher=launch.source, distributed_backend=backend,
+                         deterministic=False)
 
 
 def checked_seq_length(flags, checkpoint: SavedCheckpoint) -> int:
@@ -206,43 +221,60 @@ def checked_seq_length(flags, checkpoint: SavedCheckpoint) -> int:
     return seq_length
 
 
-def checked_tokenizer(flags, checkpoint: SavedCheckpoint):
-    """The flags' tokenizer, refused when it has more tokens than the checkpoint's vocabulary."""
-    tokenizer = build_tokenizer(flags.tokenizer_type, vocab_file=flags.vocab_file, merge_file=flags.merge_file,
-                                tokenizer_name_or_path=flags.tokenizer_name_or_path)
+def checked_tokenizer(config: TokenizerConfig, checkpoint: SavedCheckpoint):
+    """The configured tokenizer, refused when it has more tokens than the checkpoint's vocabulary."""
+    tokenizer = build_tokenizer(config.tokenizer_type, vocab_file=config.vocab_file, merge_file=config.merge_file,
+                                tokenizer_name_or_path=config.tokenizer_name_or_path)
     if tokenizer.vocab_size > checkpoint.model["padded_vocab_size"]:
         raise InferenceSetupError(f"the tokenizer has {tokenizer.vocab_size} tokens, the checkpoint's model "
                                   f"{checkpoint.model['padded_vocab_size']}: not the tokenizer it was trained with")
     return tokenizer
 
 
-def load_inference_model(argv: Sequence[str] | None = None, add_flags: Callable | None = None, *,
-                         params_dtype: torch.dtype | None = None) -> InferenceModel:
-    """Parse, check, start the process group, build this rank's stage and load its weights (module
-    docstring). Raises InferenceSetupError (or the checkpoint reader's / tokenizer's error) before
-    any process group exists when the flags or the checkpoint are wrong."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    parser, flags = parse_inference_flags(argv, add_flags)
+def inference_config(arguments: InferenceArguments, checkpoint: SavedCheckpoint,
+                     params_dtype: torch.dtype | None = None) -> InferenceConfig:
+    """The checked InferenceConfig of these arguments and this checkpoint. The model is the
+    checkpoint's for inference: no dropout, sdpa attention, no activation checkpointing, no sequence
+    parallelism (decoding steps one position at a time); tensors built directly on the device
+    (their values are overwritten on load)."""
+    flags = arguments.flags
+    check_model_flags(arguments, checkpoint)
+    seq_length = checked_seq_length(flags, checkpoint)
+    model = gpt_model_config(checkpoint, hidden_dropout=0.0, attention_dropout=0.0, attention_impl="sdpa",
+                             checkpoint_activations=False, sequence_parallel=False, tp_comm_overlap=False,
+                             use_cpu_initialization=False, seq_length=seq_length, **model_dtype(flags, params_dtype))
+    parallel = process_layout(arguments, checkpoint)
+    try:
+        model.validate_for_tensor_parallel(parallel.tensor_model_parallel_size)
+    except ValueError as error:
+        raise InferenceSetupError(str(error)) from None
+    return InferenceConfig(model=model, parallel=parallel, tokenizer=tokenizer_config_from_args(flags),
+                           load=flags.load, seq_length=seq_length, seed=flags.seed,
+                           micro_batch_size=flags.micro_batch_size)
+
+
+def load_inference_model(arguments: InferenceArguments, *, params_dtype: torch.dtype | None = None) -> InferenceModel:
+    """Check the arguments against the checkpoint (its InferenceConfig), start the process group,
+    build this rank's stage and load its weights (module docstring). Raises InferenceSetupError (or
+    the checkpoint reader's / tokenizer's error) before any process group exists when the flags or
+    the checkpoint are wrong."""
+    flags = arguments.flags
     if not flags.load:
         raise InferenceSetupError("give --load, the checkpoint directory")
     checkpoint = open_checkpoint(flags.load, "--load", allow_missing_manifest=flags.allow_missing_manifest)
     if checkpoint.unverified and rank_in_environment(os.environ) == 0:
         print(checkpoint.unverified, flush=True)
-    check_model_flags(parser, flags, checkpoint)
-    seq_length = checked_seq_length(flags, checkpoint)
-    tokenizer = checked_tokenizer(flags, checkpoint)
-    config = inference_config(flags, checkpoint, params_dtype)
-    parallel = parallel_config(flags, checkpoint, _explicit_layout_flags(parser, argv))
-    try:
-        config.validate_for_tensor_parallel(parallel.tensor_model_parallel_size)
-    except ValueError as error:
-        raise InferenceSetupError(str(error)) from None
-    groups = initialize_distributed(parallel)
-    set_random_seeds(flags.seed, groups)  # the stage's throw-away initial values draw from the model-parallel RNG
+    config = inference_config(arguments, checkpoint, params_dtype)
+    return build_inference_model(config, checkpoint, checked_tokenizer(config.tokenizer, checkpoint))
+
+
+def build_inference_model(config: InferenceConfig, checkpoint: SavedCheckpoint, tokenizer) -> InferenceModel:
+    """The model of ``config`` with ``checkpoint``'s weights; collective (starts the process group)."""
+    groups = initialize_distributed(config.parallel)
+    set_random_seeds(config.seed, groups)  # the stage's throw-away initial values draw from the model-parallel RNG
     device = current_device()
-    stage = InferenceStage(config, groups, device=device)
+    stage = InferenceStage(config.model, groups, device=device)
     load_stage_weights(stage, checkpoint)
     single_gpu = device.type == "cuda" and groups.pp_size == 1 and groups.tp_size == 1
     forward = PipelineForward(stage, groups, static_cache=single_gpu, cuda_graphs=single_gpu)
-    return InferenceModel(flags, checkpoint, dataclasses.replace(config, seq_length=seq_length), groups, tokenizer,
-                          seq_length, forward, device)
+    return InferenceModel(config, checkpoint, groups, tokenizer, forward, device)

@@ -28,7 +28,8 @@ import torch  # noqa: E402
 from megatron.core.evaluation.zeroshot import EvaluationInputError  # noqa: E402
 from megatron.training.arguments import report_error_and_exit  # noqa: E402
 from megatron.training.dist_utils import gather_objects, is_rank_0  # noqa: E402
-from megatron.training.inference_model import InferenceModel, load_inference_model, parse_inference_flags  # noqa: E402
+from megatron.training.inference_model import (InferenceModel, load_inference_model,  # noqa: E402
+                                               parse_inference_arguments)
 from tasks.main import INPUT_ERRORS  # noqa: E402
 
 
@@ -73,13 +74,13 @@ def task_manager(flags):
 
 
 def harness_model(model: InferenceModel, flags):
-    """The adapter on the loaded model, its data-parallel replicas sharing the requests."""
+    """The adapter on the loaded model, its data-parallel replicas sharing the requests; ``flags``: the harness's."""
     from tasks.eval_harness.megatron_lm import MegatronLM, Replicas
 
     groups = model.groups
     replicas = Replicas(groups.dp_rank, groups.dp_size, lambda value: gather_objects(value, group=groups.dp))
     return MegatronLM(model.forward, model.tokenizer, model.seq_length,
-                      batch_size=flags.micro_batch_size * flags.micro_bs_multiplier,
+                      batch_size=model.config.micro_batch_size * flags.micro_bs_multiplier,
                       adaptive_seq_len=flags.adaptive_seq_len, device=model.device,
                       replicas=replicas if groups.dp_size > 1 else Replicas())
 
@@ -118,14 +119,14 @@ def write_results(results: dict, path: str) -> None:
 
 def main(argv=None) -> int:
     """Evaluate; exit status 2 on a bad flag, task or checkpoint (named before any process group starts)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        _, flags = parse_inference_flags(argv, add_harness_flags)
-        if not flags.micro_batch_size:
+        arguments = parse_inference_arguments(argv, add_harness_flags)
+        flags = arguments.tool
+        if not arguments.flags.micro_batch_size:
             raise EvaluationInputError("give --micro-batch-size, the requests of one forward")
         manager = task_manager(flags)
-        model = load_inference_model(argv, add_harness_flags, params_dtype=torch.float32 if flags.eval_fp32 else None)
-        run_harness(harness_model(model, model.flags), model.flags, manager)
+        model = load_inference_model(arguments, params_dtype=torch.float32 if flags.eval_fp32 else None)
+        run_harness(harness_model(model, flags), flags, manager)
     except INPUT_ERRORS as error:
         report_error_and_exit(error, 2)
     model.shutdown()

@@ -15,7 +15,7 @@ from megatron.training.initialize import select_accelerator  # noqa: E402
 select_accelerator()
 
 from megatron.training.dist_utils import is_rank_0  # noqa: E402
-from megatron.training.inference_model import load_inference_model  # noqa: E402
+from megatron.training.inference_model import load_inference_model, parse_inference_arguments  # noqa: E402
 from tasks.main import add_task_flags, evaluate_loaded  # noqa: E402
 
 
@@ -26,8 +26,9 @@ def add_flags(parser):
 
 
 def main():
-    model = load_inference_model(sys.argv[1:], add_flags)
-    flags = model.flags
+    arguments = parse_inference_arguments(sys.argv[1:], add_flags)
+    model = load_inference_model(arguments)
+    flags = arguments.tool
     lambada = {"task": "LAMBADA", "valid_data": [flags.lambada_data]}
     figures = {name: dataclasses.asdict(evaluate_loaded(model, argparse.Namespace(**{**vars(flags), **changes})))
                for name, changes in (("WIKITEXT103", {}), ("LAMBADA", lambada),

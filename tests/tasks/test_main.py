@@ -39,9 +39,11 @@ def task_arguments(task: str, paths: dict[str, str]) -> list[str]:
     return ["--task", task, "--valid-data", path, "--overlapping-eval", str(OVERLAP), "--micro-batch-size", "3"]
 
 
+MICRO_BATCH = 3
+
+
 def task_flags(task: str, path: str, strict: bool = False) -> argparse.Namespace:
-    return argparse.Namespace(task=task, valid_data=[path], overlapping_eval=OVERLAP, strict_lambada=strict,
-                              micro_batch_size=3)
+    return argparse.Namespace(task=task, valid_data=[path], overlapping_eval=OVERLAP, strict_lambada=strict)
 
 
 def corpus_contexts(count: int, words: int = 10) -> list[str]:
@@ -107,13 +109,15 @@ def files(trained, tmp_path_factory):
 
 def test_figures_equal_the_recomputation_from_logits(files):
     model, tokenizer, passages, paths = files
-    report = evaluate_task(task_flags("WIKITEXT103", paths["wiki.test.tokens"]), model, tokenizer, SEQ_LENGTH)
+    report = evaluate_task(task_flags("WIKITEXT103", paths["wiki.test.tokens"]), MICRO_BATCH, model, tokenizer,
+                           SEQ_LENGTH)
     assert report.avg_loss == pytest.approx(expected_wikitext_loss(model, tokenizer), rel=1e-6)
     words = len(WIKITEXT.strip().split(" "))
     assert report.token_ratio == (len(tokenizer.tokenize(wikitext_detokenize(WIKITEXT))) - 1) / (words - 1)
     assert report.adjusted_ppl == pytest.approx(math.exp(report.avg_loss * report.token_ratio), rel=1e-9)
     for strict in (False, True):
-        accuracy = evaluate_task(task_flags("LAMBADA", paths["lambada.jsonl"], strict), model, tokenizer, SEQ_LENGTH)
+        accuracy = evaluate_task(task_flags("LAMBADA", paths["lambada.jsonl"], strict), MICRO_BATCH, model,
+                                 tokenizer, SEQ_LENGTH)
         expected = expected_lambada(model, tokenizer, passages, strict)
         assert (accuracy.correct, accuracy.total) == (expected, len(passages))
         assert 0 < expected < len(passages)
@@ -131,7 +135,8 @@ def test_tp2_pp2_launch_equals_one_process(trained, files, tmp_path):
     for name, task, strict in (("WIKITEXT103", "WIKITEXT103", False), ("LAMBADA", "LAMBADA", False),
                                ("LAMBADA strict", "LAMBADA", True)):
         path = paths["wiki.test.tokens" if task == "WIKITEXT103" else "lambada.jsonl"]
-        expected = dataclasses.asdict(evaluate_task(task_flags(task, path, strict), model, tokenizer, SEQ_LENGTH))
+        expected = dataclasses.asdict(evaluate_task(task_flags(task, path, strict), MICRO_BATCH, model, tokenizer,
+                                                    SEQ_LENGTH))
         assert found[name] == pytest.approx(expected, rel=1e-6)
     print(found)
 
@@ -146,7 +151,7 @@ def test_command_line_under_data_parallel_replicas(trained, files):
                         *task_arguments("WIKITEXT103", paths), *layout], 4, timeout=240)
     result.assert_ok()
     flags = task_flags("WIKITEXT103", paths["wiki.test.tokens"])
-    expected = evaluate_task(flags, model, tokenizer, SEQ_LENGTH).line("WIKITEXT103")
+    expected = evaluate_task(flags, MICRO_BATCH, model, tokenizer, SEQ_LENGTH).line("WIKITEXT103")
     assert result.output.count(" validation results on WIKITEXT103") == 1
     assert expected in result.output
 

@@ -12,7 +12,7 @@ select_accelerator()
 
 import torch  # noqa: E402
 
-from megatron.training.inference_model import load_inference_model  # noqa: E402
+from megatron.training.inference_model import load_inference_model, parse_inference_arguments  # noqa: E402
 
 
 def add_flags(parser):
@@ -21,12 +21,13 @@ def add_flags(parser):
 
 
 def main():
-    model = load_inference_model(sys.argv[1:], add_flags)
-    with open(model.flags.tokens_json) as f:
+    arguments = parse_inference_arguments(sys.argv[1:], add_flags)
+    model = load_inference_model(arguments)
+    with open(arguments.tool.tokens_json) as f:
         tokens = torch.tensor(json.load(f), dtype=torch.long)
     logits = model.logits(tokens)
     torch.save({"logits": logits.cpu(), "stage_layers": list(model.forward.stage.layer_indices)},
-               f"{model.flags.output}.{model.groups.global_rank}")
+               f"{arguments.tool.output}.{model.groups.global_rank}")
     model.shutdown()
 
 

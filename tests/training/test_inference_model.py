@@ -18,7 +18,8 @@ import torch
 from megatron.core.checkpoint.manifest import MANIFEST_NAME
 from megatron.core.checkpoint.model_loading import load_gpt_model
 from megatron.core.checkpoint.reader import CheckpointInputError, open_checkpoint
-from megatron.training.inference_model import InferenceSetupError, load_inference_model
+from megatron.training.argument_types import ArgumentError
+from megatron.training.inference_model import InferenceSetupError, load_inference_model, parse_inference_arguments
 from tests.conftest import REPO_ROOT
 from tests.tasks.trained_checkpoint import checkpoint_path, model_flags
 from tests.training.e2e_utils import run_pretrain, run_script
@@ -35,6 +36,10 @@ PLAIN_ENGINE_LAYOUTS = {"TP2 (saved)": (2, []),
                         "TP1 x PP2": (2, ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"])}
 PLAIN_ENGINE_MODEL = ["--position-embedding-type", "alibi", "--embed-layernorm", "--glu-activation", "swiglu",
                       "--no-bias-gelu-fusion"]
+
+
+def load_from_argv(argv: list[str]):
+    return load_inference_model(parse_inference_arguments(argv))
 
 
 def merged_logits_of(save: str) -> torch.Tensor:
@@ -102,14 +107,14 @@ def test_wrong_flags_are_refused_before_starting(trained, monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(InferenceSetupError, match="--hidden-size 128: the checkpoint at --load"):
-        load_inference_model(["--load", save, *model_flags(data), "--hidden-size", "128"])
+        load_from_argv(["--load", save, *model_flags(data), "--hidden-size", "128"])
     with pytest.raises(InferenceSetupError, match="1 processes cannot hold TP 2 x PP 2"):
-        load_inference_model(["--load", save, *model_flags(data)])
+        load_from_argv(["--load", save, *model_flags(data)])
     with pytest.raises(InferenceSetupError, match="give --load"):
-        load_inference_model(model_flags(data))
+        load_from_argv(model_flags(data))
     with pytest.raises(InferenceSetupError, match="--seq-length 100: the model has 80 positions"):
-        load_inference_model(["--load", save, *model_flags(data), "--seq-length", "100",
-                              "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"])
+        load_from_argv(["--load", save, *model_flags(data), "--seq-length", "100",
+                        "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"])
     assert not torch.distributed.is_initialized()
 
 
@@ -121,8 +126,36 @@ def test_a_checkpoint_without_its_manifest_loads_only_with_the_flag(trained, tmp
     shutil.copytree(save, copy)
     os.remove(os.path.join(checkpoint_path(str(copy)), MANIFEST_NAME))
     with pytest.raises(CheckpointInputError, match="--allow-missing-manifest"):
-        load_inference_model(["--load", str(copy), *model_flags(data)])
+        load_from_argv(["--load", str(copy), *model_flags(data)])
     with pytest.raises(InferenceSetupError, match="1 processes cannot hold TP 2 x PP 2"):  # past the checkpoint
-        load_inference_model(["--load", str(copy), *model_flags(data), "--allow-missing-manifest"])
+        load_from_argv(["--load", str(copy), *model_flags(data), "--allow-missing-manifest"])
     assert "UNVERIFIED" in capsys.readouterr().out
     assert not os.path.exists(os.path.join(checkpoint_path(str(copy)), MANIFEST_NAME))
+
+
+def add_tool_flags(parser):
+    parser.add_argument("--out-seq-length", type=int, default=8)
+    parser.add_argument("--genfile", required=True)
+
+
+def test_the_command_line_is_parsed_once_into_the_tools_and_the_trainers_flags(capsys):
+    """The tool's flags are taken out wherever they stand; the rest are the trainer's, with the dests
+    given (a TP of 1, the default, given explicitly overrides the checkpoint's); unknown and
+    missing flags are named; --help lists both."""
+    arguments = parse_inference_arguments(["--load", "ckpt", "--genfile", "out.jsonl", "--data-path", "a", "b",
+                                           "--out-seq-length=5", "--tensor-model-parallel-size", "1"],
+                                          add_tool_flags)
+    assert (arguments.tool.genfile, arguments.tool.out_seq_length) == ("out.jsonl", 5)
+    assert (arguments.flags.load, arguments.flags.data_path, arguments.flags.tensor_model_parallel_size) == \
+        ("ckpt", ["a", "b"], 1)
+    assert arguments.explicit == {"load", "data_path", "tensor_model_parallel_size"}
+    assert not hasattr(arguments.flags, "genfile") and not hasattr(arguments.tool, "load")
+    with pytest.raises(ArgumentError, match="--no-such-flag"):
+        parse_inference_arguments(["--genfile", "x", "--no-such-flag"], add_tool_flags)
+    with pytest.raises(ArgumentError, match="--genfile"):
+        parse_inference_arguments(["--load", "ckpt"], add_tool_flags)
+    with pytest.raises(SystemExit) as exit_info:
+        parse_inference_arguments(["--help"], add_tool_flags)
+    assert exit_info.value.code == 0
+    help_text = capsys.readouterr().out
+    assert "--out-seq-length" in help_text and "--tensor-model-parallel-size" in help_text
