@@ -21,6 +21,8 @@ the gathered X is a partial sum, so the adjoint sums them and hands each rank it
 reduce-scatter leaves a row-parallel GEMM: sum of the partial products, each rank keeping its block.
 
 The group is explicit; ``group=None`` or a group of one rank makes every function the identity.
+The collectives fused with the GEMMs that consume or produce them (--tp-comm-overlap) are the
+parallel layers' own, from ``async_tp``.
 """
 from typing import Callable
 

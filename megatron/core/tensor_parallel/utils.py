@@ -6,8 +6,8 @@ from torch.distributed import ProcessGroup
 
 from megatron.core.parallel_state import group_rank, group_size
 
-# Collectives on flat tensors: torch's all_gather_single / reduce_scatter_single where it has them,
-# else the same collectives under their earlier names.
+# Collectives on flat tensors: all_gather_single / reduce_scatter_single, or all_gather_into_tensor /
+# reduce_scatter_tensor where this torch lacks them.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
