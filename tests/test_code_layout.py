@@ -1,7 +1,8 @@
 """Structural rules of the codebase (docs/architecture.md: layering and size budgets), checked on the source tree.
 
 - layering: megatron.core <- megatron.training <- tools/ and pretrain_gpt.py; core reads no argparse;
-  nothing under megatron/ imports tools/, pretrain_gpt or the tests;
+  nothing under megatron/ imports tools/, pretrain_gpt or the tests; only megatron/training/engine/
+  imports deepspeed; no table of parameter names says how parameters are split;
 - no import circle between the modules of megatron/ (imports inside functions count too: a lazy
   import that closes a circle only hides it);
 - size budgets: files and functions;
@@ -139,6 +140,75 @@ def test_core_never_imports_training_or_argparse(path):
         tree = ast.parse(f.read(), path)
     bad = [m for m in imported_modules(tree) if m.startswith("megatron.training") or m == "argparse"]
     assert not bad, f"{os.path.relpath(path, REPO_ROOT)} imports {bad}: megatron.core must not read the trainer's arguments"
+
+
+ENGINE_PACKAGE = os.path.join(REPO_ROOT, "megatron", "training", "engine")
+
+
+def deepspeed_imports(path: str) -> list[str]:
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    return [m for m in imported_modules(tree) if m.split(".")[0] == "deepspeed"]
+
+
+def test_deepspeed_is_imported_by_the_engine_package_only():
+    """DeepSpeed behind one door: megatron/training/engine/ imports it, nothing else of megatron/,
+    tools/ or pretrain_gpt.py does (a tool needing DeepSpeed goes through the engine package)."""
+    paths = sorted(python_files(os.path.join(REPO_ROOT, "megatron"), os.path.join(REPO_ROOT, "tools")))
+    paths.append(os.path.join(REPO_ROOT, "pretrain_gpt.py"))
+    bad = [f"{os.path.relpath(path, REPO_ROOT)} imports {', '.join(deepspeed_imports(path))}" for path in paths
+           if not path.startswith(ENGINE_PACKAGE + os.sep) and deepspeed_imports(path)]
+    assert not bad, "only megatron/training/engine/ may import deepspeed: " + "; ".join(bad)
+
+
+def test_a_deepspeed_import_is_found(tmp_path):
+    (tmp_path / "a.py").write_text("def f():\n    from deepspeed.runtime.utils import partition_uniform\n")
+    (tmp_path / "b.py").write_text("import deepspeed_like\nimport torch\n")
+    assert deepspeed_imports(str(tmp_path / "a.py")) == ["deepspeed.runtime.utils"]
+    assert deepspeed_imports(str(tmp_path / "b.py")) == []
+
+
+PARAMETER_NAME = re.compile(r"^[\w.]*\.?(weight|bias)$")
+SHARDING_WORDS = re.compile(r"parallel|partition|split|stride|shard", re.IGNORECASE)
+
+
+def sharding_tables(source: str) -> list[str]:
+    """Module-level names bound to a literal table of parameter names that says how they are split:
+    a dict keyed by parameter names, or a tuple/list/set of them under a name about splitting."""
+    found = []
+    for node in ast.parse(source).body:
+        if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+            continue
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        names = [target.id for target in targets if isinstance(target, ast.Name)]
+        value = node.value
+        entries = value.keys if isinstance(value, ast.Dict) else getattr(value, "elts", [])
+        parameter_names = [entry for entry in entries if isinstance(entry, ast.Constant)
+                           and isinstance(entry.value, str) and PARAMETER_NAME.match(entry.value)]
+        about_splitting = isinstance(value, ast.Dict) and all(
+            isinstance(v, ast.Constant) and isinstance(v.value, int) for v in value.values)
+        about_splitting = about_splitting or any(SHARDING_WORDS.search(name) for name in names)
+        if parameter_names and about_splitting:
+            found += names
+    return found
+
+
+def test_sharding_tables_are_found():
+    assert sharding_tables('ROW_PARALLEL = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")\n') == \
+        ["ROW_PARALLEL"]
+    assert sharding_tables('PARTITION_DIM = {"mlp.dense_h_to_4h.weight": 0, "word_embeddings.weight": 0}\n') == \
+        ["PARTITION_DIM"]
+    assert sharding_tables('RENAMED = {"transformer.wte.weight": "word_embeddings.weight"}\n') == []
+
+
+def test_no_table_says_how_parameters_are_split():
+    """How a parameter is split across TP ranks comes from its own ``partition_dim`` /
+    ``partition_stride`` attributes (set by the parallel layers): adding a parameter needs no table."""
+    bad = []
+    for path in source_files():
+        with open(path) as f:
+            bad += [f"{os.path.relpath(path, REPO_ROOT)}: {name}" for name in sharding_tables(f.read())]
+    assert not bad, "tables of parameter names that say how they are split: " + "; ".join(bad)
 
 
 def source_files():

@@ -17,6 +17,7 @@ $py -c "import torch, deepspeed, megatron; from megatron.core.data.helpers impor
 $py -c "
 import torch
 if not torch.cuda.is_available():
-    from megatron.training.initialize import build_deepspeed_cpu_ops, select_accelerator
+    from megatron.training.initialize import select_accelerator
     select_accelerator()
+    from megatron.training.engine.distributed import build_deepspeed_cpu_ops
     build_deepspeed_cpu_ops()"

@@ -23,12 +23,13 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import deepspeed
 import torch
 
 from megatron.training.argument_groups import ARGUMENT_GROUPS, DefaultsHelpFormatter
 from megatron.training.argument_rejections import add_rejected_flags
 from megatron.training.argument_types import ArgumentError, ErrorRaisingParser
+from megatron.training.engine.ds_config import add_deepspeed_flags
+from megatron.training.engine.replacements import check_deepspeed
 from megatron.training.launch_env import rank_in_environment, read_launch_env
 from megatron.training.log_files import write_log_file
 from megatron.training.validation import DerivedValues, validate_args
@@ -88,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     for add_group in ARGUMENT_GROUPS:
         add_group(parser)
     add_rejected_flags(parser)
-    deepspeed.add_config_arguments(parser)
+    add_deepspeed_flags(parser)
     return parser
 
 
@@ -112,8 +113,12 @@ def parse_args(argv: Sequence[str] | None = None, env: Mapping[str, str] | None 
     env = os.environ if env is None else env
     cuda_available = torch.cuda.is_available() if cuda_available is None else cuda_available
     flags = ReadOnlyNamespace(build_parser().parse_args(argv))
+    engine_warnings = check_deepspeed(flags.allow_untested_deepspeed)
     explicit = explicit_dests(argv)
     launch = read_launch_env(env, flags.local_rank)
+    if launch.rank == 0:
+        for warning in engine_warnings:
+            print(warning, flush=True)
     parsed = ParsedArguments(flags, explicit, validate_args(flags, explicit, launch, cuda_available))
     if launch.rank == 0:
         for notice in parsed.derived.notices:

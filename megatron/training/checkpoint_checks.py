@@ -24,7 +24,6 @@ With --universal-checkpoint, ``latest_universal`` is read instead of ``latest``;
 the model are checked, the layout is not (a universal checkpoint fits any), and the word
 embeddings it holds must fit this run's padded vocabulary (docs/checkpoint-tools.md).
 """
-import contextlib
 import glob
 import os
 import pickle
@@ -43,7 +42,6 @@ from megatron.core.checkpoint.names import PIPELINE_EMBEDDING_PREFIX
 from megatron.core.checkpoint.origin import UnverifiedCheckpointError, unverified_reading_line
 from megatron.training.config import CheckpointConfig, TrainConfig, plain_value
 from megatron.training.dist_utils import print_rank_0
-from megatron.training.engine import is_pipeline_engine
 
 UNIVERSAL_ADVICE = ("convert it with tools/convert_checkpoint/ds_to_universal.py and resume with "
                     "--universal-checkpoint")
@@ -183,7 +181,7 @@ def _check_engine_layout(engine, tag_directory: str) -> None:
     """A pipeline engine's checkpoint keeps the module in layer_XX files, the plain engine's in
     mp_rank_XX; neither engine reads the other's. Name the cause rather than fail inside DeepSpeed."""
     saved_by_pipeline = any(name.startswith("layer_") for name in os.listdir(tag_directory))
-    loading_with_pipeline = is_pipeline_engine(engine)
+    loading_with_pipeline = engine.pipeline_layout
     if saved_by_pipeline != loading_with_pipeline:
         engines = {True: "the pipeline engine (ZeRO stage 0/1 or PP > 1)", False: "the plain engine (ZeRO stage 2)"}
         raise CheckpointError(f"{tag_directory} was written by {engines[saved_by_pipeline]} but this run uses "
@@ -278,30 +276,22 @@ def _read_saved_state(tag_directory: str, manifest: Manifest | None) -> dict:
     return state if isinstance(state, dict) else {}
 
 
-@contextlib.contextmanager
-def verified_reads(engine, tag_directory: str, manifest: Manifest | None):
-    """Inside the block, every file DeepSpeed's checkpoint engine reads is first checked against its
-    manifest entry (size, CRC-32); a damaged, missing, truncated or unreadable file raises a
-    CheckpointError that names it. Yields the VerifiedReads of this rank (the check's cost)."""
-    reader = engine.checkpoint_engine
-    original_load = reader.load
-    verified = VerifiedReads()
+def verifying_filter(tag_directory: str, manifest: Manifest | None, verified: "VerifiedReads"):
+    """A read filter (engine/interface.py): every file the engine reads is first checked against its
+    manifest entry (size, CRC-32), its cost added to ``verified``; a damaged, missing, truncated or
+    unreadable file raises a CheckpointError that names it."""
 
-    def load(path, map_location=None):
+    def read(path: str, engine_read):
         try:
             if manifest is not None:
                 started = time.perf_counter()
                 manifest.verify_file(path, tag_directory)
                 verified.add(os.path.getsize(path), time.perf_counter() - started)
-            return original_load(path, map_location=map_location)
+            return engine_read()
         except READ_ERRORS as error:
             raise unreadable(path, error, tag_directory) from error
 
-    reader.load = load
-    try:
-        yield verified
-    finally:
-        reader.load = original_load
+    return read
 
 
 @dataclass
@@ -385,6 +375,6 @@ def check_before_loading(engine, config: TrainConfig) -> tuple[str, Manifest | N
         return directory, manifest, saved
     _check_weights_only(saved, config, directory)
     _check_parallel_layout(saved.get("args", {}), config, directory)
-    if is_pipeline_engine(engine):
+    if engine.pipeline_layout:
         _check_layer_files(engine.module, directory, config.parallel.tensor_model_parallel_size)
     return directory, manifest, saved

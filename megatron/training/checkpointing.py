@@ -2,8 +2,8 @@
 
 The files, their keys and the commit protocol are described in docs/checkpoint-format.md.
 
-``engine.save_checkpoint(save, tag="global_step{N}", client_state=...)`` writes the module (one
-``layer_XX-model_TT-model_states.pt`` per pipeline layer, or the whole module for the plain
+``engine.save(save, "global_step{N}", client_state, ...)`` (engine/interface.py) writes the module
+(one ``layer_XX-model_TT-model_states.pt`` per pipeline layer, or the whole module for the plain
 engine), the optimizer partitions and ``mp_rank_MM_model_states.pt`` with the engine's own entries
 (the LR schedule under ``lr_scheduler``, skipped steps, global steps and samples), to which the
 client state adds:
@@ -22,9 +22,9 @@ made under a hidden name with the marker inside, then renamed); each rank flushe
 every file it writes to the disk (fsync) and records its size and CRC-32; once every rank is done,
 rank 0 writes ``manifest.json`` (megatron.core.checkpoint.manifest), removes the mark, syncs the
 directory, then points ``latest`` ("global_stepN") at the new tag, and then Megatron's
-``latest_checkpointed_iteration.txt`` ("N"); each is replaced atomically and durably. DeepSpeed
-itself lets rank 0 write ``latest`` as soon as its own files are done, so a job killed while another
-rank was still writing pointed the next run at a partial checkpoint. Killed at any moment of a save,
+``latest_checkpointed_iteration.txt`` ("N"); each is replaced atomically and durably. (DeepSpeed's
+own save would let rank 0 write ``latest`` as soon as its own files are done, so a job killed while
+another rank is still writing would point the next run at a partial checkpoint.) Killed at any moment of a save,
 or after a power loss right after it, a run resumes from a complete checkpoint. A write the
 filesystem refuses (full, read-only) stops every rank with one line naming the cause, the file and
 the last complete checkpoint, which ``latest`` still names (``SaveError``).
@@ -40,7 +40,6 @@ another model or layout, or incomplete is loaded). What is restored:
     --finetune         weights, and the optimizer unless --no-load-optim (as Megatron-DeepSpeed with
                        DeepSpeed); the LR schedule, counters and RNG start afresh at iteration 0
 """
-import contextlib
 import dataclasses
 import os
 import random
@@ -53,23 +52,21 @@ import torch
 
 from megatron.core.checkpoint import megatron_deepspeed
 from megatron.core.checkpoint.manifest import FileEntry, describe_file, fsync_path, write_manifest
-from megatron.core.checkpoint.names import pipeline_name
-from megatron.core.checkpoint.output import naming_refused_writes, os_error_cause, write_pointer
+from megatron.core.checkpoint.output import os_error_cause, write_pointer
 from megatron.core.checkpoint.universal import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info
-from megatron.core.checkpoint.universal_writer import OPTIMIZER_PARAMETER_NAMES
 from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.tensor_parallel import get_rng_tracker
-from megatron.training.checkpoint_checks import (LATEST_FILENAME, SAVING_MARKER, CheckpointError,
-                                                 check_before_loading, checkpoint_tags, verified_reads)
+from megatron.training.checkpoint_checks import (LATEST_FILENAME, SAVING_MARKER, CheckpointError, VerifiedReads,
+                                                 check_before_loading, checkpoint_tags, verifying_filter)
 from megatron.training.config import CheckpointConfig, TrainConfig, plain_value
 from megatron.training.dist_utils import barrier, gather_objects, is_rank_0, print_rank_0, rank
-from megatron.training.engine.deepspeed_engine import is_pipeline_engine
-from megatron.training.engine.megatron_deepspeed_resume import foreign_reads, own_rng_states, restore_optimizer_states
+from megatron.training.engine.checkpoint_io import deepspeed_version
+from megatron.training.engine.interface import TrainingEngine
+from megatron.training.engine.megatron_deepspeed_resume import own_rng_states
 from megatron.training.metrics import loaded_checkpoint_line, saved_checkpoint_line, saving_checkpoint_line
 
 CHECKPOINT_VERSION = 3.0
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
-RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
 __all__ = ["CHECKPOINT_VERSION", "CheckpointError", "SaveError", "TrainingProgress", "load_checkpoint",
            "save_checkpoint"]
@@ -156,14 +153,12 @@ def imported_checkpoint_state(model: GPTModelConfig, original_vocab_size: int, t
     the client state without RNG states, whose ``args`` hold the model, the layout and ``data`` (the
     tokenizer's settings), and DeepSpeed's own entries, empty. No LR schedule (``lr_scheduler`` None):
     a run that loads it starts the configured one."""
-    import deepspeed
-
     arguments = {"model": plain_value(model), "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                  "data_parallel_size": 1, "config": {"model": plain_value(model), "data": data}}
     state = {"module": None, "buffer_names": [], "optimizer": None, "param_shapes": None, "frozen_param_shapes": None,
              "shared_params": None, "frozen_param_fragments": None, "lr_scheduler": None, "data_sampler": None,
              "random_ltd": None, "skipped_steps": 0, "global_steps": 0, "global_samples": 0, "dp_world_size": 1,
-             "mp_world_size": tp * pp, "ds_config": {}, "ds_version": deepspeed.__version__}
+             "mp_world_size": tp * pp, "ds_config": {}, "ds_version": deepspeed_version()}
     state.update(_trainer_entries(TrainingProgress(), model, original_vocab_size, arguments, pipeline=True))
     return state
 
@@ -172,30 +167,6 @@ def _commit(directory: str, iteration: int) -> None:
     write_pointer(os.path.join(directory, LATEST_FILENAME), checkpoint_tag(iteration))
     write_pointer(os.path.join(directory, TRACKER_FILENAME), f"{iteration}\n")
     fsync_path(directory)
-
-
-@contextlib.contextmanager
-def _recorded_writes(engine, tag_directory: str):
-    """Inside the block, every file DeepSpeed's checkpoint engine writes is flushed to the disk and
-    described (size, CRC-32); yields the WrittenFiles, filled as the files are written."""
-    writer = engine.checkpoint_engine
-    original_save = writer.save
-    written = WrittenFiles()
-
-    def save(state_dict, path):
-        # Through a Python file: torch's writer, given a path, reports a refused write as a bare RuntimeError.
-        with naming_refused_writes(path), open(path, "wb") as f:
-            result = original_save(state_dict, f)
-        started = time.perf_counter()
-        written.files[os.path.relpath(path, tag_directory)] = describe_file(path)
-        written.seconds += time.perf_counter() - started
-        return result
-
-    writer.save = save
-    try:
-        yield written
-    finally:
-        writer.save = original_save
 
 
 @dataclass
@@ -270,14 +241,18 @@ def _start_save(tag_directory: str) -> None:
     fsync_path(parent)
 
 
-def _write_files(engine, progress: TrainingProgress, config: TrainConfig, tag_directory: str):
-    """(this rank's WrittenFiles, its WriteFailure or None) of DeepSpeed's save into ``tag_directory``."""
-    with _recorded_writes(engine, tag_directory) as written:
-        state = client_state(progress, config, is_pipeline_engine(engine))
-        if config.parallel.zero_stage == 0:
-            state[OPTIMIZER_PARAMETER_NAMES] = optimizer_parameter_names(engine)
-        _, failure = _refused(lambda: engine.save_checkpoint(config.checkpoint.save, tag=os.path.basename(tag_directory),
-                                                             client_state=state, save_latest=False))
+def _write_files(engine: TrainingEngine, progress: TrainingProgress, config: TrainConfig, tag_directory: str):
+    """(this rank's WrittenFiles, its WriteFailure or None) of the engine's save into ``tag_directory``:
+    every file flushed to the disk and described (size, CRC-32) as it is written."""
+    written = WrittenFiles()
+
+    def record(path: str) -> None:
+        started = time.perf_counter()
+        written.files[os.path.relpath(path, tag_directory)] = describe_file(path)
+        written.seconds += time.perf_counter() - started
+
+    state = client_state(progress, config, engine.pipeline_layout)
+    _, failure = _refused(lambda: engine.save(config.checkpoint.save, os.path.basename(tag_directory), state, record))
     if failure is not None:
         # DeepSpeed's save ends in a barrier the ranks whose files are written now wait in; its other
         # collectives come before the first write.
@@ -285,12 +260,10 @@ def _write_files(engine, progress: TrainingProgress, config: TrainConfig, tag_di
     return written, failure
 
 
-def _finish_save(engine, every_rank_written: list, progress: TrainingProgress, config: TrainConfig,
+def _finish_save(every_rank_written: list, progress: TrainingProgress, config: TrainConfig,
                  tag_directory: str) -> list[str]:
     """Rank 0: the manifest, the marker removed, ``latest`` and the tracker, the pruning; the tags removed."""
     directory = config.checkpoint.save
-    if is_pipeline_engine(engine):
-        _remove_recovery_scripts(directory)
     files = {name: entry for record in every_rank_written for name, entry in record.files.items()}
     write_manifest(tag_directory, progress.iteration, files)
     os.remove(os.path.join(tag_directory, SAVING_MARKER))
@@ -299,7 +272,7 @@ def _finish_save(engine, every_rank_written: list, progress: TrainingProgress, c
     return prune_checkpoints(directory, config.checkpoint, os.path.basename(tag_directory))
 
 
-def save_checkpoint(engine, progress: TrainingProgress, config: TrainConfig) -> None:
+def save_checkpoint(engine: TrainingEngine, progress: TrainingProgress, config: TrainConfig) -> None:
     """Collective: every rank writes and records its part through the engine; rank 0 then writes the
     manifest and commits (module docstring). A refused write raises SaveError on every rank, after
     the ranks have agreed on it (each phase ends in a gather of the failures)."""
@@ -314,7 +287,7 @@ def save_checkpoint(engine, progress: TrainingProgress, config: TrainConfig) -> 
     every_rank = gather_objects((written, failure))  # collective: every rank has finished writing
     _raise_if_refused([failure for _, failure in every_rank], directory, tag)
     every_rank_written = [written for written, _ in every_rank]
-    removed, failure = _refused(lambda: _finish_save(engine, every_rank_written, progress, config, tag_directory)) \
+    removed, failure = _refused(lambda: _finish_save(every_rank_written, progress, config, tag_directory)) \
         if is_rank_0() else ([], None)
     _raise_if_refused(gather_objects(failure), directory, tag)
     print_rank_0(saved_checkpoint_line(progress.iteration, directory))
@@ -329,16 +302,6 @@ def manifest_cost_line(files: dict[str, FileEntry], seconds: float, save_seconds
     gigabytes = sum(entry.size for entry in files.values()) / 1e9
     return (f"  manifest: {len(files)} files, {gigabytes:.3f} GB flushed and checksummed in {seconds:.2f} s "
             f"(slowest rank) of the save's {save_seconds:.2f} s")
-
-
-def _remove_recovery_scripts(directory: str) -> None:
-    """DeepSpeed copies its zero_to_fp32.py / zero_to_torch.py next to every ZeRO checkpoint, but they
-    cannot read the pipeline engine's checkpoints (its mp_rank files hold no module): drop them there
-    rather than leave a tool that fails. They stay with the plain engine's (ZeRO-2) checkpoints."""
-    for name in RECOVERY_SCRIPTS:
-        path = os.path.join(directory, name)
-        if os.path.exists(path):
-            os.remove(path)
 
 
 def prune_checkpoints(directory: str, settings: CheckpointConfig, current_tag: str) -> list[str]:
@@ -359,48 +322,7 @@ def prune_checkpoints(directory: str, settings: CheckpointConfig, current_tag: s
     return removed
 
 
-def optimizer_parameter_names(engine) -> list[list[str]]:
-    """The names of the optimizer's parameters, group by group in its order: at ZeRO stage 0 the saved
-    optimizer state numbers them by that order only, and the universal conversion needs the names."""
-    names = {id(parameter): name for name, parameter in engine.module.named_parameters()}
-    return [[names[id(parameter)] for parameter in group["params"]] for group in engine.optimizer.param_groups]
-
-
-def _restart_engine_counters(engine) -> None:
-    """--finetune: DeepSpeed's step and sample counters (and so the next tag) start again from 0."""
-    engine.global_steps = 0
-    engine.global_samples = 0
-    engine.skipped_steps = 0
-
-
-@contextlib.contextmanager
-def _universal_parameter_names(engine, num_layers: int, universal: bool):
-    """Inside the block, the plain engine's ZeRO optimizer names its parameters as the pipeline module
-    does, the names a universal checkpoint's folders have (megatron.core.checkpoint.names); its own
-    names come back after, so its next save keeps them."""
-    if not universal or is_pipeline_engine(engine):
-        yield
-        return
-    optimizer = engine.optimizer
-    own_names = optimizer.param_names
-    optimizer.param_names = {param: pipeline_name(name, num_layers) for param, name in own_names.items()}
-    try:
-        yield
-    finally:
-        optimizer.param_names = own_names
-
-
-def _steps_beside_moments(engine) -> None:
-    """DeepSpeed's universal load sets Adam's step to the tensor read from step.pt, on the CPU; torch's
-    fused AdamW (on the GPU) needs it on the moments' device, in fp32, as its own load_state_dict puts it."""
-    base = getattr(engine.optimizer, "optimizer", engine.optimizer)
-    for state in base.state.values():
-        step, moment = state.get("step"), state.get("exp_avg")
-        if torch.is_tensor(step) and torch.is_tensor(moment) and step.device != moment.device:
-            state["step"] = step.to(device=moment.device, dtype=torch.float32)
-
-
-def load_checkpoint(engine, config: TrainConfig) -> TrainingProgress | None:
+def load_checkpoint(engine: TrainingEngine, config: TrainConfig) -> TrainingProgress | None:
     """Restore from --load (module docstring); None when there is nothing to load (start from scratch)."""
     settings: CheckpointConfig = config.checkpoint
     if settings.load is None:
@@ -413,22 +335,14 @@ def load_checkpoint(engine, config: TrainConfig) -> TrainingProgress | None:
     tag_directory, manifest, saved = checked
     universal = settings.universal_checkpoint
     foreign = not universal and megatron_deepspeed.is_translated(saved)
-    # Megatron-DeepSpeed's ZeRO partitions flatten other parameter groups than ours: their states move by name
-    by_name = foreign and megatron_deepspeed.has_optimizer_partitions(tag_directory)
+    verified = VerifiedReads()
     # An imported model has no schedule to restore: the configured one starts.
-    with verified_reads(engine, tag_directory, manifest) as verified, \
-            _universal_parameter_names(engine, config.model.num_layers, universal), \
-            foreign_reads(engine, foreign, load_optimizer=not settings.no_load_optim):
-        _, state = engine.load_checkpoint(settings.load,
-                                          load_optimizer_states=not settings.no_load_optim and not by_name,
-                                          load_lr_scheduler_states=not settings.finetune
-                                          and saved.get("lr_scheduler") is not None)
-    if by_name and not settings.no_load_optim:
-        restore_optimizer_states(engine, tag_directory)
-    if universal:
-        _steps_beside_moments(engine)
+    state = engine.load(settings.load, tag_directory, load_optimizer=not settings.no_load_optim,
+                        load_lr_scheduler=not settings.finetune and saved.get("lr_scheduler") is not None,
+                        read_filters=[verifying_filter(tag_directory, manifest, verified)], universal=universal,
+                        megatron_deepspeed=foreign)
     if settings.finetune:
-        _restart_engine_counters(engine)
+        engine.restart_counters()
         progress = TrainingProgress()
     else:
         progress = TrainingProgress(**{f.name: state[f.name] for f in dataclasses.fields(TrainingProgress)

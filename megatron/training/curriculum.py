@@ -18,9 +18,9 @@ The length L(t) of iteration t (1-based) comes from DeepSpeed's own CurriculumSc
 L reaches max it stays there. Every micro batch of iteration t is cut to its first L(t) tokens
 (tokens, labels, loss mask, position ids, and the attention mask to [:L, :L]); the consumed
 tokens grow by global batch x L(t), which is what --train-tokens, --lr-warmup-tokens and
---lr-decay-tokens count. Evaluation always runs at the full --seq-length. The pipeline engine
-keeps the activation shapes of its first send, so it is told (``reset_activation_shape``)
-whenever the length changes, evaluation included.
+--lr-decay-tokens count. Evaluation always runs at the full --seq-length. The engine is told
+whenever the length changes, evaluation included (a pipeline keeps the activation shapes of its
+first send). engine/curriculum_scheduler.py runs the schedule.
 
 DeepSpeed 0.19 refuses the legacy top-level block in its own config, so the trainer runs the
 schedule and the block is removed from the config handed to ``deepspeed.initialize``
@@ -136,28 +136,3 @@ def curriculum_config(ds_config: dict, where: str, seq_length: int) -> Curriculu
     else:
         _check_root_schedule(schedule, where, root=schedule_type == "fixed_root")
     return CurriculumConfig(minimum, maximum, schedule_type, dict(schedule))
-
-
-class SequenceLengthCurriculum:
-    """The length of each training iteration, through DeepSpeed's CurriculumScheduler.
-
-    ``length_for(iteration)`` is called once per iteration, in order, before its batches are read;
-    ``current`` is the last length handed out (saved in checkpoints), ``restore`` puts it back.
-    """
-
-    def __init__(self, config: CurriculumConfig):
-        from deepspeed.runtime.data_pipeline.constants import CURRICULUM_LEARNING_CURRENT_DIFFICULTY
-        from deepspeed.runtime.data_pipeline.curriculum_scheduler import CurriculumScheduler
-
-        self.scheduler = CurriculumScheduler(config.scheduler_config())
-        self._current_key = CURRICULUM_LEARNING_CURRENT_DIFFICULTY
-
-    @property
-    def current(self) -> int:
-        return self.scheduler.state[self._current_key]
-
-    def restore(self, length: int) -> None:
-        self.scheduler.state[self._current_key] = length
-
-    def length_for(self, iteration: int) -> int:
-        return self.scheduler.update_difficulty(iteration)

@@ -19,10 +19,8 @@ lone ``python pretrain_gpt.py ...`` becomes rank 0 of 1 on a local address. Unle
 says otherwise, the processes a launcher started on one node share its CPUs (the deepspeed launcher
 sets no thread count, and every process taking every core runs a 2-process CPU job at half speed).
 """
-import contextlib
 import hashlib
 import importlib.util
-import io
 import logging
 import os
 import random
@@ -34,7 +32,7 @@ import torch
 
 from megatron.core.models.gpt import GPTModelConfig
 from megatron.core.parallel_state import ParallelGroups, initialize_model_parallel
-from megatron.core.tensor_parallel import model_parallel_seed, share_rng_tracker_with_deepspeed
+from megatron.core.tensor_parallel import model_parallel_seed
 if TYPE_CHECKING:  # the config module imports deepspeed, which must wait for select_accelerator
     from megatron.training.config import LoggingConfig, ParallelConfig
 from megatron.training.dist_utils import print_line, print_rank_0
@@ -83,58 +81,6 @@ def _rendezvous_environment(parallel: "ParallelConfig") -> dict:
             "MASTER_PORT": str(parallel.master_port)}
 
 
-CPU_OPS = {"ShareMemCommBuilder": "shared-memory collectives (every run)",
-           "CPUAdamBuilder": "CPU Adam (ZeRO optimizer offload)"}
-
-
-def _unbuilt_cpu_op(name: str):
-    """(DeepSpeed's op builder, its cache directory) when the CPU op ``name`` still has to be compiled, else None."""
-    from deepspeed.accelerator import get_accelerator
-    from torch.utils.cpp_extension import _get_build_directory
-
-    builder = get_accelerator().create_op_builder(name)
-    if builder is None:
-        return None
-    directory = _get_build_directory(builder.NAME, verbose=False)
-    return None if os.path.exists(os.path.join(directory, f"{builder.NAME}.so")) else (builder, directory)
-
-
-def build_deepspeed_cpu_ops() -> None:
-    """Compile DeepSpeed's CPU ops not yet in torch's extensions cache, saying so first (the install
-    script runs this, so that no run waits for it)."""
-    for name, purpose in CPU_OPS.items():
-        unbuilt = _unbuilt_cpu_op(name)
-        if unbuilt is not None:
-            builder, directory = unbuilt
-            print_line(f"building DeepSpeed's {purpose} op for the CPU, once (a minute or two on two cores; "
-                       f"cached in {directory}) ...")
-            builder.load(verbose=False)
-
-
-def _announce_cpu_op_build(rank: int) -> None:
-    """Before DeepSpeed's CPU accelerator compiles its shared-memory op (when the install did not),
-    say why the next minute is quiet."""
-    unbuilt = _unbuilt_cpu_op("ShareMemCommBuilder")
-    if unbuilt is not None and rank == 0:
-        print_line(f"> DeepSpeed builds its shared-memory op for the CPU once (about a minute on two cores; "
-                   f"cached in {unbuilt[1]}) ...")
-
-
-def use_current_collective_names() -> None:
-    """DeepSpeed 0.19 calls torch.distributed.all_gather_into_tensor and reduce_scatter_tensor, which
-    torch 2.13 deprecates (a FutureWarning on every rank) for all_gather_single and
-    reduce_scatter_single, the same collectives under their new names: point DeepSpeed's torch
-    backend at those where this torch has them."""
-    import deepspeed.comm.comm as deepspeed_comm
-
-    backend = deepspeed_comm.cdb
-    for attribute, current_name in (("all_gather_function", "all_gather_single"),
-                                    ("reduce_scatter_function", "reduce_scatter_single")):
-        current = getattr(torch.distributed, current_name, None)
-        if current is not None and getattr(backend, attribute, None) is not None:
-            setattr(backend, attribute, current)
-
-
 CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"
 
 
@@ -162,9 +108,9 @@ def share_cpu_threads(rank: int) -> None:
 
 
 def initialize_distributed(parallel: "ParallelConfig") -> ParallelGroups:
-    """CPU threads per process, torch.cuda.set_device(local rank) on GPU, deepspeed.init_distributed,
-    then our TP/DP/PP groups."""
-    import deepspeed
+    """CPU threads per process, torch.cuda.set_device(local rank) on GPU, the engine's process group
+    (engine/distributed.py), then our TP/DP/PP groups."""
+    from megatron.training.engine.distributed import init_process_group
 
     share_cpu_threads(parallel.rank)
     if parallel.deterministic:
@@ -173,19 +119,10 @@ def initialize_distributed(parallel: "ParallelConfig") -> ParallelGroups:
     if torch.cuda.is_available():
         device_count = torch.cuda.device_count()
         torch.cuda.set_device(parallel.local_rank % device_count)
-    else:
-        _announce_cpu_op_build(parallel.rank)
     if parallel.rank == 0:  # torch.distributed does not know the rank yet
         print_line(f"> initializing torch distributed with backend {parallel.distributed_backend}, "
                    f"world size {parallel.world_size} (launcher: {parallel.launcher}) ...")
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):  # DeepSpeed's CPU backend prints "... built successfully" per rank
-        deepspeed.init_distributed(dist_backend=parallel.distributed_backend, auto_mpi_discovery=False,
-                                   verbose=False, rank=parallel.rank, world_size=parallel.world_size)
-    for line in printed.getvalue().splitlines():
-        if not line.endswith(" built successfully"):  # also said when the op only came from the cache
-            print_line(line)
-    use_current_collective_names()
+    init_process_group(parallel.distributed_backend, parallel.rank, parallel.world_size)
     print_rank_0(f"> initializing tensor model parallel with size {parallel.tensor_model_parallel_size}")
     print_rank_0(f"> initializing pipeline model parallel with size {parallel.pipeline_model_parallel_size}")
     return initialize_model_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size)
@@ -199,8 +136,10 @@ def set_random_seeds(seed: int, groups: ParallelGroups) -> None:
     print_rank_0(f"> setting random seeds to {seed} ...")
     random.seed(stage_seed)
     np.random.seed(stage_seed)
+    from megatron.training.engine.activation_checkpointing import share_rng_tracker
+
     model_parallel_seed(seed, groups.tp_rank, groups.pp_rank)
-    share_rng_tracker_with_deepspeed()
+    share_rng_tracker()
 
 
 def apply_log_levels(logging_config: "LoggingConfig", global_rank: int) -> None:
@@ -225,13 +164,13 @@ def fused_kernel_violations(model: GPTModelConfig, tensor_model_parallel_size: i
                             micro_batch_size: int) -> list[str]:
     """Why a fused kernel the model uses would fall back to its reference at the configured shapes.
 
-    The kernels' own rules (megatron.core.fused_kernels.dispatch) are checked on shape-only (meta)
+    The kernels' own rules (megatron.core.fused_kernels.training_ops) are checked on shape-only (meta)
     tensors of one TP rank's activations: layer norm on [s, b, h], bias-dropout-add on [s, b, h]
     (--no-bias-dropout-fusion skips it), bias-GeLU on [s, b, ffn / tp] (not with a GLU or
     --no-bias-gelu-fusion), the scale-mask-softmax on [b, heads / tp, s, s] when attention
     materializes the scores; plus whether fused kernels are enabled and triton is installed.
     """
-    from megatron.core.fused_kernels import dispatch
+    from megatron.core.fused_kernels import selection, training_ops
 
     s, b, h = model.seq_length, micro_batch_size, model.hidden_size
 
@@ -239,20 +178,20 @@ def fused_kernel_violations(model: GPTModelConfig, tensor_model_parallel_size: i
         return torch.empty(shape, dtype=model.params_dtype, device="meta")
 
     problems = []
-    if not dispatch.fused_kernels_enabled():
-        problems.append(f"fused kernels are disabled ({dispatch.ENV_VAR})")
+    if not selection.fused_kernels_enabled():
+        problems.append(f"fused kernels are disabled ({selection.ENV_VAR})")
     if importlib.util.find_spec("triton") is None:
         problems.append("triton is not installed")
-    checks = [("layer norm", dispatch.layer_norm_constraint_violation(meta(s, b, h), meta(h), meta(h)))]
+    checks = [("layer norm", training_ops.layer_norm_constraint_violation(meta(s, b, h), meta(h), meta(h)))]
     if model.bias_dropout_fusion:
-        checks.append(("bias-dropout-add", dispatch.bias_dropout_add_constraint_violation(
+        checks.append(("bias-dropout-add", training_ops.bias_dropout_add_constraint_violation(
             meta(s, b, h), meta(h), meta(s, b, h), model.hidden_dropout)))
     if model.bias_gelu_fusion and model.glu_activation is None:
         ffn = model.ffn_hidden_size // tensor_model_parallel_size
-        checks.append(("bias-GeLU", dispatch.bias_gelu_constraint_violation(meta(ffn), meta(s, b, ffn))))
+        checks.append(("bias-GeLU", training_ops.bias_gelu_constraint_violation(meta(ffn), meta(s, b, ffn))))
     if model.attention_impl == "materialized" and model.masked_softmax_fusion:
         heads = model.num_attention_heads // tensor_model_parallel_size
-        checks.append(("scale-mask-softmax", dispatch.softmax_constraint_violation(meta(b, heads, s, s), None)))
+        checks.append(("scale-mask-softmax", training_ops.softmax_constraint_violation(meta(b, heads, s, s), None)))
     return problems + [f"{name}: {why}" for name, why in checks if why]
 
 

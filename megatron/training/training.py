@@ -3,7 +3,7 @@
     pretrain(config, tokenizer)
       initialize_megatron             process group, TP/DP/PP groups, seeds          (initialize.py)
       the kill switch                 present at start: exit before building anything
-      Trainer(...)                    model, optimizer, LR schedule, DeepSpeed engine (engine.py)
+      Trainer(...)                    model, optimizer, LR schedule, the engine       (engine/)
                                       --load                                          (checkpointing.py)
                                       datasets and this rank's iterators              (data_loading.py)
                                       TensorBoard, codecarbon, the matmul peak
@@ -12,14 +12,13 @@
 
 One iteration (Trainer.train):
   1. the batch calculator sets the global batch for the consumed samples (--rampup-batch-size);
-     the engine follows (engine.set_train_batch_size: the pipeline's micro batches, or the plain
-     engine's accumulation steps);
+     the engine follows (engine.set_global_batch);
   2. the kill switch, the exit signals and the launcher are checked in one all-reduce (any rank
      seeing the file, receiving SIGTERM / SIGINT / SIGUSR1 or finding its launcher ended stops all
      ranks, after a checkpoint: signals.py);
-  3. train_step: the pipeline engine's train_batch, or forward/backward/step per micro batch on the
-     plain engine; DeepSpeed reduces gradients, clips, steps the optimizer and the LR schedule (not
-     on an fp16 overflow, which counts as a skipped iteration);
+  3. train_step: the engine's step over one global batch (engine/interface.py); it reduces
+     gradients, clips, steps the optimizer and the LR schedule (not on an fp16 overflow, which
+     counts as a skipped iteration);
   4. counters advance by the global batch (samples) and global batch x seq length (tokens; with
      curriculum learning, the iteration's length, set before step 3: curriculum.py);
   5. TensorBoard scalars, the log line every --log-interval, evaluation every --eval-interval,
@@ -45,12 +44,13 @@ import torch
 from megatron.training import dist_utils
 from megatron.training.checkpointing import TrainingProgress, load_checkpoint, save_checkpoint
 from megatron.training.config import TrainConfig, flat_config
-from megatron.training.curriculum import SequenceLengthCurriculum
+from megatron.training.engine.curriculum_scheduler import SequenceLengthCurriculum
 from megatron.training.data_loading import (DataLoadingError, LMBatch, LoaderSettings, batch_function, build_datasets,
-                                            build_iterators, pipeline_batch, train_valid_test_num_samples,
+                                            build_iterators, train_valid_test_num_samples,
                                             truncate_batch)
-from megatron.training.engine.deepspeed_engine import (build_lr_scheduler, build_model, build_optimizer, counts_once,
-                                      current_device, initialize_engine, parameter_counts, uses_pipeline_engine)
+from megatron.training.engine.deepspeed_engine import start_engine
+from megatron.training.engine.model_setup import (build_lr_scheduler, build_model, build_optimizer, counts_once,
+                                                  current_device, parameter_counts)
 from megatron.training.initialize import check_fused_kernel_constraints, initialize_megatron
 from megatron.training.log_files import write_log_file
 from megatron.training.metrics import (BUILDING_DATASETS_LINE, TEST_END_PREFIX, VALIDATION_END_PREFIX,
@@ -152,18 +152,6 @@ def peak_memory_megabytes(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # kilobytes on Linux
 
 
-def _loss_scale(engine) -> float | None:
-    optimizer = engine.optimizer
-    scaler = getattr(optimizer, "loss_scale_config", None)
-    scale = scaler.cur_scale if scaler is not None else getattr(optimizer, "cur_scale", None)
-    return None if scale is None else float(scale)
-
-
-def _grad_norm(engine) -> float | None:
-    norm = engine.get_global_grad_norm()
-    return None if norm is None else float(norm)
-
-
 class Trainer:
     """The engine, the data, the reporting and the counters of one run, all built by the constructor
     (module docstring); ``train`` runs the loop."""
@@ -177,7 +165,6 @@ class Trainer:
         self.calculator = build_num_microbatches_calculator(
             self.schedule.global_batch_size, self.schedule.micro_batch_size, groups.dp_size,
             self.schedule.rampup_batch_size)
-        self.pipeline = uses_pipeline_engine(groups.pp_size, config.parallel.zero_stage)
         self.device = current_device()
         self.make_batch = batch_function(tokenizer.eod, config.data, self.device, config.model.padded_vocab_size)
         self.curriculum = SequenceLengthCurriculum(self.schedule.curriculum) if self.schedule.curriculum else None
@@ -247,10 +234,7 @@ class Trainer:
         lr_scheduler = build_lr_scheduler(optimizer, self.config.optimizer, self.schedule,
                                           self.calculator.get_current_global_batch_size,
                                           lambda: self.progress.consumed_train_tokens)
-        engine = initialize_engine(self.config, self.groups, model, optimizer, lr_scheduler)
-        if self.pipeline:
-            engine.set_batch_fn(lambda data: pipeline_batch(self._batch(data)))
-        return lr_scheduler, engine
+        return lr_scheduler, start_engine(self.config, self.groups, model, optimizer, lr_scheduler, self._batch)
 
     def _build_data(self):
         schedule, data = self.schedule, self.config.data
@@ -263,11 +247,10 @@ class Trainer:
         if datasets.train is None and not schedule.eval_only:
             raise DataLoadingError("no training samples: the train split holds no documents (see --split or "
                                    "--train-weighted-split-paths)")
-        reads_data = not self.pipeline or self.groups.is_first_stage or self.groups.is_last_stage
         settings = dict(micro_batch_size=schedule.micro_batch_size, data_parallel_rank=self.groups.dp_rank,
                         data_parallel_size=self.groups.dp_size, seed=self.config.model.seed,
                         dataloader_type=data.dataloader_type)
-        return build_iterators(datasets, reads_data, LoaderSettings(num_workers=data.num_workers, **settings),
+        return build_iterators(datasets, self.engine.reads_data, LoaderSettings(num_workers=data.num_workers, **settings),
                                LoaderSettings(num_workers=data.valid_num_workers, **settings),
                                self.progress.consumed_train_samples, self.progress.consumed_valid_samples)
 
@@ -322,17 +305,13 @@ class Trainer:
 
     def train_step(self) -> StepResult:
         skipped_before = self.engine.skipped_steps
-        if self.pipeline:
-            loss = float(self.engine.train_batch(data_iter=self.iterators.train))
-        else:
-            loss = self._plain_engine_step()
-        self._report_tp_drift()
-        return StepResult(loss, self.engine.skipped_steps > skipped_before, _grad_norm(self.engine),
-                          getattr(self.engine, "num_zeros_in_grad", None))
+        loss = self.engine.train_step(self.iterators.train, self.calculator.get())
+        num_zeros, (drift, name) = self.engine.last_step_extras()
+        self._report_tp_drift(drift, name)
+        return StepResult(loss, self.engine.skipped_steps > skipped_before, self.engine.grad_norm(), num_zeros)
 
-    def _report_tp_drift(self):
+    def _report_tp_drift(self, drift: float, name: str | None):
         """--sync-tp-duplicated-parameters: name the drift the step's synchronization found, if any."""
-        drift, name = getattr(self.engine, "tp_drift", (0.0, None))
         if drift > 0.0:
             dist_utils.print_rank_0(f"> iteration {self.progress.iteration + 1}: TP-duplicated parameters had drifted "
                                     f"apart (largest |difference| {drift:.3e}, in {name}); synchronized from "
@@ -343,39 +322,14 @@ class Trainer:
         return truncate_batch(self.make_batch(data), self.active_seq_length)
 
     def _use_length(self, seq_length: int) -> None:
-        """Cut the next batches to ``seq_length``; the pipeline engine re-learns its activation shapes."""
+        """Cut the next batches to ``seq_length``; the engine is told (a pipeline re-learns its activation shapes)."""
         if seq_length != self.active_seq_length:
             self.active_seq_length = seq_length
-            if self.pipeline:
-                self.engine.reset_activation_shape()
-
-    def _plain_engine_step(self) -> float:
-        """Forward, backward and step per micro batch; the optimizer steps at the last one."""
-        num_micro_batches = self.calculator.get()
-        losses = []
-        for index in range(num_micro_batches):
-            batch = self._batch(next(self.iterators.train))
-            self.engine.set_gradient_accumulation_boundary(index == num_micro_batches - 1)
-            loss = self.engine(batch.tokens, batch.position_ids, batch.attention_mask, batch.labels, batch.loss_mask)
-            self.engine.backward(loss)
-            self.engine.step()
-            losses.append(loss.detach())
-        local_mean = float(torch.stack(losses).mean())
-        return dist_utils.average_across_group([local_mean], self.dp_group)[0]
+            self.engine.sequence_length_changed()
 
     def _eval_step(self, iterator) -> float:
         """The loss of one global batch, without gradients (mean over micro batches and DP ranks)."""
-        if self.pipeline:
-            return float(self.engine.eval_batch(data_iter=iterator))
-        self.engine.eval()
-        losses = []
-        with torch.no_grad():
-            for _ in range(self.calculator.get()):
-                batch = self._batch(next(iterator))
-                losses.append(self.engine(batch.tokens, batch.position_ids, batch.attention_mask, batch.labels,
-                                          batch.loss_mask))
-        self.engine.train()
-        return dist_utils.average_across_group([float(torch.stack(losses).mean())], self.dp_group)[0]
+        return self.engine.eval_step(iterator, self.calculator.get())
 
     def _advance(self):
         """Counters after an iteration: tokens at the curriculum's length, Megatron-DeepSpeed's gigaflos at
@@ -415,7 +369,7 @@ class Trainer:
     def _iterate(self) -> str | None:
         while not self.training_done():
             self.calculator.update(self.progress.consumed_train_samples)
-            self.engine.set_train_batch_size(self.calculator.get_current_global_batch_size())
+            self.engine.set_global_batch(self.calculator.get_current_global_batch_size())
             stop = stop_request(self.schedule.kill_switch_path, self.signals)
             if stop.stops:
                 self._save_before_exit()
@@ -491,7 +445,7 @@ class Trainer:
         if self.config.logging.log_params_norm:
             params_norm = dist_utils.params_l2_norm(self.engine.module.named_parameters(), self.groups.tp_rank,
                                                     self.groups.dp_size, lambda name: counts_once(name, self.groups))
-        loss_scale = _loss_scale(self.engine) if self.config.precision.fp16 else None
+        loss_scale = self.engine.loss_scale() if self.config.precision.fp16 else None
         scalars = IterationScalars(learning_rate=self.lr_scheduler.get_lr(),
                                    global_batch_size=self.calculator.get_current_global_batch_size(),
                                    losses=losses, loss_scale=loss_scale, grad_norm=result.grad_norm,

@@ -57,7 +57,7 @@ def foreign_enums_module() -> types.ModuleType:
 def three_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Megatron-DeepSpeed's groups: the weight-decay parameters in two halves, then the others. Its
     Adam gets weight_decay as its default; the halves carry it here, our builder passes no default."""
-    from megatron.training.engine.deepspeed_engine import _is_norm
+    from megatron.training.engine.model_setup import _is_norm
 
     decay, no_decay = [], []
     for module in model.modules():
@@ -184,7 +184,7 @@ if __name__ == "__main__":
     select_accelerator()
     sys.modules["megatron.enums"] = foreign_enums_module()
     from megatron.training import lr_schedule, training
-    from megatron.training.engine import deepspeed_engine as engine_module
+    from megatron.training.engine import model_setup as engine_module
 
     engine_module.weight_decay_groups = three_groups
     lr_schedule.AnnealingLR.state_dict = scheduler_state

@@ -14,7 +14,7 @@ from megatron.training import bnb_optimizer
 from megatron.training.arguments import ArgumentError, parse_args
 from megatron.training.bnb_optimizer import BitsAndBytesError, adamw_8bit, with_embedding_in_32_bits
 from megatron.training.config import build_config
-from megatron.training.engine.deepspeed_engine import build_optimizer, weight_decay_groups
+from megatron.training.engine.model_setup import build_optimizer, weight_decay_groups
 from megatron.core.models.gpt import GPTModel, GPTModelConfig
 from megatron.core.parallel_state import single_rank_groups
 from tests.training.e2e_utils import run_pretrain, tiny_gpt_flags

@@ -13,7 +13,8 @@ import torch
 
 from megatron.training.arguments import ArgumentError, parse_args
 from megatron.training.config import build_config
-from megatron.training.curriculum import CurriculumConfig, SequenceLengthCurriculum
+from megatron.training.curriculum import CurriculumConfig
+from megatron.training.engine.curriculum_scheduler import SequenceLengthCurriculum
 from megatron.training.data_loading import get_batch, truncate_batch
 from megatron.training.training import Trainer
 from tests.dist_utils import free_port
@@ -123,14 +124,14 @@ def test_a_cut_batch_equals_the_batch_of_the_shorter_text():
 
 
 def test_evaluation_runs_at_the_full_length_and_gives_the_curriculum_length_back():
-    """Trainer.evaluate on a stand-in pipeline engine: every evaluation step sees --seq-length, the engine
-    re-learns its shapes on the way in and out, and training resumes at the curriculum's length."""
+    """Trainer.evaluate on a stand-in engine: every evaluation step sees --seq-length, the engine is
+    told of the length on the way in and out, and training resumes at the curriculum's length."""
     trainer = Trainer.__new__(Trainer)
     trainer.config = SimpleNamespace(model=SimpleNamespace(seq_length=64))
     trainer.schedule = SimpleNamespace(eval_iters=3)
-    trainer.pipeline, trainer.active_seq_length = True, 24
+    trainer.active_seq_length = 24
     resets, lengths_seen = [], []
-    trainer.engine = SimpleNamespace(reset_activation_shape=lambda: resets.append(trainer.active_seq_length))
+    trainer.engine = SimpleNamespace(sequence_length_changed=lambda: resets.append(trainer.active_seq_length))
     trainer._eval_step = lambda iterator: lengths_seen.append(trainer.active_seq_length) or 2.0
     assert trainer.evaluate(iterator=None) == 2.0
     assert lengths_seen == [64, 64, 64] and resets == [64, 24] and trainer.active_seq_length == 24

@@ -25,8 +25,10 @@ from megatron.training.checkpointing import TrainingProgress, client_state, rest
 from megatron.training.config import CheckpointConfig, DataConfig
 from megatron.training.data_loading import (DataLoadingError, LoaderSettings, cycling_iterator, get_batch,
                                             pipeline_batch, train_valid_test_num_samples, training_iterator)
-from megatron.training.engine.deepspeed_engine import (EngineSetupError, build_optimizer, check_engine_grid, gradient_norm_share,
-                                      parameter_counts, uses_pipeline_engine, weight_decay_groups)
+from megatron.training.engine.deepspeed_engine import EngineSetupError, check_engine_grid
+from megatron.training.engine.fp32_steps import gradient_norm_share
+from megatron.training.engine.model_setup import (build_optimizer, parameter_counts, uses_pipeline_engine,
+                                                  weight_decay_groups)
 from megatron.training.training import exit_label
 from tests.conftest import REPO_ROOT
 from tests.dist_utils import run_distributed
@@ -412,7 +414,7 @@ def test_a_checkpoint_of_the_other_engine_is_refused(tmp_path):
     (tmp_path / "global_step3").mkdir()
     (tmp_path / "global_step3" / "layer_01-model_00-model_states.pt").write_bytes(b"")
     (tmp_path / "latest").write_text("global_step3")
-    plain_engine = SimpleNamespace()
+    plain_engine = SimpleNamespace(pipeline_layout=False)
     with pytest.raises(CheckpointError, match="written by the pipeline engine .* uses the plain engine"):
         _check_engine_layout(plain_engine, resume_directory(str(tmp_path)))
 

@@ -22,7 +22,6 @@ from megatron.core.tensor_parallel.random import (
     checkpoint,
     get_rng_tracker,
     model_parallel_seed,
-    share_rng_tracker_with_deepspeed,
 )
 from megatron.core.tensor_parallel.utils import VocabUtility, divide, split_tensor_along_last_dim
 
@@ -46,7 +45,6 @@ __all__ = [
     "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
     "set_tensor_model_parallel_attributes",
-    "share_rng_tracker_with_deepspeed",
     "split_tensor_along_last_dim",
     "vocab_parallel_cross_entropy",
 ]

@@ -46,7 +46,7 @@ class RNGStatesTracker:
     """Named generator states that code can switch to temporarily with ``fork(name)``.
 
     The interface (add, fork, get_states, set_states, reset) is the one DeepSpeed's activation
-    checkpointing expects of its tracker, see ``share_rng_tracker_with_deepspeed``.
+    checkpointing expects of its tracker (the engine shares this one with it).
     """
 
     def __init__(self):
@@ -109,18 +109,6 @@ def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int) -> None:
     tracker = get_rng_tracker()
     tracker.reset()
     tracker.add(MODEL_PARALLEL_RNG, stage_seed + 2718 + tp_rank)
-
-
-def share_rng_tracker_with_deepspeed() -> None:
-    """Make DeepSpeed's activation checkpointing save and replay this module's tracker.
-
-    ``deepspeed.checkpointing.checkpoint`` (also the default checkpoint function of a
-    ``PipelineModule``) snapshots its own module-level tracker; pointing it at ours makes its
-    recomputation draw the same model-parallel dropout masks as the first forward.
-    """
-    from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing  # slow import
-
-    ds_checkpointing._CUDA_RNG_STATE_TRACKER = get_rng_tracker()
 
 
 class _CheckpointFunction(torch.autograd.Function):

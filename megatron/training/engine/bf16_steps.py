@@ -2,30 +2,34 @@
 and gradient accumulators, one flat fp32 partition per parameter group stepped by a torch optimizer).
 
 Each function below replaces one method or attribute of an engine's optimizer after
-``deepspeed.initialize`` (``engine.initialize_engine`` applies them), checks that the DeepSpeed it
-runs has what it replaces, and otherwise leaves DeepSpeed's own code in charge:
+``deepspeed.initialize`` (``deepspeed_engine.start_engine`` applies them; each is declared in
+replacements.py), checks that the DeepSpeed it runs has what it replaces, and otherwise leaves
+DeepSpeed's own code in charge:
 
-    accumulate_bf16_gradients_in_one_kernel          hp += lp in one kernel, no fp32 copy of lp
-    accumulate_linear_weight_gradients_in_their_gemms dW added into the accumulator by its GEMM
-    take_the_gradient_norm_in_few_kernels             ||g|| in one kernel per group, or a multi-tensor one
-    write_the_bf16_weights_in_the_adamw_step          AdamW and the bf16 copy of the weights in one pass
-    clip_inside_the_fused_adamw_step                  the clip as the fused AdamW's grad_scale
-    skip_the_one_rank_gradient_reduction              no bf16 round trip of the accumulators at DP = 1
+    accumulate_in_one_kernel             hp += lp in one kernel, no fp32 copy of lp
+    fuse_weight_gradient_accumulation    dW added into the accumulator by its GEMM
+    norm_in_few_kernels                  ||g|| in one kernel per group, or a multi-tensor one
+    adamw_writes_bf16_weights            AdamW and the bf16 copy of the weights in one pass
+    clip_in_adamw                        the clip as the fused AdamW's grad_scale
+    skip_single_rank_reduction           no bf16 round trip of the accumulators at DP = 1
 """
 import torch
 
 from megatron.core import fused_kernels
 from megatron.core.parallel_state import group_size
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.training.engine.replacements import is_enabled
 
 
-def accumulate_bf16_gradients_in_one_kernel(engine) -> None:
+def accumulate_in_one_kernel(engine) -> None:
     """DeepSpeed's BF16_Optimizer adds each micro-batch's bf16 gradients into their fp32 accumulators
     as ``hp.add_(lp.to(float32))``, which writes an fp32 copy of every gradient and reads it back:
     at 1.3B parameters 8 GB of traffic per micro-batch. ``hp.add_(lp)`` converts element by element
     inside the add, and the sums are the same bit for bit (bf16 -> fp32 is exact). This replaces the
     optimizer's per-parameter update by that; DeepSpeed versions without that method, or with an
     expert-parallel gradient correction in it, keep their own."""
+    if not is_enabled("bf16_steps.accumulate_in_one_kernel"):
+        return
     optimizer = engine.optimizer
     if not hasattr(optimizer, "_update_hp_grad") or not hasattr(optimizer, "fp32_groups_gradients") \
             or getattr(optimizer, "autoep_folding_tp_group", None) is not None:
@@ -45,7 +49,7 @@ def accumulate_bf16_gradients_in_one_kernel(engine) -> None:
     optimizer._update_hp_grad = update_hp_grad
 
 
-def accumulate_linear_weight_gradients_in_their_gemms(engine) -> int:
+def fuse_weight_gradient_accumulation(engine) -> int:
     """Gradient-accumulation fusion on DeepSpeed's BF16_Optimizer with fp32 accumulators: each weight of
     a ColumnParallelLinear or RowParallelLinear gets its fp32 accumulator as ``main_grad``, where its
     backward GEMM adds dW (``tensor_parallel.layers``): per micro-batch and weight of P values, no bf16
@@ -53,6 +57,8 @@ def accumulate_linear_weight_gradients_in_their_gemms(engine) -> int:
     of dW to bf16. Autograd then hands the optimizer no gradient for these weights, so they are marked
     as having one (the norm and clipping read only marked accumulators) again after every clear.
     Returns the number of weights fused (0 on other optimizers, which keep autograd's gradients)."""
+    if not is_enabled("bf16_steps.fuse_weight_gradient_accumulation"):
+        return 0
     optimizer = engine.optimizer
     accumulators = getattr(optimizer, "fp32_groups_gradients", None)
     if accumulators is None or not hasattr(optimizer, "fp32_groups_has_gradients") \
@@ -83,7 +89,7 @@ def accumulate_linear_weight_gradients_in_their_gemms(engine) -> int:
     return len(fused)
 
 
-def take_the_gradient_norm_in_few_kernels(engine) -> bool:
+def norm_in_few_kernels(engine) -> bool:
     """BF16_Optimizer takes ||g|| before each step as one norm kernel per parameter's fp32 accumulator,
     leaving out those this rank must not count (the pipeline's tied second copy; on TP ranks other
     than 0 the TP-replicated ones), then stacks them: at 1.3B parameters 292 reductions and their
@@ -99,6 +105,8 @@ def take_the_gradient_norm_in_few_kernels(engine) -> bool:
 
     The clip's list (``for_clipping``) is DeepSpeed's. Returns whether this applies (a BF16_Optimizer
     without experts)."""
+    if not is_enabled("bf16_steps.norm_in_few_kernels"):
+        return False
     optimizer = engine.optimizer
     if not (hasattr(optimizer, "fp32_groups_actual_gradients_flat") and hasattr(optimizer, "get_grads_for_norm")
             and hasattr(optimizer, "bf16_groups") and getattr(optimizer, "has_moe_layers", True) is False):
@@ -154,16 +162,18 @@ def _fused_adamw_groups(optimizer) -> list | None:
     return pairs
 
 
-def write_the_bf16_weights_in_the_adamw_step(engine) -> bool:
+def adamw_writes_bf16_weights(engine) -> bool:
     """DeepSpeed's BF16_Optimizer steps the fused torch AdamW on its fp32 partitions, then copies each
     into the bf16 weights (``update_lp_params``, before its all-gather over data parallelism): per
     parameter torch's kernel reads p, g, m, v and writes p, m, v and (under a grad_scale) g, 32 bytes,
     and the copy moves 6 more. Here ``fused_kernels.adamw_step`` does the same update and writes the
     bf16 weight in the same pass (30 bytes), and ``update_lp_params`` right after that step only
     all-gathers. The moments and the step count stay in the torch AdamW's state, as torch keeps them,
-    so checkpoints do not change; a grad_scale the clip sets (``clip_inside_the_fused_adamw_step``) is
+    so checkpoints do not change; a grad_scale the clip sets (``clip_in_adamw``) is
     honoured. Applies to a BF16_Optimizer around a fused torch AdamW (``_fused_adamw_groups``) whose
     partitions are on CUDA with fused kernels enabled (``runs_fused_adamw``); returns whether it did."""
+    if not is_enabled("bf16_steps.adamw_writes_bf16_weights"):
+        return False
     optimizer = engine.optimizer
     pairs = _fused_adamw_groups(optimizer)
     if pairs is None or not all(runs_fused_adamw(fp32_partition) for fp32_partition, _ in pairs):
@@ -222,7 +232,7 @@ def _adamw_step_writing_bf16(torch_optimizer, group: dict, param: torch.Tensor, 
                              param_copy=bf16_param)
 
 
-def clip_inside_the_fused_adamw_step(engine) -> bool:
+def clip_in_adamw(engine) -> bool:
     """DeepSpeed's BF16_Optimizer clips by multiplying every fp32 gradient accumulator by
     c = clip / (||g|| + 1e-6) when c < 1, tensor by tensor after reading the norm on the host (at
     1.3B parameters 10 GB of traffic and a host wait per step), then steps the torch optimizer it
@@ -231,6 +241,8 @@ def clip_inside_the_fused_adamw_step(engine) -> bool:
     the BF16_Optimizer has just taken, the clip costs nothing. The BF16_Optimizer's own clip is off
     only while it steps (its saved state keeps the configured value). Returns whether that applies:
     a BF16_Optimizer with clipping around a fused torch AdamW."""
+    if not is_enabled("bf16_steps.clip_in_adamw"):
+        return False
     optimizer = engine.optimizer
     torch_optimizer = _fused_torch_adamw(optimizer)
     max_norm = getattr(optimizer, "clip_grad", 0.0)
@@ -258,7 +270,7 @@ def clip_inside_the_fused_adamw_step(engine) -> bool:
     return True
 
 
-def skip_the_one_rank_gradient_reduction(engine) -> bool:
+def skip_single_rank_reduction(engine) -> bool:
     """DeepSpeed's pipeline engine (which also runs PP = 1 at ZeRO 0/1) reduces BF16_Optimizer's fp32
     gradient accumulators over data parallelism once per step by casting them to the communication
     dtype (bf16 unless the ds_config sets ``communication_data_type``), all-reducing and casting back.
@@ -266,6 +278,8 @@ def skip_the_one_rank_gradient_reduction(engine) -> bool:
     to bf16: at 1.3B parameters 16 GB of traffic per step for a loss of precision. Here that pass is
     skipped when the data-parallel group has one rank. Applies to a pipeline engine on
     BF16_Optimizer; returns whether it did."""
+    if not is_enabled("bf16_steps.skip_single_rank_reduction"):
+        return False
     if not (getattr(engine, "using_bf16_optimizer", False) and hasattr(engine, "_bf16_reduce_grads")):
         return False
     if group_size(engine.mpu.get_data_parallel_group()) > 1:

@@ -57,6 +57,7 @@ from deepspeed.utils import logger as deepspeed_logger
 from megatron.core.dtypes import canonical_dtype_name
 from megatron.training.argument_types import ArgumentError
 from megatron.training.curriculum import BLOCK as CURRICULUM_BLOCK
+from megatron.training.engine.replacements import ALLOW_FLAG
 
 FP16_DEFAULTS = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
                  "hysteresis": 2, "min_loss_scale": 1}  # DeepSpeed 0.19's DeepSpeedFP16Config
@@ -528,3 +529,11 @@ def resolve_ds_config(args, explicit, data_parallel_size, pipeline_parallel_size
     check_known_keys({key: value for key, value in resolution.config.items() if key != CURRICULUM_BLOCK},
                      resolution.where)
     return resolution.config, resolution.notices
+
+
+def add_deepspeed_flags(parser) -> None:
+    """DeepSpeed's own flags (--deepspeed, --deepspeed_config, ...) and the engine's version escape."""
+    deepspeed.add_config_arguments(parser)
+    parser.add_argument(ALLOW_FLAG, action="store_true",
+                        help="Run on a DeepSpeed outside the supported versions, with the engine's replacements "
+                             "of DeepSpeed's methods off (listed in a warning at start)")

@@ -3,7 +3,7 @@
 The format knowledge is in megatron.core.checkpoint.megatron_deepspeed; this module applies it to a
 DeepSpeed engine whose layout (TP, PP, DP) is the checkpoint's:
 
-  - ``foreign_reads``: while DeepSpeed loads, its model-states files are read through the
+  - ``translating_filter``: while DeepSpeed loads, its model-states files are read through the
     allow-list unpickler and translated into this trainer's state (so DeepSpeed restores the LR
     schedule and step counters and returns our counters as the client state; at ZeRO stage 0 the
     torch optimizer state they hold has its groups merged into ours), and its layer files' keys are
@@ -16,7 +16,6 @@ DeepSpeed engine whose layout (TP, PP, DP) is the checkpoint's:
   - ``own_rng_states``: Megatron-DeepSpeed's tracker holds one CUDA generator state per stream,
     ours a CPU and a CUDA state: the CUDA part is restored (on a GPU), the CPU part stays as seeded.
 """
-import contextlib
 import os
 
 import torch
@@ -27,18 +26,12 @@ from megatron.core.tensor_parallel import get_rng_tracker
 from megatron.training.checkpoint_checks import CheckpointError
 
 
-@contextlib.contextmanager
-def foreign_reads(engine, active: bool, load_optimizer: bool):
-    """Inside the block (when ``active``), the engine's checkpoint reads go through the translation
-    of the module docstring (the stage-0 optimizer state's when ``load_optimizer``); other reads are
-    unchanged. A state that cannot be translated raises a CheckpointError."""
-    if not active:
-        yield
-        return
-    reader = engine.checkpoint_engine
-    previous_load = reader.load
+def translating_filter(load_optimizer: bool):
+    """A read filter (interface.ReadFilter) for the engine's load: model-states files translated as
+    the module docstring says (the stage-0 optimizer state's when ``load_optimizer``), layer files'
+    keys renamed, other reads unchanged. A state that cannot be translated raises a CheckpointError."""
 
-    def load(path, map_location=None):
+    def read(path: str, engine_read):
         name = os.path.basename(path)
         if megatron_deepspeed.MODEL_STATES_FILE.match(name):
             state = megatron_deepspeed.trainer_state(megatron_deepspeed.load_file(path, mmap=False))
@@ -48,14 +41,10 @@ def foreign_reads(engine, active: bool, load_optimizer: bool):
                 return {**state, "optimizer": megatron_deepspeed.own_optimizer_state(state.get("optimizer"), path)}
             except megatron_deepspeed.MegatronDeepSpeedError as error:
                 raise CheckpointError(str(error)) from error
-        loaded = previous_load(path, map_location=map_location)
+        loaded = engine_read()
         return megatron_deepspeed.own_layer_state(loaded) if LAYER_FILE.match(name) else loaded
 
-    reader.load = load
-    try:
-        yield
-    finally:
-        reader.load = previous_load
+    return read
 
 
 def restore_optimizer_states(engine, tag_directory: str) -> None:

@@ -48,6 +48,7 @@ from megatron.core.tensor_parallel.mappings import (allreduce_sequence_parallel_
                                                     scatter_to_sequence_parallel_region,
                                                     sequence_parallel_parameters)
 from megatron.core.tensor_parallel.random import checkpoint
+from megatron.training.engine.replacements import is_enabled
 
 PARTITION_METHODS = ("uniform", "parameters", "type:<class-name regex>", "flops")
 
@@ -291,7 +292,7 @@ class GPTModelPipe(PipelineModule):
 
     def _partition_layers(self, method="uniform"):
         """DeepSpeed's split for its methods; "flops" (``stage_boundaries``) here, listed as DeepSpeed lists."""
-        if method.lower() != "flops":
+        if method.lower() != "flops" or not is_enabled("pipeline_module.GPTModelPipe._partition_layers"):
             return super()._partition_layers(method)
         self.parts = stage_boundaries(self._layer_specs, self.num_stages, method)
         if self.global_rank == 0:
@@ -309,6 +310,8 @@ class GPTModelPipe(PipelineModule):
         The sums are the same (gradients add up linearly over micro-batches). The engine calls this
         when its optimizer keeps gradients until the step: BF16_Optimizer (which reduces its fp32
         accumulators, ``_hp_grad``) or the plain optimizer without ZeRO (``.grad``)."""
+        if not is_enabled("pipeline_module.GPTModelPipe.get_tied_weights_and_groups"):
+            return
         if self._sequence_parallel_hooks:  # hooked: sequence parallelism over more than one TP rank
             self._reduced_once_per_step = sequence_parallel_parameters(self)
         for handle in self._sequence_parallel_hooks:
@@ -319,11 +322,15 @@ class GPTModelPipe(PipelineModule):
         """DeepSpeed's (weight, group) pairs whose gradients it all-reduces at each step's end; with
         ``reduce_sequence_parallel_gradients_once_per_step`` also the sequence-parallel parameters
         of this stage with the TP group."""
-        return super().get_tied_weights_and_groups() + [(param, self._sequence_parallel_group)
-                                                         for param in self._reduced_once_per_step]
+        tied = super().get_tied_weights_and_groups()
+        if not is_enabled("pipeline_module.GPTModelPipe.get_tied_weights_and_groups"):
+            return tied
+        return tied + [(param, self._sequence_parallel_group) for param in self._reduced_once_per_step]
 
     def _synchronize_tied_weights(self):
         """DeepSpeed broadcasts the tied weights in place (at build and after loading a checkpoint);
         without no_grad autograd records that as an op without a derivative on leaf parameters."""
+        if not is_enabled("pipeline_module.GPTModelPipe._synchronize_tied_weights"):
+            return super()._synchronize_tied_weights()
         with torch.no_grad():
-            super()._synchronize_tied_weights()
+            return super()._synchronize_tied_weights()

@@ -1,4 +1,5 @@
-"""RNG tracker and activation checkpointing (megatron/core/tensor_parallel/random.py)."""
+"""RNG tracker and activation checkpointing (megatron/core/tensor_parallel/random.py), and DeepSpeed's
+checkpointing replaying the tracker once the engine shares it (megatron/training/engine/activation_checkpointing.py)."""
 import os
 
 import pytest
@@ -6,15 +7,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron.core.parallel_state import DeepSpeedMPU, initialize_model_parallel
+from megatron.core.parallel_state import initialize_model_parallel
 from megatron.core.tensor_parallel.random import (
     MODEL_PARALLEL_RNG,
     RNGStatesTracker,
     checkpoint,
     get_rng_tracker,
     model_parallel_seed,
-    share_rng_tracker_with_deepspeed,
 )
+from megatron.training.engine.activation_checkpointing import share_rng_tracker
+from megatron.training.engine.mpu import DeepSpeedMPU
 from tests.dist_utils import run_distributed
 
 SEED = 1234
@@ -179,7 +181,7 @@ def _check_deepspeed_checkpointing(groups):
     import deepspeed
 
     deepspeed.checkpointing.configure(DeepSpeedMPU(groups), partition_activations=True)
-    share_rng_tracker_with_deepspeed()
+    share_rng_tracker()
     torch.manual_seed(0)
     block, x = _Block(), torch.randn(4, 2, 16)
     mask = torch.zeros(x.shape, dtype=torch.bool)

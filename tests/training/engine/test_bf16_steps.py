@@ -8,12 +8,12 @@ import torch
 
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.training.engine import bf16_steps
-from megatron.training.engine.bf16_steps import (accumulate_bf16_gradients_in_one_kernel,
-                                                    accumulate_linear_weight_gradients_in_their_gemms,
-                                                    clip_inside_the_fused_adamw_step,
-                                                    skip_the_one_rank_gradient_reduction,
-                                                    take_the_gradient_norm_in_few_kernels,
-                                                    write_the_bf16_weights_in_the_adamw_step)
+from megatron.training.engine.bf16_steps import (accumulate_in_one_kernel,
+                                                    fuse_weight_gradient_accumulation,
+                                                    clip_in_adamw,
+                                                    skip_single_rank_reduction,
+                                                    norm_in_few_kernels,
+                                                    adamw_writes_bf16_weights)
 from tests.dist_utils import run_distributed
 
 
@@ -41,7 +41,7 @@ def _bf16_engine(fused: bool):
     assert engine.device.type == "cpu"  # _deepspeed_on_the_cpu
     if fused:
         before = engine.optimizer._update_hp_grad
-        accumulate_bf16_gradients_in_one_kernel(engine)
+        accumulate_in_one_kernel(engine)
         assert engine.optimizer._update_hp_grad is not before
     return engine
 
@@ -96,9 +96,9 @@ def _mlp_engine(fused: bool, fused_adamw: bool = False):
         optimizer = {"model_parameters": model.parameters()}
     engine, _, _, _ = deepspeed.initialize(model=model, config=config, **optimizer)
     assert engine.device.type == "cpu"  # _deepspeed_on_the_cpu
-    accumulate_bf16_gradients_in_one_kernel(engine)
+    accumulate_in_one_kernel(engine)
     if fused:
-        assert accumulate_linear_weight_gradients_in_their_gemms(engine) == 2  # the two layers' weights
+        assert fuse_weight_gradient_accumulation(engine) == 2  # the two layers' weights
     return engine
 
 
@@ -141,7 +141,7 @@ def _clip_in_adamw_equals_deepspeeds_clip(rank, world_size):
     reference_engine = _mlp_engine(fused=True, fused_adamw=True)
     reference_norms, _ = _two_steps(reference_engine)
     engine = _mlp_engine(fused=True, fused_adamw=True)
-    assert clip_inside_the_fused_adamw_step(engine)
+    assert clip_in_adamw(engine)
     norms, _ = _two_steps(engine)
     assert norms == reference_norms and norms[0] > 0.5  # the first step clipped
     assert engine.optimizer.clip_grad == 0.5 and engine.optimizer.state_dict()["clip_grad"] == 0.5
@@ -165,7 +165,7 @@ def test_clip_stays_with_deepspeed_without_a_fused_adamw():
 
 def _clip_stays_with_deepspeed(rank, world_size):
     engine = _mlp_engine(fused=False)  # DeepSpeed's torch_adam: AdamW without fused=True
-    assert not clip_inside_the_fused_adamw_step(engine)
+    assert not clip_in_adamw(engine)
 
 
 def _tied_engine(patched: bool):
@@ -174,14 +174,14 @@ def _tied_engine(patched: bool):
     engine = _mlp_engine(fused=True, fused_adamw=True)
     engine.module.row.bias.ds_pipe_replicated = True
     if patched:
-        assert take_the_gradient_norm_in_few_kernels(engine)
+        assert norm_in_few_kernels(engine)
     return engine
 
 
 def _norms_in_few_kernels_equal_deepspeeds(rank, world_size):
     reference_norms, reference_params = _two_steps(_mlp_engine(fused=True, fused_adamw=True))
     engine = _mlp_engine(fused=True, fused_adamw=True)
-    assert take_the_gradient_norm_in_few_kernels(engine)
+    assert norm_in_few_kernels(engine)
     grads, experts = engine.optimizer.get_grads_for_norm()
     assert len(grads) == len(engine.optimizer.bf16_groups) and experts == {}  # the flat accumulators
     norms, params = _two_steps(engine)
@@ -214,12 +214,12 @@ def _bf16_partitions_equal_the_master_weights(engine):
 
 def _adamw_writing_bf16_equals_deepspeeds_step(rank, world_size):
     reference_engine = _mlp_engine(fused=True, fused_adamw=True)
-    clip_inside_the_fused_adamw_step(reference_engine)
+    clip_in_adamw(reference_engine)
     reference_norms, _ = _two_steps(reference_engine)
     bf16_steps.runs_fused_adamw = lambda tensor: True  # the reference kernel on the CPU
     engine = _mlp_engine(fused=True, fused_adamw=True)
     copy_and_gather = engine.optimizer.update_lp_params
-    assert write_the_bf16_weights_in_the_adamw_step(engine) and clip_inside_the_fused_adamw_step(engine)
+    assert adamw_writes_bf16_weights(engine) and clip_in_adamw(engine)
     norms, _ = _two_steps(engine)
     assert norms[0] == reference_norms[0] > 0.5  # clipped, so the grad_scale reached the step
     assert abs(norms[1] - reference_norms[1]) <= 1e-6 * reference_norms[1]
@@ -250,9 +250,9 @@ def test_adamw_step_stays_with_torch_where_its_kernel_does_not_run():
 
 
 def _adamw_stays_with_torch(rank, world_size):
-    assert not write_the_bf16_weights_in_the_adamw_step(_mlp_engine(fused=True, fused_adamw=True))  # CPU
+    assert not adamw_writes_bf16_weights(_mlp_engine(fused=True, fused_adamw=True))  # CPU
     bf16_steps.runs_fused_adamw = lambda tensor: True
-    assert not write_the_bf16_weights_in_the_adamw_step(_mlp_engine(fused=False))  # not a fused AdamW
+    assert not adamw_writes_bf16_weights(_mlp_engine(fused=False))  # not a fused AdamW
 
 
 def _pipeline_engine(communication_dtype: str | None = None):
@@ -286,7 +286,7 @@ def _pipeline_weights(engine) -> torch.Tensor:
 
 def _one_rank_skips_the_rounding(rank, world_size):
     engine = _pipeline_engine()
-    assert skip_the_one_rank_gradient_reduction(engine)
+    assert skip_single_rank_reduction(engine)
     weights = _pipeline_weights(engine)
     # the same as DeepSpeed's with an fp32 "reduction" (the identity), not as its default bf16 one
     assert torch.equal(weights, _pipeline_weights(_pipeline_engine(communication_dtype="fp32")))
@@ -294,7 +294,7 @@ def _one_rank_skips_the_rounding(rank, world_size):
 
 
 def _two_ranks_keep_the_reduction(rank, world_size):
-    assert not skip_the_one_rank_gradient_reduction(_pipeline_engine())
+    assert not skip_single_rank_reduction(_pipeline_engine())
 
 
 def test_one_data_parallel_rank_leaves_the_bf16_accumulators_unrounded():

@@ -1,0 +1,190 @@
+"""Which DeepSpeed this engine runs on, and every method or attribute of DeepSpeed's that it replaces.
+
+The trainer changes DeepSpeed's behaviour for speed or correctness only here, each change declared in
+``REPLACEMENTS`` with the DeepSpeed versions it was written for. ``check_deepspeed`` runs right after
+the flags are parsed, before any process group:
+
+    installed version in SUPPORTED         every replacement on
+    outside, --allow-untested-deepspeed    a warning naming the replacements left off; DeepSpeed's
+                                           own code runs there
+    outside, no flag                       UnsupportedDeepSpeedError: one line, exit 2
+
+A replacement is applied only through ``replace`` (or ``replaced_for_block``), which does nothing when
+its entry is off, so an untested DeepSpeed never sees a change that was not written for it.
+"""
+import contextlib
+import dataclasses
+import importlib
+import inspect
+
+import deepspeed
+
+from megatron.training.argument_types import ArgumentError
+
+SUPPORTED = ((0, 19), (0, 20))  # [first, end): DeepSpeed 0.19.x, what the suite and the GPU benchmarks run
+ALLOW_FLAG = "--allow-untested-deepspeed"
+
+
+class UnsupportedDeepSpeedError(ArgumentError):
+    """The installed DeepSpeed is outside SUPPORTED (or lacks what a replacement needs)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Replacement:
+    """``target`` (a DeepSpeed class or module attribute, dotted from ``deepspeed.``) replaced by the
+    engine function ``by`` for ``purpose``; written for DeepSpeed versions [first, end)."""
+
+    target: str
+    by: str
+    purpose: str
+    versions: tuple[tuple[int, int], tuple[int, int]] = SUPPORTED
+
+    @property
+    def owner_and_attribute(self) -> tuple[str, str]:
+        owner, _, attribute = self.target.rpartition(".")
+        return owner, attribute
+
+
+BF16 = "runtime.bf16_optimizer.BF16_Optimizer"
+ENGINE = "runtime.engine.DeepSpeedEngine"
+PIPE_ENGINE = "runtime.pipe.engine.PipelineEngine"
+PIPE_MODULE = "runtime.pipe.module.PipelineModule"
+CHECKPOINT_ENGINE = "runtime.checkpoint_engine.torch_checkpoint_engine.TorchCheckpointEngine"
+
+REPLACEMENTS = {replacement.by: replacement for replacement in (
+    Replacement(f"{BF16}._update_hp_grad", "bf16_steps.accumulate_in_one_kernel",
+                "hp += lp in one kernel, without an fp32 copy of each bf16 gradient"),
+    Replacement(f"{BF16}.clear_hp_grads", "bf16_steps.fuse_weight_gradient_accumulation",
+                "dW added into the fp32 accumulator by its GEMM (--gradient-accumulation-fusion)"),
+    Replacement(f"{BF16}.get_grads_for_norm", "bf16_steps.norm_in_few_kernels",
+                "the gradient norm in one kernel per group"),
+    Replacement(f"{BF16}.update_lp_params", "bf16_steps.adamw_writes_bf16_weights",
+                "AdamW and the bf16 copy of the weights in one pass"),
+    Replacement(f"{BF16}.step", "bf16_steps.clip_in_adamw",
+                "the clip as the fused AdamW's grad_scale"),
+    Replacement(f"{PIPE_ENGINE}._bf16_reduce_grads", "bf16_steps.skip_single_rank_reduction",
+                "no bf16 round trip of the accumulators at DP = 1"),
+    Replacement(f"{ENGINE}.clip_fp32_gradients", "fp32_steps.guard_fp32_steps",
+                "the fp32 step without ZeRO: exact global-norm clip, no update on a NaN gradient"),
+    Replacement(f"{ENGINE}._take_model_step", "fp32_steps.count_zeros_before_each_step",
+                "--log-num-zeros-in-grad"),
+    Replacement(f"{ENGINE}._take_model_step", "fp32_steps.synchronize_after_each_step",
+                "--sync-tp-duplicated-parameters"),
+    Replacement(f"{PIPE_MODULE}._partition_layers", "pipeline_module.GPTModelPipe._partition_layers",
+                "the 'flops' partition method"),
+    Replacement(f"{PIPE_MODULE}._synchronize_tied_weights", "pipeline_module.GPTModelPipe._synchronize_tied_weights",
+                "the tied-weight broadcast without autograd recording it"),
+    Replacement(f"{PIPE_MODULE}.get_tied_weights_and_groups",
+                "pipeline_module.GPTModelPipe.get_tied_weights_and_groups",
+                "sequence-parallel gradients summed once per step with the tied ones"),
+    Replacement(f"{CHECKPOINT_ENGINE}.save", "checkpoint_io.recorded_writes",
+                "every checkpoint file flushed and described for the manifest"),
+    Replacement(f"{CHECKPOINT_ENGINE}.load", "checkpoint_io.filtered_reads",
+                "every checkpoint file checked against the manifest, Megatron-DeepSpeed's translated"),
+    Replacement("runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.param_names", "checkpoint_io.universal_parameter_names",
+                "the plain engine's optimizer names its parameters as a universal checkpoint does"),
+    Replacement("comm.torch.TorchBackend.all_gather_function", "distributed.use_current_collective_names",
+                "torch's current name of all_gather_into_tensor (no FutureWarning per call)"),
+    Replacement("runtime.activation_checkpointing.checkpointing._CUDA_RNG_STATE_TRACKER",
+                "activation_checkpointing.share_rng_tracker",
+                "DeepSpeed's recomputation replays the model-parallel dropout masks"),
+)}
+
+_disabled: set[str] = set()
+
+
+def version_tuple(version: str) -> tuple[int, int]:
+    """"0.19.8+abc" -> (0, 19)."""
+    major, minor = (version.split("+")[0].split(".") + ["0"])[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+def _in_range(version: tuple[int, int], versions) -> bool:
+    first, end = versions
+    return first <= version < end
+
+
+def _range_text(versions) -> str:
+    (first_major, first_minor), (end_major, end_minor) = versions
+    return f">={first_major}.{first_minor},<{end_major}.{end_minor}"
+
+
+def _resolve(dotted: str):
+    """The DeepSpeed module or class at ``deepspeed.<dotted>``, or None."""
+    parts = f"deepspeed.{dotted}".split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for name in parts[split:]:
+            found = getattr(found, name, None)
+        return found
+    return None
+
+
+def missing_targets() -> list[str]:
+    """The targets of REPLACEMENTS the installed DeepSpeed lacks: a class or module attribute, or an
+    instance attribute its class assigns (``self.<name> =``)."""
+    missing = []
+    for replacement in REPLACEMENTS.values():
+        owner_path, attribute = replacement.owner_and_attribute
+        owner = _resolve(owner_path)
+        present = owner is not None and (hasattr(owner, attribute) or (
+            inspect.isclass(owner) and f"self.{attribute} =" in inspect.getsource(owner)))
+        if not present:
+            missing.append(replacement.target)
+    return sorted(set(missing))
+
+
+def check_deepspeed(allow_untested: bool, version: str | None = None) -> list[str]:
+    """Check the installed DeepSpeed before any process group; returns the warning lines to print.
+
+    Raises UnsupportedDeepSpeedError (one line naming the installed and supported versions) outside
+    SUPPORTED unless ``allow_untested``, in which case every replacement not written for this version
+    is switched off and named in the warning."""
+    version = version or deepspeed.__version__
+    installed = version_tuple(version)
+    _disabled.clear()
+    if _in_range(installed, SUPPORTED):
+        missing = missing_targets()
+        if missing:
+            raise UnsupportedDeepSpeedError(f"DeepSpeed {version} lacks what the engine replaces: {', '.join(missing)}")
+        return []
+    if not allow_untested:
+        raise UnsupportedDeepSpeedError(
+            f"DeepSpeed {version} is installed; this trainer supports deepspeed{_range_text(SUPPORTED)} "
+            f"(pip install 'deepspeed{_range_text(SUPPORTED)}'), or pass {ALLOW_FLAG} to run with its "
+            f"replacements of DeepSpeed's methods off")
+    off = [name for name, replacement in REPLACEMENTS.items() if not _in_range(installed, replacement.versions)]
+    _disabled.update(off)
+    return [f"WARNING: DeepSpeed {version} is outside the supported deepspeed{_range_text(SUPPORTED)} "
+            f"({ALLOW_FLAG}); DeepSpeed's own code runs instead of these replacements: {', '.join(sorted(off))}"]
+
+
+def is_enabled(name: str) -> bool:
+    """Whether the replacement ``name`` (a key of REPLACEMENTS) applies to this DeepSpeed."""
+    if name not in REPLACEMENTS:
+        raise KeyError(f"{name} is not declared in megatron.training.engine.replacements.REPLACEMENTS")
+    return name not in _disabled
+
+
+def replace(name: str, owner, attribute: str, value) -> bool:
+    """``owner.attribute = value`` under the declared replacement ``name``; False (nothing changed)
+    when it is off or ``owner`` has no such attribute."""
+    if not is_enabled(name) or not hasattr(owner, attribute):
+        return False
+    setattr(owner, attribute, value)
+    return True
+
+
+@contextlib.contextmanager
+def replaced_for_block(name: str, owner, attribute: str, value):
+    """``replace`` inside the block only; the original is put back after it."""
+    original = getattr(owner, attribute)
+    changed = replace(name, owner, attribute, value)
+    try:
+        yield changed
+    finally:
+        if changed:
+            setattr(owner, attribute, original)
