@@ -6,9 +6,10 @@
     latest_universal                     the universal checkpoint's directory (ds_to_universal)
 
 ``write_latest`` points both ``latest`` and the tracker at iteration N, each replaced atomically
-and durably, then syncs the directory. ``read_latest`` returns the tag a pointer holds, None when
-there is no pointer, and refuses, naming the file, one that is not a file, unreadable, empty,
-binary, several lines or longer than MAX_BYTES.
+and durably, then syncs the directory; ``write_tracker`` writes the tracker alone (Megatron-LM's
+layout) and ``write_universal_latest`` the universal pointer. ``read_latest`` returns the tag a
+pointer holds, None when there is no pointer, and refuses, naming the file, one that is not a
+file, unreadable, empty, binary, several lines or longer than MAX_BYTES.
 """
 import os
 

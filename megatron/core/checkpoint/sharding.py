@@ -5,15 +5,16 @@ The tensor-parallel layers mark every parameter they split with ``tensor_model_p
 without the mark, or marked ``tensor_model_parallel = False``, is replicated. ``ModelSharding``
 builds the model of a configuration once at TP = 1 with fake tensors (torch's FakeTensorMode:
 shapes without storage, so no memory and no random draws, whatever the size) and keeps those marks
-by parameter name, so a tool holding only checkpoint files learns the
-split of each saved tensor from the model definition itself: a parameter added to a layer needs
-nothing here. The vocabulary-split table is the weight of the VocabParallelEmbedding module.
+by parameter name, so a tool holding only checkpoint files learns the split of each saved tensor
+from the model definition itself: a parameter added to a layer needs nothing here. The table split
+by vocabulary rows is the weight of the VocabParallelEmbedding module.
 
 Names: the plain module's (``layers.0.mlp.dense_h_to_4h.weight``), the pipeline module's
 (``3.mlp.dense_h_to_4h.weight``) or a layer file's key with its layer index, under our names or
 Megatron-DeepSpeed's (names.py).
 """
 import dataclasses
+import functools
 
 import torch
 from torch import nn
@@ -29,8 +30,8 @@ from megatron.core.parallel_state import single_rank_groups
 from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
 
 PLAIN_PREFIXES = ("embedding.", "layers.", "final_layernorm.")
-# Settings that change how the model computes, not which parameters it has or how they are split.
-# CPU initialization: the layers then need no RNG tracker stream (its full weights are fake tensors here).
+# Settings that change how the model computes, not which parameters it has or how they are split;
+# under CPU initialization the layers need no RNG tracker stream (the full weights they draw are fake).
 STRUCTURE_ONLY = dict(params_dtype=torch.float32, use_cpu_initialization=True, bias_gelu_fusion=False,
                       sequence_parallel=False, tp_comm_overlap=False, checkpoint_activations=False,
                       distribute_checkpointed_activations=False, hidden_dropout=0.0, attention_dropout=0.0)
@@ -90,3 +91,9 @@ class ModelSharding:
 
     def layer_splits(self, layer: int, keys) -> dict[str, TensorSplit]:
         return {key: self.layer_split(layer, key) for key in keys}
+
+
+@functools.lru_cache(maxsize=8)
+def model_sharding(config: GPTModelConfig) -> ModelSharding:
+    """``ModelSharding(config)``, built once per configuration (a trainer asks at every save)."""
+    return ModelSharding(config)

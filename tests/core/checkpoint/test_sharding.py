@@ -6,7 +6,7 @@ from torch import nn
 
 from megatron.core.checkpoint.names import ParameterNameError
 from megatron.core.checkpoint.partitions import TensorSplit
-from megatron.core.checkpoint.sharding import ModelSharding, module_splits
+from megatron.core.checkpoint.sharding import ModelSharding, model_sharding, module_splits
 from megatron.core.models.gpt import mlp
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.parallel_state import single_rank_groups
@@ -39,6 +39,8 @@ def test_the_names_of_both_engines_layer_files_and_megatron_deepspeed_agree():
     assert sharding.layer_split(6, "weight").replicated
     assert sharding.layer_split(1, "word_embeddings.norm.weight").replicated  # Megatron-DeepSpeed's embed_layernorm
     assert ModelSharding(tiny_config()).split("3.mlp.dense_h_to_4h.weight") == TensorSplit(0)
+    assert model_sharding(GLU) is model_sharding(tiny_config(glu_activation="swiglu", bias_gelu_fusion=False,
+                                                             embed_layernorm=True))
 
 
 def test_a_name_outside_the_model_is_refused_by_name():
