@@ -21,7 +21,7 @@ from packaging.requirements import Requirement
 from tests.conftest import REPO_ROOT
 
 FIRST_PARTY = {"megatron", "tools", "tasks", "tests", "preprocess_data"}
-# Loaded only through megatron/core/fused_kernels/dispatch.py where the module exists (torch's CUDA builds bring it).
+# Loaded only through megatron/core/fused_kernels/selection.py where the module exists (torch's CUDA builds bring it).
 OPTIONAL_BY_DESIGN = {"triton"}
 IMPORT_ERRORS = {"ImportError", "ModuleNotFoundError", "Exception"}
 

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import importlib
 import inspect
+import re
 
 import deepspeed
 
@@ -96,7 +97,7 @@ _disabled: set[str] = set()
 def version_tuple(version: str) -> tuple[int, int]:
     """"0.19.8+abc" -> (0, 19)."""
     major, minor = (version.split("+")[0].split(".") + ["0"])[:2]
-    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+    return int(major), int(re.match(r"\d*", minor).group() or 0)
 
 
 def _in_range(version: tuple[int, int], versions) -> bool:
