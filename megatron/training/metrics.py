@@ -1,24 +1,11 @@
 """What the training loop reports: Megatron-DeepSpeed's log line, validation and memory lines, milestone
-lines, throughput (its TFLOPs estimate, model TFLOP/s and MFU), a measured matmul peak and the final
-summary.
+lines and the final summary, with the loss accumulator behind them.
 
 Formats follow Megatron-DeepSpeed's character for character (docs/logging.md lists them); the
 functions return strings and the trainer prints them on the rank Megatron-DeepSpeed uses (the log
 line on the last rank, milestones on rank 0).
 
-FLOP counts (B = global batch, s = sequence length, L = layers, h = hidden, V = padded vocabulary,
-f = ffn hidden size, p = heads x kv channels, g = 2 with a GLU else 1):
-
-- Model FLOPs per iteration: the matmuls of one forward pass per
-  token and layer are QKV 6hp, scores 2sp, attention x values 2sp, output projection 2ph,
-  MLP 2hf·g + 2fh; the logits add 2hV per token. Training costs three forward passes (backward = 2),
-  recomputation earns nothing:
-      F = 3·B·s·[L·(8hp + 4sp + 2hf(g + 1)) + 2hV]
-  which for p = h, f = 4h, no GLU is 72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h)).
-- Megatron-DeepSpeed's TFLOPs field, kept for continuity (it uses V/(16·L·h), 32 instead of 24 with GLU, and
-  4 instead of 3 passes with --checkpoint-activations):
-      coef·ckpt·B·s·L·h²·(1 + s/(6h) + V/(16·L·h)) / (t·world_size·1e12)
-- model TFLOP/s = F / (t · world_size · 1e12) per GPU; MFU = model TFLOP/s / measured peak TFLOP/s.
+Throughput and FLOPs are counted in throughput.py, the matmul peak measured in matmul_peak.py.
 """
 import math
 import resource
@@ -28,117 +15,13 @@ from typing import Mapping
 
 import torch
 
-from megatron.core.flops import model_flops_per_iteration
-from megatron.core.models.gpt.config import GPTModelConfig
+from megatron.training.throughput import model_tflops_and_mfu
 
 VALIDATION_END_PREFIX = "the end of training for val data"
 TEST_END_PREFIX = "the end of training for test data"
 BUILDING_DATASETS_LINE = "> building train, validation, and test datasets ..."
 PARAMETERS_HEADER_LINE = "Number of parameters: [tensor rank - pipeline rank] w/ and w/o embeddings:"
 MEGABYTE = 1024.0 * 1024.0
-
-
-# ---------------------------------------------------------------------------------------- FLOPs
-
-
-def megatron_deepspeed_tflops(*, global_batch_size: int, seq_length: int, num_layers: int, hidden_size: int,
-                padded_vocab_size: int, glu: bool, checkpoint_activations: bool, iteration_time: float,
-                world_size: int) -> float:
-    """Megatron-DeepSpeed's per-GPU TFLOPs estimate (module docstring), for an iteration of ``iteration_time`` s."""
-    coefficient = 32 if glu else 24
-    passes = 4 if checkpoint_activations else 3
-    b, s, n, h, v = global_batch_size, seq_length, num_layers, hidden_size, padded_vocab_size
-    flops = coefficient * passes * b * s * n * h ** 2 * (1.0 + s / (6.0 * h) + v / (16.0 * n * h))
-    return flops / (iteration_time * world_size * 1e12)
-
-
-def model_flops(config: GPTModelConfig, global_batch_size: int, seq_length: int) -> float:
-    """model_flops_per_iteration of this model for one iteration of ``global_batch_size`` sequences."""
-    return model_flops_per_iteration(global_batch_size=global_batch_size, seq_length=seq_length,
-                                     num_layers=config.num_layers, hidden_size=config.hidden_size,
-                                     padded_vocab_size=config.padded_vocab_size,
-                                     ffn_hidden_size=config.ffn_hidden_size, projection_size=config.projection_size,
-                                     glu=config.glu_activation is not None)
-
-
-def model_tflops_and_mfu(flops_per_iteration: float, iteration_time: float, world_size: int,
-                         peak_tflops: float | None) -> tuple[float, float | None]:
-    """(model TFLOP/s per GPU, MFU as a fraction or None without a measured peak)."""
-    tflops = flops_per_iteration / (iteration_time * world_size * 1e12)
-    return tflops, (tflops / peak_tflops if peak_tflops else None)
-
-
-@dataclass(frozen=True)
-class Throughput:
-    """Rates of one iteration; per replica divides by the data-parallel size, TFLOP figures are per GPU."""
-
-    iteration_time: float
-    samples_per_second: float
-    samples_per_second_per_replica: float
-    tokens_per_second: float
-    tokens_per_second_per_replica: float
-    tflops: float
-    model_tflops: float
-    mfu: float | None
-
-
-def compute_throughput(config: GPTModelConfig, *, global_batch_size: int, seq_length: int,
-                       iteration_time: float, world_size: int, data_parallel_size: int,
-                       peak_tflops: float | None = None) -> Throughput:
-    """Throughput of an iteration of ``global_batch_size`` sequences of ``seq_length`` tokens.
-
-    ``seq_length`` is the curriculum length when curriculum learning truncates the batch.
-    """
-    samples_per_second = global_batch_size / iteration_time
-    glu = config.glu_activation is not None
-    tflops = megatron_deepspeed_tflops(global_batch_size=global_batch_size, seq_length=seq_length,
-                         num_layers=config.num_layers, hidden_size=config.hidden_size,
-                         padded_vocab_size=config.padded_vocab_size, glu=glu,
-                         checkpoint_activations=config.checkpoint_activations,
-                         iteration_time=iteration_time, world_size=world_size)
-    flops = model_flops(config, global_batch_size, seq_length)
-    model_tflops, mfu = model_tflops_and_mfu(flops, iteration_time, world_size, peak_tflops)
-    return Throughput(iteration_time=iteration_time, samples_per_second=samples_per_second,
-                      samples_per_second_per_replica=samples_per_second / data_parallel_size,
-                      tokens_per_second=samples_per_second * seq_length,
-                      tokens_per_second_per_replica=samples_per_second * seq_length / data_parallel_size,
-                      tflops=tflops, model_tflops=model_tflops, mfu=mfu)
-
-
-def gigaflos_no_embeddings(new_samples: int, seq_length: int, parameters_without_embeddings_billions: float) -> float:
-    """Megatron-DeepSpeed's increment of its "gigaflos (without embeddings)" x-axis: 6 · samples · s · params(B)."""
-    return 6.0 * new_samples * seq_length * parameters_without_embeddings_billions
-
-
-def measure_matmul_peak_tflops(device, size: int = 8192, warmup: int = 10, repeats: int = 20,
-                               trials: int = 5) -> float | None:
-    """Best TFLOP/s of a ``size``³ bf16 matmul on a CUDA ``device`` (2·size³ FLOPs each); None on CPU.
-
-    ``warmup`` products first, then ``trials`` timings of ``repeats`` back-to-back products between
-    CUDA events; the best trial is the peak. The operands come from a private generator, so the
-    training RNG streams are untouched.
-    """
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    generator = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=generator)
-    b = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=generator)
-    out = torch.empty(size, size, device=device, dtype=torch.bfloat16)
-    for _ in range(warmup):
-        torch.matmul(a, b, out=out)
-    torch.cuda.synchronize(device)
-    best_seconds = math.inf
-    for _ in range(trials):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            torch.matmul(a, b, out=out)
-        end.record()
-        end.synchronize()
-        best_seconds = min(best_seconds, start.elapsed_time(end) / 1000.0)
-    return 2.0 * size ** 3 * repeats / best_seconds / 1e12
 
 
 # ---------------------------------------------------------------------------------------- the log line

@@ -16,7 +16,8 @@ one value per start (Megatron-DeepSpeed wrote the size and then a 0 one step lat
 from dataclasses import dataclass
 from collections.abc import Mapping
 
-from megatron.training.metrics import Throughput, perplexity
+from megatron.training.metrics import perplexity
+from megatron.training.throughput import Throughput
 from megatron.training.wandb_logger import WandbRun, WandbSettings
 
 

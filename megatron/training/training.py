@@ -53,18 +53,18 @@ from megatron.training.engine.model_setup import (build_lr_scheduler, build_mode
                                                   current_device, parameter_counts)
 from megatron.training.initialize import check_fused_kernel_constraints, initialize_megatron
 from megatron.training.log_files import write_log_file
+from megatron.training.matmul_peak import measure_matmul_peak_tflops
 from megatron.training.metrics import (BUILDING_DATASETS_LINE, TEST_END_PREFIX, VALIDATION_END_PREFIX,
-                                       LossAccumulator, RunTotals, TrainingLogFields, compute_throughput,
-                                       datetime_line, exit_after_minutes_label, exit_at_iteration_label,
-                                       gigaflos_no_embeddings, initialization_time_line, kill_switch_line,
-                                       measure_matmul_peak_tflops, memory_report_line, model_flops,
-                                       parameter_count_lines, rank_parameter_line, remaining_seconds,
-                                       run_summary_lines, skipped_iterations_line, stop_line,
-                                       train_iterations_line,
-                                       training_log_line, validation_log_lines, validation_prefix)
+                                       LossAccumulator, RunTotals, TrainingLogFields, datetime_line,
+                                       exit_after_minutes_label, exit_at_iteration_label, initialization_time_line,
+                                       kill_switch_line, memory_report_line, parameter_count_lines,
+                                       rank_parameter_line, remaining_seconds, run_summary_lines,
+                                       skipped_iterations_line, stop_line, train_iterations_line, training_log_line,
+                                       validation_log_lines, validation_prefix)
 from megatron.training.microbatches import build_num_microbatches_calculator, train_iters_for_samples
 from megatron.training.profiling import IterationProfiler
 from megatron.training.signals import ExitSignals, signal_name
+from megatron.training.throughput import compute_throughput, gigaflos_no_embeddings, model_flops
 from megatron.training.tb_logger import IterationScalars, Progress, TensorBoardLogger, logger_settings
 from megatron.training.timers import Timers
 

@@ -11,9 +11,10 @@ import sys
 import numpy as np
 import pytest
 
-from megatron.training.metrics import (VALIDATION_END_PREFIX, RunTotals, Throughput, TrainingLogFields,
-                                       run_summary_lines, saved_checkpoint_line, training_log_line,
-                                       validation_log_lines, validation_prefix)
+from megatron.training.metrics import (VALIDATION_END_PREFIX, RunTotals, TrainingLogFields, run_summary_lines,
+                                       saved_checkpoint_line, training_log_line, validation_log_lines,
+                                       validation_prefix)
+from megatron.training.throughput import Throughput
 from megatron.training.tb_logger import IterationScalars, Progress, TensorBoardLogger, TensorBoardSettings
 from tests.conftest import REPO_ROOT
 from tools.plot_logs import (MATPLOTLIB_MISSING, draw_series, load_run, main, series_points,

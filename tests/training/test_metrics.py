@@ -11,7 +11,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.parallel_state import single_rank_groups
-from megatron.training import metrics
+from megatron.core import flops as core_flops
+from megatron.training import matmul_peak, metrics, throughput
 from megatron.training.metrics import LossAccumulator, TrainingLogFields, training_log_line
 
 # ---------------------------------------------------------------------------------------- FLOPs
@@ -25,7 +26,7 @@ def reference_model_flops(b, s, n, h, v):
 @pytest.mark.parametrize("b, s, n, h, v", [(8, 2048, 24, 2048, 50304), (8, 2048, 24, 1024, 50304),
                                            (3, 16, 2, 32, 64), (512, 2048, 70, 14336, 250880)])
 def test_model_flops_reduce_to_design_formula_without_glu_at_4h(b, s, n, h, v):
-    flops = metrics.model_flops_per_iteration(global_batch_size=b, seq_length=s, num_layers=n, hidden_size=h,
+    flops = core_flops.model_flops_per_iteration(global_batch_size=b, seq_length=s, num_layers=n, hidden_size=h,
                                               padded_vocab_size=v)
     assert flops == pytest.approx(reference_model_flops(b, s, n, h, v), rel=1e-12)
 
@@ -48,7 +49,7 @@ def matmul_flops_by_shape(b, s, n, h, v, f, p, glu):
 @pytest.mark.parametrize("f, p, glu", [(128, 32, False), (48, 40, True), (80, 32, False)])
 def test_model_flops_general_formula_matches_a_count_by_shapes(f, p, glu):
     b, s, n, h, v = 3, 16, 2, 32, 64
-    flops = metrics.model_flops_per_iteration(global_batch_size=b, seq_length=s, num_layers=n, hidden_size=h,
+    flops = core_flops.model_flops_per_iteration(global_batch_size=b, seq_length=s, num_layers=n, hidden_size=h,
                                               padded_vocab_size=v, ffn_hidden_size=f, projection_size=p, glu=glu)
     assert flops == matmul_flops_by_shape(b, s, n, h, v, f, p, glu)
 
@@ -65,7 +66,7 @@ def test_model_flops_equal_torch_flop_counter_on_our_gpt_model(glu, ffn):
     tokens = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(0))
     with FlopCounterMode(display=False) as counter:
         model(tokens, labels=tokens).backward()
-    expected = metrics.model_flops_per_iteration(
+    expected = core_flops.model_flops_per_iteration(
         global_batch_size=3, seq_length=16, num_layers=2, hidden_size=32, padded_vocab_size=64,
         ffn_hidden_size=config.ffn_hidden_size, projection_size=config.projection_size, glu=glu is not None)
     assert counter.get_total_flops() == expected
@@ -77,27 +78,27 @@ def test_megatron_deepspeed_tflops_formula():
     expected = 24 * 3 * 8 * 1024 * 4 * 1024 ** 2 * (13 / 6) / (2.0 * 4 * 1e12)
     common = dict(global_batch_size=8, seq_length=1024, num_layers=4, hidden_size=1024, padded_vocab_size=65536,
                   iteration_time=2.0, world_size=4)
-    assert metrics.megatron_deepspeed_tflops(glu=False, checkpoint_activations=False, **common) == pytest.approx(expected)
-    assert metrics.megatron_deepspeed_tflops(glu=True, checkpoint_activations=True, **common) == pytest.approx(
+    assert throughput.megatron_deepspeed_tflops(glu=False, checkpoint_activations=False, **common) == pytest.approx(expected)
+    assert throughput.megatron_deepspeed_tflops(glu=True, checkpoint_activations=True, **common) == pytest.approx(
         expected * (32 / 24) * (4 / 3))
 
 
 def test_model_tflops_and_mfu():
-    tflops, mfu = metrics.model_tflops_and_mfu(8e15, iteration_time=2.0, world_size=4, peak_tflops=800.0)
+    tflops, mfu = throughput.model_tflops_and_mfu(8e15, iteration_time=2.0, world_size=4, peak_tflops=800.0)
     assert (tflops, mfu) == (pytest.approx(1000.0), pytest.approx(1.25))
-    assert metrics.model_tflops_and_mfu(8e15, 2.0, 4, None)[1] is None
+    assert throughput.model_tflops_and_mfu(8e15, 2.0, 4, None)[1] is None
 
 
 def test_compute_throughput_uses_the_model_config():
     config = GPTModelConfig(num_layers=4, hidden_size=256, num_attention_heads=8, padded_vocab_size=1024,
                             seq_length=128, max_position_embeddings=128, checkpoint_activations=True)
-    result = metrics.compute_throughput(config, global_batch_size=32, seq_length=128, iteration_time=0.5,
+    result = throughput.compute_throughput(config, global_batch_size=32, seq_length=128, iteration_time=0.5,
                                         world_size=4, data_parallel_size=2, peak_tflops=0.5)
     assert result.samples_per_second == 64.0
     assert result.samples_per_second_per_replica == 32.0
     assert result.tokens_per_second == 64.0 * 128
     assert result.tokens_per_second_per_replica == 32.0 * 128
-    assert result.tflops == pytest.approx(metrics.megatron_deepspeed_tflops(
+    assert result.tflops == pytest.approx(throughput.megatron_deepspeed_tflops(
         global_batch_size=32, seq_length=128, num_layers=4, hidden_size=256, padded_vocab_size=1024, glu=False,
         checkpoint_activations=True, iteration_time=0.5, world_size=4))
     model_flops = reference_model_flops(32, 128, 4, 256, 1024)  # recomputation earns no credit
@@ -106,16 +107,16 @@ def test_compute_throughput_uses_the_model_config():
 
 
 def test_gigaflos_increment():
-    assert metrics.gigaflos_no_embeddings(16, 2048, 0.35) == pytest.approx(6 * 16 * 2048 * 0.35)
+    assert throughput.gigaflos_no_embeddings(16, 2048, 0.35) == pytest.approx(6 * 16 * 2048 * 0.35)
 
 
 def test_matmul_peak_is_none_on_cpu():
-    assert metrics.measure_matmul_peak_tflops("cpu") is None
+    assert matmul_peak.measure_matmul_peak_tflops("cpu") is None
 
 
 @pytest.mark.gpu
 def test_matmul_peak_on_gpu():
-    peak = metrics.measure_matmul_peak_tflops("cuda", size=2048, warmup=2, repeats=5, trials=2)
+    peak = matmul_peak.measure_matmul_peak_tflops("cuda", size=2048, warmup=2, repeats=5, trials=2)
     assert 1.0 < peak < 10_000.0
 
 
@@ -152,7 +153,7 @@ def full_fields(**overrides):
         losses={"lm loss": 2.3456789}, loss_scale=4096.0, grad_norm=0.34567, num_zeros=0.0, params_norm=271.8281,
         curriculum_seqlen=1024, skipped_iterations=2, nan_iterations=1,
         samples_per_second=512 / iteration_time,
-        tflops=metrics.megatron_deepspeed_tflops(glu=False, checkpoint_activations=True, iteration_time=iteration_time,
+        tflops=throughput.megatron_deepspeed_tflops(glu=False, checkpoint_activations=True, iteration_time=iteration_time,
                                    world_size=64, **SHAPE),
         model_tflops=123.456, mfu=0.43219)
     values.update(overrides)
@@ -176,7 +177,7 @@ def test_log_line_parses_back_field_by_field():
     assert float(match["sps"]) == pytest.approx(409.6)
     assert (match["model_tflops"], match["mfu"]) == ("123.46", "43.22")
     # TFLOPs recomputed from the logged time, with Megatron-DeepSpeed's formula and --checkpoint-activations.
-    recomputed = metrics.megatron_deepspeed_tflops(glu=False, checkpoint_activations=True, iteration_time=float(match["time"]),
+    recomputed = throughput.megatron_deepspeed_tflops(glu=False, checkpoint_activations=True, iteration_time=float(match["time"]),
                                      world_size=64, **SHAPE)
     assert match["tflops"] == f"{recomputed:.2f}"
 

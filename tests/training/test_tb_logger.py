@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from megatron.training.metrics import Throughput
+from megatron.training.throughput import Throughput
 from megatron.training.tb_logger import (IterationScalars, Progress, TensorBoardLogger, TensorBoardSettings,
                                          logger_settings)
 from megatron.training.wandb_logger import WandbSettings, offline_reason

@@ -20,7 +20,8 @@ from megatron.core.dtypes import torch_dtype  # noqa: E402
 from megatron.core.models.gpt import GPTModel, GPTModelConfig  # noqa: E402
 from megatron.core.parallel_state import single_rank_groups  # noqa: E402
 from megatron.core.tensor_parallel.random import model_parallel_seed  # noqa: E402
-from megatron.training.metrics import compute_throughput, measure_matmul_peak_tflops  # noqa: E402
+from megatron.training.matmul_peak import measure_matmul_peak_tflops  # noqa: E402
+from megatron.training.throughput import compute_throughput  # noqa: E402
 
 SETTINGS = (
     ("no dropout", dict(hidden_dropout=0.0, attention_dropout=0.0)),

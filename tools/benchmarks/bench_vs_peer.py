@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatron.core.models.gpt import GPTModelConfig  # noqa: E402
-from megatron.training.metrics import model_flops  # noqa: E402
+from megatron.training.throughput import model_flops  # noqa: E402
 from tools.benchmarks.scaling_table import steady_state  # noqa: E402
 
 

@@ -1,0 +1,89 @@
+"""Throughput of an iteration: Megatron-DeepSpeed's TFLOPs estimate, model TFLOP/s and MFU.
+
+FLOP counts (B = global batch, s = sequence length, L = layers, h = hidden, V = padded vocabulary,
+f = ffn hidden size, p = heads x kv channels, g = 2 with a GLU else 1):
+
+- Model FLOPs per iteration: the matmuls of one forward pass per
+  token and layer are QKV 6hp, scores 2sp, attention x values 2sp, output projection 2ph,
+  MLP 2hf·g + 2fh; the logits add 2hV per token. Training costs three forward passes (backward = 2),
+  recomputation earns nothing:
+      F = 3·B·s·[L·(8hp + 4sp + 2hf(g + 1)) + 2hV]
+  which for p = h, f = 4h, no GLU is 72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h)).
+- Megatron-DeepSpeed's TFLOPs field, kept for continuity (it uses V/(16·L·h), 32 instead of 24 with GLU, and
+  4 instead of 3 passes with --checkpoint-activations):
+      coef·ckpt·B·s·L·h²·(1 + s/(6h) + V/(16·L·h)) / (t·world_size·1e12)
+- model TFLOP/s = F / (t · world_size · 1e12) per GPU; MFU = model TFLOP/s / measured peak TFLOP/s.
+"""
+from dataclasses import dataclass
+
+from megatron.core.flops import model_flops_per_iteration
+from megatron.core.models.gpt.config import GPTModelConfig
+
+
+def megatron_deepspeed_tflops(*, global_batch_size: int, seq_length: int, num_layers: int, hidden_size: int,
+                padded_vocab_size: int, glu: bool, checkpoint_activations: bool, iteration_time: float,
+                world_size: int) -> float:
+    """Megatron-DeepSpeed's per-GPU TFLOPs estimate (module docstring), for an iteration of ``iteration_time`` s."""
+    coefficient = 32 if glu else 24
+    passes = 4 if checkpoint_activations else 3
+    b, s, n, h, v = global_batch_size, seq_length, num_layers, hidden_size, padded_vocab_size
+    flops = coefficient * passes * b * s * n * h ** 2 * (1.0 + s / (6.0 * h) + v / (16.0 * n * h))
+    return flops / (iteration_time * world_size * 1e12)
+
+
+def model_flops(config: GPTModelConfig, global_batch_size: int, seq_length: int) -> float:
+    """model_flops_per_iteration of this model for one iteration of ``global_batch_size`` sequences."""
+    return model_flops_per_iteration(global_batch_size=global_batch_size, seq_length=seq_length,
+                                     num_layers=config.num_layers, hidden_size=config.hidden_size,
+                                     padded_vocab_size=config.padded_vocab_size,
+                                     ffn_hidden_size=config.ffn_hidden_size, projection_size=config.projection_size,
+                                     glu=config.glu_activation is not None)
+
+
+def model_tflops_and_mfu(flops_per_iteration: float, iteration_time: float, world_size: int,
+                         peak_tflops: float | None) -> tuple[float, float | None]:
+    """(model TFLOP/s per GPU, MFU as a fraction or None without a measured peak)."""
+    tflops = flops_per_iteration / (iteration_time * world_size * 1e12)
+    return tflops, (tflops / peak_tflops if peak_tflops else None)
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Rates of one iteration; per replica divides by the data-parallel size, TFLOP figures are per GPU."""
+
+    iteration_time: float
+    samples_per_second: float
+    samples_per_second_per_replica: float
+    tokens_per_second: float
+    tokens_per_second_per_replica: float
+    tflops: float
+    model_tflops: float
+    mfu: float | None
+
+
+def compute_throughput(config: GPTModelConfig, *, global_batch_size: int, seq_length: int,
+                       iteration_time: float, world_size: int, data_parallel_size: int,
+                       peak_tflops: float | None = None) -> Throughput:
+    """Throughput of an iteration of ``global_batch_size`` sequences of ``seq_length`` tokens.
+
+    ``seq_length`` is the curriculum length when curriculum learning truncates the batch.
+    """
+    samples_per_second = global_batch_size / iteration_time
+    glu = config.glu_activation is not None
+    tflops = megatron_deepspeed_tflops(global_batch_size=global_batch_size, seq_length=seq_length,
+                         num_layers=config.num_layers, hidden_size=config.hidden_size,
+                         padded_vocab_size=config.padded_vocab_size, glu=glu,
+                         checkpoint_activations=config.checkpoint_activations,
+                         iteration_time=iteration_time, world_size=world_size)
+    flops = model_flops(config, global_batch_size, seq_length)
+    model_tflops, mfu = model_tflops_and_mfu(flops, iteration_time, world_size, peak_tflops)
+    return Throughput(iteration_time=iteration_time, samples_per_second=samples_per_second,
+                      samples_per_second_per_replica=samples_per_second / data_parallel_size,
+                      tokens_per_second=samples_per_second * seq_length,
+                      tokens_per_second_per_replica=samples_per_second * seq_length / data_parallel_size,
+                      tflops=tflops, model_tflops=model_tflops, mfu=mfu)
+
+
+def gigaflos_no_embeddings(new_samples: int, seq_length: int, parameters_without_embeddings_billions: float) -> float:
+    """Megatron-DeepSpeed's increment of its "gigaflos (without embeddings)" x-axis: 6 · samples · s · params(B)."""
+    return 6.0 * new_samples * seq_length * parameters_without_embeddings_billions
