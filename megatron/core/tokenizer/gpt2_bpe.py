@@ -155,8 +155,7 @@ class GPT2BPETokenizer:
         self._reference = ReferenceBPE(self.vocab, merges)
         self._backend = None
         if fast_path_requested(use_fast):
-            # Imported on demand: fast_bpe needs numpy, and importing the tokenizer package must
-            # not (tools/model_calculator.py runs without numpy or torch).
+            # Imported on demand: fast_bpe needs numpy, which importing the tokenizer package does not.
             from megatron.core.tokenizer.fast_bpe import build_fast_backend
             self._backend, self.fast_path_reason = build_fast_backend(
                 self.vocab, merges, self._reference, _files_digest(vocab_file, merge_file))

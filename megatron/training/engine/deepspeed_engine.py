@@ -77,7 +77,7 @@ def apply_replacements(engine, config: TrainConfig, groups: ParallelGroups) -> N
         bf16_steps.clip_in_adamw(engine)
         bf16_steps.skip_single_rank_reduction(engine)
     if pipeline and (getattr(engine, "using_bf16_optimizer", False) or not engine.zero_optimization()):
-        engine.module.reduce_sequence_parallel_gradients_once_per_step()
+        engine.module.defer_sequence_parallel_reduction()
     if config.logging.log_num_zeros_in_grad:
         count_zeros_before_each_step(engine, groups)
     if config.parallel.sync_tp_duplicated_parameters and groups.tp_size > 1:

@@ -303,7 +303,7 @@ class GPTModelPipe(PipelineModule):
         self._set_bounds(start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
         return None
 
-    def reduce_sequence_parallel_gradients_once_per_step(self) -> None:
+    def defer_sequence_parallel_reduction(self) -> None:
         """Sum the sequence-parallel parameters' gradients over the TP group once per step, where the
         engine sums the tied embedding's over its stages, instead of once per parameter and
         micro-batch in backward (6 all-reduces per layer and micro-batch, each a launch on the host).
@@ -320,7 +320,7 @@ class GPTModelPipe(PipelineModule):
 
     def get_tied_weights_and_groups(self):
         """DeepSpeed's (weight, group) pairs whose gradients it all-reduces at each step's end; with
-        ``reduce_sequence_parallel_gradients_once_per_step`` also the sequence-parallel parameters
+        ``defer_sequence_parallel_reduction`` also the sequence-parallel parameters
         of this stage with the TP group."""
         tied = super().get_tied_weights_and_groups()
         if not is_enabled("pipeline_module.GPTModelPipe.get_tied_weights_and_groups"):

@@ -47,7 +47,7 @@ class GPTModelConfig:
     dropouts and residual adds run on s / tp positions; the column-parallel GEMMs all-gather their
     input and the row-parallel ones reduce-scatter their output instead of one all-reduce.
     ``tp_comm_overlap`` (--tp-comm-overlap, with sequence parallelism) pipelines those collectives
-    with their GEMMs through symmetric GPU memory (``tensor_parallel.utils.all_gather_matmul``,
+    with their GEMMs through symmetric GPU memory (``tensor_parallel.async_tp.all_gather_matmul``,
     ``matmul_reduce_scatter``); it keeps each gathered column-parallel input for backward instead
     of gathering it again. On CPU the same arithmetic runs through the plain collectives.
 
