@@ -6,7 +6,8 @@ Launched like training (one process a rank, gloo), the logits of two token rows 
 the checkpoint merged into one GPTModel (megatron.core.checkpoint.model_loading): under the saved
 layout (each rank reads its own partition files) and re-cut to TP=1 x PP=1 and TP=1 x PP=2; the
 plain-engine checkpoint under TP=2 and TP=1 x PP=2, with only --load and the tokenizer given. Wrong
-flags are refused by name before any process group starts.
+flags are refused by name before any process group starts (a model flag given at its default
+too); the command line is split once into the tool's flags and the trainer's.
 """
 import json
 import os
@@ -115,6 +116,20 @@ def test_wrong_flags_are_refused_before_starting(trained, monkeypatch):
     with pytest.raises(InferenceSetupError, match="--seq-length 100: the model has 80 positions"):
         load_from_argv(["--load", save, *model_flags(data), "--seq-length", "100",
                         "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"])
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.slow
+def test_a_model_flag_given_at_its_default_must_still_be_the_checkpoints(plain_engine_checkpoint, monkeypatch):
+    """--position-embedding-type absolute is the parser's default, and given explicitly it names a
+    model that the ALiBi checkpoint is not."""
+    data, save = plain_engine_checkpoint
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    tokenizer = ["--vocab-file", data.vocab_file, "--merge-file", data.merge_file]
+    with pytest.raises(InferenceSetupError, match="--position-embedding-type absolute: the checkpoint at --load .* "
+                                                  "was trained with alibi"):
+        load_from_argv(["--load", save, *tokenizer, "--position-embedding-type", "absolute"])
     assert not torch.distributed.is_initialized()
 
 
