@@ -54,7 +54,7 @@ from megatron.core.text_generation.sampling import SamplingParams
 from megatron.core.text_generation.stage_model import InferenceStage, load_stage_weights
 from megatron.core.tokenizer import build_tokenizer
 from megatron.training.argument_types import ErrorRaisingParser
-from megatron.training.arguments import build_parser, explicit_dests
+from megatron.training.arguments import ReadOnlyNamespace, build_parser, explicit_dests
 from megatron.training.config import InferenceConfig, ProcessLayout, TokenizerConfig, tokenizer_config_from_args
 from megatron.training.dist_utils import shutdown
 from megatron.training.engine.model_setup import current_device
@@ -144,9 +144,9 @@ class InferenceArguments:
     """An inference tool's command line, parsed once.
 
     Attributes:
-        flags: the trainer's flags as argparse read them (defaults included).
+        flags: the trainer's flags as argparse read them (defaults included), read-only.
         explicit: the dests of the trainer's flags given on the command line.
-        tool: the flags the tool's ``add_flags`` declared.
+        tool: the flags the tool's ``add_flags`` declared, read-only.
     """
 
     flags: argparse.Namespace
@@ -170,7 +170,8 @@ def parse_inference_arguments(argv: Sequence[str] | None = None,
         help_parser.print_help()
         sys.exit(0)
     tool, trainer_argv = tool_parser.parse_known_args(argv)
-    return InferenceArguments(build_parser().parse_args(trainer_argv), explicit_dests(trainer_argv), tool)
+    return InferenceArguments(ReadOnlyNamespace(build_parser().parse_args(trainer_argv)), explicit_dests(trainer_argv),
+                              ReadOnlyNamespace(tool))
 
 
 def check_model_flags(arguments: InferenceArguments, checkpoint: SavedCheckpoint) -> None:

@@ -10,7 +10,6 @@ from megatron.core.parallel_state import ParallelGroups
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
-
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
