@@ -21,13 +21,14 @@ import torch
 from megatron.core.checkpoint import megatron_deepspeed
 from megatron.core.checkpoint.manifest import MANIFEST_NAME
 from megatron.training.log_reader import iteration_records
+from tests.conftest import REPO_ROOT
 from tests.training.e2e_utils import read_scalars, run_pretrain, run_script
 from tests.training.test_layout_equivalence import WEIGHT_DECAY, common_flags, series
 from tools.convert_checkpoint import ds_to_universal
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_deepspeed_checkpoint.py")
+FIXTURE = os.path.join(REPO_ROOT, "tests", "training", "megatron_deepspeed_checkpoint.py")
 TRAIN_ITERS, SAVE_ITERATION = 4, 2
 RESUMED = list(range(SAVE_ITERATION + 1, TRAIN_ITERS + 1))
 LOSS_TAG, LR_TAG = "lm-loss-training/lm loss", "learning-rate/learning-rate"
