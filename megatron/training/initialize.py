@@ -34,7 +34,7 @@ from megatron.core.models.gpt import GPTModelConfig
 from megatron.core.parallel_state import ParallelGroups, initialize_model_parallel
 from megatron.core.tensor_parallel import model_parallel_seed
 if TYPE_CHECKING:  # the config module imports deepspeed, which must wait for select_accelerator
-    from megatron.training.config import LoggingConfig, ParallelConfig
+    from megatron.training.config import LoggingConfig, ProcessLayout
 from megatron.training.dist_utils import print_line, print_rank_0
 from megatron.training.launch_env import threads_per_process
 
@@ -75,7 +75,7 @@ def use_environment_extensions_dir() -> str:
     return os.environ[EXTENSIONS_DIR_ENV]
 
 
-def _rendezvous_environment(parallel: "ParallelConfig") -> dict:
+def _rendezvous_environment(parallel: "ProcessLayout") -> dict:
     return {"RANK": str(parallel.rank), "WORLD_SIZE": str(parallel.world_size),
             "LOCAL_RANK": str(parallel.local_rank), "MASTER_ADDR": parallel.master_addr,
             "MASTER_PORT": str(parallel.master_port)}
@@ -107,7 +107,7 @@ def share_cpu_threads(rank: int) -> None:
                    f"this node); set OMP_NUM_THREADS to choose")
 
 
-def initialize_distributed(parallel: "ParallelConfig") -> ParallelGroups:
+def initialize_distributed(parallel: "ProcessLayout") -> ParallelGroups:
     """CPU threads per process, torch.cuda.set_device(local rank) on GPU, the engine's process group
     (engine/distributed.py), then our TP/DP/PP groups."""
     from megatron.training.engine.distributed import init_process_group
@@ -211,7 +211,7 @@ def check_fused_kernel_constraints(model: GPTModelConfig, tensor_model_parallel_
                                          "back to their reference: " + "; ".join(problems))
 
 
-def initialize_megatron(parallel: "ParallelConfig", logging_config: "LoggingConfig", seed: int) -> ParallelGroups:
+def initialize_megatron(parallel: "ProcessLayout", logging_config: "LoggingConfig", seed: int) -> ParallelGroups:
     """Process group, model-parallel groups, log levels and seeds; returns this rank's groups."""
     groups = initialize_distributed(parallel)
     apply_log_levels(logging_config, parallel.rank)

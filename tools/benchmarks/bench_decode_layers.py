@@ -6,7 +6,7 @@ replay:
 
     one-row layer       per layer: layer_norm_linear (QKV), decode_attention (writes the cache),
                         linear + residual (dense), layer_norm_linear + GeLU (h -> 4h),
-                        linear + residual (4h -> h): what ParallelTransformerLayer runs at batch 1
+                        linear + residual (4h -> h): what decode_layers.one_row_step runs at batch 1
     GEMVs alone         the four products per layer, no norm, attention or epilogue: the floor
 
 each with the kernels launched as programmatic dependents (PDL, Hopper and later) and without.
