@@ -40,7 +40,8 @@ from megatron.core.checkpoint.latest import LatestError, read_latest
 from megatron.core.checkpoint.manifest import MANIFEST_NAME, SAVING_MARKER, Manifest, ManifestError, read_manifest
 from megatron.core.checkpoint.names import PIPELINE_EMBEDDING_PREFIX
 from megatron.core.checkpoint.origin import UnverifiedCheckpointError, unverified_reading_line
-from megatron.training.config import CheckpointConfig, TrainConfig, plain_value
+from megatron.core.checkpoint.client_state import plain_value
+from megatron.training.config import CheckpointConfig, TrainConfig
 from megatron.training.dist_utils import print_rank_0
 
 UNIVERSAL_ADVICE = ("convert it with tools/convert_checkpoint/ds_to_universal.py and resume with "

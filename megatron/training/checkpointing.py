@@ -6,16 +6,11 @@ The files, their keys and the commit protocol are described in docs/checkpoint-f
 (one ``layer_XX-model_TT-model_states.pt`` per pipeline layer, or the whole module for the plain
 engine), the optimizer partitions and ``mp_rank_MM_model_states.pt`` with the engine's own entries
 (the LR schedule under ``lr_scheduler``, skipped steps, global steps and samples), to which the
-client state adds:
-
-    iteration, consumed_train_samples, consumed_train_tokens, consumed_valid_samples,
-    gigaflos_no_embeddings, curriculum_seqlen (the last training length; None without curriculum
-    learning), tokens (= consumed_train_tokens, Megatron-DeepSpeed's key), checkpoint_version
-    3.0, checkpoint_info {padded_vocab_size, original_vocab_size}, args (the model, the layout and the
-    whole typed configuration, as plain values), universal_checkpoint_info, at ZeRO stage 0
-    optimizer_parameter_names (the optimizer's parameters by name, group by group), and unless
-    --no-save-rng the RNG states: random_rng_state, np_rng_state, torch_rng_state, cuda_rng_state,
-    rng_tracker_states.
+client state adds the entries of megatron.core.checkpoint.client_state (the progress counters,
+the model and layout, the universal-conversion patterns), at ZeRO stage 0
+optimizer_parameter_names (the optimizer's parameters by name, group by group), and unless
+--no-save-rng the RNG states: random_rng_state, np_rng_state, torch_rng_state, cuda_rng_state,
+rng_tracker_states.
 
 Commit: rank 0 first marks the tag directory as incomplete (``saving.incomplete``: the directory is
 made under a hidden name with the marker inside, then renamed); each rank flushes
@@ -51,44 +46,22 @@ import numpy as np
 import torch
 
 from megatron.core.checkpoint import megatron_deepspeed
+from megatron.core.checkpoint.client_state import (CHECKPOINT_VERSION, TrainingProgress, plain_value, saved_progress,
+                                                   trainer_entries)
+from megatron.core.checkpoint.latest import LATEST, LatestError, checkpoint_tag, read_latest, write_latest
 from megatron.core.checkpoint.manifest import FileEntry, describe_file, fsync_path, write_manifest
 from megatron.core.checkpoint.output import os_error_cause, write_pointer
-from megatron.core.checkpoint.universal import UNIVERSAL_CHECKPOINT_INFO, universal_checkpoint_info
-from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.tensor_parallel import get_rng_tracker
-from megatron.training.checkpoint_checks import (LATEST_FILENAME, SAVING_MARKER, CheckpointError, VerifiedReads,
+from megatron.training.checkpoint_checks import (SAVING_MARKER, CheckpointError, VerifiedReads,
                                                  check_before_loading, checkpoint_tags, verifying_filter)
-from megatron.training.config import CheckpointConfig, TrainConfig, plain_value
+from megatron.training.config import CheckpointConfig, TrainConfig
 from megatron.training.dist_utils import barrier, gather_objects, is_rank_0, print_rank_0, rank
-from megatron.training.engine.checkpoint_io import deepspeed_version
 from megatron.training.engine.interface import TrainingEngine
 from megatron.training.engine.megatron_deepspeed_resume import own_rng_states
 from megatron.training.metrics import loaded_checkpoint_line, saved_checkpoint_line, saving_checkpoint_line
 
-CHECKPOINT_VERSION = 3.0
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
-
 __all__ = ["CHECKPOINT_VERSION", "CheckpointError", "SaveError", "TrainingProgress", "load_checkpoint",
            "save_checkpoint"]
-
-
-@dataclass
-class TrainingProgress:
-    """Where training stands; saved in every checkpoint and restored on --load."""
-
-    iteration: int = 0
-    consumed_train_samples: int = 0
-    consumed_train_tokens: int = 0
-    consumed_valid_samples: int = 0
-    gigaflos_no_embeddings: float = 0.0
-    curriculum_seqlen: int | None = None  # the last training length with curriculum learning
-
-
-OPTIONAL_PROGRESS_KEYS = ("curriculum_seqlen",)  # absent from checkpoints of runs without a curriculum
-
-
-def checkpoint_tag(iteration: int) -> str:
-    return f"global_step{iteration}"
 
 
 def configuration_summary(config: TrainConfig) -> dict:
@@ -126,47 +99,11 @@ def restore_rng_states(state: dict) -> None:
 def client_state(progress: TrainingProgress, config: TrainConfig, pipeline: bool) -> dict:
     """What the trainer adds to DeepSpeed's mp_rank file (module docstring); ``pipeline``: saved by
     the pipeline engine."""
-    state = _trainer_entries(progress, config.model, config.data.orig_vocab_size, configuration_summary(config),
-                             pipeline)
+    state = trainer_entries(progress, config.model, config.data.orig_vocab_size, configuration_summary(config),
+                            pipeline)
     if not config.checkpoint.no_save_rng:
         state.update(rng_states())
     return state
-
-
-def _trainer_entries(progress: TrainingProgress, model: GPTModelConfig, original_vocab_size: int, arguments: dict,
-                     pipeline: bool) -> dict:
-    """The client state without the RNG states; ``arguments``: the ``args`` entry."""
-    state = dataclasses.asdict(progress)
-    state.update(tokens=progress.consumed_train_tokens, checkpoint_version=CHECKPOINT_VERSION,
-                 checkpoint_info={"padded_vocab_size": model.padded_vocab_size,
-                                  "original_vocab_size": original_vocab_size},
-                 args=arguments)
-    state[UNIVERSAL_CHECKPOINT_INFO] = universal_checkpoint_info(
-        glu=model.glu_activation is not None, learned_positions=model.position_embedding_type == "absolute",
-        pipeline=pipeline, padded_vocab_size=model.padded_vocab_size, original_vocab_size=original_vocab_size)
-    return state
-
-
-def imported_checkpoint_state(model: GPTModelConfig, original_vocab_size: int, tp: int, pp: int,
-                              data: dict) -> dict:
-    """The model-states entries of a checkpoint that no engine saved (an imported model), at iteration 0:
-    the client state without RNG states, whose ``args`` hold the model, the layout and ``data`` (the
-    tokenizer's settings), and DeepSpeed's own entries, empty. No LR schedule (``lr_scheduler`` None):
-    a run that loads it starts the configured one."""
-    arguments = {"model": plain_value(model), "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                 "data_parallel_size": 1, "config": {"model": plain_value(model), "data": data}}
-    state = {"module": None, "buffer_names": [], "optimizer": None, "param_shapes": None, "frozen_param_shapes": None,
-             "shared_params": None, "frozen_param_fragments": None, "lr_scheduler": None, "data_sampler": None,
-             "random_ltd": None, "skipped_steps": 0, "global_steps": 0, "global_samples": 0, "dp_world_size": 1,
-             "mp_world_size": tp * pp, "ds_config": {}, "ds_version": deepspeed_version()}
-    state.update(_trainer_entries(TrainingProgress(), model, original_vocab_size, arguments, pipeline=True))
-    return state
-
-
-def _commit(directory: str, iteration: int) -> None:
-    write_pointer(os.path.join(directory, LATEST_FILENAME), checkpoint_tag(iteration))
-    write_pointer(os.path.join(directory, TRACKER_FILENAME), f"{iteration}\n")
-    fsync_path(directory)
 
 
 @dataclass
@@ -218,11 +155,12 @@ def _raise_if_refused(failures: list[WriteFailure | None], directory: str, tag: 
 def _current_checkpoint(directory: str) -> str:
     """Which checkpoint ``latest`` names after a failed save: the last complete one."""
     try:
-        with open(os.path.join(directory, LATEST_FILENAME)) as f:
-            tag = f.read().strip()
-    except OSError:
+        tag = read_latest(directory)
+    except LatestError:
+        tag = None
+    if tag is None:
         return f"no complete checkpoint is in {directory} yet"
-    return f"{os.path.join(directory, tag)} stays the last complete checkpoint ('{LATEST_FILENAME}' names it)"
+    return f"{os.path.join(directory, tag)} stays the last complete checkpoint ('{LATEST}' names it)"
 
 
 def _start_save(tag_directory: str) -> None:
@@ -268,7 +206,7 @@ def _finish_save(every_rank_written: list, progress: TrainingProgress, config: T
     write_manifest(tag_directory, progress.iteration, files)
     os.remove(os.path.join(tag_directory, SAVING_MARKER))
     fsync_path(tag_directory)
-    _commit(directory, progress.iteration)
+    write_latest(directory, progress.iteration)
     return prune_checkpoints(directory, config.checkpoint, os.path.basename(tag_directory))
 
 
@@ -345,8 +283,7 @@ def load_checkpoint(engine: TrainingEngine, config: TrainConfig) -> TrainingProg
         engine.restart_counters()
         progress = TrainingProgress()
     else:
-        progress = TrainingProgress(**{f.name: state[f.name] for f in dataclasses.fields(TrainingProgress)
-                                       if f.name in state or f.name not in OPTIONAL_PROGRESS_KEYS})
+        progress = saved_progress(state)
         if universal:
             print_rank_0("  RNG states not restored from the universal checkpoint (they belong to the saved layout's "
                          "ranks): each rank starts from its seeded state")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron.core.checkpoint.client_state import plain_value
 from megatron.core.data.data_paths import (DEFAULT_SPLIT, parse_data_path, parse_split,
                                            parse_weighted_split_paths, read_weighted_split_paths_file)
 from megatron.core.data.gpt_dataset import GPTDatasetConfig
@@ -587,20 +588,6 @@ def build_config(parsed: ParsedArguments, tokenizer_vocab_size: int) -> TrainCon
                                     config=copy.deepcopy(derived.ds_config)),
         abort_on_unmet_fused_kernel_constraints=flags.abort_on_unmet_fused_kernel_constraints,
         notices=derived.notices)
-
-
-def plain_value(value):
-    """A value safe to unpickle anywhere and to print: numbers, strings, lists and dicts of them; the
-    rest (a torch dtype, ...) as its str."""
-    if isinstance(value, (bool, int, float, str, type(None))):
-        return value
-    if isinstance(value, (list, tuple)):
-        return [plain_value(item) for item in value]
-    if isinstance(value, dict):
-        return {str(key): plain_value(item) for key, item in value.items()}
-    if dataclasses.is_dataclass(value):
-        return {f.name: plain_value(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    return str(value)
 
 
 def flat_config(config: TrainConfig) -> dict[str, object]:

@@ -148,11 +148,13 @@ def _cuda_or_cpu_state() -> torch.Tensor:
     return torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.get_rng_state()
 
 
-def save_checkpoint(engine, progress, config) -> None:
-    """Megatron-DeepSpeed's save_checkpoint on the DeepSpeed path, step for step."""
+def save_checkpoint(adapter, progress, config) -> None:
+    """Megatron-DeepSpeed's save_checkpoint on the DeepSpeed path, step for step, on the DeepSpeed
+    engine inside the trainer's adapter (megatron/training/engine/deepspeed_engine.py)."""
     from megatron.core.tensor_parallel import get_rng_tracker
     from megatron.training.dist_utils import barrier, print_rank_0
 
+    engine = adapter.engine
     args = megatron_deepspeed_args(progress, config)
     iteration = progress.iteration
     print_rank_0('saving checkpoint at iteration {:7d} to {}'.format(iteration, args.save))

@@ -113,7 +113,8 @@ def copy_tokenizer_files(source: str, staging: str) -> None:
 def import_model(arguments) -> str:
     from tqdm import tqdm
 
-    from megatron.training.checkpointing import imported_checkpoint_state
+    from megatron.core.checkpoint.client_state import imported_checkpoint_state
+    from megatron.training.engine.checkpoint_io import deepspeed_version
 
     started = time.perf_counter()
     source, tp, pp = arguments.input_folder, arguments.target_tp, arguments.target_pp
@@ -126,7 +127,8 @@ def import_model(arguments) -> str:
     model = model_config(options, seq_length, padded, weights.dtype)
     output = os.path.abspath(arguments.output_folder)
     tokenizer_flags, data = tokenizer_settings(source, output)
-    state = imported_checkpoint_state(model, vocab_size, tp, pp, {**data, "orig_vocab_size": vocab_size})
+    state = imported_checkpoint_state(model, vocab_size, tp, pp, {**data, "orig_vocab_size": vocab_size},
+                                      deepspeed_version())
     with tqdm(imported_layers(weights, kind, options, padded), total=options["num_layers"] + 2, desc="layers",
               unit="layer", file=sys.stderr) as layers:
         written = write_checkpoint(output, 0, layers, state, tp, pp, ModelSharding(model),

@@ -63,27 +63,3 @@ def universal_info(sharding: ModelSharding, pipeline: bool, padded_vocab_size: i
         "parameter_with_row_parallelism_patterns": _patterns(sharding, pipeline, lambda split: split.dim == 1),
         "parameter_with_2_sub_params_cat_dim_0": _patterns(sharding, pipeline, lambda split: split.stride == 2),
     }
-
-
-# The entry the trainer's save still writes by parameter-name suffixes; universal_info reads the model instead.
-_TP_REPLICATED = (r".*layernorm\.(weight|bias)$", r".*self_attention\.dense\.bias$", r".*mlp\.dense_4h_to_h\.bias$")
-_ROW_PARALLEL = (r".*self_attention\.dense\.weight$", r".*mlp\.dense_4h_to_h\.weight$")
-_GLU_HALVES = (r".*mlp\.dense_h_to_4h\.weight$", r".*mlp\.dense_h_to_4h\.bias$")
-
-
-def universal_checkpoint_info(glu: bool, learned_positions: bool, pipeline: bool, padded_vocab_size: int,
-                              original_vocab_size: int) -> dict:
-    """universal_info's entry for the trainer's save, from the model's options (``glu``: gated MLP;
-    ``learned_positions``: a position table; ``pipeline``: pipeline names)."""
-    averaged = list(_TP_REPLICATED) + ([r".*position_embeddings\.weight$"] if learned_positions else [])
-    averaged += [r"^\d+\.(weight|bias)$"] if pipeline else []
-    return {
-        "universal_checkpoint_version": 0.2,
-        "original_vocab_size": original_vocab_size,
-        "padded_vocab_size": padded_vocab_size,
-        "vocabulary_parameter_patterns": [r".*word_embeddings\.weight$"],
-        "pipeline_replicated_parameter_patterns": [EMBEDDING_MODULE],
-        "parameter_to_average_patterns": averaged,
-        "parameter_with_row_parallelism_patterns": list(_ROW_PARALLEL),
-        "parameter_with_2_sub_params_cat_dim_0": list(_GLU_HALVES) if glu else [],
-    }

@@ -1,0 +1,43 @@
+"""The adapters of megatron/training/engine/deepspeed_engine.py offer the whole TrainingEngine protocol the
+trainer uses (interface.py), with the same parameters; the trainer itself never names DeepSpeed."""
+import ast
+import inspect
+import os
+
+import pytest
+
+from megatron.training.engine.deepspeed_engine import PipelineEngine, PlainEngine
+from megatron.training.engine.interface import TrainingEngine
+from tests.conftest import REPO_ROOT
+
+PROTOCOL_METHODS = [name for name, member in vars(TrainingEngine).items()
+                    if not name.startswith("_") and (callable(member) or isinstance(member, property))]
+PROTOCOL_ATTRIBUTES = list(TrainingEngine.__annotations__)
+
+
+@pytest.mark.parametrize("adapter", [PipelineEngine, PlainEngine], ids=lambda cls: cls.__name__)
+def test_each_adapter_offers_the_protocol(adapter):
+    assert {"train_step", "eval_step", "save", "load", "grad_norm", "loss_scale"} <= set(PROTOCOL_METHODS)
+    for name in PROTOCOL_METHODS:
+        member = getattr(adapter, name)
+        expected = getattr(TrainingEngine, name)
+        if isinstance(expected, property):
+            assert isinstance(member, property), name
+        else:
+            assert list(inspect.signature(member).parameters) == list(inspect.signature(expected).parameters), name
+    source = inspect.getsource(adapter) + inspect.getsource(adapter.__mro__[1])
+    for name in PROTOCOL_ATTRIBUTES:
+        assert f"{name} =" in source, f"{adapter.__name__} never sets {name}"
+
+
+def test_the_training_loop_has_no_engine_kind_branch():
+    """training.py drives the engine through the protocol: no test of the engine's kind, no DeepSpeed name
+    (``config.deepspeed`` is the configuration's section of DeepSpeed settings)."""
+    path = os.path.join(REPO_ROOT, "megatron", "training", "training.py")
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    attributes = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    assert not {"PipelineEngine", "PlainEngine", "PipelineModule", "deepspeed"} & names
+    assert not {"PipelineEngine", "PlainEngine", "PipelineModule"} & attributes
+    assert not {"pipeline", "train_batch", "eval_batch", "set_batch_fn"} & attributes
