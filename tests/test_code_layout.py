@@ -172,6 +172,15 @@ PARAMETER_NAME = re.compile(r"^[\w.]*\.?(weight|bias)$")
 SHARDING_WORDS = re.compile(r"parallel|partition|split|stride|shard", re.IGNORECASE)
 
 
+def is_split_value(node) -> bool:
+    """A split dimension (an int or None), a tuple of them, or a constructed split (``TensorSplit(0)``)."""
+    if isinstance(node, ast.Constant):
+        return node.value is None or isinstance(node.value, int)
+    if isinstance(node, ast.Tuple):
+        return all(map(is_split_value, node.elts))
+    return isinstance(node, ast.Call) and bool(SHARDING_WORDS.search(getattr(node.func, "id", "")))
+
+
 def sharding_tables(source: str) -> list[str]:
     """Module-level names bound to a literal table of parameter names that says how they are split:
     a dict keyed by parameter names, or a tuple/list/set of them under a name about splitting."""
@@ -185,8 +194,7 @@ def sharding_tables(source: str) -> list[str]:
         entries = value.keys if isinstance(value, ast.Dict) else getattr(value, "elts", [])
         parameter_names = [entry for entry in entries if isinstance(entry, ast.Constant)
                            and isinstance(entry.value, str) and PARAMETER_NAME.match(entry.value)]
-        about_splitting = isinstance(value, ast.Dict) and all(
-            isinstance(v, ast.Constant) and isinstance(v.value, int) for v in value.values)
+        about_splitting = isinstance(value, ast.Dict) and all(map(is_split_value, value.values))
         about_splitting = about_splitting or any(SHARDING_WORDS.search(name) for name in names)
         if parameter_names and about_splitting:
             found += names
@@ -198,6 +206,8 @@ def test_sharding_tables_are_found():
         ["ROW_PARALLEL"]
     assert sharding_tables('PARTITION_DIM = {"mlp.dense_h_to_4h.weight": 0, "word_embeddings.weight": 0}\n') == \
         ["PARTITION_DIM"]
+    assert sharding_tables('SPLITS = {"mlp.dense_h_to_4h.weight": TensorSplit(0, stride=2)}\n') == ["SPLITS"]
+    assert sharding_tables('DIMS = {"self_attention.dense.weight": (1, None)}\n') == ["DIMS"]
     assert sharding_tables('RENAMED = {"transformer.wte.weight": "word_embeddings.weight"}\n') == []
 
 
