@@ -57,6 +57,7 @@ from megatron.training.argument_types import ErrorRaisingParser
 from megatron.training.arguments import ReadOnlyNamespace, build_parser, explicit_dests
 from megatron.training.config import InferenceConfig, ProcessLayout, TokenizerConfig, tokenizer_config_from_args
 from megatron.training.dist_utils import shutdown
+from megatron.training.engine.replacements import check_deepspeed
 from megatron.training.engine.model_setup import current_device
 from megatron.training.initialize import initialize_distributed, set_random_seeds
 from megatron.training.launch_env import effective_backend, rank_in_environment, read_launch_env
@@ -157,8 +158,8 @@ class InferenceArguments:
 def parse_inference_arguments(argv: Sequence[str] | None = None,
                               add_flags: Callable | None = None) -> InferenceArguments:
     """``argv`` (default sys.argv[1:]): the tool's flags (``add_flags(parser)`` declares them) are taken
-    out first, the rest are the trainer's flags; no validation of training flags. -h / --help prints
-    both."""
+    out first, the rest are the trainer's flags; no validation of training flags, but the installed
+    DeepSpeed is checked (engine/replacements.py). -h / --help prints both."""
     argv = sys.argv[1:] if argv is None else list(argv)
     tool_parser = ErrorRaisingParser(add_help=False, allow_abbrev=False)
     if add_flags is not None:
@@ -170,8 +171,10 @@ def parse_inference_arguments(argv: Sequence[str] | None = None,
         help_parser.print_help()
         sys.exit(0)
     tool, trainer_argv = tool_parser.parse_known_args(argv)
-    return InferenceArguments(ReadOnlyNamespace(build_parser().parse_args(trainer_argv)), explicit_dests(trainer_argv),
-                              ReadOnlyNamespace(tool))
+    flags = ReadOnlyNamespace(build_parser().parse_args(trainer_argv))
+    for warning in check_deepspeed(flags.allow_untested_deepspeed):
+        print(warning, flush=True)
+    return InferenceArguments(flags, explicit_dests(trainer_argv), ReadOnlyNamespace(tool))
 
 
 def check_model_flags(arguments: InferenceArguments, checkpoint: SavedCheckpoint) -> None:

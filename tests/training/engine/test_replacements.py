@@ -79,13 +79,14 @@ FAKED_VERSION = """
 import runpy, sys
 import deepspeed
 deepspeed.__version__ = "0.16.4"
-sys.argv = ["pretrain_gpt.py"] + sys.argv[1:]
-runpy.run_path("pretrain_gpt.py", run_name="__main__")
+script = sys.argv[1]
+sys.argv = [script.rpartition("/")[2]] + sys.argv[2:]
+runpy.run_path(script, run_name="__main__")
 """
 
 
-def run_under_deepspeed_0_16(flags: list[str]):
-    return run_command([sys.executable, "-c", FAKED_VERSION, *flags], timeout=scaled_timeout(300))
+def run_under_deepspeed_0_16(flags: list[str], script: str = "pretrain_gpt.py"):
+    return run_command([sys.executable, "-c", FAKED_VERSION, script, *flags], timeout=scaled_timeout(300))
 
 
 def test_pretrain_refuses_an_unsupported_deepspeed_before_any_process_group(e2e_data, tmp_path):
@@ -113,3 +114,13 @@ def test_the_escape_flag_trains_with_deepspeeds_own_code(e2e_data):
     warnings = [line for line in result.output.splitlines() if line.startswith("WARNING: DeepSpeed 0.16.4")]
     assert len(warnings) == 1 and "bf16_steps.accumulate_in_one_kernel" in warnings[0]
     assert len(result.log_lines()) == 2
+
+
+def test_generation_refuses_an_unsupported_deepspeed_at_parse(tmp_path):
+    """The inference tools check DeepSpeed where they parse their flags: one line, exit 2, before
+    any checkpoint is read (--load names a directory that does not exist)."""
+    result = run_under_deepspeed_0_16(["--load", str(tmp_path / "missing"), "--num-samples", "1",
+                                       "--genfile", str(tmp_path / "out.json")], "tools/generate_samples_gpt.py")
+    errors = [line for line in result.output.splitlines() if line.startswith("generate_samples_gpt.py: error:")]
+    assert result.returncode == 2 and len(errors) == 1, result.output[-3000:]
+    assert "DeepSpeed 0.16.4 is installed" in errors[0] and not (tmp_path / "out.json").exists()
