@@ -141,26 +141,29 @@ def missing_targets() -> list[str]:
 def check_deepspeed(allow_untested: bool, version: str | None = None) -> list[str]:
     """Check the installed DeepSpeed before any process group; returns the warning lines to print.
 
-    Raises UnsupportedDeepSpeedError (one line naming the installed and supported versions) outside
-    SUPPORTED unless ``allow_untested``, in which case every replacement not written for this version
-    is switched off and named in the warning."""
+    Raises UnsupportedDeepSpeedError (one line) when the version is outside SUPPORTED, naming the
+    installed and supported versions, or when a replacement's target is missing; with
+    ``allow_untested`` those replacements are switched off instead and named in the warning."""
     version = version or deepspeed.__version__
     installed = version_tuple(version)
     _disabled.clear()
     if _in_range(installed, SUPPORTED):
-        missing = missing_targets()
-        if missing:
-            raise UnsupportedDeepSpeedError(f"DeepSpeed {version} lacks what the engine replaces: {', '.join(missing)}")
+        missing = set(missing_targets())
+        off = sorted(name for name, replacement in REPLACEMENTS.items() if replacement.target in missing)
+        problem = f"DeepSpeed {version} lacks what the engine replaces ({', '.join(sorted(missing))})"
+    else:
+        off = sorted(name for name, replacement in REPLACEMENTS.items()
+                     if not _in_range(installed, replacement.versions))
+        problem = (f"DeepSpeed {version} is installed; this trainer supports deepspeed{_range_text(SUPPORTED)} "
+                   f"(pip install 'deepspeed{_range_text(SUPPORTED)}')")
+    if not off:
         return []
     if not allow_untested:
-        raise UnsupportedDeepSpeedError(
-            f"DeepSpeed {version} is installed; this trainer supports deepspeed{_range_text(SUPPORTED)} "
-            f"(pip install 'deepspeed{_range_text(SUPPORTED)}'), or pass {ALLOW_FLAG} to run with its "
-            f"replacements of DeepSpeed's methods off")
-    off = [name for name, replacement in REPLACEMENTS.items() if not _in_range(installed, replacement.versions)]
+        raise UnsupportedDeepSpeedError(f"{problem}, or pass {ALLOW_FLAG} to run with its replacements of "
+                                        f"DeepSpeed's methods off")
     _disabled.update(off)
-    return [f"WARNING: DeepSpeed {version} is outside the supported deepspeed{_range_text(SUPPORTED)} "
-            f"({ALLOW_FLAG}); DeepSpeed's own code runs instead of these replacements: {', '.join(sorted(off))}"]
+    return [f"WARNING: {problem} ({ALLOW_FLAG}); DeepSpeed's own code runs instead of these replacements: "
+            f"{', '.join(off)}"]
 
 
 def is_enabled(name: str) -> bool:

@@ -20,10 +20,19 @@ def test_every_target_exists_in_the_installed_deepspeed():
     assert replacements.missing_targets() == []
 
 
-def test_a_missing_target_is_found(monkeypatch):
+def test_a_missing_target_is_found_and_refused_unless_allowed(monkeypatch):
     monkeypatch.setitem(replacements.REPLACEMENTS, "test.fake",
                         replacements.Replacement("runtime.engine.DeepSpeedEngine.no_such_method", "test.fake", "x"))
     assert replacements.missing_targets() == ["runtime.engine.DeepSpeedEngine.no_such_method"]
+    try:
+        with pytest.raises(replacements.UnsupportedDeepSpeedError, match="lacks what the engine replaces"):
+            replacements.check_deepspeed(False)
+        warnings = replacements.check_deepspeed(True)
+        assert len(warnings) == 1 and warnings[0].endswith("replacements: test.fake")
+        assert not replacements.is_enabled("test.fake") and replacements.is_enabled("bf16_steps.clip_in_adamw")
+    finally:
+        monkeypatch.delitem(replacements.REPLACEMENTS, "test.fake")
+        replacements.check_deepspeed(False)
 
 
 def guarded_names() -> list[tuple[str, str]]:
