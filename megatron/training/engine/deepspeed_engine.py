@@ -109,6 +109,9 @@ class DeepSpeedAdapter:
         self.engine, self.module = engine, engine.module
         self.config, self.groups, self.make_batch = config, groups, make_batch
 
+    def set_global_batch(self, samples: int) -> None:
+        self.engine.set_train_batch_size(samples)
+
     @property
     def skipped_steps(self) -> int:
         return self.engine.skipped_steps
@@ -174,9 +177,6 @@ class PipelineEngine(DeepSpeedAdapter):
     def eval_step(self, data_iterator, num_micro_batches: int) -> float:
         return float(self.engine.eval_batch(data_iter=data_iterator))
 
-    def set_global_batch(self, samples: int) -> None:
-        self.engine.set_train_batch_size(samples)
-
     def sequence_length_changed(self) -> None:
         self.engine.reset_activation_shape()
 
@@ -211,9 +211,6 @@ class PlainEngine(DeepSpeedAdapter):
             losses = [self._loss(next(data_iterator)) for _ in range(num_micro_batches)]
         self.engine.train()
         return self._mean_over_data_parallel(losses)
-
-    def set_global_batch(self, samples: int) -> None:
-        self.engine.set_train_batch_size(samples)
 
     def sequence_length_changed(self) -> None:
         """The plain engine takes each batch as it comes."""
