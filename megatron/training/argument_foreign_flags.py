@@ -424,7 +424,7 @@ _TOKENIZER_FLAGS = (
     "--no-tokenizer-sentencepiece-ignore-extra-whitespaces", "--null-tokenizer-eod-id",
     "--null-tokenizer-pad-id", "--tiktoken-num-special-tokens", "--tiktoken-pattern",
     "--tokenizer-hf-no-include-special-tokens", "--tokenizer-hf-no-use-fast", "--tokenizer-metadata",
-    "--tokenizer-model", "--tokenizer-sentencepiece-legacy", "--tokenizer-special-tokens",
+    "--tokenizer-sentencepiece-legacy", "--tokenizer-special-tokens",
     "--trust-remote-code", "--use-gigatoken", "--vocab-size",
 )
 _FIM_FLAGS = (

@@ -302,6 +302,9 @@ def add_data_args(parser):
     group.add_argument("--tokenizer-type", choices=SUPPORTED_TOKENIZER_TYPES + REJECTED_TOKENIZER_TYPES,
                        default="GPT2BPETokenizer", help="tokenizer")
     group.add_argument("--tokenizer-name-or-path", default=None, help="local HF tokenizer directory")
+    group.add_argument("--tokenizer-model", default=None,
+                       help="tokenizer file: a SentencePiece model (SentencePieceTokenizer) or a tokenizer.json "
+                            "(HuggingFaceTokenizer)")
     group.add_argument("--data-impl", choices=DATA_IMPLS, default="infer",
                        help="mmap, or infer from the files (lazy and cached are legacy, refused)")
     group.add_argument("--reset-position-ids", action="store_true", help="restart position ids after each EOD")

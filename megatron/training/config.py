@@ -92,12 +92,14 @@ class TokenizerConfig:
         vocab_file: --vocab-file (GPT2BPETokenizer).
         merge_file: --merge-file (GPT2BPETokenizer).
         tokenizer_name_or_path: --tokenizer-name-or-path (PretrainedFromHF).
+        tokenizer_model: --tokenizer-model (SentencePieceTokenizer, HuggingFaceTokenizer).
     """
 
     tokenizer_type: str
     vocab_file: str | None
     merge_file: str | None
     tokenizer_name_or_path: str | None
+    tokenizer_model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,7 @@ class DataConfig:
         vocab_file: --vocab-file (GPT2BPETokenizer).
         merge_file: --merge-file (GPT2BPETokenizer).
         tokenizer_name_or_path: --tokenizer-name-or-path (PretrainedFromHF).
+        tokenizer_model: --tokenizer-model (SentencePieceTokenizer, HuggingFaceTokenizer).
         orig_vocab_size: the tokenizer's vocabulary before padding (kept for conversion tools).
         dataloader_type: "single" (resumable, sequential) or "cyclic" (--dataloader-type).
         num_workers: training DataLoader workers (--num-workers).
@@ -149,6 +152,7 @@ class DataConfig:
     vocab_file: str | None
     merge_file: str | None
     tokenizer_name_or_path: str | None
+    tokenizer_model: str | None
     orig_vocab_size: int
     dataloader_type: str
     num_workers: int
@@ -540,7 +544,8 @@ def _data_config(flags, derived: DerivedValues, tokenizer_vocab_size: int) -> Da
         dataset=dataset_config_from_args(flags, derived.seq_length, tokenizer_vocab_size),
         tokenizer_type=flags.tokenizer_type,
         vocab_file=flags.vocab_file, merge_file=flags.merge_file,
-        tokenizer_name_or_path=flags.tokenizer_name_or_path, orig_vocab_size=tokenizer_vocab_size,
+        tokenizer_name_or_path=flags.tokenizer_name_or_path, tokenizer_model=flags.tokenizer_model,
+        orig_vocab_size=tokenizer_vocab_size,
         dataloader_type=flags.dataloader_type or "single", num_workers=flags.num_workers,
         valid_num_workers=flags.valid_num_workers, eod_mask_loss=flags.eod_mask_loss,
         reset_position_ids=flags.reset_position_ids, reset_attention_mask=flags.reset_attention_mask)

@@ -168,7 +168,7 @@ def test_engine_grid_must_equal_ours():
 
 def _data_config(**flags):
     values = dict(dataset=None, tokenizer_type="GPT2BPETokenizer", vocab_file=None, merge_file=None,
-                  tokenizer_name_or_path=None, orig_vocab_size=64, dataloader_type="single", num_workers=0,
+                  tokenizer_name_or_path=None, tokenizer_model=None, orig_vocab_size=64, dataloader_type="single", num_workers=0,
                   valid_num_workers=0, eod_mask_loss=False, reset_position_ids=False, reset_attention_mask=False)
     return DataConfig(**{**values, **flags})
 
