@@ -1,6 +1,6 @@
 """Fused kernels for the memory-bound steps of a GPT layer, each with a plain-torch reference.
 
-``scale_mask_softmax``, ``layer_norm``, ``bias_gelu``, ``bias_dropout_add`` and
+``scale_mask_softmax``, ``layer_norm``, ``rms_norm``, ``bias_gelu``, ``bias_dropout_add`` and
 ``split_query_key_value`` (``training_ops``) run Triton kernels (forward and backward; the split's
 forward is views) on CUDA when their constraints hold, and the references (``*_reference``)
 otherwise and always on CPU; ``selection`` states the rules. ``linear``, ``layer_norm_linear`` (one
@@ -14,7 +14,7 @@ from megatron.core.fused_kernels.decode_ops import decode_attention, layer_norm_
 from megatron.core.fused_kernels.selection import (FusedKernelArgumentError, fused_kernels_enabled,
                                                    set_fused_kernels_enabled)
 from megatron.core.fused_kernels.training_ops import (adamw_step, bias_dropout_add, bias_gelu, layer_norm,
-                                                      scale_mask_softmax, split_query_key_value)
+                                                      rms_norm, scale_mask_softmax, split_query_key_value)
 from megatron.core.fused_kernels.reference import (
     adamw_step_reference,
     bias_dropout_add_reference,
@@ -24,6 +24,7 @@ from megatron.core.fused_kernels.reference import (
     layer_norm_linear_reference,
     layer_norm_reference,
     linear_reference,
+    rms_norm_reference,
     scale_mask_softmax_reference,
     split_query_key_value_reference,
 )
@@ -46,6 +47,8 @@ __all__ = [
     "layer_norm_reference",
     "linear",
     "linear_reference",
+    "rms_norm",
+    "rms_norm_reference",
     "scale_mask_softmax",
     "scale_mask_softmax_reference",
     "set_fused_kernels_enabled",

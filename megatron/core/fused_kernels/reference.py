@@ -60,6 +60,18 @@ def layer_norm_reference(x, weight, bias, eps):
     return y.to(x.dtype)
 
 
+def rms_norm_reference(x, weight, eps):
+    """y = x / sqrt(mean(x^2) + eps) * weight over the last dim, the mean in fp32.
+
+    x: [..., h]; weight: [h]. Computed in (at least) fp32 whatever the dtypes of x and weight; y has
+    x's dtype. No mean is subtracted and there is no bias (Zhang & Sennrich's RMSNorm, as in Llama).
+    """
+    compute_dtype = _at_least_fp32(x.dtype)
+    x32 = x.to(compute_dtype)
+    y = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.to(compute_dtype)
+    return y.to(x.dtype)
+
+
 def bias_gelu_reference(bias, y):
     """gelu_tanh(y + bias) = 0.5 t (1 + tanh(sqrt(2/pi) (t + 0.044715 t^3))), t = y + bias.
 

@@ -141,6 +141,16 @@ def layer_norm(x, weight, bias, eps, return_input=False):
         lambda kernels: kernels.LayerNormFunction.apply(x, weight, bias, eps, return_input), unfused)
 
 
+def rms_norm(x, weight, eps, return_input=False):
+    """y = x / sqrt(mean(x^2) + eps) * weight over the last dim of x [..., h]; weight [h].
+
+    The mean in fp32; y has x's dtype. ``return_input`` as in ``layer_norm``: return (y, x).
+    """
+    check_hidden_vector("rms_norm", "weight", weight, x.shape[-1])
+    y = reference.rms_norm_reference(x, weight, eps)
+    return (y, x) if return_input else y
+
+
 def bias_gelu(bias, y):
     """gelu_tanh(y + bias) for y [..., h], bias [h]: Megatron's fused bias_gelu (tanh approximation)."""
     check_hidden_vector("bias_gelu", "bias", bias, y.shape[-1])
