@@ -105,14 +105,21 @@ class _BiasAlreadyAdded(torch.autograd.Function):
         return grad_y, grad_y.reshape(-1, grad_y.shape[-1]).sum(0)
 
 
-def split_query_key_value_reference(mixed, bias, head_dim):
-    """q, k, v [s, b, np, hn]: views of the query_key_value projection's output mixed [s, b, np * 3 * hn]
-    (per head j its rows [3, hn]: query, key, value). ``bias`` [np * 3 * hn] or None: the projection's
-    bias, already in ``mixed`` but not differentiated there; it receives the row sum of dmixed."""
+def split_query_key_value_reference(mixed, bias, head_dim, queries_per_group=1):
+    """q [s, b, np, hn] and k, v [s, b, g, hn] of the query_key_value projection's output mixed
+    [s, b, g * (q + 2) * hn], q = ``queries_per_group`` = np / g: per key/value group its q query
+    heads, then its key, then its value ([g, q + 2, hn]; with q = 1 the per-head [np, 3, hn] of
+    multi-head attention, and the three are views). ``bias`` [g * (q + 2) * hn] or None: the
+    projection's bias, already in ``mixed`` but not differentiated there; it receives the row sum of
+    dmixed."""
     if bias is not None:
         mixed = _BiasAlreadyAdded.apply(mixed, bias)
     seq, batch = mixed.shape[:2]
-    return mixed.view(seq, batch, -1, 3 * head_dim).split(head_dim, dim=-1)
+    if queries_per_group == 1:
+        return mixed.view(seq, batch, -1, 3 * head_dim).split(head_dim, dim=-1)
+    grouped = mixed.view(seq, batch, -1, queries_per_group + 2, head_dim)  # [s, b, g, q + 2, hn]
+    query = grouped[:, :, :, :queries_per_group].reshape(seq, batch, -1, head_dim)
+    return query, grouped[:, :, :, queries_per_group], grouped[:, :, :, queries_per_group + 1]
 
 
 def decode_attention_reference(query, keys, values, position, slopes, scale, new_key=None, new_value=None):

@@ -159,15 +159,19 @@ def bias_gelu(bias, y):
         lambda kernels: kernels.BiasGeluFunction.apply(bias, y), lambda: reference.bias_gelu_reference(bias, y))
 
 
-def split_query_key_value(mixed, bias, head_dim):
-    """q, k, v [s, b, np, hn] as views of the query_key_value projection's output mixed
-    [s, b, np * 3 * hn] (per head: query, key, value rows). ``bias`` [np * 3 * hn] or None is the
-    projection's bias, added into ``mixed`` without its gradient (ColumnParallelLinear's
-    ``bias_grad_by_caller``): it gets the row sum of dmixed here. On CUDA one backward kernel packs
-    dq, dk, dv into dmixed and takes that sum during the copy (triton_qkv_split)."""
+def split_query_key_value(mixed, bias, head_dim, queries_per_group=1):
+    """q [s, b, np, hn], k, v [s, b, g, hn] of the query_key_value projection's output mixed
+    [s, b, g * (q + 2) * hn] (per key/value group: its q = ``queries_per_group`` query heads, its key,
+    its value; q = 1 is multi-head attention, per head query, key, value rows, and the three are views).
+    ``bias`` [g * (q + 2) * hn] or None is the projection's bias, added into ``mixed`` without its
+    gradient (ColumnParallelLinear's ``bias_grad_by_caller``): it gets the row sum of dmixed here. On
+    CUDA, for q = 1, one backward kernel packs dq, dk, dv into dmixed and takes that sum during the
+    copy (triton_qkv_split)."""
     if bias is not None and tuple(bias.shape) != (mixed.shape[-1],):
         raise FusedKernelArgumentError(f"split_query_key_value: bias {tuple(bias.shape)} does not match mixed "
                                        f"{tuple(mixed.shape)}")
+    if queries_per_group != 1:
+        return reference.split_query_key_value_reference(mixed, bias, head_dim, queries_per_group)
     return fused_or_reference(
         "triton_qkv_split", (mixed, bias), lambda: qkv_split_constraint_violation(mixed, bias, head_dim),
         lambda kernels: kernels.QueryKeyValueSplitFunction.apply(mixed, bias, head_dim),
