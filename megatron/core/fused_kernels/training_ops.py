@@ -28,11 +28,21 @@ def softmax_constraint_violation(scores, mask):
 
 def layer_norm_constraint_violation(x, weight, bias):
     """Why the Triton layer norm cannot take these inputs on any device, or None."""
+    return _norm_violation(x, (("weight", weight), ("bias", bias)))
+
+
+def rms_norm_constraint_violation(x, weight):
+    """Why the Triton RMSNorm cannot take these inputs on any device, or None."""
+    return _norm_violation(x, (("weight", weight),))
+
+
+def _norm_violation(x, parameters):
+    """Shared rules of the norms: a row of x fits in registers, floating dtypes (each its own)."""
     if x.shape[-1] > MAX_LAYER_NORM_HIDDEN:
         return f"hidden size {x.shape[-1]} > {MAX_LAYER_NORM_HIDDEN}"
     if x.numel() == 0:
         return "x is empty"
-    for name, tensor in (("x", x), ("weight", weight), ("bias", bias)):
+    for name, tensor in (("x", x), *parameters):
         violation = dtype_violation(name, tensor)
         if violation:
             return violation
@@ -144,11 +154,21 @@ def layer_norm(x, weight, bias, eps, return_input=False):
 def rms_norm(x, weight, eps, return_input=False):
     """y = x / sqrt(mean(x^2) + eps) * weight over the last dim of x [..., h]; weight [h].
 
-    The mean in fp32; y has x's dtype. ``return_input`` as in ``layer_norm``: return (y, x).
+    The mean in fp32; y has x's dtype, gradients have their input's dtype. ``return_input`` as in
+    ``layer_norm``: return (y, x), and on the Triton path (triton_rms_norm) the residual's gradient is
+    added to x's inside the norm's backward kernel.
     """
     check_hidden_vector("rms_norm", "weight", weight, x.shape[-1])
-    y = reference.rms_norm_reference(x, weight, eps)
-    return (y, x) if return_input else y
+    if weight is None:
+        raise FusedKernelArgumentError("rms_norm: weight must be a tensor of shape [h], got None")
+
+    def unfused():
+        y = reference.rms_norm_reference(x, weight, eps)
+        return (y, x) if return_input else y
+
+    return fused_or_reference(
+        "triton_rms_norm", (x, weight), lambda: rms_norm_constraint_violation(x, weight),
+        lambda kernels: kernels.RMSNormFunction.apply(x, weight, eps, return_input), unfused)
 
 
 def bias_gelu(bias, y):

@@ -13,6 +13,7 @@ from megatron.core.fused_kernels import (
     layer_norm_linear_reference,
     layer_norm_reference,
     linear_reference,
+    rms_norm_reference,
     scale_mask_softmax_reference,
     split_query_key_value_reference,
 )
@@ -139,6 +140,31 @@ def _megatron_bias_gelu_grad(g, bias, y):
     tanh_out = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
     ff = 0.5 * x * ((1 - tanh_out * tanh_out) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (1 + tanh_out)
     return ff * g
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norm_reference(dtype):
+    """y = x / sqrt(mean(x^2) + eps) * w element by element in float64; half dtypes within one rounding
+    of it (the statistics in fp32); gradients of float64 inputs equal autograd's of the formula."""
+    torch.manual_seed(3)
+    x64 = torch.randn(3, 2, 10, dtype=torch.float64) * 2 + 1
+    w64 = torch.randn(10, dtype=torch.float64)
+    expected = torch.stack([torch.stack([torch.stack([x64[i, j, k] / math.sqrt(sum(x64[i, j, m].item() ** 2
+                                                                                    for m in range(10)) / 10 + 1e-5)
+                                                      * w64[k] for k in range(10)]) for j in range(2)])
+                            for i in range(3)])
+    y = rms_norm_reference(x64.to(dtype), w64.to(dtype), 1e-5)
+    assert y.dtype == dtype
+    tolerance = 2 * torch.finfo(dtype).eps if dtype in (torch.bfloat16, torch.float16) else 1e-6
+    torch.testing.assert_close(y.double(), expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
+    if dtype == torch.float64:
+        x, w = x64.clone().requires_grad_(), w64.clone().requires_grad_()
+        grad_y = torch.randn_like(x)
+        rms_norm_reference(x, w, 1e-5).backward(grad_y)
+        x_formula, w_formula = x64.clone().requires_grad_(), w64.clone().requires_grad_()
+        (x_formula / torch.sqrt((x_formula ** 2).mean(-1, keepdim=True) + 1e-5) * w_formula).backward(grad_y)
+        torch.testing.assert_close(x.grad, x_formula.grad)
+        torch.testing.assert_close(w.grad, w_formula.grad)
 
 
 def test_bias_gelu_reference():

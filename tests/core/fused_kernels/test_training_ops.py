@@ -22,6 +22,9 @@ def test_cpu_runs_the_references_exactly(monkeypatch):
     assert torch.equal(fused_kernels.layer_norm(x, weight, bias, 1e-5), fused_kernels.layer_norm_reference(x, weight, bias, 1e-5))
     normed, same = fused_kernels.layer_norm(x, weight, bias, 1e-5, return_input=True)
     assert torch.equal(normed, fused_kernels.layer_norm_reference(x, weight, bias, 1e-5)) and same is x
+    assert torch.equal(fused_kernels.rms_norm(x, weight, 1e-6), fused_kernels.rms_norm_reference(x, weight, 1e-6))
+    normed, same = fused_kernels.rms_norm(x, weight, 1e-6, return_input=True)
+    assert torch.equal(normed, fused_kernels.rms_norm_reference(x, weight, 1e-6)) and same is x
     assert torch.equal(fused_kernels.bias_gelu(bias, x), fused_kernels.bias_gelu_reference(bias, x))
     residual = torch.randn(4, 2, 16)
     torch.manual_seed(1)
@@ -56,6 +59,10 @@ def test_layer_norm_constraints():
     wide = torch.empty(2, training_ops.MAX_LAYER_NORM_HIDDEN + 1, device="meta")
     assert "hidden size" in training_ops.layer_norm_constraint_violation(wide, vector, vector)
     assert "weight" in training_ops.layer_norm_constraint_violation(x, vector.double(), vector)
+    assert training_ops.rms_norm_constraint_violation(x, vector) is None
+    assert "hidden size" in training_ops.rms_norm_constraint_violation(wide, vector)
+    assert "weight" in training_ops.rms_norm_constraint_violation(x, vector.double())
+    assert "empty" in training_ops.rms_norm_constraint_violation(x[:0], vector)
 
 
 def test_elementwise_constraints():
@@ -80,6 +87,8 @@ def test_elementwise_constraints():
         ),
         (lambda: fused_kernels.scale_mask_softmax(torch.zeros(1, 1, 8, 4), None, 1.0, True, True), "sq <= sk"),
         (lambda: fused_kernels.layer_norm(torch.zeros(2, 8), torch.zeros(4), torch.zeros(8), 1e-5), "weight must have shape"),
+        (lambda: fused_kernels.rms_norm(torch.zeros(2, 8), torch.zeros(4), 1e-5), "weight must have shape"),
+        (lambda: fused_kernels.rms_norm(torch.zeros(2, 8), None, 1e-5), "rms_norm: weight must be a tensor"),
         (lambda: fused_kernels.bias_gelu(torch.zeros(4), torch.zeros(2, 8)), "bias must have shape"),
         (lambda: fused_kernels.bias_dropout_add(torch.zeros(2, 8), None, torch.zeros(2, 4), 0.1, True), "residual"),
         (lambda: fused_kernels.bias_dropout_add(torch.zeros(2, 8), None, torch.zeros(2, 8), 1.5, True), r"\[0, 1\]"),

@@ -21,6 +21,7 @@ DTYPE_IDS = ["fp16", "bf16", "fp32"]
 _REFERENCE_NAMES = [
     "scale_mask_softmax_reference",
     "layer_norm_reference",
+    "rms_norm_reference",
     "bias_gelu_reference",
     "bias_dropout_add_reference",
     "decode_attention_reference",
@@ -186,6 +187,52 @@ def test_layer_norm_return_input(references, dtype, shape):
     _assert_matches(grad_x, ref_grad_x, ulps=8, reduced=hidden)
     leaf = _leaf(x)
     _, r = fused_kernels.layer_norm(leaf, weight, bias, 1e-5, return_input=True)
+    r.backward(grad_r)
+    assert torch.equal(leaf.grad, grad_r)
+
+
+@pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape", [(16, 4, 1024), (7, 3, 1000), (5, 12288), (3, 33)])
+def test_rms_norm_matches_reference(references, dtype, shape):
+    torch.manual_seed(2)
+    hidden = shape[-1]
+    x = (torch.randn(shape, device="cuda") * 2 + 0.5).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(dtype)
+    grad_y = torch.randn(shape, device="cuda").to(dtype)
+    (y, grads), (ref_y, ref_grads) = _fast_and_reference(
+        lambda *t: fused_kernels.rms_norm(*t, 1e-5),
+        lambda *t: references.rms_norm_reference(*t, 1e-5),
+        [x, weight],
+        grad_y,
+    )
+    _assert_matches(y, ref_y, ulps=2, reduced=hidden)
+    _assert_matches(grads[0], ref_grads[0], ulps=8, reduced=hidden)
+    _assert_matches(grads[1], ref_grads[1], ulps=2, reduced=x.numel() // hidden)
+
+
+@pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=DTYPE_IDS)
+def test_rms_norm_return_input_and_mixed_dtypes(references, dtype):
+    """fp32 weights with x in ``dtype``, x strided: y, r = rms_norm(x, return_input=True) gives x the
+    norm's gradient plus dL/dr; an unused y passes dL/dr through."""
+    torch.manual_seed(3)
+    x = torch.randn(512, 8, 256, device="cuda").to(dtype).transpose(0, 1)  # [8, 512, 256], strided
+    weight = 1 + 0.1 * torch.randn(256, device="cuda")
+    grad_y, grad_r = (torch.randn(8, 512, 256, device="cuda").to(dtype) for _ in range(2))
+
+    def both_uses(fn):
+        leaf, weight_leaf = _leaf(x), _leaf(weight)
+        y, r = fn(leaf, weight_leaf)
+        torch.autograd.backward([y, r], [grad_y, grad_r])
+        return y.detach(), r.detach(), leaf.grad, weight_leaf.grad
+
+    y, r, grad_x, grad_weight = both_uses(lambda t, w: fused_kernels.rms_norm(t, w, 1e-6, return_input=True))
+    ref_y, _, ref_grad_x, ref_grad_weight = both_uses(lambda t, w: (references.rms_norm_reference(t, w, 1e-6), t))
+    assert torch.equal(r, x) and y.dtype == dtype and grad_weight.dtype == torch.float32
+    _assert_matches(y, ref_y, ulps=2, reduced=256)
+    _assert_matches(grad_x, ref_grad_x, ulps=8, reduced=256)
+    _assert_matches(grad_weight, ref_grad_weight, ulps=2, reduced=4096)
+    leaf = _leaf(x)
+    _, r = fused_kernels.rms_norm(leaf, weight, 1e-6, return_input=True)
     r.backward(grad_r)
     assert torch.equal(leaf.grad, grad_r)
 
