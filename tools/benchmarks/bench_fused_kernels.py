@@ -15,6 +15,9 @@ ffn 8192; softmax at micro-batch 4) and each dtype:
 
     python3 tools/benchmarks/bench_fused_kernels.py [--dtypes bf16 fp16] [--cases layer_norm ...] [--sweep] [--compile]
 
+``--cases qkv_split`` (run also without ``--cases``) times the query/key/value split's backward,
+multi-head and grouped-query, against the reference's autograd.
+
 ``--sweep`` instead times launch configurations of the Triton kernels (block shapes, warps);
 ``--compile`` adds torch.compile of the reference as a third contender.
 """
@@ -86,6 +89,22 @@ def _layer_norm_case():
         fast=lambda x, w, b: fused_kernels.layer_norm(x, w, b, EPS),
         ref=lambda x, w, b: reference.layer_norm_reference(x, w, b, EPS),
         truth=lambda x, w, b: reference.layer_norm_reference(x.double(), w.double(), b.double(), EPS),
+        forward_bytes=(2 * n, None),
+        backward_bytes=3 * n,
+    )
+
+
+def _rms_norm_case():
+    n = SEQ * MICRO_BATCH * HIDDEN
+    return Case(
+        name="rms_norm",
+        make_inputs=lambda dtype: [
+            _randn(SEQ, MICRO_BATCH, HIDDEN, dtype=dtype, scale=2.0, shift=0.5),
+            _randn(HIDDEN, dtype=dtype, scale=0.1, shift=1.0),
+        ],
+        fast=lambda x, w: fused_kernels.rms_norm(x, w, EPS),
+        ref=lambda x, w: reference.rms_norm_reference(x, w, EPS),
+        truth=lambda x, w: reference.rms_norm_reference(x.double(), w.double(), EPS),
         forward_bytes=(2 * n, None),
         backward_bytes=3 * n,
     )
@@ -342,6 +361,30 @@ def _sweep_qkv_split(dtype):
     _sweep_one("qkv cat, then bias row sum", lambda c: cat_then_sum(), [None])
 
 
+def compare_qkv_split(dtype, heads=32, head_dim=64):
+    """Backward of split_query_key_value (dmixed and the bias gradient from dq, dk, dv as cuDNN's
+    attention backward leaves them), the Triton kernel against the reference's autograd, for
+    multi-head attention and 4 and 32 query heads per key/value group (the Llama-style shapes:
+    32 heads of 64)."""
+    from triton.testing import do_bench
+
+    print(f"\nqkv split backward, {heads} heads of {head_dim}, seq {SEQ}, micro-batch {MICRO_BATCH}: ms (median)")
+    for queries in (1, 4, heads):
+        groups = heads // queries
+        width = groups * (queries + 2) * head_dim
+        mixed = torch.randn(SEQ, MICRO_BATCH, width, device="cuda").to(dtype).requires_grad_(True)
+        bias = torch.randn(width, device="cuda").to(dtype).requires_grad_(True)
+        grads = [torch.randn(SEQ, MICRO_BATCH, n, head_dim, device="cuda").to(dtype) for n in (heads, groups, groups)]
+        times = []
+        for split in (fused_kernels.split_query_key_value, reference.split_query_key_value_reference):
+            def backward():
+                return torch.autograd.grad(split(mixed, bias, head_dim, queries), (mixed, bias), grads)
+
+            times.append(do_bench(backward, warmup=25, rep=200, return_mode="median"))
+        print(f"  {queries:>2} queries per group ({groups} groups): fused {times[0]:.3f}  reference {times[1]:.3f}  "
+              f"x{times[1] / times[0]:.2f}", flush=True)
+
+
 def sweep(dtype):
     """Times of Triton launch configurations at the benchmark shapes (best first)."""
     from megatron.core.fused_kernels import triton_elementwise as te
@@ -390,7 +433,7 @@ def main(argv=None):
     import triton
 
     # Imported here so that a broken triton stops the benchmark instead of timing the references twice.
-    for kernels in ("triton_elementwise", "triton_layer_norm", "triton_softmax"):
+    for kernels in ("triton_elementwise", "triton_layer_norm", "triton_rms_norm", "triton_softmax", "triton_qkv_split"):
         importlib.import_module(f"megatron.core.fused_kernels.{kernels}")
 
     selection.set_fused_kernels_enabled(True)
@@ -398,11 +441,16 @@ def main(argv=None):
     if args.sweep:
         sweep(torch.bfloat16)
         return
-    cases = [_softmax_case(True), _softmax_case(False), _layer_norm_case(), _bias_gelu_case(), _bias_dropout_add_case()]
+    cases = [_softmax_case(True), _softmax_case(False), _layer_norm_case(), _rms_norm_case(), _bias_gelu_case(),
+             _bias_dropout_add_case()]
     if args.cases:
         cases = [case for case in cases if case.name.startswith(tuple(args.cases))]
-    rows = benchmark(cases, args.dtypes, args.compile)
-    print_tables(rows, args.compile)
+    if cases:
+        rows = benchmark(cases, args.dtypes, args.compile)
+        print_tables(rows, args.compile)
+    if not args.cases or "qkv_split".startswith(tuple(args.cases)):
+        for dtype_name in args.dtypes:
+            compare_qkv_split(DTYPES[dtype_name])
 
 
 if __name__ == "__main__":

@@ -75,10 +75,11 @@ def bias_dropout_add_constraint_violation(x, bias, residual, prob):
     return _elementwise_violation(x, (("bias", bias), ("residual", residual)))
 
 
-def qkv_split_constraint_violation(mixed, bias, head_dim):
+def qkv_split_constraint_violation(mixed, bias, head_dim, queries_per_group=1):
     """Why the Triton split (its backward) cannot take these inputs on any device, or None."""
-    if mixed.dim() != 3 or mixed.shape[-1] % (3 * head_dim) != 0:
-        return f"mixed {tuple(mixed.shape)} is not [s, b, heads * 3 * {head_dim}]"
+    row = (queries_per_group + 2) * head_dim
+    if mixed.dim() != 3 or mixed.shape[-1] % row != 0:
+        return f"mixed {tuple(mixed.shape)} is not [s, b, groups * {queries_per_group + 2} * {head_dim}]"
     return _elementwise_violation(mixed, (("bias", bias),))
 
 
@@ -182,20 +183,22 @@ def bias_gelu(bias, y):
 def split_query_key_value(mixed, bias, head_dim, queries_per_group=1):
     """q [s, b, np, hn], k, v [s, b, g, hn] of the query_key_value projection's output mixed
     [s, b, g * (q + 2) * hn] (per key/value group: its q = ``queries_per_group`` query heads, its key,
-    its value; q = 1 is multi-head attention, per head query, key, value rows, and the three are views).
-    ``bias`` [g * (q + 2) * hn] or None is the projection's bias, added into ``mixed`` without its
-    gradient (ColumnParallelLinear's ``bias_grad_by_caller``): it gets the row sum of dmixed here. On
-    CUDA, for q = 1, one backward kernel packs dq, dk, dv into dmixed and takes that sum during the
-    copy (triton_qkv_split)."""
+    its value; q = 1 is multi-head attention, per head query, key, value rows, and the three are
+    views; for q > 1 the query is a copy). ``bias`` [g * (q + 2) * hn] or None is the projection's
+    bias, added into ``mixed`` without its gradient (ColumnParallelLinear's ``bias_grad_by_caller``):
+    it gets the row sum of dmixed here. On CUDA one backward kernel packs dq, dk, dv into dmixed and
+    takes that sum during the copy (triton_qkv_split)."""
     if bias is not None and tuple(bias.shape) != (mixed.shape[-1],):
         raise FusedKernelArgumentError(f"split_query_key_value: bias {tuple(bias.shape)} does not match mixed "
                                        f"{tuple(mixed.shape)}")
-    if queries_per_group != 1:
-        return reference.split_query_key_value_reference(mixed, bias, head_dim, queries_per_group)
+    if not isinstance(queries_per_group, int) or queries_per_group < 1:
+        raise FusedKernelArgumentError(f"split_query_key_value: queries_per_group must be a positive int, got "
+                                       f"{queries_per_group!r}")
     return fused_or_reference(
-        "triton_qkv_split", (mixed, bias), lambda: qkv_split_constraint_violation(mixed, bias, head_dim),
-        lambda kernels: kernels.QueryKeyValueSplitFunction.apply(mixed, bias, head_dim),
-        lambda: reference.split_query_key_value_reference(mixed, bias, head_dim))
+        "triton_qkv_split", (mixed, bias),
+        lambda: qkv_split_constraint_violation(mixed, bias, head_dim, queries_per_group),
+        lambda kernels: kernels.QueryKeyValueSplitFunction.apply(mixed, bias, head_dim, queries_per_group),
+        lambda: reference.split_query_key_value_reference(mixed, bias, head_dim, queries_per_group))
 
 
 def bias_dropout_add(x, bias, residual, prob, training):

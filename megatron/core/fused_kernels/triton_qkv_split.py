@@ -1,20 +1,22 @@
 """Triton backward of the attention's query/key/value split: one pass packs the three gradients and
 sums the bias gradient.
 
-The query_key_value projection's output y [s, b, np * 3 * hn] holds, per head j, its query, key and
-value rows side by side ([np, 3, hn]); attention reads q, k, v as views of it. Backward gets dq, dk,
-dv [s, b, np, hn] in whatever layout attention's backward left them and must hand back
+The query_key_value projection's output y [s, b, g * (q + 2) * hn] holds, per key/value group j of
+the g, its q query heads' rows, then its key's, then its value's ([g, q + 2, hn]; q = 1 is
+multi-head attention's per head query, key, value, np = g); attention reads q, k, v out of it.
+Backward gets dq [s, b, np = g * q, hn], dk, dv [s, b, g, hn] in whatever layout attention's
+backward left them and must hand back
 
-    dy[t, j, i, :] = (dq, dk, dv)[i][t, j, :]   (t a token of the s * b, i in q, k, v)
-    db = sum over t of dy[t]                    (the projection's bias gradient, [np * 3 * hn])
+    dy[t, j, i, :] = dq[t, j * q + i, :]  (i < q),  dk[t, j, :]  (i = q),  dv[t, j, :]  (i = q + 1)
+    db = sum over t of dy[t]                    (the projection's bias gradient, [g * (q + 2) * hn])
 
-autograd's split backward concatenates (a read and a write of dy's size) and the projection's
-backward then reads dy again to sum its rows; here the sum is taken from registers during the copy.
-Programs: one launch over the heads, a fixed number of programs per head striding over the tokens;
-each copies the head's q, k and v rows of a tile of tokens into its 3 * hn contiguous columns and
-keeps fp32 partial sums, added by torch afterwards. With dq, dk, dv as cuDNN's attention backward
-leaves them ([s, b, np, hn], dense) this ran at 0.128 ms against 0.153 for one launch per q, k, v
-at micro-batch 8 on an H200.
+autograd's split backward concatenates (for q > 1 it even fills three zero tensors of dy's size
+and adds them) and the projection's backward then reads dy again to sum its rows; here the sum is
+taken from registers during the copy. Programs: one launch over the groups, a fixed number of
+programs per group striding over the tokens; each copies the group's q + 2 rows of a tile of tokens
+into its (q + 2) * hn contiguous columns and keeps fp32 partial sums, added by torch afterwards.
+With dq, dk, dv as cuDNN's attention backward leaves them ([s, b, np, hn], dense) this ran at
+0.128 ms against 0.153 for one launch per q, k, v at micro-batch 8 on an H200 (q = 1).
 
 This module imports triton; ``selection.kernel_module`` imports it only when a CUDA tensor needs it.
 """
@@ -31,61 +33,74 @@ _PROGRAMS_PER_SM = 8
 
 @triton.jit
 def _pack_qkv_grads_kernel(
-    dq_ptr, dk_ptr, dv_ptr, out_ptr, partial_sums_ptr, n_tokens, batch, head_dim, n_cols,
+    dq_ptr, dk_ptr, dv_ptr, out_ptr, partial_sums_ptr, n_tokens, batch, head_dim, queries, n_cols,
     dq_stride_s, dq_stride_b, dq_stride_h, dk_stride_s, dk_stride_b, dk_stride_h, dv_stride_s, dv_stride_b, dv_stride_h,
-    SUM_COLUMNS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    SUM_COLUMNS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Copies dq, dk, dv of head program_id(1) into its 3 * hn contiguous columns of dy."""
+    """Copies dq of the q query heads, dk and dv of group program_id(1) into its (q + 2) * hn
+    contiguous columns of dy."""
     program = tl.program_id(0)
     n_programs = tl.num_programs(0)
-    head = tl.program_id(1)
+    group = tl.program_id(1)
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < head_dim
-    sums_q = tl.zeros([BLOCK_D], dtype=tl.float32)
+    members = tl.arange(0, BLOCK_Q)  # the group's query heads, i of q
+    query_ok = (members < queries)[:, None] & dim_ok[None, :]  # [BLOCK_Q, BLOCK_D]
+    query_offsets = (group * queries + members)[:, None] * dq_stride_h + dims[None, :]
+    first_col = group * (queries + 2) * head_dim
+    query_cols = (first_col + members * head_dim)[:, None] + dims[None, :]
+    sums_q = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
     sums_k = tl.zeros([BLOCK_D], dtype=tl.float32)
     sums_v = tl.zeros([BLOCK_D], dtype=tl.float32)
     for first_token in range(program * BLOCK_M, n_tokens, n_programs * BLOCK_M):
         tokens = first_token + tl.arange(0, BLOCK_M)  # t = position * b + sequence
-        in_bounds = (tokens < n_tokens)[:, None] & dim_ok[None, :]
+        token_ok = tokens < n_tokens
+        in_bounds = token_ok[:, None] & dim_ok[None, :]
         positions, sequences = (tokens // batch).to(tl.int64), (tokens % batch).to(tl.int64)
-        out_offsets = tokens.to(tl.int64)[:, None] * n_cols + (head * 3 * head_dim + dims)[None, :]
-        dq = tl.load(dq_ptr + (positions * dq_stride_s + sequences * dq_stride_b + head * dq_stride_h)[:, None]
+        out_rows = tokens.to(tl.int64) * n_cols
+        dq = tl.load(dq_ptr + (positions * dq_stride_s + sequences * dq_stride_b)[:, None, None]
+                     + query_offsets[None, :, :], mask=token_ok[:, None, None] & query_ok[None, :, :], other=0.0)
+        dk = tl.load(dk_ptr + (positions * dk_stride_s + sequences * dk_stride_b + group * dk_stride_h)[:, None]
                      + dims[None, :], mask=in_bounds, other=0.0)
-        dk = tl.load(dk_ptr + (positions * dk_stride_s + sequences * dk_stride_b + head * dk_stride_h)[:, None]
+        dv = tl.load(dv_ptr + (positions * dv_stride_s + sequences * dv_stride_b + group * dv_stride_h)[:, None]
                      + dims[None, :], mask=in_bounds, other=0.0)
-        dv = tl.load(dv_ptr + (positions * dv_stride_s + sequences * dv_stride_b + head * dv_stride_h)[:, None]
-                     + dims[None, :], mask=in_bounds, other=0.0)
-        tl.store(out_ptr + out_offsets, dq.to(out_ptr.dtype.element_ty), mask=in_bounds)
-        tl.store(out_ptr + out_offsets + head_dim, dk.to(out_ptr.dtype.element_ty), mask=in_bounds)
-        tl.store(out_ptr + out_offsets + 2 * head_dim, dv.to(out_ptr.dtype.element_ty), mask=in_bounds)
+        key_offsets = out_rows[:, None] + (first_col + queries * head_dim + dims)[None, :]
+        tl.store(out_ptr + out_rows[:, None, None] + query_cols[None, :, :], dq.to(out_ptr.dtype.element_ty),
+                 mask=token_ok[:, None, None] & query_ok[None, :, :])
+        tl.store(out_ptr + key_offsets, dk.to(out_ptr.dtype.element_ty), mask=in_bounds)
+        tl.store(out_ptr + key_offsets + head_dim, dv.to(out_ptr.dtype.element_ty), mask=in_bounds)
         if SUM_COLUMNS:
             sums_q += tl.sum(dq.to(tl.float32), axis=0)
             sums_k += tl.sum(dk.to(tl.float32), axis=0)
             sums_v += tl.sum(dv.to(tl.float32), axis=0)
     if SUM_COLUMNS:
-        row = partial_sums_ptr + program * n_cols + head * 3 * head_dim + dims
-        tl.store(row, sums_q, mask=dim_ok)
-        tl.store(row + head_dim, sums_k, mask=dim_ok)
-        tl.store(row + 2 * head_dim, sums_v, mask=dim_ok)
+        row = partial_sums_ptr + program * n_cols
+        tl.store(row + query_cols, sums_q, mask=query_ok)
+        tl.store(row + first_col + queries * head_dim + dims, sums_k, mask=dim_ok)
+        tl.store(row + first_col + (queries + 1) * head_dim + dims, sums_v, mask=dim_ok)
 
 
 def pack_qkv_grads(dq, dk, dv, with_bias_grad, num_warps=_NUM_WARPS, programs_per_sm=_PROGRAMS_PER_SM,
                    tile_elements=_TILE_ELEMENTS):
-    """(dy [s, b, np * 3 * hn] contiguous, db [np * 3 * hn] fp32 or None) from dq, dk, dv [s, b, np, hn]
-    of any strides whose last is 1: one launch over (token programs, heads)."""
+    """(dy [s, b, g * (q + 2) * hn] contiguous, db [g * (q + 2) * hn] fp32 or None) from dq
+    [s, b, g * q, hn], dk, dv [s, b, g, hn] of any strides whose last is 1: one launch over (token
+    programs, groups)."""
     seq, batch, heads, head_dim = dq.shape
-    n_tokens, n_cols = seq * batch, heads * 3 * head_dim
-    block_d = next_power_of_2(head_dim)
-    block_m = max(1, tile_elements // block_d)
-    n_tiles = heads * cdiv(n_tokens, block_m)
+    groups = dk.shape[2]
+    queries = heads // groups
+    n_tokens, n_cols = seq * batch, groups * (queries + 2) * head_dim
+    block_d, block_q = next_power_of_2(head_dim), next_power_of_2(queries)
+    rows_per_tile = max(1, 3 * tile_elements // (block_d * (block_q + 2)))  # ~3 * tile_elements loaded a tile
+    block_m = 1 << (rows_per_tile.bit_length() - 1)  # a power of 2, as tl.arange needs
+    n_tiles = groups * cdiv(n_tokens, block_m)
     programs = reduction_programs(dq.device, n_tiles, programs_per_sm)
-    grid = (max(1, programs // heads), heads)
+    grid = (max(1, programs // groups), groups)
     out = torch.empty((seq, batch, n_cols), dtype=dq.dtype, device=dq.device)
     partial_sums = torch.empty((grid[0], n_cols) if with_bias_grad else (1,), dtype=torch.float32, device=dq.device)
     _pack_qkv_grads_kernel[grid](
-        dq, dk, dv, out, partial_sums, n_tokens, batch, head_dim, n_cols,
+        dq, dk, dv, out, partial_sums, n_tokens, batch, head_dim, queries, n_cols,
         *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-        SUM_COLUMNS=with_bias_grad, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps,
+        SUM_COLUMNS=with_bias_grad, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=block_d, num_warps=num_warps,
     )
     return out, (partial_sums.sum(0) if with_bias_grad else None)
 
@@ -95,20 +110,28 @@ def _last_dim_contiguous(t):
 
 
 class QueryKeyValueSplitFunction(torch.autograd.Function):
-    """q, k, v [s, b, np, hn] as views of y [s, b, np * 3 * hn]; backward ``pack_qkv_grads``. ``bias``
-    (the projection's, already in y) only receives its gradient here."""
+    """q [s, b, np, hn], k, v [s, b, g, hn] of y [s, b, g * (q + 2) * hn] (views; the query a copy
+    when q = ``queries_per_group`` > 1); backward ``pack_qkv_grads``. ``bias`` (the projection's,
+    already in y) only receives its gradient here."""
 
     @staticmethod
-    def forward(ctx, mixed, bias, head_dim):
+    def forward(ctx, mixed, bias, head_dim, queries_per_group):
         seq, batch = mixed.shape[:2]
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.set_materialize_grads(False)
-        return mixed.view(seq, batch, -1, 3 * head_dim).split(head_dim, dim=-1)
+        if queries_per_group == 1:
+            parts = mixed.view(seq, batch, -1, 3 * head_dim).split(head_dim, dim=-1)
+        else:
+            grouped = mixed.view(seq, batch, -1, queries_per_group + 2, head_dim)  # [s, b, g, q + 2, hn]
+            query = grouped[:, :, :, :queries_per_group].reshape(seq, batch, -1, head_dim)
+            parts = query, grouped[:, :, :, queries_per_group], grouped[:, :, :, queries_per_group + 1]
+        ctx.shapes = [part.shape for part in parts]
+        return parts
 
     @staticmethod
     def backward(ctx, grad_query, grad_key, grad_value):
         present = next(g for g in (grad_query, grad_key, grad_value) if g is not None)
-        grads = [torch.zeros_like(present) if g is None else _last_dim_contiguous(g)
-                 for g in (grad_query, grad_key, grad_value)]
+        grads = [present.new_zeros(shape) if g is None else _last_dim_contiguous(g)
+                 for g, shape in zip((grad_query, grad_key, grad_value), ctx.shapes)]
         grad_mixed, grad_bias = pack_qkv_grads(*grads, with_bias_grad=ctx.bias_dtype is not None)
-        return grad_mixed, None if grad_bias is None else grad_bias.to(ctx.bias_dtype), None
+        return grad_mixed, None if grad_bias is None else grad_bias.to(ctx.bias_dtype), None, None

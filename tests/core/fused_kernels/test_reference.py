@@ -280,6 +280,28 @@ def test_qkv_split_reference():
     assert query.shape == (seq, batch, heads, head_dim)
 
 
+def test_qkv_split_reference_grouped_query():
+    """Per group j its q query heads, its key, its value: query head j * q + i is row i of group j,
+    key j row q, value j row q + 1; the bias gets the row sum of the packed gradients."""
+    torch.manual_seed(8)
+    seq, batch, groups, queries, head_dim = 3, 2, 2, 3, 4
+    width = groups * (queries + 2) * head_dim
+    mixed = torch.randn(seq, batch, width)
+    bias = torch.randn(width, requires_grad=True)
+    query, key, value = split_query_key_value_reference(mixed, bias, head_dim, queries)
+    rows = mixed.view(seq, batch, groups, queries + 2, head_dim)
+    for head in range(groups * queries):
+        assert torch.equal(query[:, :, head], rows[:, :, head // queries, head % queries])
+    for group in range(groups):
+        assert torch.equal(key[:, :, group], rows[:, :, group, queries])
+        assert torch.equal(value[:, :, group], rows[:, :, group, queries + 1])
+    grads = torch.randn(seq, batch, groups * queries, head_dim), *torch.randn(2, seq, batch, groups, head_dim)
+    torch.autograd.backward([query, key, value], list(grads))
+    packed = torch.cat([grads[0].view(seq, batch, groups, queries, head_dim), grads[1][:, :, :, None],
+                        grads[2][:, :, :, None]], dim=3)  # [s, b, g, q + 2, hn]
+    torch.testing.assert_close(bias.grad, packed.sum((0, 1)).reshape(-1))
+
+
 @pytest.mark.parametrize("clipped", [False, True])
 def test_adamw_step_reference_steps_as_torchs_fused_adamw(clipped):
     """Three steps of the reference against torch's fused AdamW (its CPU kernel, which computes the

@@ -74,6 +74,9 @@ def test_elementwise_constraints():
     assert training_ops.bias_dropout_add_constraint_violation(y, None, y, 0.1) is None
     assert "residual" in training_ops.bias_dropout_add_constraint_violation(y, bias, y.float(), 0.1)
     assert "prob = 1" in training_ops.bias_dropout_add_constraint_violation(y, bias, y, 1.0)
+    mixed = torch.empty(3, 2, 2 * 6 * 8, dtype=torch.bfloat16)
+    assert training_ops.qkv_split_constraint_violation(mixed, None, 8, 4) is None
+    assert "groups * 5 * 8" in training_ops.qkv_split_constraint_violation(mixed, None, 8, 3)
 
 
 @pytest.mark.parametrize(
@@ -91,6 +94,8 @@ def test_elementwise_constraints():
         (lambda: fused_kernels.rms_norm(torch.zeros(2, 8), None, 1e-5), "rms_norm: weight must be a tensor"),
         (lambda: fused_kernels.bias_gelu(torch.zeros(4), torch.zeros(2, 8)), "bias must have shape"),
         (lambda: fused_kernels.bias_dropout_add(torch.zeros(2, 8), None, torch.zeros(2, 4), 0.1, True), "residual"),
+        (lambda: fused_kernels.split_query_key_value(torch.zeros(2, 1, 24), None, 4, 0), "queries_per_group"),
+        (lambda: fused_kernels.split_query_key_value(torch.zeros(2, 1, 24), torch.zeros(12), 4, 4), "bias"),
         (lambda: fused_kernels.bias_dropout_add(torch.zeros(2, 8), None, torch.zeros(2, 8), 1.5, True), r"\[0, 1\]"),
     ],
 )

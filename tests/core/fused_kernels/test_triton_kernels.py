@@ -238,30 +238,34 @@ def test_rms_norm_return_input_and_mixed_dtypes(references, dtype):
 
 
 @pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=DTYPE_IDS)
-@pytest.mark.parametrize("seq, batch, heads, head_dim", [(64, 3, 4, 128), (33, 2, 3, 80), (7, 1, 2, 64)])
-def test_qkv_split(references, dtype, seq, batch, heads,
-                                                                               head_dim):
-    """dq as attention's backward leaves it (a [b, np, s, hn] tensor seen as [s, b, np, hn]), dk
-    contiguous, dv with its batch and position strides swapped; then without a value gradient."""
+@pytest.mark.parametrize("seq, batch, groups, queries, head_dim, with_bias",
+                         [(64, 3, 4, 1, 128, True), (33, 2, 3, 1, 80, True), (7, 1, 2, 1, 64, False),
+                          (64, 2, 2, 4, 128, True), (33, 3, 3, 3, 80, False), (16, 2, 1, 8, 64, True)])
+def test_qkv_split(references, dtype, seq, batch, groups, queries, head_dim, with_bias):
+    """Multi-head (q = 1), grouped-query and multi-query layouts: dq as attention's backward leaves it
+    (a [b, np, s, hn] tensor seen as [s, b, np, hn]), dk contiguous, dv with its batch and position
+    strides swapped; then without a value gradient, then without a query gradient."""
     torch.manual_seed(8)
-    width = heads * 3 * head_dim
+    heads, width = groups * queries, groups * (queries + 2) * head_dim
     mixed = torch.randn(seq, batch, width, device="cuda").to(dtype)
-    bias = torch.randn(width, device="cuda").to(dtype)
+    bias = torch.randn(width, device="cuda").to(dtype) if with_bias else None
     grad_query = torch.randn(batch, heads, seq, head_dim, device="cuda").to(dtype).permute(2, 0, 1, 3)
-    grad_key = torch.randn(seq, batch, heads, head_dim, device="cuda").to(dtype)
-    grad_value = torch.randn(batch, seq, heads, head_dim, device="cuda").to(dtype).transpose(0, 1)
-    for grads in ((grad_query, grad_key, grad_value), (grad_query, grad_key, None)):
+    grad_key = torch.randn(seq, batch, groups, head_dim, device="cuda").to(dtype)
+    grad_value = torch.randn(batch, seq, groups, head_dim, device="cuda").to(dtype).transpose(0, 1)
+    for grads in ((grad_query, grad_key, grad_value), (grad_query, grad_key, None), (None, grad_key, grad_value)):
         results = []
         for split in (fused_kernels.split_query_key_value, references.split_query_key_value_reference):
-            leaf, bias_leaf = _leaf(mixed), _leaf(bias)
-            parts = split(leaf, bias_leaf, head_dim)
+            leaf, bias_leaf = _leaf(mixed), None if bias is None else _leaf(bias)
+            parts = split(leaf, bias_leaf, head_dim, queries)
             used = [(part, grad) for part, grad in zip(parts, grads) if grad is not None]
             torch.autograd.backward([part for part, _ in used], [grad for _, grad in used])
-            results.append(([part.detach() for part in parts], leaf.grad, bias_leaf.grad))
+            results.append(([part.detach() for part in parts], leaf.grad, None if bias is None else bias_leaf.grad))
         (parts, grad_mixed, grad_bias), (ref_parts, ref_grad_mixed, ref_grad_bias) = results
+        assert [part.shape for part in parts] == [(seq, batch, heads, head_dim)] + 2 * [(seq, batch, groups, head_dim)]
         assert all(torch.equal(part, ref) for part, ref in zip(parts, ref_parts))
         assert torch.equal(grad_mixed, ref_grad_mixed)  # a copy, exact
-        _assert_matches(grad_bias, ref_grad_bias, ulps=2, reduced=seq * batch)
+        if with_bias:
+            _assert_matches(grad_bias, ref_grad_bias, ulps=2, reduced=seq * batch)
 
 
 @pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=DTYPE_IDS)
