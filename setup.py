@@ -36,8 +36,10 @@ setup(
     install_requires=read_requirements(),
     extras_require={
         # wandb: the logging test reads its offline run files, whose record format this range has
-        "test": ["pytest>=7", "transformers>=4.40", "nltk>=3.8", "matplotlib>=3.7", "wandb>=0.31,<0.32"],
+        "test": ["pytest>=7", "transformers>=4.40", "nltk>=3.8", "matplotlib>=3.7", "wandb>=0.31,<0.32",
+                 "sentencepiece>=0.1.99"],
         "hf": ["transformers>=4.40"],
+        "sentencepiece": ["sentencepiece>=0.1.99"],
         "sentences": ["nltk>=3.8"],
         "triton": ["triton"],
         "bnb": ["bitsandbytes>=0.45"],

@@ -149,6 +149,7 @@ class GPT2BPETokenizer:
         if EOD_TOKEN not in self.vocab:
             raise TokenizerError(f"--vocab-file {vocab_file}: has no {EOD_TOKEN} token (the eod)")
         self.eod = self.vocab[EOD_TOKEN]
+        self.bos = None  # GPT-2 starts no sequence with a special token
         self.vocab_size = len(self.vocab)
         self.inv_vocab = {token_id: token for token, token_id in self.vocab.items()}
         self._id_to_bytes = token_bytes_by_id(self.vocab)
