@@ -123,22 +123,26 @@ def layer_norm_linear(x, norm_weight, norm_bias, eps, weight, bias=None, activat
 
 
 def decode_attention(query, keys, values, position, slopes, scale, new_key=None, new_value=None):
-    """One query per row and head at position p of a fixed-size key/value cache (see
-    ``reference.decode_attention_reference`` for the math and shapes; given new_key and new_value,
-    the step's own [b, np, 1, hn], they are first written into the cache at p): the Triton kernel on
-    CUDA for fp16/bf16/fp32 with contiguous caches, which reads only positions 0 .. p; else the reference."""
-    if query.dim() != 4 or query.shape[-2] != 1 or keys.shape != values.shape or keys.shape[:2] != query.shape[:2] \
+    """One query per row and head at position p of a fixed-size key/value cache of g groups (see
+    ``reference.decode_attention_reference`` for the math and shapes: query [b, np, 1, hn], keys and
+    values [b, g, T, hn] with g dividing np, head j reading group j // (np / g); given new_key and
+    new_value, the step's own [b, g, 1, hn], they are first written into the cache at p): the
+    Triton kernel on CUDA for fp16/bf16/fp32 with contiguous caches, which reads only positions
+    0 .. p; else the reference."""
+    if query.dim() != 4 or query.shape[-2] != 1 or keys.dim() != 4 or keys.shape != values.shape \
+            or keys.shape[0] != query.shape[0] or query.shape[1] % keys.shape[1] != 0 \
             or keys.shape[-1] != query.shape[-1]:
         raise FusedKernelArgumentError(f"decode_attention: query must be [b, np, 1, hn] and keys, values "
-                                       f"[b, np, T, hn], got {tuple(query.shape)}, {tuple(keys.shape)}, "
-                                       f"{tuple(values.shape)}")
+                                       f"[b, g, T, hn] with g dividing np, got {tuple(query.shape)}, "
+                                       f"{tuple(keys.shape)}, {tuple(values.shape)}")
     if position.numel() != 1 or position.dtype != torch.long:
         raise FusedKernelArgumentError(f"decode_attention: position must be one int64 element, got "
                                        f"{position.dtype} of shape {tuple(position.shape)}")
+    step_shape = (*keys.shape[:2], 1, keys.shape[-1])
     if (new_key is None) != (new_value is None) or new_key is not None and not (
-            new_key.shape == new_value.shape == query.shape and new_key.dtype == new_value.dtype == keys.dtype):
-        raise FusedKernelArgumentError("decode_attention: new_key and new_value come together, shaped as the "
-                                       "query and of the cache's dtype")
+            new_key.shape == new_value.shape == step_shape and new_key.dtype == new_value.dtype == keys.dtype):
+        raise FusedKernelArgumentError(f"decode_attention: new_key and new_value come together, shaped "
+                                       f"{step_shape} ([b, g, 1, hn]) and of the cache's dtype")
     if (keys.is_contiguous() and values.is_contiguous() and query.stride(-1) == 1 and position.is_cuda
             and (slopes is None or slopes.is_cuda and slopes.is_contiguous())
             and (new_key is None or new_key.stride() == new_value.stride() and new_key.stride(-1) == 1)

@@ -125,10 +125,11 @@ def split_query_key_value_reference(mixed, bias, head_dim, queries_per_group=1):
 def decode_attention_reference(query, keys, values, position, slopes, scale, new_key=None, new_value=None):
     """softmax(scale q K^T + B) V for one query per row and head at position p of a fixed-size cache.
 
-    query: [b, np, 1, hn]; keys, values: [b, np, T, hn] of which positions 0 .. p count (the later
-    ones are excluded); position: a one-element int64 tensor holding p; B = m_j (t - p) for the ALiBi
-    slopes m [np], or 0 when ``slopes`` is None. new_key, new_value [b, np, 1, hn] or None: written
-    into keys and values at p first. Returns [b, np, 1, hn] in the query's dtype.
+    query: [b, np, 1, hn]; keys, values: [b, g, T, hn], g key/value groups dividing np (g = np:
+    multi-head attention), query head j reading group j // (np / g); positions 0 .. p count (the
+    later ones are excluded); position: a one-element int64 tensor holding p; B = m_j (t - p) for
+    the ALiBi slopes m [np], or 0 when ``slopes`` is None. new_key, new_value [b, g, 1, hn] or None:
+    written into keys and values at p first. Returns [b, np, 1, hn] in the query's dtype.
     """
     if new_key is not None:
         keys.index_copy_(2, position.reshape(1), new_key)
@@ -140,7 +141,8 @@ def decode_attention_reference(query, keys, values, position, slopes, scale, new
     else:
         distance = (key_positions - position).to(torch.float32)
         bias = (slopes.to(torch.float32)[:, None, None] * distance).to(query.dtype).masked_fill(hidden, float("-inf"))
-    return F.scaled_dot_product_attention(query, keys, values, attn_mask=bias, scale=scale)
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=bias, scale=scale,
+                                          enable_gqa=keys.shape[1] != query.shape[1])
 
 
 ACTIVATIONS = {None: None, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "gelu": F.gelu}

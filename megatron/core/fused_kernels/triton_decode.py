@@ -24,7 +24,8 @@ own dependents on entry. On an H100 (tools/benchmarks/bench_decode_layers.py, 24
 1.3B GPT in one CUDA graph) the layer's kernels took 1222 us with PDL and 1330 without, the layers'
 96 GEMVs alone 881 and 992 us (91 % and 81 % of copy bandwidth).
 
-``decode_attention``: one query per (row, head) over a fixed-size cache [b, np, T, hn] of which
+``decode_attention``: one query per (row, head) over a fixed-size cache [b, g, T, hn] of g
+key/value groups (head j reads group j // (np / g); g = np is multi-head attention) of which
 positions 0 .. p are filled (p: a device scalar, so a captured CUDA graph can replay the step at the
 next position)::
 
@@ -36,7 +37,9 @@ chunk to (max m_c, sum l_c, weighted values acc_c), reading only filled position
 kernel combines the chunks with the factors exp(m_c - M). One program per (row, head) walking the
 whole cache took 27 us per layer at batch 1 on an H200 (16 programs for 132 SMs). Given the step's
 own key and value, the program whose chunk holds p writes them into the cache at p and uses them
-there, which saves the two cache-writing kernels.
+there, which saves the two cache-writing kernels. With grouped-query attention the q heads of a
+group are neighbouring programs that read the same chunk of the cache (from L2 after the first),
+and only the group's first head writes the step's key and value.
 
 This module imports triton; ``selection.kernel_module`` imports it only when a CUDA tensor needs it.
 """
@@ -218,37 +221,40 @@ def _launch_options(pdl):
 
 @triton.jit
 def _decode_attention_chunk_kernel(q_ptr, k_ptr, v_ptr, new_k_ptr, new_v_ptr, position_ptr, slopes_ptr, partial_ptr,
-                                   stats_ptr, heads, head_dim, capacity, q_stride_b, q_stride_h, new_stride_b,
+                                   stats_ptr, heads, queries, head_dim, capacity, q_stride_b, q_stride_h, new_stride_b,
                                    new_stride_h, kv_stride_b, kv_stride_h, kv_stride_t, scale,
                                    HAS_ALIBI: tl.constexpr, WRITE: tl.constexpr, BLOCK_D: tl.constexpr,
                                    BLOCK_T: tl.constexpr, PDL: tl.constexpr):
     """Chunk c of (row, head) = program (0, 1): max m_c, sum l_c and sum_t exp(s_t - m_c) v_t over its
     filled positions (none: m_c = -inf, l_c = 0, no memory read). With WRITE the step's own key and
-    value (at p) come from new_k, new_v, and the program holding p stores them into the cache."""
+    value (at p) come from new_k, new_v, and the program holding p stores them into the cache (the
+    first of the group's ``queries`` heads; the others use them from registers)."""
     _enter(PDL)
     program = tl.program_id(0)  # row * heads + head
     chunk = tl.program_id(1)
     chunks = tl.num_programs(1)
     row = program // heads
     head = program % heads
+    group = head // queries
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < head_dim
     q = tl.load(q_ptr + row * q_stride_b + head * q_stride_h + dims, mask=dim_ok, other=0.0).to(tl.float32)
     position = tl.load(position_ptr)
     t = chunk * BLOCK_T + tl.arange(0, BLOCK_T)
     valid = (t <= position) & (t < capacity)
-    offsets = row.to(tl.int64) * kv_stride_b + head * kv_stride_h + t[:, None] * kv_stride_t + dims[None, :]
+    offsets = row.to(tl.int64) * kv_stride_b + group * kv_stride_h + t[:, None] * kv_stride_t + dims[None, :]
     tile_ok = valid[:, None] & dim_ok[None, :]
     if WRITE:
-        new_offsets = row * new_stride_b + head * new_stride_h + dims
+        new_offsets = row * new_stride_b + group * new_stride_h + dims
         is_new = (t == position)[:, None] & dim_ok[None, :]
         cached = tile_ok & ~is_new
         keys = tl.load(k_ptr + offsets, mask=cached, other=0.0)
         values = tl.load(v_ptr + offsets, mask=cached, other=0.0)
         keys = tl.where(is_new, tl.load(new_k_ptr + new_offsets, mask=dim_ok, other=0.0)[None, :], keys)
         values = tl.where(is_new, tl.load(new_v_ptr + new_offsets, mask=dim_ok, other=0.0)[None, :], values)
-        tl.store(k_ptr + offsets, keys, mask=is_new)
-        tl.store(v_ptr + offsets, values, mask=is_new)
+        writer = is_new & (head % queries == 0)
+        tl.store(k_ptr + offsets, keys, mask=writer)
+        tl.store(v_ptr + offsets, values, mask=writer)
     else:
         keys = tl.load(k_ptr + offsets, mask=tile_ok, other=0.0)
         values = tl.load(v_ptr + offsets, mask=tile_ok, other=0.0)
@@ -285,10 +291,11 @@ def _decode_attention_combine_kernel(partial_ptr, stats_ptr, out_ptr, chunks, he
 def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor,
                      slopes: torch.Tensor | None, scale: float, new_key: torch.Tensor | None = None,
                      new_value: torch.Tensor | None = None) -> torch.Tensor:
-    """query [b, np, 1, hn] (last dim contiguous), keys/values [b, np, T, hn] contiguous, position:
-    one int64 element (p), slopes [np] or None -> [b, np, 1, hn] in the query's dtype. new_key,
-    new_value [b, np, 1, hn] (of equal strides, the last dim contiguous, the cache's dtype), or None: the step's key and
-    value, written into the cache at p here (else the cache holds them already)."""
+    """query [b, np, 1, hn] (last dim contiguous), keys/values [b, g, T, hn] contiguous (g dividing
+    np), position: one int64 element (p), slopes [np] or None -> [b, np, 1, hn] in the query's dtype.
+    new_key, new_value [b, g, 1, hn] (of equal strides, the last dim contiguous, the cache's dtype),
+    or None: the step's key and value, written into the cache at p here (else the cache holds them
+    already)."""
     batch, heads, _, head_dim = query.shape
     capacity = keys.shape[2]
     block_t = max(_ATTENTION_BLOCK_T, next_power_of_2(cdiv(capacity, _ATTENTION_MAX_CHUNKS)))
@@ -300,7 +307,7 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     pdl = programmatic_launch(query)
     _decode_attention_chunk_kernel[(batch * heads, chunks)](
         query, keys, values, new_key, new_value, position, keys if slopes is None else slopes, partial, stats, heads,
-        head_dim, capacity, query.stride(0), query.stride(1), new_key.stride(0), new_key.stride(1), keys.stride(0),
+        heads // keys.shape[1], head_dim, capacity, query.stride(0), query.stride(1), new_key.stride(0), new_key.stride(1), keys.stride(0),
         keys.stride(1), keys.stride(2), scale, HAS_ALIBI=slopes is not None, WRITE=write, BLOCK_D=block_d,
         BLOCK_T=block_t, PDL=pdl, num_warps=1 if batch * heads >= _ATTENTION_MANY_PAIRS else 2,
         **_launch_options(pdl))

@@ -29,6 +29,12 @@ def test_cpu_runs_the_references_exactly(monkeypatch):
     assert torch.equal(fused_kernels.decode_attention(query, keys, values, position, None, 0.25, new_key, new_value),
                        fused_kernels.decode_attention_reference(query, *written, position, None, 0.25, new_key, new_value))
     assert torch.equal(keys, written[0]) and torch.equal(values, written[1])
+    grouped_query = torch.randn(1, 4, 1, 16)  # 4 heads over the cache's 2 groups
+    written = keys.clone(), values.clone()
+    assert torch.equal(fused_kernels.decode_attention(grouped_query, keys, values, position, None, 0.25, new_key,
+                                                      new_value),
+                       fused_kernels.decode_attention_reference(grouped_query, *written, position, None, 0.25,
+                                                                new_key, new_value))
     residual = torch.randn(1, 1, 8, dtype=torch.bfloat16)
     assert torch.equal(fused_kernels.linear(row, matrix, bias[:8].bfloat16(), residual),
                        fused_kernels.linear_reference(row, matrix, bias[:8].bfloat16(), residual))
@@ -47,6 +53,11 @@ def test_cpu_runs_the_references_exactly(monkeypatch):
                                                 torch.tensor([2, 3]), None, 1.0), "one int64 element"),
         (lambda: fused_kernels.decode_attention(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 6, 8), torch.zeros(1, 2, 6, 8),
                                                 torch.tensor([2]), None, 1.0, torch.zeros(1, 2, 1, 8)), "come together"),
+        (lambda: fused_kernels.decode_attention(torch.zeros(1, 3, 1, 8), torch.zeros(1, 2, 6, 8), torch.zeros(1, 2, 6, 8),
+                                                torch.tensor([2]), None, 1.0), "g dividing np"),
+        (lambda: fused_kernels.decode_attention(torch.zeros(1, 4, 1, 8), torch.zeros(1, 2, 6, 8), torch.zeros(1, 2, 6, 8),
+                                                torch.tensor([2]), None, 1.0, *torch.zeros(2, 1, 4, 1, 8)),
+         r"shaped \(1, 2, 1, 8\) \(\[b, g, 1, hn\]\)"),
         (lambda: fused_kernels.linear(torch.zeros(1, 8), torch.zeros(4, 8), None, torch.zeros(1, 8)), "residual"),
         (lambda: fused_kernels.layer_norm_linear(torch.zeros(1, 8), torch.ones(8), torch.zeros(8), 1e-5,
                                                  torch.zeros(4, 8), None, "relu"), "activation must be one of"),

@@ -207,27 +207,32 @@ def test_bias_dropout_add_reference_dropout():
 
 
 @pytest.mark.parametrize("alibi", [False, True], ids=["no bias", "alibi"])
-def test_decode_attention_reference(alibi):
+@pytest.mark.parametrize("groups", [6, 2, 1], ids=["multi-head", "grouped", "multi-query"])
+def test_decode_attention_reference(alibi, groups):
+    """Query head j of 6 reads key/value group j // (6 / g)."""
     torch.manual_seed(5)
-    batch, heads, capacity, head_dim, position = 2, 3, 10, 4, 6
+    batch, heads, capacity, head_dim, position = 2, 6, 10, 4, 6
     query = torch.randn(batch, heads, 1, head_dim, dtype=torch.float64)
-    keys, values = torch.randn(2, batch, heads, capacity, head_dim, dtype=torch.float64)
-    slopes = torch.tensor([0.5, 0.25, 0.125]) if alibi else None
+    keys, values = torch.randn(2, batch, groups, capacity, head_dim, dtype=torch.float64)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.03, 0.01]) if alibi else None
     out = decode_attention_reference(query, keys, values, torch.tensor([position]), slopes, 0.3)
     for row in range(batch):
         for head in range(heads):
+            group = head // (heads // groups)
             seen = range(position + 1)
-            logits = torch.stack([0.3 * query[row, head, 0] @ keys[row, head, t]
+            logits = torch.stack([0.3 * query[row, head, 0] @ keys[row, group, t]
                                   + (slopes[head] * (t - position) if alibi else 0.0) for t in seen])
             weights = torch.softmax(logits, dim=0)
-            expected = sum(weights[t] * values[row, head, t] for t in seen)
+            expected = sum(weights[t] * values[row, group, t] for t in seen)
             torch.testing.assert_close(out[row, head, 0], expected)
 
 
-def test_decode_attention_reference_writes_cache():
+@pytest.mark.parametrize("groups", [3, 1], ids=["multi-head", "multi-query"])
+def test_decode_attention_reference_writes_cache(groups):
     torch.manual_seed(6)
-    query, new_key, new_value = torch.randn(3, 2, 3, 1, 4, dtype=torch.float64)
-    keys, values = torch.randn(2, 2, 3, 10, 4, dtype=torch.float64)
+    query = torch.randn(2, 3, 1, 4, dtype=torch.float64)
+    new_key, new_value = torch.randn(2, 2, groups, 1, 4, dtype=torch.float64)
+    keys, values = torch.randn(2, 2, groups, 10, 4, dtype=torch.float64)
     written_keys, written_values = keys.clone(), values.clone()
     written_keys[:, :, 6], written_values[:, :, 6] = new_key[:, :, 0], new_value[:, :, 0]
     expected = decode_attention_reference(query, written_keys, written_values, torch.tensor([6]), None, 0.3)

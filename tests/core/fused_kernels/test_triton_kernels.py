@@ -440,12 +440,17 @@ def test_linear_falls_back_to_torch():
 
 
 @pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=DTYPE_IDS)
-@pytest.mark.parametrize("batch, heads, capacity, head_dim, position, alibi",
-                         [(1, 16, 384, 128, 255, False), (32, 16, 384, 128, 383, False), (2, 3, 100, 80, 0, True),
-                          (1, 4, 2048, 64, 1500, True), (1, 2, 9000, 64, 8999, False)])
-def test_decode_attention_matches_reference(references, dtype, batch, heads, capacity, head_dim, position, alibi):
+@pytest.mark.parametrize("batch, heads, groups, capacity, head_dim, position, alibi",
+                         [(1, 16, 16, 384, 128, 255, False), (32, 16, 16, 384, 128, 383, False),
+                          (2, 3, 3, 100, 80, 0, True), (1, 4, 4, 2048, 64, 1500, True), (1, 2, 2, 9000, 64, 8999, False),
+                          (1, 32, 8, 4096, 64, 3000, False), (32, 32, 8, 384, 64, 200, True),
+                          (3, 6, 1, 100, 80, 99, False)])
+def test_decode_attention_matches_reference(references, dtype, batch, heads, groups, capacity, head_dim, position,
+                                            alibi):
+    """Multi-head (groups = heads), grouped-query and multi-query caches; the query strided as the
+    model's split leaves it."""
     torch.manual_seed(3)
-    keys, values = (torch.randn(batch, heads, capacity, head_dim, device="cuda").to(dtype) for _ in range(2))
+    keys, values = (torch.randn(batch, groups, capacity, head_dim, device="cuda").to(dtype) for _ in range(2))
     mixed = torch.randn(1, batch, heads, 3 * head_dim, device="cuda").to(dtype)  # the model's strided query
     query = mixed.split(head_dim, dim=-1)[0].permute(1, 2, 0, 3)
     slopes = torch.rand(heads, device="cuda") if alibi else None
@@ -472,12 +477,17 @@ def test_decode_attention_every_position(references):
 
 
 @pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=DTYPE_IDS)
-@pytest.mark.parametrize("batch, position, alibi", [(1, 0, False), (1, 200, True), (3, 383, False)])
-def test_decode_attention_writes_cache(references, dtype, batch, position, alibi):
+@pytest.mark.parametrize("batch, groups, position, alibi", [(1, 4, 0, False), (1, 4, 200, True), (3, 4, 383, False),
+                                                            (1, 2, 200, False), (3, 1, 17, True)])
+def test_decode_attention_writes_cache(references, dtype, batch, groups, position, alibi):
+    """4 query heads over ``groups`` key/value groups; the step's key and value strided as the split
+    of the model's [per group q queries, key, value] rows leaves them."""
     torch.manual_seed(8)
-    keys, values = (torch.randn(batch, 4, 384, 96, device="cuda").to(dtype) for _ in range(2))
-    mixed = torch.randn(1, batch, 4, 3 * 96, device="cuda").to(dtype)  # the model's strided q, k, v
-    query, key, value = (t.permute(1, 2, 0, 3) for t in mixed.split(96, dim=-1))
+    queries = 4 // groups
+    keys, values = (torch.randn(batch, groups, 384, 96, device="cuda").to(dtype) for _ in range(2))
+    mixed = torch.randn(1, batch, groups, (queries + 2) * 96, device="cuda").to(dtype)
+    query = mixed[..., :queries * 96].reshape(1, batch, 4, 96).permute(1, 2, 0, 3)
+    key, value = (t.permute(1, 2, 0, 3) for t in mixed[..., queries * 96:].split(96, dim=-1))
     slopes = torch.rand(4, device="cuda") if alibi else None
     where = torch.tensor([position], device="cuda")
     expected_keys, expected_values = keys.clone(), values.clone()
