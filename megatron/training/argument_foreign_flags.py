@@ -61,35 +61,25 @@ FOREIGN_NO_OPS = (
     "--use-flash-attn-builder",
     "--no-persist-layer-norm", "--disable-mem-efficient-ln",  # no such layer-norm kernels are used
     "--ds_fused_adam",  # Adam is torch's fused AdamW on CUDA
+    # the RMSNorm kernel already takes the residual's gradient in its backward; SwiGLU and rotary
+    # embeddings run as torch operations
+    "--fused-residual-rmsnorm", "--no-bias-swiglu-fusion", "--no-rope-fusion",
 )
 
 FOREIGN_VALUE_FLAGS = {
     "--transformer-impl": ("local", "Transformer Engine is not used: the layers are this trainer's own"),
-    "--normalization": ("LayerNorm", "RMSNorm and the other Llama-class model options are planned but not "
-                                     "available yet"),
 }
 
 # ---- refused: planned features ---------------------------------------------------------------------
 
-_LLAMA = _planned("Llama-class model options: RMSNorm, grouped-query attention, SwiGLU, RoPE settings, "
-                  "untied embeddings and bias-free linears")
-_LLAMA_MEANWHILE = {
-    "--use-rotary-position-embeddings": _planned(
-        "Llama-class model options", "--position-embedding-type rotary gives rotary embeddings (base "
-        "10000, whole head) without learned positions"),
-    "--swiglu": _planned(
-        "Llama-class model options", "--glu-activation swiglu --no-bias-gelu-fusion gives BigScience's "
-        "SwiGLU MLP (SiLU on the second half of the first projection)"),
-}
-_LLAMA_FLAGS = (
-    "--add-qkv-bias", "--disable-bias-linear", "--fused-residual-rmsnorm", "--group-query-attention",
-    "--no-bias-swiglu-fusion", "--no-position-embedding", "--no-rope-freq", "--no-rope-fusion",
-    "--no-yarn-correction-range-round-to-int", "--num-key-value-heads", "--num-query-groups",
-    "--rope-scaling-factor", "--rope-type", "--rotary-base", "--rotary-interleaved", "--rotary-percent",
-    "--rotary-position-embeddings-theta", "--rotary-scaling-factor", "--rotary-seq-len-interpolation-factor",
-    "--swiglu", "--untie-embeddings-and-output-weights", "--use-rope-scaling",
-    "--use-rotary-position-embeddings", "--yarn-beta-fast", "--yarn-beta-slow",
-    "--yarn-correction-range-round-to-int", "--yarn-original-max-position-embeddings",
+_ROPE_VARIANT = ("is not available: rotary embeddings here rotate the two halves of each head (GPT-NeoX's and "
+                 "Llama's layout) with --rotary-base, --rotary-percent and Llama 3's scaling (--use-rope-scaling); "
+                 "remove the flag")
+_ROPE_VARIANT_FLAGS = (
+    "--no-position-embedding", "--no-rope-freq", "--no-yarn-correction-range-round-to-int", "--rope-type",
+    "--rotary-interleaved", "--rotary-scaling-factor", "--rotary-seq-len-interpolation-factor",
+    "--yarn-beta-fast", "--yarn-beta-slow", "--yarn-correction-range-round-to-int",
+    "--yarn-original-max-position-embeddings",
 )
 _FP8_FLAGS = (
     "--disable-fp8-wgrad", "--first-last-layers-bf16", "--fp4-format", "--fp4-param-gather",
@@ -108,7 +98,7 @@ _ULYSSES_FLAGS = (
     "--ds-sequence-parallel-fpdt-offloading", "--ds-sequence-parallel-size", "--force-ds-sequence-parallel",
 )
 _PLANNED = {
-    **{flag: _LLAMA_MEANWHILE.get(flag, _LLAMA) for flag in _LLAMA_FLAGS},
+    **{flag: _ROPE_VARIANT for flag in _ROPE_VARIANT_FLAGS},
     **dict.fromkeys(_FP8_FLAGS, _planned("FP8 and FP4 training", "train with --bf16 or --fp16")),
     **dict.fromkeys(_RECOMPUTE_FLAGS, _planned(
         "selective recompute and its options", "full recompute is --checkpoint-activations "

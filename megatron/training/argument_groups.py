@@ -13,7 +13,7 @@ and "10e6", and the ``type=bool`` flags read true/false. New flags: ``--lr-warmu
 """
 import argparse
 
-from megatron.core.models.gpt.config import GLU_ACTIVATIONS, POSITION_EMBEDDING_TYPES
+from megatron.core.models.gpt.config import GLU_ACTIVATIONS, NORMALIZATIONS, POSITION_EMBEDDING_TYPES
 from megatron.core.tokenizer import REJECTED_TOKENIZER_TYPES, SUPPORTED_TOKENIZER_TYPES
 from megatron.training.argument_types import parse_bool, parse_float, parse_int
 
@@ -50,6 +50,14 @@ def _position_embedding_type(value: str) -> str:
     return _MEGATRON_LM_POSITION_TYPES.get(value, value)
 
 
+def _normalization(value: str) -> str:
+    """LayerNorm or RMSNorm, under Megatron-LM's spelling or Microsoft Megatron-DeepSpeed's lower case."""
+    names = {name.lower(): name for name in NORMALIZATIONS}
+    if value.lower() not in names:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(NORMALIZATIONS)}, got {value!r}")
+    return names[value.lower()]
+
+
 def _bool_value_flag(group, flag, help_text):
     group.add_argument(flag, type=parse_bool, nargs="?", const=True, default=None, metavar="BOOL",
                        help=help_text + " (true/false; the bare flag means true)")
@@ -64,12 +72,13 @@ def add_network_size_args(parser):
     group.add_argument("--num-attention-heads", type=parse_int, default=None, help="attention heads n")
     group.add_argument("--kv-channels", type=parse_int, default=None, help="per-head dimension (default h/n)")
     group.add_argument("--max-position-embeddings", type=parse_int, default=None,
-                       help="rows of the position table; >= --seq-length (absolute, alibi), unset for rotary")
+                       help="rows of the position table (absolute), the longest sequence (alibi, rotary); >= --seq-length")
     group.add_argument("--make-vocab-size-divisible-by", type=parse_int, default=128,
                        help="pad the vocabulary to a multiple of this times TP")
     group.add_argument("--pad-vocab-size-to", type=parse_int, default=None,
                        help="pad the vocabulary to exactly this size (independent of TP)")
-    group.add_argument("--layernorm-epsilon", type=parse_float, default=1e-5, help="LayerNorm epsilon")
+    group.add_argument("--layernorm-epsilon", type=parse_float, default=1e-5,
+                       help="epsilon of the normalization (LayerNorm or RMSNorm)")
     group.add_argument("--apply-residual-connection-post-layernorm", action="store_true",
                        help="BERT-style residual ordering (residual taken after the LayerNorm)")
     group.add_argument("--embed-layernorm", action="store_true", help="LayerNorm after the word embedding")
@@ -82,6 +91,44 @@ def add_network_size_args(parser):
                             "are the same as absolute and rotary)")
     group.add_argument("--glu-activation", choices=GLU_ACTIVATIONS, default=None,
                        help="gated MLP activation; needs --no-bias-gelu-fusion")
+    add_llama_args(group)
+
+
+def add_llama_args(group):
+    """The model options of Llama-class GPTs, under Megatron-LM's names and Microsoft Megatron-DeepSpeed's."""
+    group.add_argument("--normalization", type=_normalization, default="LayerNorm",
+                       help="LayerNorm or RMSNorm (any case)")
+    group.add_argument("--group-query-attention", action="store_true",
+                       help="grouped-query attention with --num-query-groups key/value heads")
+    group.add_argument("--num-query-groups", type=parse_int, default=None,
+                       help="key/value groups g of --group-query-attention (1: multi-query)")
+    group.add_argument("--num-key-value-heads", type=parse_int, default=None,
+                       help="key/value heads (Microsoft Megatron-DeepSpeed's form of --group-query-attention "
+                            "--num-query-groups)")
+    group.add_argument("--swiglu", action="store_true",
+                       help="SwiGLU MLP (--glu-activation swiglu --no-bias-gelu-fusion); --ffn-hidden-size "
+                            "defaults to 8h/3 rounded down to a multiple of 64, as in Megatron-LM")
+    group.add_argument("--use-rotary-position-embeddings", action="store_true",
+                       help="--position-embedding-type rotary (Microsoft Megatron-DeepSpeed's form)")
+    group.add_argument("--rotary-base", "--rope-theta", "--rotary-position-embeddings-theta", type=parse_float,
+                       default=10000.0, help="base of the rotary frequencies")
+    group.add_argument("--rotary-percent", type=parse_float, default=1.0,
+                       help="share of each head's channels that rotate")
+    group.add_argument("--use-rope-scaling", action="store_true",
+                       help="Llama 3's rope frequency scaling (the four --rope-scaling-* settings)")
+    group.add_argument("--rope-scaling-factor", type=parse_float, default=8.0, help="Llama 3 rope scaling factor")
+    group.add_argument("--rope-scaling-low-freq-factor", type=parse_float, default=1.0,
+                       help="Llama 3 rope scaling: low frequency factor")
+    group.add_argument("--rope-scaling-high-freq-factor", type=parse_float, default=4.0,
+                       help="Llama 3 rope scaling: high frequency factor")
+    group.add_argument("--rope-scaling-original-max-position-embeddings", type=parse_int, default=8192,
+                       help="Llama 3 rope scaling: the context the model was first trained for")
+    group.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                       help="the output layer has its own weights")
+    group.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
+                       help="no biases in the linear layers")
+    group.add_argument("--add-qkv-bias", action="store_true",
+                       help="a bias on the query/key/value projection even with --disable-bias-linear (Qwen2)")
 
 
 def add_regularization_args(parser):

@@ -452,6 +452,7 @@ def model_config_from_args(flags, derived: DerivedValues, padded_vocab_size: int
                "use_cpu_initialization": bool(flags.use_cpu_initialization),
                "sequence_parallel": bool(flags.sequence_parallel and flags.tensor_model_parallel_size > 1),
                "tp_comm_overlap": bool(flags.tp_comm_overlap and flags.tensor_model_parallel_size > 1)}
+    renamed.update(_llama_settings(flags))
     values = {f.name: getattr(flags, f.name) for f in dataclasses.fields(GPTModelConfig)
               if f.name not in renamed and hasattr(flags, f.name)}
     try:
@@ -460,6 +461,39 @@ def model_config_from_args(flags, derived: DerivedValues, padded_vocab_size: int
     except ValueError as exc:
         raise ArgumentError(str(exc)) from None
     return model
+
+
+def _megatron_lm_swiglu_ffn(hidden_size: int) -> int:
+    """Megatron-LM's --swiglu default of --ffn-hidden-size: 4h x 2/3 rounded down to a multiple of 64
+    (two first-layer projections instead of one keep the MLP's parameter count near 8h^2)."""
+    return int(4 * hidden_size * 2 / 3 / 64) * 64
+
+
+def _llama_settings(flags) -> dict:
+    """The model fields that the Llama-class flags set under other names: the key/value groups
+    (--group-query-attention --num-query-groups, or --num-key-value-heads), --swiglu (and its ffn
+    default) and --use-rotary-position-embeddings."""
+    settings = {}
+    groups = flags.num_key_value_heads
+    if groups is None and flags.group_query_attention:
+        if flags.num_query_groups is None:
+            raise ArgumentError("--group-query-attention needs --num-query-groups G (the key/value heads)")
+        groups = flags.num_query_groups
+    elif flags.num_query_groups is not None and not flags.group_query_attention:
+        raise ArgumentError("--num-query-groups takes effect with --group-query-attention: add it")
+    settings["num_query_groups"] = groups
+    if flags.swiglu:
+        if flags.glu_activation not in (None, "swiglu"):
+            raise ArgumentError(f"--swiglu contradicts --glu-activation {flags.glu_activation}: keep one")
+        settings.update(glu_activation="swiglu", bias_gelu_fusion=False)
+        if flags.ffn_hidden_size is None and flags.hidden_size is not None:
+            settings["ffn_hidden_size"] = _megatron_lm_swiglu_ffn(flags.hidden_size)
+    if flags.use_rotary_position_embeddings:
+        if flags.position_embedding_type not in ("absolute", "rotary"):
+            raise ArgumentError(f"--use-rotary-position-embeddings contradicts --position-embedding-type "
+                                f"{flags.position_embedding_type}: keep one")
+        settings["position_embedding_type"] = "rotary"
+    return settings
 
 
 def _weighted_groups(flags, split):

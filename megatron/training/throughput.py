@@ -37,7 +37,7 @@ def model_flops(config: GPTModelConfig, global_batch_size: int, seq_length: int)
                                      num_layers=config.num_layers, hidden_size=config.hidden_size,
                                      padded_vocab_size=config.padded_vocab_size,
                                      ffn_hidden_size=config.ffn_hidden_size, projection_size=config.projection_size,
-                                     glu=config.glu_activation is not None)
+                                     glu=config.glu_activation is not None, key_value_size=config.key_value_size)
 
 
 def model_tflops_and_mfu(flops_per_iteration: float, iteration_time: float, world_size: int,

@@ -26,8 +26,17 @@ CONFIG_CASES = {
     "seq > max positions": (["--seq-length", "64"], (), None, ["--max-position-embeddings", "--seq-length"]),
     "alibi seq > max positions": (["--position-embedding-type", "alibi", "--seq-length", "64"], (), None,
                                   ["--max-position-embeddings", "--seq-length", "alibi"]),
-    "rotary with max positions": (["--position-embedding-type", "rotary"], (), None,
-                                  ["--max-position-embeddings", "rotary"]),
+    "rotary seq > max positions": (["--position-embedding-type", "rotary", "--seq-length", "64"], (), None,
+                                   ["--max-position-embeddings", "--seq-length", "rotary"]),
+    "query groups without gqa": (["--num-query-groups", "2"], (), None, ["--num-query-groups",
+                                                                        "--group-query-attention"]),
+    "gqa without groups": (["--group-query-attention"], (), None, ["--num-query-groups"]),
+    "query groups not divisible by tp": (["--tensor-model-parallel-size", "4", "--group-query-attention",
+                                          "--num-query-groups", "2"], (), world(4),
+                                         ["--num-query-groups", "--tensor-model-parallel-size"]),
+    "swiglu and another glu": (["--swiglu", "--glu-activation", "geglu"], (), None, ["--swiglu", "--glu-activation"]),
+    "rotary flag and alibi": (["--use-rotary-position-embeddings", "--position-embedding-type", "alibi"], (), None,
+                              ["--use-rotary-position-embeddings", "--position-embedding-type"]),
     "glu with fusion": (["--glu-activation", "swiglu"], (), None, ["--glu-activation", "--no-bias-gelu-fusion"]),
     "bad data path pairs": (["--data-path", "0.5", "/d/a", "0.5"], (), None, ["--data-path"]),
     "heads not divisible by tp": (["--tensor-model-parallel-size", "3", "--num-attention-heads", "4"], (), world(3),
@@ -52,6 +61,31 @@ def test_config_error_names_the_flags(case):
         config_of(extra, drop, env, vocab=100)
     for word in words:
         assert word in str(info.value), f"{case}: {word!r} missing from {info.value}"
+
+
+LLAMA_FLAGS = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope", "--rotary-base",
+               "500000", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+               "--group-query-attention", "--num-query-groups", "2", "--use-rope-scaling"]
+
+
+def test_llama_flags_build_a_llama_model_config():
+    model = config_of(LLAMA_FLAGS).model
+    assert (model.normalization, model.glu_activation, model.bias_gelu_fusion) == ("RMSNorm", "swiglu", False)
+    assert (model.position_embedding_type, model.rotary_base, model.use_rope_scaling) == ("rotary", 500000.0, True)
+    assert model.untie_embeddings_and_output_weights and not model.add_bias_linear and not model.qkv_bias
+    assert model.num_query_groups == 2
+    assert model.ffn_hidden_size == int(4 * model.hidden_size * 2 / 3 / 64) * 64  # Megatron-LM's --swiglu rule
+    assert config_of(LLAMA_FLAGS + ["--ffn-hidden-size", "96"]).model.ffn_hidden_size == 96
+    assert config_of(LLAMA_FLAGS + ["--add-qkv-bias"]).model.qkv_bias
+
+
+def test_microsoft_megatron_deepspeed_spellings_of_llama_flags():
+    ours = config_of(["--group-query-attention", "--num-query-groups", "2", "--position-embedding-type", "rotary",
+                      "--rotary-base", "500000", "--normalization", "RMSNorm"]).model
+    theirs = config_of(["--num-key-value-heads", "2", "--use-rotary-position-embeddings",
+                        "--rotary-position-embeddings-theta", "500000", "--normalization", "rmsnorm"]).model
+    assert ours == theirs
+    assert config_of(["--rope-theta", "500000", "--position-embedding-type", "rotary"]).model.rotary_base == 500000
 
 
 def test_model_and_dataset_configs_are_built_once(monkeypatch):

@@ -106,16 +106,21 @@ def test_no_op_switch_changes_nothing(parser, flag):
 
 def test_value_flags_accept_only_what_this_trainer_does(parser):
     assert parse(parser, ["--transformer-impl", "local"]) == parse(parser, [])
-    assert parse(parser, ["--normalization", "layernorm"]) == parse(parser, [])
     message = parse(parser, ["--transformer-impl", "transformer_engine"])
     assert message.startswith("--transformer-impl transformer_engine: Transformer Engine is not used")
     assert message.endswith("only --transformer-impl local is accepted")
-    assert "planned" in parse(parser, ["--normalization", "RMSNorm"])
+
+
+def test_normalization_takes_both_spellings(parser):
+    assert parse(parser, ["--normalization", "layernorm"]) == parse(parser, [])
+    assert parse(parser, ["--normalization", "rmsnorm"])["normalization"] == "RMSNorm"
+    assert parse(parser, ["--normalization", "RMSNorm"])["normalization"] == "RMSNorm"
+    assert "must be one of LayerNorm, RMSNorm" in parse(parser, ["--normalization", "scalenorm"])
 
 
 @pytest.mark.parametrize("flag, words", [
-    ("--swiglu", ["planned", "--glu-activation swiglu"]),
-    ("--num-query-groups", ["grouped-query attention", "planned"]),
+    ("--rotary-interleaved", ["two halves", "--use-rope-scaling"]),
+    ("--rope-type", ["Llama 3's scaling"]),
     ("--fp8-format", ["FP8", "planned", "--bf16"]),
     ("--recompute-granularity", ["selective recompute", "--checkpoint-activations"]),
     ("--ds-sequence-parallel-size", ["Ulysses", "planned"]),

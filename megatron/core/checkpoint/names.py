@@ -7,7 +7,8 @@ stage 2) by its attribute path. For L transformer layers:
     pipeline                                plain
     tied_modules.embed.<rest>               embedding.<rest>          layer 1 (file layer_01)
     <i + 3>.<rest>, i = 0 .. L - 1          layers.<i>.<rest>         transformer layer i + 1
-    <L + 4>.<rest>                          final_layernorm.<rest>    final LayerNorm
+    <L + 4>.<rest>                          final_layernorm.<rest>    final norm
+    <L + 5>.<rest>                          output_layer.<rest>       untied output layer
 
 Universal checkpoints always hold pipeline names, so either engine reads them. Megatron-DeepSpeed
 names the parameters as we do except the embedding LayerNorm (--embed-layernorm), which it keeps
@@ -32,6 +33,11 @@ def final_norm_layer(num_layers: int) -> int:
     return num_layers + 4
 
 
+def output_layer(num_layers: int) -> int:
+    """The layer-list index of the untied output layer (--untie-embeddings-and-output-weights)."""
+    return num_layers + 5
+
+
 def transformer_layer(index: int) -> int:
     """The layer-list index of transformer layer ``index`` (0-based)."""
     return index + FIRST_TRANSFORMER_LAYER
@@ -43,6 +49,8 @@ def pipeline_name(plain_name: str, num_layers: int) -> str:
         return PIPELINE_EMBEDDING_PREFIX + plain_name[len("embedding."):]
     if plain_name.startswith("final_layernorm."):
         return f"{final_norm_layer(num_layers)}.{plain_name[len('final_layernorm.'):]}"
+    if plain_name.startswith("output_layer."):
+        return f"{output_layer(num_layers)}.{plain_name[len('output_layer.'):]}"
     match = _PLAIN_LAYER.match(plain_name)
     if match is None or int(match[1]) >= num_layers:
         raise ParameterNameError(f"{plain_name} is not a parameter of a {num_layers}-layer GPT model")
@@ -64,6 +72,8 @@ def plain_name(pipeline_name_: str, num_layers: int) -> str:
     layer = int(match[1]) if match else -1
     if layer == final_norm_layer(num_layers):
         return f"final_layernorm.{match[2]}"
+    if layer == output_layer(num_layers):
+        return f"output_layer.{match[2]}"
     if not FIRST_TRANSFORMER_LAYER <= layer < transformer_layer(num_layers):
         raise ParameterNameError(f"{pipeline_name_} is not a parameter of a {num_layers}-layer GPT model")
     return f"layers.{layer - FIRST_TRANSFORMER_LAYER}.{match[2]}"

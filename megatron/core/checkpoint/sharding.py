@@ -29,7 +29,7 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.parallel_state import single_rank_groups
 from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
 
-PLAIN_PREFIXES = ("embedding.", "layers.", "final_layernorm.")
+PLAIN_PREFIXES = ("embedding.", "layers.", "final_layernorm.", "output_layer.")
 # Settings that change how the model computes, not which parameters it has or how they are split;
 # under CPU initialization the layers need no RNG tracker stream (the full weights they draw are fake).
 STRUCTURE_ONLY = dict(params_dtype=torch.float32, use_cpu_initialization=True, bias_gelu_fusion=False,

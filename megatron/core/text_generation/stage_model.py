@@ -15,12 +15,12 @@ import torch
 from torch import nn
 
 from megatron.core.checkpoint.layer_files import find_layer_files, read_full_layer
-from megatron.core.checkpoint.names import EMBEDDING_LAYER, final_norm_layer, transformer_layer
+from megatron.core.checkpoint.names import EMBEDDING_LAYER, final_norm_layer, output_layer, transformer_layer
 from megatron.core.checkpoint.partitions import split_partitions
 from megatron.core.checkpoint.reader import CheckpointInputError, SavedCheckpoint, iter_full_layers
 from megatron.core.models.gpt.config import GPTModelConfig
-from megatron.core.models.gpt.embedding import Embedding
-from megatron.core.models.gpt.layer_norm import LayerNorm
+from megatron.core.models.gpt.embedding import Embedding, OutputLayer
+from megatron.core.models.gpt.layer_norm import build_norm
 from megatron.core.models.gpt.transformer_layer import ParallelTransformerLayer
 from megatron.core.parallel_state import ParallelGroups
 from megatron.core.text_generation.decode_layers import fuses_one_row_steps, layer_step
@@ -36,10 +36,10 @@ def stage_layer_range(num_layers: int, pp_size: int, pp_rank: int) -> range:
 
 
 class InferenceStage(nn.Module):
-    """[Embedding (first stage)] -> transformer layers of ``stage_layer_range`` -> [LN_f, x W_word^T (last)].
+    """[Embedding (first stage)] -> transformer layers of ``stage_layer_range`` -> [LN_f, x W^T (last)].
 
     The last stage keeps an Embedding module of its own for the tied head (only its word embeddings
-    are used there); with P = 1 it is the input embedding itself.
+    are used there; with P = 1 it is the input embedding itself), or the untied output layer.
     """
 
     def __init__(self, config: GPTModelConfig, groups: ParallelGroups, device=None):
@@ -47,13 +47,15 @@ class InferenceStage(nn.Module):
         self.config = config
         self.groups = groups
         self.layer_indices = stage_layer_range(config.num_layers, groups.pp_size, groups.pp_rank)
-        has_embedding = groups.is_first_stage or groups.is_last_stage
+        untied = config.untie_embeddings_and_output_weights
+        has_embedding = groups.is_first_stage or (groups.is_last_stage and not untied)
         self.embedding = Embedding(config, groups, device=device) if has_embedding else None
+        self.output_layer = OutputLayer(config, groups, device) if groups.is_last_stage and untied else None
         self.layers = nn.ModuleList(ParallelTransformerLayer(config, index + 1, groups, device=device)
                                     for index in self.layer_indices)
         self.final_layernorm = None
         if groups.is_last_stage:
-            self.final_layernorm = LayerNorm(config.hidden_size, config.layernorm_epsilon, config.params_dtype, device)
+            self.final_layernorm = build_norm(config, device, sequence_parallel=False)
         self.fuses_one_row_steps = fuses_one_row_steps(config, groups.tp_size)
 
     @property
@@ -86,7 +88,9 @@ class InferenceStage(nn.Module):
                 hidden_states = layer_step(layer, hidden_states, position_ids, cache, self.fuses_one_row_steps)
         if not self.groups.is_last_stage:
             return hidden_states
-        logits = self.embedding.logits(self.final_layernorm(hidden_states))  # [s, b, V / tp]
+        hidden_states = self.final_layernorm(hidden_states)
+        head = self.embedding.logits if self.output_layer is None else self.output_layer
+        logits = head(hidden_states)  # [s, b, V / tp]
         return logits.transpose(0, 1)
 
 
@@ -97,6 +101,8 @@ def _module_prefixes(stage: InferenceStage) -> dict[int, str]:
         prefixes[EMBEDDING_LAYER] = "embedding."
     if stage.final_layernorm is not None:
         prefixes[final_norm_layer(stage.config.num_layers)] = "final_layernorm."
+    if stage.output_layer is not None:
+        prefixes[output_layer(stage.config.num_layers)] = "output_layer."
     return prefixes
 
 

@@ -8,8 +8,9 @@ Layer list (its indices are Megatron-DeepSpeed's layer numbers, which name the c
     2          to_sequence_first              [b, s, h] -> [s, b, h] (no state)
     3 .. L+2   ParallelTransformerLayerPipe   transformer layers 1 .. L
     L+3        to_batch_first                 [s, b, h] -> [b, s, h] (no state)
-    L+4        LayerNorm                      final norm
+    L+4        LayerNorm or RMSNorm           final norm (build_norm)
     L+5        TiedLayerSpec("embed", EmbeddingPipe, forward_fn=tied_logits)  logits [b, s, V / tp]
+               or, untied, OutputLayerPipe (its own weight)
     L+6        logits_for_fp32_loss           (no state) where Megatron-DeepSpeed casts the logits to fp32
     loss_fn    LanguageModelLoss              masked mean cross entropy, in fp32 from logits of any dtype
 
@@ -39,9 +40,9 @@ from deepspeed.runtime.utils import partition_balanced, partition_uniform
 
 from megatron.core.flops import layer_forward_flops_per_token, output_layer_forward_flops_per_token
 from megatron.core.models.gpt.config import GPTModelConfig
-from megatron.core.models.gpt.embedding import Embedding
+from megatron.core.models.gpt.embedding import Embedding, OutputLayer
 from megatron.core.models.gpt.gpt_model import language_model_loss
-from megatron.core.models.gpt.layer_norm import LayerNorm
+from megatron.core.models.gpt.layer_norm import norm_class
 from megatron.core.models.gpt.transformer_layer import ParallelTransformerLayer
 from megatron.core.parallel_state import ParallelGroups
 from megatron.core.tensor_parallel.mappings import (allreduce_sequence_parallel_gradients,
@@ -74,6 +75,15 @@ def tied_logits(embedding: Embedding, hidden_states: torch.Tensor) -> torch.Tens
 def tied_logits_batch_first(embedding: Embedding, hidden_states: torch.Tensor) -> torch.Tensor:
     """The output head under sequence parallelism: [s / tp, b, h] -> [b, s, V / tp]."""
     return embedding.logits(hidden_states).transpose(0, 1)
+
+
+class OutputLayerPipe(OutputLayer):
+    """The untied output head on [b, s, h] -> [b, s, V / tp]; under sequence parallelism on this
+    rank's block [s / tp, b, h] -> [b, s, V / tp]."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(hidden_states)
+        return logits.transpose(0, 1) if self.sequence_parallel else logits
 
 
 class ParallelTransformerLayerPipe(ParallelTransformerLayer):
@@ -193,12 +203,14 @@ def gpt_layer_specs(config: GPTModelConfig, groups: ParallelGroups, device=None)
              partial(to_sequence_first, sequence_parallel_group=groups.tp) if sequence_parallel else to_sequence_first]
     specs += [LayerSpec(ParallelTransformerLayerPipe, config, number, groups, device=device)
               for number in range(1, config.num_layers + 1)]
+    if config.untie_embeddings_and_output_weights:
+        head = LayerSpec(OutputLayerPipe, config, groups, device)
+    else:
+        head = TiedLayerSpec("embed", EmbeddingPipe, config, groups,
+                             forward_fn=tied_logits_batch_first if sequence_parallel else tied_logits, **embedding)
     specs += [sequence_parallel_hidden if sequence_parallel else to_batch_first,
-              LayerSpec(LayerNorm, config.hidden_size, config.layernorm_epsilon, config.params_dtype, device,
-                        sequence_parallel),
-              TiedLayerSpec("embed", EmbeddingPipe, config, groups,
-                            forward_fn=tied_logits_batch_first if sequence_parallel else tied_logits, **embedding),
-              logits_for_fp32_loss]
+              LayerSpec(norm_class(config), config.hidden_size, config.layernorm_epsilon, config.params_dtype,
+                        device, sequence_parallel), head, logits_for_fp32_loss]
     return specs
 
 
@@ -228,12 +240,15 @@ def _parameter_count(layer) -> int:
 
 def _forward_flops_per_token(layer) -> int:
     """A layer's share of the model FLOPs (megatron.core.flops): a transformer layer's, the output
-    head's 2hV (the tied embedding with a forward_fn), 0 for the rest (lookups, norms, transposes)."""
+    head's 2hV (the tied embedding with a forward_fn, or the untied output layer), 0 for the rest
+    (lookups, norms, transposes)."""
     if isinstance(layer, LayerSpec) and layer.typename is ParallelTransformerLayerPipe:
         config = layer.module_args[0]
         return layer_forward_flops_per_token(config.hidden_size, config.seq_length, config.ffn_hidden_size,
-                                             config.projection_size, config.glu_activation is not None)
-    if isinstance(layer, TiedLayerSpec) and layer.forward_fn is not None:
+                                             config.projection_size, config.glu_activation is not None,
+                                             config.key_value_size)
+    if isinstance(layer, TiedLayerSpec) and layer.forward_fn is not None or \
+            isinstance(layer, LayerSpec) and layer.typename is OutputLayerPipe:
         config = layer.module_args[0]
         return output_layer_forward_flops_per_token(config.hidden_size, config.padded_vocab_size)
     return 0

@@ -1,6 +1,8 @@
 """Causal self-attention with heads split over the tensor-parallel ranks.
 
-Notation: s sequence, b micro-batch, h hidden, n heads, hn head dim, np = n / tp heads on this rank.
+Notation: s sequence, b micro-batch, h hidden, n heads, hn head dim, np = n / tp heads on this rank,
+g key/value groups (grouped-query attention; g = n is multi-head), ng = g / tp on this rank, and
+q = n / g query heads per group.
 
 Two ways to compute the same function, chosen by ``GPTModelConfig.attention_impl``:
 
@@ -23,8 +25,8 @@ from torch import nn
 from megatron.core import fused_kernels
 from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.models.gpt.init import weight_init_method
-from megatron.core.models.gpt.positional import (alibi_bias, alibi_slopes, apply_rotary_embedding,
-                                                 rotary_cos_sin)
+from megatron.core.models.gpt.positional import (Llama3RopeScaling, alibi_bias, alibi_slopes,
+                                                 apply_rotary_embedding, rotary_cos_sin, rotary_inverse_frequencies)
 from megatron.core.parallel_state import ParallelGroups
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.random import MODEL_PARALLEL_RNG, get_rng_tracker
@@ -32,12 +34,15 @@ from megatron.core.tensor_parallel.utils import divide
 
 
 class ParallelSelfAttention(nn.Module):
-    """o = concat_j(dropout(softmax(q_j k_j^T / sqrt(hn) + B_j + causal)) v_j) W_o^T + b_o.
+    """o = concat_j(dropout(softmax(q_j k_{j//q}^T / sqrt(hn) + B_j + causal)) v_{j//q}) W_o^T + b_o.
 
-    ``query_key_value`` is a ColumnParallelLinear h -> 3 n hn whose output rows are ordered per head,
-    [n, 3, hn] (head j's q, k, v rows together), so splitting the rows over TP ranks hands each rank
-    np whole heads. ``dense`` is a RowParallelLinear n hn -> h whose all-reduce sums the heads of all
-    ranks; its bias is returned unadded (skip_bias_add) for the fused bias-dropout-add.
+    ``query_key_value`` is a ColumnParallelLinear h -> (n + 2g) hn whose output rows are ordered per
+    key/value group, [g, q + 2, hn] (the group's q query heads, its key, its value; with g = n the
+    per-head [n, 3, hn] of Megatron-DeepSpeed), so splitting the rows over TP ranks hands each rank
+    ng whole groups and their query heads. ``dense`` is a RowParallelLinear n hn -> h whose
+    all-reduce sums the heads of all ranks; its bias is returned unadded (skip_bias_add) for the fused
+    bias-dropout-add. Without biases (--disable-bias-linear) both return None for it; --add-qkv-bias
+    keeps the projection's.
     Attention dropout runs under the model-parallel RNG fork: different heads live on different
     ranks and need independent masks.
     """
@@ -47,18 +52,28 @@ class ParallelSelfAttention(nn.Module):
         self.config = config
         self.layer_number = layer_number
         self.heads_per_partition = divide(config.num_attention_heads, groups.tp_size)
+        self.groups_per_partition = divide(config.num_query_groups, groups.tp_size)
         self.head_dim = config.kv_channels
         common = dict(tp_group=groups.tp, use_cpu_initialization=config.use_cpu_initialization,
                       params_dtype=config.params_dtype, device=device,
                       sequence_parallel=config.sequence_parallel,
                       comm_overlap=config.tp_comm_overlap)
         self.query_key_value = ColumnParallelLinear(
-            config.hidden_size, 3 * config.projection_size, gather_output=False,
+            config.hidden_size, config.query_key_value_size, gather_output=False, bias=config.qkv_bias,
             init_method=weight_init_method(config, layer_number, "self_attention.query_key_value.weight"), **common)
         self.dense = RowParallelLinear(
             config.projection_size, config.hidden_size, input_is_parallel=True, skip_bias_add=True,
+            bias=config.add_bias_linear,
             init_method=weight_init_method(config, layer_number, "self_attention.dense.weight",
                                            output_projection=True), **common)
+        if config.position_embedding_type == "rotary":
+            scaling = None
+            if config.use_rope_scaling:
+                scaling = Llama3RopeScaling(config.rope_scaling_factor, config.rope_scaling_low_freq_factor,
+                                            config.rope_scaling_high_freq_factor,
+                                            config.rope_scaling_original_max_position_embeddings)
+            inv_freq = rotary_inverse_frequencies(config.rotary_dim, config.rotary_base, scaling)
+            self.register_buffer("rotary_inv_freq", inv_freq.to(device), persistent=False)
         if config.position_embedding_type == "alibi":
             first_head = groups.tp_rank * self.heads_per_partition
             slopes = alibi_slopes(config.num_attention_heads)[first_head:first_head + self.heads_per_partition]
@@ -90,11 +105,13 @@ class ParallelSelfAttention(nn.Module):
 
     def heads(self, mixed: torch.Tensor, position_ids: torch.Tensor,
               mixed_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """query_key_value's output [s, b, np * 3 * hn] -> query, key, value [b, np, s, hn], the rotary
-        embedding applied to query and key."""
-        query, key, value = fused_kernels.split_query_key_value(mixed, mixed_bias, self.head_dim)  # 3 x [s, b, np, hn]
+        """query_key_value's output [s, b, ng * (q + 2) * hn] -> query [b, np, s, hn], key, value
+        [b, ng, s, hn], the rotary embedding applied to query and key."""
+        # q [s, b, np, hn], k and v [s, b, ng, hn]
+        query, key, value = fused_kernels.split_query_key_value(mixed, mixed_bias, self.head_dim,
+                                                                self.config.queries_per_group)
         if self.config.position_embedding_type == "rotary":
-            cos, sin = rotary_cos_sin(position_ids, self.head_dim)
+            cos, sin = rotary_cos_sin(position_ids, self.rotary_inv_freq)
             query, key = apply_rotary_embedding(query, cos, sin), apply_rotary_embedding(key, cos, sin)
         # [s, b, np, hn] -> [b, np, s, hn]
         return tuple(t.permute(1, 2, 0, 3) for t in (query, key, value))
@@ -104,7 +121,8 @@ class ParallelSelfAttention(nn.Module):
 
     def sdpa(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, alibi: torch.Tensor | None,
              attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """scaled_dot_product_attention of query [b, np, s, hn] over key, value [b, np, T, hn] -> [b, np, s, hn]:
+        """scaled_dot_product_attention of query [b, np, s, hn] over key, value [b, ng, T, hn] -> [b, np, s, hn]
+        (query head j reads key/value group j // q):
         with is_causal, or with the additive bias B + mask (True = hidden; without one the queries are
         the last s of the T positions, as in a decoding step over a cache)."""
         bias = None
@@ -117,17 +135,20 @@ class ParallelSelfAttention(nn.Module):
             else:
                 bias = alibi.masked_fill(attention_mask, float("-inf"))  # [b or 1, np, s, s]
         dropout = self._dropout_probability()
-        scale = 1.0 / math.sqrt(self.head_dim)
+        options = dict(attn_mask=bias, is_causal=bias is None, scale=1.0 / math.sqrt(self.head_dim))
+        if key.shape[1] != query.shape[1]:
+            options["enable_gqa"] = True
         if dropout == 0.0:
-            return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, is_causal=bias is None,
-                                                  scale=scale)
+            return F.scaled_dot_product_attention(query, key, value, **options)
         with get_rng_tracker().fork(MODEL_PARALLEL_RNG):
-            return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, is_causal=bias is None,
-                                                  dropout_p=dropout, scale=scale)
+            return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, **options)
 
     def _materialized(self, query, key, value, alibi, attention_mask):
-        """Megatron-DeepSpeed's path: scores in the params dtype, scale-mask-softmax (fp32), dropout, probs v."""
+        """Megatron-DeepSpeed's path: scores in the params dtype, scale-mask-softmax (fp32), dropout, probs v.
+        Grouped keys and values [b, ng, s, hn] are repeated to the np query heads first."""
         batch, heads, seq_length, head_dim = query.shape
+        if key.shape[1] != heads:
+            key, value = (t.repeat_interleave(heads // key.shape[1], dim=1) for t in (key, value))
         coefficient = float(self.layer_number) if self.config.apply_query_key_layer_scaling else 1.0
         norm_factor = math.sqrt(head_dim) * coefficient
         # the 1 / norm_factor scaling happens inside the GEMM (fp32 accumulator), so fp16 scores never

@@ -16,6 +16,7 @@ from megatron.core.dtypes import DTYPES
 from megatron.core.parallel_state import TP_FLAG, check_divisible
 
 POSITION_EMBEDDING_TYPES = ("absolute", "rotary", "alibi")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 GLU_ACTIVATIONS = ("geglu", "liglu", "reglu", "swiglu")
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "materialized")
 PARAMS_DTYPES = tuple(DTYPES.values())
@@ -34,6 +35,7 @@ class GPTModelConfig:
     """Hyper-parameters of a decoder-only transformer, in Megatron-DeepSpeed's vocabulary.
 
     h = hidden_size, n = num_attention_heads, hn = kv_channels (default h / n),
+    g = num_query_groups (key/value groups of grouped-query attention, default n: multi-head),
     ffn = ffn_hidden_size (default 4h), V = padded_vocab_size, L = num_layers.
     ``padded_vocab_size`` is the vocabulary after padding (--make-vocab-size-divisible-by /
     --pad-vocab-size-to); the padding rows are ordinary classes that targets never hit.
@@ -51,6 +53,14 @@ class GPTModelConfig:
     ``matmul_reduce_scatter``); it keeps each gathered column-parallel input for backward instead
     of gathering it again. On CPU the same arithmetic runs through the plain collectives.
 
+    Llama-class options: ``normalization`` "RMSNorm" (x / rms(x) * w, no bias) instead of LayerNorm;
+    ``num_query_groups`` g < n shares each key/value head among n / g query heads (g = 1: multi-query);
+    ``rotary_base`` and ``rotary_percent`` (the share of each head's channels that rotates) and Llama
+    3's frequency scaling (``use_rope_scaling``: factor, low and high frequency factors, original
+    context; positional.rotary_inverse_frequencies); ``untie_embeddings_and_output_weights`` gives the
+    output layer its own [V, h] weight; ``add_bias_linear`` False drops the biases of every linear layer,
+    ``add_qkv_bias`` puts one back on the query/key/value projection (Qwen2).
+
     ``attention_impl`` chooses how attention is computed:
     "sdpa" (default) runs torch's scaled_dot_product_attention (flash / cuDNN / memory-efficient on
     GPU); "materialized" forms the [b, n, s, s] scores as Megatron-DeepSpeed does (query-key layer scaling,
@@ -64,9 +74,21 @@ class GPTModelConfig:
     seq_length: int
     ffn_hidden_size: int | None = None
     kv_channels: int | None = None
+    num_query_groups: int | None = None
     max_position_embeddings: int | None = None
     position_embedding_type: str = "absolute"
     layernorm_epsilon: float = 1e-5
+    normalization: str = "LayerNorm"
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    use_rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    rope_scaling_low_freq_factor: float = 1.0
+    rope_scaling_high_freq_factor: float = 4.0
+    rope_scaling_original_max_position_embeddings: int = 8192
+    untie_embeddings_and_output_weights: bool = False
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False
     apply_residual_connection_post_layernorm: bool = False
     embed_layernorm: bool = False
     stable_embedding: bool = False
@@ -101,9 +123,17 @@ class GPTModelConfig:
                     f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
                     f"({self.num_attention_heads}) when --kv-channels is not given; set --kv-channels")
             object.__setattr__(self, "kv_channels", self.hidden_size // self.num_attention_heads)
-        for name in ("ffn_hidden_size", "kv_channels"):
+        if self.num_query_groups is None:
+            object.__setattr__(self, "num_query_groups", self.num_attention_heads)
+        for name in ("ffn_hidden_size", "kv_channels", "num_query_groups"):
             if getattr(self, name) < 1:
                 raise GPTConfigError(f"{_flag(name)} must be a positive integer, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_query_groups != 0:
+            raise GPTConfigError(f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
+                                 f"--num-query-groups ({self.num_query_groups}): each key/value group serves "
+                                 "the same number of query heads")
+        if self.normalization not in NORMALIZATIONS:
+            raise GPTConfigError(f"--normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
         self._check_positions()
         self._check_activation()
         self._check_numerics()
@@ -120,19 +150,31 @@ class GPTModelConfig:
         if kind not in POSITION_EMBEDDING_TYPES:
             raise GPTConfigError(f"--position-embedding-type must be one of {POSITION_EMBEDDING_TYPES}, got {kind!r}")
         if kind == "rotary":
-            if self.max_position_embeddings is not None:
-                raise GPTConfigError("--max-position-embeddings must not be set with --position-embedding-type "
-                                     "rotary (rotary embeddings have no position table); drop the flag")
-            if self.kv_channels % 2 != 0:
-                raise GPTConfigError(f"rotary embeddings rotate pairs of channels: --kv-channels "
-                                     f"(head dim, {self.kv_channels}) must be even")
-            return
-        if self.max_position_embeddings is None:
+            self._check_rotary()
+        elif self.max_position_embeddings is None:
             raise GPTConfigError(f"--max-position-embeddings is required with --position-embedding-type {kind}; "
                                  f"set it to at least --seq-length ({self.seq_length})")
-        if self.max_position_embeddings < self.seq_length:
+        if self.max_position_embeddings is not None and self.max_position_embeddings < self.seq_length:
             raise GPTConfigError(f"--max-position-embeddings ({self.max_position_embeddings}) must be >= "
                                  f"--seq-length ({self.seq_length}) with --position-embedding-type {kind}")
+
+    def _check_rotary(self):
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise GPTConfigError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
+        if self.rotary_dim % 2 != 0 or self.rotary_dim == 0:
+            raise GPTConfigError(f"rotary embeddings rotate pairs of channels: --kv-channels ({self.kv_channels}) "
+                                 f"x --rotary-percent ({self.rotary_percent}) = {self.rotary_dim} must be even "
+                                 "and positive")
+        if self.rotary_base <= 0:
+            raise GPTConfigError(f"--rotary-base must be > 0, got {self.rotary_base}")
+        if self.use_rope_scaling:
+            if self.rope_scaling_factor < 1.0 or self.rope_scaling_original_max_position_embeddings < 1:
+                raise GPTConfigError("--rope-scaling-factor must be >= 1 and "
+                                     "--rope-scaling-original-max-position-embeddings >= 1")
+            if not 0 < self.rope_scaling_low_freq_factor < self.rope_scaling_high_freq_factor:
+                raise GPTConfigError(f"Llama 3 rope scaling needs 0 < --rope-scaling-low-freq-factor "
+                                     f"({self.rope_scaling_low_freq_factor}) < --rope-scaling-high-freq-factor "
+                                     f"({self.rope_scaling_high_freq_factor})")
 
     def _check_activation(self):
         if self.glu_activation is None:
@@ -178,6 +220,31 @@ class GPTModelConfig:
         return self.kv_channels * self.num_attention_heads
 
     @property
+    def queries_per_group(self) -> int:
+        """n / g: the query heads that share one key/value head."""
+        return self.num_attention_heads // self.num_query_groups
+
+    @property
+    def key_value_size(self) -> int:
+        """g * hn: the width of the keys (and of the values)."""
+        return self.num_query_groups * self.kv_channels
+
+    @property
+    def query_key_value_size(self) -> int:
+        """(n + 2g) hn: the width of the query/key/value projection."""
+        return self.projection_size + 2 * self.key_value_size
+
+    @property
+    def rotary_dim(self) -> int:
+        """The channels of each head that rotary embeddings rotate: hn x --rotary-percent."""
+        return int(self.kv_channels * self.rotary_percent)
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the query/key/value projection has a bias (--disable-bias-linear, --add-qkv-bias)."""
+        return self.add_bias_linear or self.add_qkv_bias
+
+    @property
     def softmax_in_fp32(self) -> bool:
         """Query-key layer scaling forces the softmax into fp32, as in Megatron-DeepSpeed."""
         return self.attention_softmax_in_fp32 or self.apply_query_key_layer_scaling
@@ -189,6 +256,10 @@ class GPTModelConfig:
         raise for a library user who skips it."""
         tp = tensor_model_parallel_size
         check_divisible(self.num_attention_heads, tp, "--num-attention-heads", TP_FLAG)
+        if self.num_query_groups % tp != 0:
+            raise GPTConfigError(f"the TP ranks split the key/value groups: --num-query-groups "
+                                 f"({self.num_query_groups}) must be divisible by {TP_FLAG} ({tp}); use a "
+                                 "TP degree that divides the groups")
         check_divisible(self.ffn_hidden_size, tp, "--ffn-hidden-size", TP_FLAG)
         if self.sequence_parallel:
             check_divisible(self.seq_length, tp, "--seq-length (split over the TP ranks by --sequence-parallel)",

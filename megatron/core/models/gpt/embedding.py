@@ -1,4 +1,4 @@
-"""Input embedding and the output head tied to it."""
+"""Input embedding, the output head tied to it, and the untied output layer."""
 import torch
 from torch import nn
 
@@ -13,6 +13,18 @@ from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_paralle
                                                     gather_from_sequence_parallel_region)
 
 EMBEDDING_LAYER_NUMBER = 0  # layer number of the embedding in the layout-independent init
+
+
+def vocab_parallel_logits(hidden_states: torch.Tensor, weight: torch.Tensor, sequence_parallel: bool,
+                          tp_group) -> torch.Tensor:
+    """This rank's vocabulary slice of x W^T for W [V / tp, h]: [..., h] -> [..., V / tp].
+    With sequence parallelism the input is this rank's block [s / tp, ..., h] of a sequence-first
+    tensor, all-gathered here: [s / tp, ..., h] -> [s, ..., V / tp]."""
+    if sequence_parallel:
+        hidden_states = gather_from_sequence_parallel_region(hidden_states, tp_group)  # [s, ..., h]
+    else:
+        hidden_states = copy_to_tensor_model_parallel_region(hidden_states, tp_group)
+    return fused_kernels.linear(hidden_states.to(weight.dtype), weight)
 
 
 class Embedding(nn.Module):
@@ -62,12 +74,24 @@ class Embedding(nn.Module):
         return self.embedding_dropout(embeddings)
 
     def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The tied output head: [..., h] -> [..., V / tp], this rank's vocabulary slice of x W^T.
-        With sequence parallelism the input is this rank's block [s / tp, ..., h] of a sequence-first
-        tensor, all-gathered here: [s / tp, ..., h] -> [s, ..., V / tp]."""
-        if self.config.sequence_parallel:
-            hidden_states = gather_from_sequence_parallel_region(hidden_states, self.tp_group)  # [s, ..., h]
-        else:
-            hidden_states = copy_to_tensor_model_parallel_region(hidden_states, self.tp_group)
-        weight = self.word_embeddings.weight
-        return fused_kernels.linear(hidden_states.to(weight.dtype), weight)
+        """The tied output head: [..., h] -> [..., V / tp] (``vocab_parallel_logits`` on W)."""
+        return vocab_parallel_logits(hidden_states, self.word_embeddings.weight, self.config.sequence_parallel,
+                                     self.tp_group)
+
+
+class OutputLayer(VocabParallelEmbedding):
+    """The untied output head (--untie-embeddings-and-output-weights): logits = x W_out^T with its own
+    W_out [V, h], split by vocabulary rows over the TP ranks like the word embeddings (so it is a
+    VocabParallelEmbedding whose forward is the product, not a lookup). Initialised N(0, sigma^2)
+    (--init-method-std), as Megatron-LM's output layer; layout-independent under CPU init."""
+
+    def __init__(self, config: GPTModelConfig, groups: ParallelGroups, device=None):
+        super().__init__(config.padded_vocab_size, config.hidden_size, tp_group=groups.tp,
+                         init_method=weight_init_method(config, config.num_layers + 1, "output_layer.weight"),
+                         use_cpu_initialization=config.use_cpu_initialization, params_dtype=config.params_dtype,
+                         device=device)
+        self.sequence_parallel = config.sequence_parallel
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[..., h] -> [..., V / tp] (sequence parallel: [s / tp, ..., h] -> [s, ..., V / tp])."""
+        return vocab_parallel_logits(hidden_states, self.weight, self.sequence_parallel, self.tp_group)

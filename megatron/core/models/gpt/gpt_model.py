@@ -3,8 +3,8 @@ import torch
 from torch import nn
 
 from megatron.core.models.gpt.config import GPTModelConfig
-from megatron.core.models.gpt.embedding import Embedding
-from megatron.core.models.gpt.layer_norm import LayerNorm
+from megatron.core.models.gpt.embedding import Embedding, OutputLayer
+from megatron.core.models.gpt.layer_norm import build_norm
 from megatron.core.models.gpt.transformer_layer import ParallelTransformerLayer
 from megatron.core.parallel_state import ParallelConfigError, ParallelGroups
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -34,7 +34,8 @@ def default_position_ids(tokens: torch.Tensor) -> torch.Tensor:
 class GPTModel(nn.Module):
     """logits = LN_f(Layer_L(... Layer_1(Embedding(tokens)))) W_word^T, on [s, b, h] inside.
 
-    The output head is tied to the word embeddings W_word (one parameter, vocabulary-split over TP).
+    The output head is tied to the word embeddings W_word (one parameter, vocabulary-split over TP),
+    or, with --untie-embeddings-and-output-weights, its own ``output_layer``. LN_f is --normalization.
     With labels the model returns the loss: the mean over tokens of the cross entropy, weighted by
     the loss mask (padded vocabulary rows are ordinary classes that targets never hit). With
     --checkpoint-activations the layers run in chunks of --checkpoint-num-layers whose activations
@@ -56,8 +57,8 @@ class GPTModel(nn.Module):
         self.embedding = Embedding(config, groups, device=device)
         self.layers = nn.ModuleList(ParallelTransformerLayer(config, number, groups, device=device)
                                     for number in range(1, config.num_layers + 1))
-        self.final_layernorm = LayerNorm(config.hidden_size, config.layernorm_epsilon, config.params_dtype, device,
-                                         sequence_parallel=config.sequence_parallel)
+        self.final_layernorm = build_norm(config, device)
+        self.output_layer = OutputLayer(config, groups, device) if config.untie_embeddings_and_output_weights else None
         if config.sequence_parallel:
             allreduce_sequence_parallel_gradients(self, groups.tp)
 
@@ -78,12 +79,18 @@ class GPTModel(nn.Module):
             hidden_states = scatter_to_sequence_parallel_region(hidden_states, self.groups.tp)  # [s / tp, b, h]
         hidden_states = self._run_layers(hidden_states, position_ids, attention_mask)
         hidden_states = self.final_layernorm(hidden_states)
-        logits = self.embedding.logits(hidden_states)  # [s, b, V / tp]
+        logits = self.logits(hidden_states)  # [s, b, V / tp]
         if labels is None:
             return logits.transpose(0, 1)  # [b, s, V / tp]
         if loss_mask is None:
             loss_mask = torch.ones_like(labels, dtype=torch.float32)
         return language_model_loss(logits, labels.t(), loss_mask.t(), self.groups.tp)
+
+    def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The output head, tied or untied: [s, b, h] -> [s, b, V / tp]."""
+        if self.output_layer is not None:
+            return self.output_layer(hidden_states)
+        return self.embedding.logits(hidden_states)
 
     def _run_layers(self, hidden_states, position_ids, attention_mask):
         """The transformer layers, in checkpointed chunks under --checkpoint-activations. [s, b, h]."""

@@ -34,7 +34,8 @@ class ParallelMLP(nn.Module):
     erf GeLU, liglu: identity, reglu: ReLU, swiglu: SiLU) gate one half of a 2 ffn-wide W1 with the
     other. W1 is then split with stride 2: the full weight is [W_a; W_g] and rank r holds
     [W_a,r; W_g,r], so every rank gates its own units and the result does not depend on the TP degree
-    (Megatron-DeepSpeed's per-rank [a | g] checkpoint layout).
+    (Megatron-DeepSpeed's per-rank [a | g] checkpoint layout). Without biases (--disable-bias-linear)
+    b1 and b2 are absent (the returned bias is None).
     """
 
     def __init__(self, config: GPTModelConfig, layer_number: int, groups: ParallelGroups, device=None):
@@ -44,7 +45,7 @@ class ParallelMLP(nn.Module):
         common = dict(tp_group=groups.tp, use_cpu_initialization=config.use_cpu_initialization,
                       params_dtype=config.params_dtype, device=device,
                       sequence_parallel=config.sequence_parallel,
-                      comm_overlap=config.tp_comm_overlap, skip_bias_add=True)
+                      comm_overlap=config.tp_comm_overlap, skip_bias_add=True, bias=config.add_bias_linear)
         self.dense_h_to_4h = ColumnParallelLinear(
             config.hidden_size, (2 if gated else 1) * config.ffn_hidden_size, gather_output=False,
             stride=2 if gated else 1,
@@ -60,11 +61,13 @@ class ParallelMLP(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[s, b, h] -> (output [s, b, h], bias [h])."""
         intermediate, bias = self.dense_h_to_4h(hidden_states)  # [s, b, (2) ffn / tp]
+        if self.config.bias_gelu_fusion and bias is not None and self.config.glu_activation is None:
+            return self.dense_4h_to_h(fused_kernels.bias_gelu(bias, intermediate))
+        if bias is not None:
+            intermediate = intermediate + bias
         if self.config.glu_activation is not None:
-            linear, gate = (intermediate + bias).chunk(2, dim=-1)  # 2 x [s, b, ffn / tp]
+            linear, gate = intermediate.chunk(2, dim=-1)  # 2 x [s, b, ffn / tp]
             intermediate = linear * GLU_GATE_FUNCTIONS[self.config.glu_activation](gate)
-        elif self.config.bias_gelu_fusion:
-            intermediate = fused_kernels.bias_gelu(bias, intermediate)
         else:
-            intermediate = F.gelu(intermediate + bias, approximate="tanh" if self.gelu_form == "gelu_tanh" else "none")
+            intermediate = F.gelu(intermediate, approximate="tanh" if self.gelu_form == "gelu_tanh" else "none")
         return self.dense_4h_to_h(intermediate)

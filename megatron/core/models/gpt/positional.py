@@ -1,10 +1,19 @@
 """Position information: a learned absolute table, rotary embeddings (GPT-NeoX), ALiBi biases.
 
-Rotary, for a head vector x in R^d (d even) at position p, with theta_i = base^(-2i/d), i < d/2:
+Rotary, for the first d channels of a head vector (d = hn x --rotary-percent, even) at position p,
+with theta_i = base^(-2i/d), i < d/2:
     x' = x * cos(p theta) + rotate_half(x) * sin(p theta),   rotate_half([x1, x2]) = [-x2, x1]
-where the angle vector is [p theta_0 .. p theta_{d/2-1}] repeated twice (GPT-NeoX's layout: channel i
-pairs with channel i + d/2). The angles, cos, sin and the rotation are computed in fp32 and the
-result is cast back, which keeps bf16 and fp16 runs accurate at long positions.
+where the angle vector is [p theta_0 .. p theta_{d/2-1}] repeated twice (GPT-NeoX's and Llama's
+layout: channel i pairs with channel i + d/2); the channels past d pass through. The angles, cos,
+sin and the rotation are computed in fp32 and the result is cast back, which keeps bf16 and fp16
+runs accurate at long positions.
+
+Llama 3's frequency scaling (``Llama3RopeScaling``) stretches the long wavelengths to a context
+``factor`` times the original C: with wavelength w_i = 2 pi / theta_i, low = C / low_freq_factor and
+high = C / high_freq_factor,
+    theta_i' = theta_i                           if w_i < high
+             = theta_i / factor                  if w_i > low
+             = (1 - a) theta_i / factor + a theta_i,  a = (C / w_i - low_freq_factor) / (high_freq_factor - low_freq_factor), else.
 
 ALiBi (Press et al.): head j adds m_j * (k - q) to the score of query q and key k, with the slopes
 m_j a geometric sequence 2^(-8/n), 2^(-16/n), ...; for n not a power of two the first 2^floor(log2 n)
@@ -13,6 +22,7 @@ m_j * k instead; the two differ by a constant per query row, which the softmax c
 m_j * (k - q) stays small where it matters (near the diagonal), so it loses less in low precision.
 """
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -36,15 +46,42 @@ class LearnedPositionEmbedding(nn.Module):
         return nn.functional.embedding(position_ids, self.weight)
 
 
-def rotary_cos_sin(position_ids: torch.Tensor, dim: int, base: float = ROTARY_BASE) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotary angles, fp32, shaped [s, b, 1, dim] to broadcast over heads.
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3's rope frequency scaling (module docstring), Hugging Face's ``rope_type: llama3``."""
 
-    position_ids: [b, s] integer positions (reset per document with --reset-position-ids).
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def scale(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """theta [d / 2] -> theta' [d / 2], fp32."""
+        context = float(self.original_max_position_embeddings)
+        wavelength = 2 * math.pi / inv_freq
+        stretched = torch.where(wavelength > context / self.low_freq_factor, inv_freq / self.factor, inv_freq)
+        blend = (context / wavelength - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+        smoothed = (1 - blend) * stretched / self.factor + blend * stretched
+        medium = (wavelength >= context / self.high_freq_factor) & (wavelength <= context / self.low_freq_factor)
+        return torch.where(medium, smoothed, stretched)
+
+
+def rotary_inverse_frequencies(dim: int, base: float = ROTARY_BASE, scaling: Llama3RopeScaling | None = None,
+                               device=None) -> torch.Tensor:
+    """theta_i = base^(-2i/dim), i < dim / 2, fp32 [dim / 2], then Llama 3's scaling if given."""
+    channel = torch.arange(0, dim, 2, dtype=torch.int64, device=device).to(torch.float32)
+    inv_freq = 1.0 / (base ** (channel / dim))
+    return inv_freq if scaling is None else scaling.scale(inv_freq)
+
+
+def rotary_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, fp32, shaped [s, b, 1, d] to broadcast over heads.
+
+    position_ids: [b, s] integer positions (reset per document with --reset-position-ids);
+    inv_freq: [d / 2] (``rotary_inverse_frequencies``).
     """
-    channel = torch.arange(0, dim, 2, dtype=torch.float32, device=position_ids.device)
-    inv_freq = 1.0 / (base ** (channel / dim))  # [dim / 2]
-    angles = position_ids.t().to(torch.float32)[..., None] * inv_freq  # [s, b, dim / 2]
-    angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]  # [s, b, 1, dim]
+    angles = position_ids.t().to(torch.float32)[..., None] * inv_freq.to(position_ids.device)  # [s, b, d / 2]
+    angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]  # [s, b, 1, d]
     return angles.cos(), angles.sin()
 
 
@@ -55,9 +92,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin in fp32, cast back to x's dtype. x: [s, b, np, hn]."""
-    x32 = x.to(torch.float32)
-    return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)
+    """x * cos + rotate_half(x) * sin on the first d channels of x [s, b, np, hn] (d = cos's last dim),
+    in fp32, cast back to x's dtype; the channels past d unchanged."""
+    dim = cos.shape[-1]
+    rotated, passed = (x, None) if dim == x.shape[-1] else (x[..., :dim], x[..., dim:])
+    x32 = rotated.to(torch.float32)
+    out = (x32 * cos + rotate_half(x32) * sin).to(x.dtype)
+    return out if passed is None else torch.cat((out, passed), dim=-1)
 
 
 def _power_of_two_slopes(n: int) -> list[float]:

@@ -5,14 +5,14 @@ from torch import nn
 from megatron.core import fused_kernels
 from megatron.core.models.gpt.attention import ParallelSelfAttention
 from megatron.core.models.gpt.config import GPTModelConfig
-from megatron.core.models.gpt.layer_norm import LayerNorm
+from megatron.core.models.gpt.layer_norm import LayerNorm, RMSNorm, build_norm
 from megatron.core.models.gpt.mlp import ParallelMLP
 from megatron.core.parallel_state import ParallelGroups
 from megatron.core.tensor_parallel.random import MODEL_PARALLEL_RNG, get_rng_tracker
 
 
 class ParallelTransformerLayer(nn.Module):
-    """One pre-LN decoder layer on [s, b, h]:
+    """One pre-LN decoder layer on [s, b, h] (LN: --normalization, LayerNorm or RMSNorm):
 
         a = LN_1(x);  x' = r_1 + dropout(Attn(a))  with r_1 = x (or a with --apply-residual-connection-post-layernorm)
         m = LN_2(x'); y  = r_2 + dropout(MLP(m))   with r_2 = x' (or m)
@@ -29,11 +29,9 @@ class ParallelTransformerLayer(nn.Module):
         super().__init__()
         self.config = config
         self.layer_number = layer_number
-        norm = dict(eps=config.layernorm_epsilon, params_dtype=config.params_dtype, device=device,
-                    sequence_parallel=config.sequence_parallel)
-        self.input_layernorm = LayerNorm(config.hidden_size, **norm)
+        self.input_layernorm = build_norm(config, device)
         self.self_attention = ParallelSelfAttention(config, layer_number, groups, device=device)
-        self.post_attention_layernorm = LayerNorm(config.hidden_size, **norm)
+        self.post_attention_layernorm = build_norm(config, device)
         self.mlp = ParallelMLP(config, layer_number, groups, device=device)
         self.residual_dtype = torch.float32 if config.fp32_residual_connection else config.params_dtype
 
@@ -50,20 +48,21 @@ class ParallelTransformerLayer(nn.Module):
         mlp_output, mlp_bias = self.mlp(normed)
         return self.bias_dropout_add(mlp_output, mlp_bias, residual)
 
-    def norm_and_residual(self, norm: LayerNorm, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(LN(x) in the params dtype, the residual branch: LN(x) or x)."""
+    def norm_and_residual(self, norm: LayerNorm | RMSNorm, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x) in the params dtype, the residual branch: norm(x) or x)."""
         if self.config.apply_residual_connection_post_layernorm:
             normed = norm(x).to(self.config.params_dtype)
             return normed, normed
         normed, residual = norm.norm_and_input(x)
         return normed.to(self.config.params_dtype), residual
 
-    def bias_dropout_add(self, x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + dropout(x + bias) in the residual dtype."""
+    def bias_dropout_add(self, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
+        """residual + dropout(x + bias) in the residual dtype (bias None: no bias)."""
         dtype = self.residual_dtype
         add = fused_kernels.bias_dropout_add if self.config.bias_dropout_fusion \
             else fused_kernels.bias_dropout_add_reference
-        arguments = (x.to(dtype), bias.to(dtype), residual.to(dtype), self.config.hidden_dropout, self.training)
+        bias = None if bias is None else bias.to(dtype)
+        arguments = (x.to(dtype), bias, residual.to(dtype), self.config.hidden_dropout, self.training)
         if self.config.sequence_parallel and self.training and self.config.hidden_dropout > 0.0:
             with get_rng_tracker().fork(MODEL_PARALLEL_RNG):
                 return add(*arguments)

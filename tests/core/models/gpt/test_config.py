@@ -29,7 +29,13 @@ def test_derived_defaults():
     (dict(max_position_embeddings=16), ["--max-position-embeddings", "--seq-length"]),
     (dict(max_position_embeddings=None), ["--max-position-embeddings"]),
     (dict(position_embedding_type="alibi", max_position_embeddings=None), ["--max-position-embeddings"]),
-    (dict(position_embedding_type="rotary"), ["--max-position-embeddings", "rotary"]),
+    (dict(position_embedding_type="rotary", max_position_embeddings=16), ["--max-position-embeddings"]),
+    (dict(position_embedding_type="rotary", rotary_percent=0.0), ["--rotary-percent"]),
+    (dict(position_embedding_type="rotary", rotary_percent=0.375), ["--kv-channels", "--rotary-percent"]),
+    (dict(position_embedding_type="rotary", use_rope_scaling=True, rope_scaling_low_freq_factor=4.0),
+     ["--rope-scaling-low-freq-factor", "--rope-scaling-high-freq-factor"]),
+    (dict(num_query_groups=3), ["--num-attention-heads", "--num-query-groups"]),
+    (dict(normalization="ScaleNorm"), ["--normalization"]),
     (dict(position_embedding_type="learned"), ["--position-embedding-type"]),
     (dict(glu_activation="swiglu"), ["--glu-activation", "--no-bias-gelu-fusion"]),
     (dict(glu_activation="swish", bias_gelu_fusion=False), ["--glu-activation"]),
@@ -64,6 +70,21 @@ def test_tensor_parallel_divisibility():
         config.validate_for_tensor_parallel(8)  # 8 heads split evenly, 100 ffn units do not
     with pytest.raises(ParallelConfigError, match="vocabulary"):
         make(padded_vocab_size=130).validate_for_tensor_parallel(4)
+
+
+def test_grouped_query_attention_sizes():
+    config = make(num_query_groups=2)
+    assert (config.queries_per_group, config.query_key_value_size) == (4, (8 + 2 * 2) * 8)
+    assert make().num_query_groups == 8 and make().query_key_value_size == 3 * 64
+    config.validate_for_tensor_parallel(2)
+    with pytest.raises(GPTConfigError, match="--num-query-groups \\(2\\) must be divisible by "
+                                             "--tensor-model-parallel-size \\(4\\)"):
+        config.validate_for_tensor_parallel(4)
+
+
+def test_bias_switches():
+    assert make().qkv_bias and not make(add_bias_linear=False).qkv_bias
+    assert make(add_bias_linear=False, add_qkv_bias=True).qkv_bias
 
 
 def test_frozen():
