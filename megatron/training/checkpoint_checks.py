@@ -50,7 +50,11 @@ TAG_PATTERN = re.compile(r"global_step\d+")
 # Model fields whose change between save and load is an error (not a shape mismatch DeepSpeed reports).
 CHECKED_MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
                         "padded_vocab_size", "position_embedding_type", "max_position_embeddings",
-                        "glu_activation", "embed_layernorm", "apply_residual_connection_post_layernorm")
+                        "glu_activation", "embed_layernorm", "apply_residual_connection_post_layernorm",
+                        "num_query_groups", "normalization", "untie_embeddings_and_output_weights",
+                        "add_bias_linear", "add_qkv_bias")
+# The flag that sets a model field under another name.
+FIELD_FLAGS = {"add_bias_linear": "--disable-bias-linear", "num_query_groups": "--num-query-groups"}
 READ_ERRORS = (OSError, RuntimeError, EOFError, pickle.UnpicklingError, ManifestError)
 
 
@@ -171,7 +175,8 @@ def _check_compatible(state: dict, config: TrainConfig, directory: str, universa
     saved = arguments.get("model", {})
     configured = plain_value(config.model)
     fields = [name for name in CHECKED_MODEL_FIELDS if not (universal and name == "padded_vocab_size")]
-    differing = [f"--{name.replace('_', '-')}: checkpoint {saved[name]!r}, configured {configured[name]!r}"
+    differing = [f"{FIELD_FLAGS.get(name, '--' + name.replace('_', '-'))}: checkpoint {saved[name]!r}, "
+                 f"configured {configured[name]!r}"
                  for name in fields if name in saved and saved[name] != configured[name]]
     if differing:
         raise CheckpointError(f"{directory}: the checkpoint's model differs from the configured one: "
