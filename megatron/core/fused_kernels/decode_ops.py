@@ -1,5 +1,5 @@
 """The fused ops of a one-token decoding step: ``linear`` and ``layer_norm_linear`` (one row of input,
-with a layer norm, activation or residual folded in) and ``decode_attention``, forward only.
+with a LayerNorm or RMSNorm, an activation (GeLU, SwiGLU) or a residual folded in) and ``decode_attention``, forward only.
 
 Unlike the training ops they also run under torch.compile: the decoding step is compiled and then
 replayed from a CUDA graph (text_generation), and inductor would otherwise put cuBLAS's GEMM and a
@@ -21,15 +21,15 @@ from megatron.core.fused_kernels.selection import (FAST_DTYPES, FusedKernelArgum
 
 @torch.library.custom_op("megatron::gemv", mutates_args=())
 def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
-             norm_weight: Optional[torch.Tensor], norm_bias: Optional[torch.Tensor], eps: float,
+             norm_weight: Optional[torch.Tensor], norm_bias: Optional[torch.Tensor], eps: float, norm: str,
              activation: Optional[str]) -> torch.Tensor:
-    norm = None if norm_weight is None else (norm_weight, norm_bias, eps)
-    return kernel_module("triton_decode").gemv(x, weight, bias, residual, norm, activation)
+    normalization = None if norm_weight is None else (norm, norm_weight, norm_bias, eps)
+    return kernel_module("triton_decode").gemv(x, weight, bias, residual, normalization, activation)
 
 
 @_gemv_op.register_fake
-def _gemv_shape(x, weight, bias, residual, norm_weight, norm_bias, eps, activation):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+def _gemv_shape(x, weight, bias, residual, norm_weight, norm_bias, eps, norm, activation):
+    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2 if activation == "swiglu" else weight.shape[0]))
 
 
 @torch.library.custom_op("megatron::decode_attention", mutates_args=())
@@ -99,27 +99,41 @@ def linear(x, weight, bias=None, residual=None):
         raise FusedKernelArgumentError(f"linear: residual {tuple(residual.shape)} does not match the output "
                                        f"{(*x.shape[:-1], weight.shape[0])}")
     if _gemv_fits(x, weight, bias, residual):
-        return torch.ops.megatron.gemv(x, weight, bias, residual, None, None, 0.0, None)
+        return torch.ops.megatron.gemv(x, weight, bias, residual, None, None, 0.0, "layer", None)
     if residual is None:
         return F.linear(x, weight, bias)
     return reference.linear_reference(x, weight, bias, residual)
 
 
-def layer_norm_linear(x, norm_weight, norm_bias, eps, weight, bias=None, activation=None):
-    """act(LN(x) W^T + b): ``layer_norm`` then ``linear``, then act (None, "gelu_tanh" or "gelu", the
-    erf form) of the sum with the bias; x [..., K], norm_weight and norm_bias [K], weight [N, K].
+def layer_norm_linear(x, norm_weight, norm_bias, eps, weight, bias=None, activation=None, norm="layer"):
+    """act(N(x) W^T + b): a norm, then ``linear``, then act of the sum with the bias; x [..., K],
+    norm_weight [K], weight [N, K], bias [N] or None.
 
-    One row on CUDA (the rules of ``linear``) runs the GEMV with the layer norm in its prologue and
-    the activation in its epilogue; anything else ``reference.layer_norm_linear_reference``.
+    ``norm``: "layer", LayerNorm with norm_bias [K]; "rms", RMSNorm x / sqrt(mean(x^2) + eps) *
+    norm_weight, norm_bias None. ``activation``: None, "gelu_tanh", "gelu" (the erf form), or
+    "swiglu": weight [2n, K] (and bias [2n]) hold the rows of a, then those of g, and the output
+    [..., n] is a * silu(g), the gated MLP's first half (the model's per-rank [W_a; W_g] layout).
+    One row on CUDA (the rules of ``linear``) runs the GEMV with the norm in its prologue and the
+    activation in its epilogue; anything else ``reference.layer_norm_linear_reference``.
     """
     if activation not in reference.ACTIVATIONS:
         raise FusedKernelArgumentError(f"layer_norm_linear: activation must be one of "
                                        f"{sorted(reference.ACTIVATIONS, key=str)}, got {activation!r}")
+    if norm not in reference.NORMS:
+        raise FusedKernelArgumentError(f"layer_norm_linear: norm must be one of {sorted(reference.NORMS)}, "
+                                       f"got {norm!r}")
+    if (norm_bias is None) != (norm == "rms"):
+        raise FusedKernelArgumentError(f"layer_norm_linear: norm {norm!r} takes "
+                                       f"{'no norm_bias' if norm == 'rms' else 'a norm_bias [K]'}")
+    if activation == "swiglu" and weight.shape[0] % 2:
+        raise FusedKernelArgumentError(f"layer_norm_linear: swiglu needs an even number of weight rows ([a; g]), "
+                                       f"got weight {tuple(weight.shape)}")
     check_hidden_vector("layer_norm_linear", "norm_weight", norm_weight, x.shape[-1])
     check_hidden_vector("layer_norm_linear", "norm_bias", norm_bias, x.shape[-1])
+    check_hidden_vector("layer_norm_linear", "bias", bias, weight.shape[0])
     if _gemv_fits(x, weight, bias, norm_weight, norm_bias):
-        return torch.ops.megatron.gemv(x, weight, bias, None, norm_weight, norm_bias, eps, activation)
-    return reference.layer_norm_linear_reference(x, norm_weight, norm_bias, eps, weight, bias, activation)
+        return torch.ops.megatron.gemv(x, weight, bias, None, norm_weight, norm_bias, eps, norm, activation)
+    return reference.layer_norm_linear_reference(x, norm_weight, norm_bias, eps, weight, bias, activation, norm)
 
 
 def decode_attention(query, keys, values, position, slopes, scale, new_key=None, new_value=None):

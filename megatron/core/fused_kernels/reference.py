@@ -145,7 +145,17 @@ def decode_attention_reference(query, keys, values, position, slopes, scale, new
                                           enable_gqa=keys.shape[1] != query.shape[1])
 
 
-ACTIVATIONS = {None: None, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "gelu": F.gelu}
+def swiglu(y):
+    """a * silu(g) for y = [a | g] [..., 2n] (a the first n columns, g the last n): SwiGLU's gate, as
+    the model's MLP applies it to its first matrix product."""
+    linear, gate = y.chunk(2, dim=-1)
+    return linear * F.silu(gate)
+
+
+# the decode ops' activations by name: None, GeLU's tanh form or its erf form, SwiGLU (halves the width)
+ACTIVATIONS = {None: None, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "gelu": F.gelu,
+               "swiglu": swiglu}
+NORMS = ("layer", "rms")  # layer_norm_linear's norms: LayerNorm, RMSNorm
 
 
 def linear_reference(x, weight, bias, residual):
@@ -157,11 +167,14 @@ def linear_reference(x, weight, bias, residual):
     return residual + y
 
 
-def layer_norm_linear_reference(x, norm_weight, norm_bias, eps, weight, bias, activation):
-    """act(LN(x) W^T + b) for x [..., K]: ``layer_norm_reference`` rounded to x's dtype, then the
-    product (with the bias inside F.linear when there is no activation, else added to the rounded
-    product), then act (``ACTIVATIONS``: None, GeLU's tanh form or its erf form)."""
-    normed = layer_norm_reference(x, norm_weight, norm_bias, eps)
+def layer_norm_linear_reference(x, norm_weight, norm_bias, eps, weight, bias, activation, norm="layer"):
+    """act(N(x) W^T + b) for x [..., K]: the norm N (``norm`` "layer": ``layer_norm_reference`` with
+    norm_bias; "rms": ``rms_norm_reference``, norm_bias None) rounded to x's dtype, then the product
+    (with the bias inside F.linear when there is no activation, else added to the rounded product),
+    then act (``ACTIVATIONS``: None, GeLU's tanh form, its erf form, or "swiglu", which maps the
+    2N columns [a | g] to a * silu(g), N columns)."""
+    normed = layer_norm_reference(x, norm_weight, norm_bias, eps) if norm == "layer" else \
+        rms_norm_reference(x, norm_weight, eps)
     if activation is None:
         return F.linear(normed, weight, bias)
     y = F.linear(normed, weight)

@@ -9,10 +9,12 @@ in BLOCK_K-column tiles with an fp32 accumulator (49-78 % there, 100 % for the o
 The GEMV also takes the small operations around the layer's matrix products, so that a decoder
 layer at batch 1 is five of these kernels instead of a dozen (each costs a launch and a ramp)::
 
-    y = act(round(LN(x)) W^T + b) + r
+    y = act(round(N(x)) W^T + b) + r
 
-with the layer norm LN (statistics in fp32 over the whole row, recomputed by every program from
-the row in cache), the activation act (GeLU, tanh or erf form) and the residual r each optional.
+with the norm N (LayerNorm or RMSNorm, statistics in fp32 over the whole row, recomputed by every
+program from the row in cache), the activation act (GeLU, tanh or erf form; or SwiGLU, a * silu(g)
+of rows i and N + i of a [2N, K] weight, each program streaming both) and the residual r each
+optional.
 round() is the rounding to x's dtype of the separate ops: given act or r, x W^T is rounded and the
 rest computed in fp32 as the GEMV followed by an elementwise kernel would; a bias alone is added to
 the fp32 product, as F.linear does.
@@ -75,7 +77,9 @@ _ATTENTION_BLOCK_T = 16
 _ATTENTION_MAX_CHUNKS = 128
 _ATTENTION_MANY_PAIRS = 256
 # the GEMV's epilogue activation by name (decode_ops' names) -> the kernel's ACTIVATION code
-_ACTIVATION_CODES = {None: 0, "gelu_tanh": 1, "gelu": 2}
+_ACTIVATION_CODES = {None: 0, "gelu_tanh": 1, "gelu": 2, "swiglu": 3}
+# the GEMV's prologue norm by name (decode_ops' names) -> the kernel's NORM code
+_NORM_CODES = {None: 0, "layer": 1, "rms": 2}
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,53 +115,90 @@ def _load_input(x_ptr, cols, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _normalized(x, x_ptr, norm_weight_ptr, norm_bias_ptr, cols, K, mean, rstd):
-    """round(LN(x)) of the fp32 tile x at cols, given the row's mean and 1 / std; 0 past K."""
+def _normalized(x, x_ptr, norm_weight_ptr, norm_bias_ptr, cols, K, mean, rstd, NORM: tl.constexpr):
+    """round(N(x)) of the fp32 tile x at cols, given the row's mean (0 for RMSNorm) and 1 / std (or
+    1 / rms); 0 past K. LayerNorm (NORM 1) adds its bias, RMSNorm (NORM 2) has none."""
     col_ok = cols < K
     norm_weight = tl.load(norm_weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    norm_bias = tl.load(norm_bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    normed = tl.where(col_ok, (x - mean) * rstd * norm_weight + norm_bias, 0.0)
+    normed = (x - mean) * rstd * norm_weight
+    if NORM == 1:
+        normed += tl.load(norm_bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    normed = tl.where(col_ok, normed, 0.0)
     return normed.to(x_ptr.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
 def _input_tile(x_ptr, norm_weight_ptr, norm_bias_ptr, cols, K, mean, rstd, NORM: tl.constexpr,
                 EVEN_K: tl.constexpr):
-    """x[cols] in fp32, or round(LN(x))[cols]; 0 past K."""
+    """x[cols] in fp32, or round(N(x))[cols]; 0 past K."""
     x = _load_input(x_ptr, cols, K, EVEN_K)
-    if NORM:
-        x = _normalized(x, x_ptr, norm_weight_ptr, norm_bias_ptr, cols, K, mean, rstd)
+    if NORM != 0:
+        x = _normalized(x, x_ptr, norm_weight_ptr, norm_bias_ptr, cols, K, mean, rstd, NORM)
     return x
+
+
+@triton.jit
+def _row_statistics(x_ptr, K, eps, NORM: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(mean, 1 / std) of LayerNorm (NORM 1, two-pass) or (0, 1 / rms) of RMSNorm (NORM 2) over the
+    row in memory (in cache: each program reads it), in fp32."""
+    cols = tl.arange(0, BLOCK_K)
+    mean = 0.0
+    if NORM == 1:
+        total = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for start in range(0, K, BLOCK_K):
+            total += _load_input(x_ptr, start + cols, K, False)
+        mean = tl.sum(total, axis=0) / K
+    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        centered = tl.where(start + cols < K, _load_input(x_ptr, start + cols, K, False) - mean, 0.0)
+        squares += centered * centered
+    return mean, 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
 
 
 @triton.jit
 def _first_input_tile(x_ptr, norm_weight_ptr, norm_bias_ptr, K, eps, NORM: tl.constexpr, ONE_TILE: tl.constexpr,
                       EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
     """(the input's first tile as ``_input_tile``, the row's mean, 1 / std). The statistics are in fp32
-    and two-pass, as LayerNorm's: from the tile itself when it is the whole row, else over the row
-    in memory (in cache: each program reads it)."""
+    and two-pass for LayerNorm: from the tile itself when it is the whole row, else
+    ``_row_statistics``."""
     cols = tl.arange(0, BLOCK_K)
     mean = 0.0
     rstd = 1.0
-    if NORM and ONE_TILE:
+    if NORM != 0 and ONE_TILE:
         x = _load_input(x_ptr, cols, K, EVEN_K)
-        mean = tl.sum(x, axis=0) / K
+        if NORM == 1:
+            mean = tl.sum(x, axis=0) / K
         centered = tl.where(cols < K, x - mean, 0.0)
         rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=0) / K + eps)
-        x = _normalized(x, x_ptr, norm_weight_ptr, norm_bias_ptr, cols, K, mean, rstd)
+        x = _normalized(x, x_ptr, norm_weight_ptr, norm_bias_ptr, cols, K, mean, rstd, NORM)
     else:
-        if NORM:
-            total = tl.zeros((BLOCK_K,), dtype=tl.float32)
-            for start in range(0, K, BLOCK_K):
-                total += _load_input(x_ptr, start + cols, K, False)
-            mean = tl.sum(total, axis=0) / K
-            squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
-            for start in range(0, K, BLOCK_K):
-                centered = tl.where(start + cols < K, _load_input(x_ptr, start + cols, K, False) - mean, 0.0)
-                squares += centered * centered
-            rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
+        if NORM != 0:
+            mean, rstd = _row_statistics(x_ptr, K, eps, NORM, BLOCK_K)
         x = _input_tile(x_ptr, norm_weight_ptr, norm_bias_ptr, cols, K, mean, rstd, NORM, EVEN_K)
     return x, mean, rstd
+
+
+@triton.jit
+def _epilogue(y, gate, bias_ptr, residual_ptr, y_ptr, rows, row_ok, N, HAS_BIAS: tl.constexpr,
+              HAS_RESIDUAL: tl.constexpr, ACTIVATION: tl.constexpr):
+    """act(y + b) + r of the fp32 products y (and SwiGLU's gate products, bias rows N + rows)."""
+    if ACTIVATION != 0 or HAS_RESIDUAL:  # the separate ops round the product before their elementwise work
+        y = y.to(y_ptr.dtype.element_ty).to(tl.float32)
+        gate = gate.to(y_ptr.dtype.element_ty).to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        if ACTIVATION == 3:
+            gate += tl.load(bias_ptr + N + rows, mask=row_ok, other=0.0).to(tl.float32)
+    if ACTIVATION == 1:
+        y = gelu_tanh(y)
+    elif ACTIVATION == 2:
+        y = 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))
+    elif ACTIVATION == 3:
+        y = y * gate / (1.0 + tl.exp(-gate))
+    if HAS_RESIDUAL:
+        y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + tl.load(residual_ptr + rows, mask=row_ok,
+                                                                    other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
@@ -165,53 +206,53 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, norm_bia
                  HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, ACTIVATION: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ONE_TILE: tl.constexpr,
                  PDL: tl.constexpr):
-    """Rows program_id * BLOCK_N + [0, BLOCK_N) of y = act(round(LN(x)) W^T + b) + r (module docstring)."""
+    """Rows program_id * BLOCK_N + [0, BLOCK_N) of y = act(round(N(x)) W^T + b) + r (module docstring);
+    with SwiGLU (ACTIVATION 3) also rows N + those of W, the gate's."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     row_offsets = rows[:, None].to(tl.int64) * K
+    gate_offsets = (rows + N)[:, None].to(tl.int64) * K
     cols = tl.arange(0, BLOCK_K)
     w = _weight_tile(w_ptr, row_offsets, row_ok, cols, K, EVEN_K)  # before the wait: weights are no kernel's output
+    w_gate = w
+    if ACTIVATION == 3:
+        w_gate = _weight_tile(w_ptr, gate_offsets, row_ok, cols, K, EVEN_K)
     _enter(PDL)
     x, mean, rstd = _first_input_tile(x_ptr, norm_weight_ptr, norm_bias_ptr, K, eps, NORM, ONE_TILE, EVEN_K, BLOCK_K)
     acc = w.to(tl.float32) * x[None, :]
+    acc_gate = w_gate.to(tl.float32) * x[None, :]
     for start in range(BLOCK_K, K, BLOCK_K):
         tile = start + cols
-        w = _weight_tile(w_ptr, row_offsets, row_ok, tile, K, EVEN_K)
-        acc += w.to(tl.float32) * _input_tile(x_ptr, norm_weight_ptr, norm_bias_ptr, tile, K, mean, rstd, NORM,
-                                              EVEN_K)[None, :]
-    y = tl.sum(acc, axis=1)
-    if ACTIVATION != 0 or HAS_RESIDUAL:  # the separate ops round the product before their elementwise work
-        y = y.to(y_ptr.dtype.element_ty).to(tl.float32)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    if ACTIVATION == 1:
-        y = gelu_tanh(y)
-    elif ACTIVATION == 2:
-        y = 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))
-    if HAS_RESIDUAL:
-        y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + tl.load(residual_ptr + rows, mask=row_ok,
-                                                                    other=0.0).to(tl.float32)
-    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+        x = _input_tile(x_ptr, norm_weight_ptr, norm_bias_ptr, tile, K, mean, rstd, NORM, EVEN_K)[None, :]
+        acc += _weight_tile(w_ptr, row_offsets, row_ok, tile, K, EVEN_K).to(tl.float32) * x
+        if ACTIVATION == 3:
+            acc_gate += _weight_tile(w_ptr, gate_offsets, row_ok, tile, K, EVEN_K).to(tl.float32) * x
+    _epilogue(tl.sum(acc, axis=1), tl.sum(acc_gate, axis=1), bias_ptr, residual_ptr, y_ptr, rows, row_ok, N,
+              HAS_BIAS, HAS_RESIDUAL, ACTIVATION)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None = None,
-         norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, activation: str | None = None) -> torch.Tensor:
-    """x [..., K] holding one row, weight [N, K] contiguous, bias [N] or None, residual [..., N]
-    (contiguous) or None, norm = (weight [K], bias [K], eps) of a layer norm of x or None ->
-    act(round(LN(x)) W^T + b) + r [..., N] in x's dtype."""
-    n, k = weight.shape
+         norm: tuple[str, torch.Tensor, torch.Tensor | None, float] | None = None,
+         activation: str | None = None) -> torch.Tensor:
+    """x [..., K] holding one row, weight [M, K] contiguous, bias [M] or None, residual [..., N]
+    (contiguous) or None, norm = (kind "layer" or "rms", weight [K], bias [K] or None for "rms", eps)
+    of a norm of x, or None -> act(round(N(x)) W^T + b) + r [..., N] in x's dtype; N = M, or M / 2
+    with "swiglu" (a * silu(g) of the first and second halves of the rows)."""
+    m, k = weight.shape
+    n = m // 2 if activation == "swiglu" else m
     row = x.reshape(k).contiguous()
     y = torch.empty(n, dtype=x.dtype, device=x.device)
-    norm_weight, norm_bias, eps = norm if norm is not None else (row, row, 0.0)
+    kind, norm_weight, norm_bias, eps = norm if norm is not None else (None, row, row, 0.0)
     block_k = next_power_of_2(k)
     if norm is None or block_k > _GEMV_MAX_NORM_BLOCK_K:
         block_k = min(_GEMV_MAX_BLOCK_K, block_k)
     pdl = programmatic_launch(x)
     _gemv_kernel[(cdiv(n, _GEMV_BLOCK_N),)](
-        row, weight, y if bias is None else bias, y if residual is None else residual, norm_weight, norm_bias, y,
-        n, k, eps, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, NORM=norm is not None,
-        ACTIVATION=_ACTIVATION_CODES[activation], BLOCK_N=_GEMV_BLOCK_N, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        ONE_TILE=block_k >= k, PDL=pdl, num_warps=_GEMV_WARPS, **_launch_options(pdl))
+        row, weight, y if bias is None else bias, y if residual is None else residual, norm_weight,
+        row if norm_bias is None else norm_bias, y, n, k, eps, HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None, NORM=_NORM_CODES[kind], ACTIVATION=_ACTIVATION_CODES[activation],
+        BLOCK_N=_GEMV_BLOCK_N, BLOCK_K=block_k, EVEN_K=k % block_k == 0, ONE_TILE=block_k >= k, PDL=pdl,
+        num_warps=_GEMV_WARPS, **_launch_options(pdl))
     return y.view(*x.shape[:-1], n)
 
 

@@ -41,6 +41,9 @@ def test_cpu_runs_the_references_exactly(monkeypatch):
     norm = (torch.randn(16, dtype=torch.bfloat16), torch.randn(16, dtype=torch.bfloat16), 1e-5)
     assert torch.equal(fused_kernels.layer_norm_linear(row, *norm, matrix, None, "gelu"),
                        fused_kernels.layer_norm_linear_reference(row, *norm, matrix, None, "gelu"))
+    rms = (norm[0], None, 1e-6)
+    assert torch.equal(fused_kernels.layer_norm_linear(row, *rms, matrix, None, "swiglu", norm="rms"),
+                       fused_kernels.layer_norm_linear_reference(row, *rms, matrix, None, "swiglu", "rms"))
     assert requested == {}
 
 
@@ -63,6 +66,16 @@ def test_cpu_runs_the_references_exactly(monkeypatch):
                                                  torch.zeros(4, 8), None, "relu"), "activation must be one of"),
         (lambda: fused_kernels.layer_norm_linear(torch.zeros(1, 8), torch.ones(4), torch.zeros(8), 1e-5,
                                                  torch.zeros(4, 8)), "norm_weight must have shape"),
+        (lambda: fused_kernels.layer_norm_linear(torch.zeros(1, 8), torch.ones(8), None, 1e-5, torch.zeros(4, 8),
+                                                 norm="batch"), "norm must be one of"),
+        (lambda: fused_kernels.layer_norm_linear(torch.zeros(1, 8), torch.ones(8), torch.zeros(8), 1e-5,
+                                                 torch.zeros(4, 8), norm="rms"), "'rms' takes no norm_bias"),
+        (lambda: fused_kernels.layer_norm_linear(torch.zeros(1, 8), torch.ones(8), None, 1e-5, torch.zeros(4, 8)),
+         r"'layer' takes a norm_bias \[K\]"),
+        (lambda: fused_kernels.layer_norm_linear(torch.zeros(1, 8), torch.ones(8), None, 1e-5, torch.zeros(5, 8),
+                                                 None, "swiglu", norm="rms"), "even number of weight rows"),
+        (lambda: fused_kernels.layer_norm_linear(torch.zeros(1, 8), torch.ones(8), None, 1e-5, torch.zeros(4, 8),
+                                                 torch.zeros(2), norm="rms"), "bias must have shape"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(call, message):

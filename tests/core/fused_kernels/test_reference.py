@@ -265,6 +265,24 @@ def test_layer_norm_linear_reference(activation):
     torch.testing.assert_close(out, expected)
 
 
+@pytest.mark.parametrize("activation", [None, "swiglu"])
+def test_layer_norm_linear_reference_rms_and_swiglu(activation):
+    """norm "rms": x / sqrt(mean(x^2) + eps) * w, no bias; "swiglu": the 2n product columns [a | g]
+    give a * silu(g), n columns."""
+    torch.manual_seed(9)
+    x = torch.randn(2, 1, 6, dtype=torch.float64) * 3 + 1
+    norm_weight = torch.randn(6, dtype=torch.float64)
+    rows = 8 if activation == "swiglu" else 4
+    weight, bias = torch.randn(rows, 6, dtype=torch.float64), torch.randn(rows, dtype=torch.float64)
+    t = (x / torch.sqrt((x ** 2).mean(-1, keepdim=True) + 1e-5) * norm_weight) @ weight.T + bias
+    if activation == "swiglu":
+        a, g = t[..., :4], t[..., 4:]
+        t = a * g / (1 + torch.exp(-g))
+    out = layer_norm_linear_reference(x, norm_weight, None, 1e-5, weight, bias, activation, norm="rms")
+    assert out.shape == (2, 1, 4)
+    torch.testing.assert_close(out, t)
+
+
 def test_qkv_split_reference():
     """mixed = x W^T + b computed with b's gradient left out: the split hands b the row sum of
     dmixed, so b's gradient is what autograd gives when b is added inside the graph."""

@@ -390,29 +390,46 @@ def test_one_row_linear_runs_the_gemv(dtype, n, k, with_bias, no_cublas_linear):
     _assert_matches(y, expected.to(dtype), ulps=1, reduced=k)
 
 
-def _normed_product(x, norm_weight, norm_bias, weight, bias):
-    """round(LN(x)) W^T + b in float64, LN in fp32 rounded to x's dtype as the kernel's prologue does."""
-    normed = F.layer_norm(x.float(), (x.shape[-1],), norm_weight.float(), norm_bias.float(), 1e-5).to(x.dtype)
+def _normed_product(x, norm_weight, norm_bias, weight, bias, norm="layer"):
+    """round(N(x)) W^T + b in float64, the norm (LayerNorm, or RMSNorm when ``norm`` is "rms") in
+    fp32 rounded to x's dtype as the kernel's prologue does."""
+    if norm == "rms":
+        x32 = x.float()
+        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_weight.float()).to(x.dtype)
+    else:
+        normed = F.layer_norm(x.float(), (x.shape[-1],), norm_weight.float(), norm_bias.float(), 1e-5).to(x.dtype)
     return F.linear(normed.double(), weight.double(), None if bias is None else bias.double())
 
 
+def _activation_float64(y, activation):
+    if activation == "swiglu":
+        linear, gate = y.chunk(2, dim=-1)
+        return linear * gate * torch.sigmoid(gate)
+    return y if activation is None else F.gelu(y, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
 @pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=DTYPE_IDS)
-@pytest.mark.parametrize("n, k, activation", [(6144, 2048, None), (8192, 2048, "gelu_tanh"), (37, 1000, "gelu"),
-                                              (50304, 2048, None), (16, 3000, "gelu_tanh"),
-                                              (64, 5000, "gelu")])
-def test_layer_norm_linear_gemv(references, dtype, n, k,
-                                                                                activation, no_cublas_linear):
+@pytest.mark.parametrize("n, k, activation, norm, with_bias",
+                         [(6144, 2048, None, "layer", True), (8192, 2048, "gelu_tanh", "layer", True),
+                          (37, 1000, "gelu", "layer", True), (50304, 2048, None, "layer", True),
+                          (16, 3000, "gelu_tanh", "layer", True), (64, 5000, "gelu", "layer", True),
+                          (3072, 2048, None, "rms", False), (16384, 2048, "swiglu", "rms", False),
+                          (38, 1000, "swiglu", "rms", True), (64, 5000, "swiglu", "layer", True),
+                          (128256, 2048, None, "rms", False), (40, 3000, "gelu", "rms", False)])
+def test_layer_norm_linear_gemv(references, dtype, n, k, activation, norm, with_bias, no_cublas_linear):
+    """LayerNorm and RMSNorm prologues, GeLU and SwiGLU epilogues (a [2n', K] weight giving n'
+    outputs), with and without biases, against float64."""
     torch.manual_seed(5)
     x = (torch.randn(1, 1, k, device="cuda") * 4 + 2).to(dtype)
-    norm_weight, norm_bias = (torch.randn(k, device="cuda").to(dtype) for _ in range(2))
+    norm_weight = torch.randn(k, device="cuda").to(dtype)
+    norm_bias = torch.randn(k, device="cuda").to(dtype) if norm == "layer" else None
     weight = (torch.randn(n, k, device="cuda") / math.sqrt(k)).to(dtype)
-    bias = torch.randn(n, device="cuda").to(dtype)
-    expected = _normed_product(x, norm_weight, norm_bias, weight, bias)
-    if activation is not None:
-        expected = F.gelu(expected, approximate="tanh" if activation == "gelu_tanh" else "none")
+    bias = torch.randn(n, device="cuda").to(dtype) if with_bias else None
+    expected = _activation_float64(_normed_product(x, norm_weight, norm_bias, weight, bias, norm), activation)
     with torch.no_grad():
-        y = fused_kernels.layer_norm_linear(x, norm_weight, norm_bias, 1e-5, weight, bias, activation)
-    _assert_matches(y, expected.to(dtype), ulps=2, reduced=k)
+        y = fused_kernels.layer_norm_linear(x, norm_weight, norm_bias, 1e-5, weight, bias, activation, norm=norm)
+    assert y.shape == (1, 1, n // 2 if activation == "swiglu" else n)
+    _assert_matches(y, expected.to(dtype), ulps=3 if activation == "swiglu" else 2, reduced=k)
 
 
 @pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=DTYPE_IDS)
@@ -583,6 +600,64 @@ def test_decode_kernels_in_cuda_graph(references, no_cublas_linear):
         written = keys[:, :, 40].clone()
         assert written.abs().sum() > 0
         assert torch.equal(replayed, step(x)) and torch.equal(keys[:, :, 40], written)
+
+
+def test_llama_decode_step_in_cuda_graph(references, no_cublas_linear):
+    """A Llama-style layer's decode ops (RMSNorm + QKV of 8 heads over 2 groups, no biases, the
+    grouped cache written by attention, dense + residual, RMSNorm + SwiGLU, down projection +
+    residual) under torch.compile, then captured: a replay at a new position writes the cache there
+    and gives the eager result, and each output equals its float64 reference."""
+    torch.manual_seed(10)
+    hidden, heads, groups, head_dim, ffn = 512, 8, 2, 64, 1024
+    queries = heads // groups
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    qkv = torch.randn(groups * (queries + 2) * head_dim, hidden, **bf16) / math.sqrt(hidden)
+    dense = torch.randn(hidden, heads * head_dim, **bf16) / math.sqrt(hidden)
+    fc1, fc2 = torch.randn(2 * ffn, hidden, **bf16) / math.sqrt(hidden), torch.randn(hidden, ffn, **bf16) / 32
+    norms = [torch.rand(hidden, **bf16) + 0.5 for _ in range(2)]
+    keys, values = (torch.randn(1, groups, 64, head_dim, **bf16) for _ in range(2))
+    where = torch.tensor([10], device="cuda")
+
+    def step(x):
+        mixed = fused_kernels.layer_norm_linear(x, norms[0], None, 1e-5, qkv, norm="rms")
+        rows = mixed.view(1, 1, groups, queries + 2, head_dim)
+        query = rows[:, :, :, :queries].reshape(1, 1, heads, head_dim).permute(1, 2, 0, 3)
+        key, value = (rows[:, :, :, i].permute(1, 2, 0, 3) for i in (queries, queries + 1))
+        context = fused_kernels.decode_attention(query, keys, values, where, None, head_dim ** -0.5, key, value)
+        after_attention = fused_kernels.linear(context.view(1, 1, heads * head_dim), dense, None, x)
+        intermediate = fused_kernels.layer_norm_linear(after_attention, norms[1], None, 1e-5, fc1, None, "swiglu",
+                                                       norm="rms")
+        return mixed, context, after_attention, intermediate, fused_kernels.linear(intermediate, fc2, None,
+                                                                                   after_attention)
+
+    def check(x, outputs):
+        mixed, context, after_attention, intermediate, output = outputs
+        _assert_matches(mixed, _normed_product(x, norms[0], None, qkv, None, "rms").to(mixed.dtype), ulps=2,
+                        reduced=hidden)
+        query = mixed.view(1, 1, groups, queries + 2, head_dim)[:, :, :, :queries].reshape(1, heads, 1, head_dim)
+        expected = references.decode_attention_reference(query.double(), keys.double(), values.double(), where,
+                                                         None, head_dim ** -0.5)
+        _assert_matches(context, expected.to(context.dtype), ulps=2, reduced=int(where) + 1)
+        swiglu = _activation_float64(_normed_product(after_attention, norms[1], None, fc1, None, "rms"), "swiglu")
+        _assert_matches(intermediate, swiglu.to(intermediate.dtype), ulps=3, reduced=hidden)
+        down = after_attention.double() + F.linear(intermediate.double(), fc2.double())
+        _assert_matches(output, down.to(output.dtype), ulps=3, reduced=ffn)
+
+    x = torch.randn(1, 1, hidden, **bf16)
+    with torch.no_grad():
+        eager = step(x)
+        check(x, eager)
+        compiled = torch.compile(step, fullgraph=True)
+        assert all(torch.equal(a, b) for a, b in zip(compiled(x), eager))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = compiled(x)
+        where.fill_(40)
+        keys[:, :, 40].zero_()
+        graph.replay()
+        assert keys[:, :, 40].abs().sum() > 0
+        check(x, replayed)
+        assert all(torch.equal(a, b) for a, b in zip(replayed, step(x)))
 
 
 def _assert_adamw_close(got, want):
