@@ -9,6 +9,15 @@ replay:
                         linear + residual (4h -> h): what decode_layers.one_row_step runs at batch 1
     GEMVs alone         the four products per layer, no norm, attention or epilogue: the floor
 
+and 16 layers of a Llama-style 1.2B model (hidden 2048, 32 heads of 64 over 8 key/value groups,
+SwiGLU ffn 8192, RMSNorm, no biases) over the same cache positions:
+
+    Llama one-row layer per layer: layer_norm_linear with norm="rms" (QKV, [g, q + 2, hn] rows),
+                        decode_attention over the grouped cache (writes it), linear + residual,
+                        layer_norm_linear with norm="rms" and "swiglu" (h -> 2 ffn -> ffn),
+                        linear + residual (ffn -> h)
+    Llama GEMVs alone   the same four products, alone
+
 each with the kernels launched as programmatic dependents (PDL, Hopper and later) and without.
 Reported: microseconds per 24 layers and the weights' bytes over that time as a fraction of the
 copy bandwidth measured here.
@@ -27,6 +36,8 @@ from tools.benchmarks.bench_text_generation import copy_bandwidth, graph_replay_
 
 LAYERS, HIDDEN, HEADS, FFN, CAPACITY, FILLED = 24, 2048, 16, 8192, 384, 256
 HEAD_DIM = HIDDEN // HEADS
+LLAMA_LAYERS, LLAMA_HEADS, LLAMA_GROUPS = 16, 32, 8
+LLAMA_HEAD_DIM, LLAMA_QUERIES = HIDDEN // LLAMA_HEADS, LLAMA_HEADS // LLAMA_GROUPS
 
 
 def random_layers(dtype=torch.bfloat16):
@@ -41,6 +52,35 @@ def random_layers(dtype=torch.bfloat16):
                  fc2=(matrix(HIDDEN, FFN), vector(HIDDEN)),
                  cache=[torch.randn(1, HEADS, CAPACITY, HEAD_DIM, device="cuda", dtype=dtype) for _ in range(2)])
             for _ in range(LAYERS)]
+
+
+def random_llama_layers(dtype=torch.bfloat16):
+    """Weights without biases (None), RMSNorm weights, SwiGLU's [W_a; W_g] and a cache of 8 groups."""
+    def matrix(rows, columns):
+        return torch.randn(rows, columns, device="cuda", dtype=dtype) / columns ** 0.5
+
+    qkv_rows = LLAMA_GROUPS * (LLAMA_QUERIES + 2) * LLAMA_HEAD_DIM
+    return [dict(norms=[1 + 0.02 * torch.randn(HIDDEN, device="cuda", dtype=dtype) for _ in range(2)],
+                 qkv=(matrix(qkv_rows, HIDDEN), None), dense=(matrix(HIDDEN, HIDDEN), None),
+                 fc1=(matrix(2 * FFN, HIDDEN), None), fc2=(matrix(HIDDEN, FFN), None),
+                 cache=[torch.randn(1, LLAMA_GROUPS, CAPACITY, LLAMA_HEAD_DIM, device="cuda", dtype=dtype)
+                        for _ in range(2)])
+            for _ in range(LLAMA_LAYERS)]
+
+
+def llama_one_row_layers(layers, x, position):
+    for layer in layers:
+        mixed = fused_kernels.layer_norm_linear(x, layer["norms"][0], None, 1e-5, *layer["qkv"], norm="rms")
+        rows = mixed.view(1, 1, LLAMA_GROUPS, LLAMA_QUERIES + 2, LLAMA_HEAD_DIM)
+        query = rows[:, :, :, :LLAMA_QUERIES].reshape(1, 1, LLAMA_HEADS, LLAMA_HEAD_DIM).permute(1, 2, 0, 3)
+        key, value = (rows[:, :, :, i].permute(1, 2, 0, 3) for i in (LLAMA_QUERIES, LLAMA_QUERIES + 1))
+        context = fused_kernels.decode_attention(query, *layer["cache"], position, None, LLAMA_HEAD_DIM ** -0.5, key,
+                                                 value)
+        x = fused_kernels.linear(context.view(1, 1, HIDDEN), *layer["dense"], x)
+        intermediate = fused_kernels.layer_norm_linear(x, layer["norms"][1], None, 1e-5, *layer["fc1"], "swiglu",
+                                                       norm="rms")
+        x = fused_kernels.linear(intermediate, *layer["fc2"], x)
+    return x
 
 
 def one_row_layers(layers, x, position):
@@ -59,8 +99,8 @@ def gemvs_alone(layers, x, position):
     for layer in layers:
         fused_kernels.linear(x, layer["qkv"][0])
         fused_kernels.linear(x, layer["dense"][0])
-        intermediate = fused_kernels.linear(x, layer["fc1"][0])
-        x = fused_kernels.linear(intermediate, layer["fc2"][0])
+        intermediate = fused_kernels.linear(x, layer["fc1"][0])  # SwiGLU's: [a | g], the down projection reads n
+        x = fused_kernels.linear(intermediate[..., :layer["fc2"][0].shape[1]], layer["fc2"][0])
     return x
 
 
@@ -69,20 +109,26 @@ def main():
         raise SystemExit("bench_decode_layers.py needs a CUDA GPU")
     from megatron.core.fused_kernels import triton_decode  # imports triton, which a GPU machine has
     bandwidth = copy_bandwidth()
-    layers = random_layers()
-    weight_bytes = sum(layer[name][0].numel() * 2 for layer in layers for name in ("qkv", "dense", "fc1", "fc2"))
     x = torch.randn(1, 1, HIDDEN, device="cuda", dtype=torch.bfloat16)
     position = torch.tensor([FILLED - 1], device="cuda")
     pdl_supported = triton_decode.programmatic_launch(x)
-    print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s, weights "
-          f"{weight_bytes / 1e9:.2f} GB in {LAYERS} layers; PDL {'available' if pdl_supported else 'not available'}")
+    print(f"device: {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s; "
+          f"PDL {'available' if pdl_supported else 'not available'}")
+    models = (("GPT 1.3B", random_layers, (("one-row layer", one_row_layers), ("GEMVs alone", gemvs_alone))),
+              ("Llama 1.2B", random_llama_layers, (("one-row layer", llama_one_row_layers),
+                                                   ("GEMVs alone", gemvs_alone))))
     with torch.no_grad():
-        for name, chain in (("one-row layer", one_row_layers), ("GEMVs alone", gemvs_alone)):
-            for pdl in (True, False) if pdl_supported else (False,):
-                triton_decode._HAS_GRID_DEPENDENCY_CONTROL = pdl
-                seconds = graph_replay_seconds(lambda: chain(layers, x, position), repeats=4)
-                print(f"{name:14s} | PDL {'on ' if pdl else 'off'} | {seconds * 1e6:8.1f} us per {LAYERS} layers | "
-                      f"{weight_bytes / seconds / bandwidth:6.1%} of copy bandwidth")
+        for model, make_layers, chains in models:
+            layers = make_layers()
+            weight_bytes = sum(layer[name][0].numel() * 2 for layer in layers for name in ("qkv", "dense", "fc1", "fc2"))
+            print(f"{model}: weights {weight_bytes / 1e9:.2f} GB in {len(layers)} layers")
+            for name, chain in chains:
+                for pdl in (True, False) if pdl_supported else (False,):
+                    triton_decode._HAS_GRID_DEPENDENCY_CONTROL = pdl
+                    seconds = graph_replay_seconds(lambda: chain(layers, x, position), repeats=4)
+                    print(f"{model:10s} {name:14s} | PDL {'on ' if pdl else 'off'} | {seconds * 1e6:8.1f} us per "
+                          f"{len(layers)} layers | {weight_bytes / seconds / bandwidth:6.1%} of copy bandwidth")
+            del layers
         triton_decode._HAS_GRID_DEPENDENCY_CONTROL = pdl_supported
 
 
