@@ -168,6 +168,63 @@ def test_loss_is_masked_token_mean():
     torch.testing.assert_close(loss, expected)
 
 
+# Llama-class: RMSNorm, 8 heads over 4 key/value groups, SwiGLU, rotary with a large base, untied head,
+# no biases (Qwen2: a bias on the query/key/value projection only).
+LLAMA = dict(num_attention_heads=8, num_query_groups=4, normalization="RMSNorm", position_embedding_type="rotary",
+             rotary_base=500000.0, glu_activation="swiglu", bias_gelu_fusion=False, ffn_hidden_size=48,
+             untie_embeddings_and_output_weights=True, add_bias_linear=False)
+
+
+def hf_llama_state_dict(model, config):
+    """Our weights under transformers' Llama / Qwen2 names: our query_key_value rows are per key/value
+    group [g, q + 2, hn] (its q query heads, its key, its value), our dense_h_to_4h is [up; gate]."""
+    g, q, hn, h = config.num_query_groups, config.queries_per_group, config.kv_channels, config.hidden_size
+    ours = {name: param.detach() for name, param in model.named_parameters()}
+    state = {"model.embed_tokens.weight": ours["embedding.word_embeddings.weight"],
+             "model.norm.weight": ours["final_layernorm.weight"], "lm_head.weight": ours["output_layer.weight"]}
+    for i in range(config.num_layers):
+        mine, theirs = f"layers.{i}.", f"model.layers.{i}."
+        for kind in ("weight", "bias") if config.qkv_bias else ("weight",):
+            grouped = ours[f"{mine}self_attention.query_key_value.{kind}"].view(g, q + 2, hn, -1)
+            state[f"{theirs}self_attn.q_proj.{kind}"] = grouped[:, :q].reshape(g * q * hn, -1).squeeze(-1)
+            state[f"{theirs}self_attn.k_proj.{kind}"] = grouped[:, q].reshape(g * hn, -1).squeeze(-1)
+            state[f"{theirs}self_attn.v_proj.{kind}"] = grouped[:, q + 1].reshape(g * hn, -1).squeeze(-1)
+        up, gate = ours[f"{mine}mlp.dense_h_to_4h.weight"].chunk(2)
+        state.update({f"{theirs}self_attn.o_proj.weight": ours[f"{mine}self_attention.dense.weight"],
+                      f"{theirs}mlp.up_proj.weight": up, f"{theirs}mlp.gate_proj.weight": gate,
+                      f"{theirs}mlp.down_proj.weight": ours[f"{mine}mlp.dense_4h_to_h.weight"],
+                      f"{theirs}input_layernorm.weight": ours[f"{mine}input_layernorm.weight"],
+                      f"{theirs}post_attention_layernorm.weight": ours[f"{mine}post_attention_layernorm.weight"]})
+    return state
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama3_rope_scaling", "qwen2"])
+def test_logits_match_hf_llama_class_models(variant):
+    transformers = pytest.importorskip("transformers")
+    overrides = dict(LLAMA, num_layers=3, padded_vocab_size=96, layernorm_epsilon=1e-6)
+    common = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=8,
+                  num_key_value_heads=4, rope_theta=500000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  max_position_embeddings=64)
+    if variant == "llama3_rope_scaling":
+        overrides.update(use_rope_scaling=True, rope_scaling_factor=8.0, rope_scaling_low_freq_factor=1.0,
+                         rope_scaling_high_freq_factor=4.0, rope_scaling_original_max_position_embeddings=8)
+        common["rope_scaling"] = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                      original_max_position_embeddings=8)
+    if variant == "qwen2":
+        overrides["add_qkv_bias"] = True
+        hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    else:
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    config = tiny_config(**overrides)
+    model = build(config, seed=3).eval()
+    missing, unexpected = hf.load_state_dict(hf_llama_state_dict(model, config), strict=False)
+    assert not missing and not unexpected
+    tokens = random_tokens(2, 16, 96, seed=4)
+    with torch.no_grad():
+        ours, theirs = model(tokens), hf.eval()(tokens).logits
+    assert relative_error(ours, theirs) < 1e-5
+
+
 # --- tensor parallelism: 4 gloo processes --------------------------------------------------------------------
 
 PARITY_CONFIGS = [
@@ -177,6 +234,8 @@ PARITY_CONFIGS = [
          apply_residual_connection_post_layernorm=True),
     dict(checkpoint_activations=True, distribute_checkpointed_activations=True, glu_activation="geglu",
          bias_gelu_fusion=False),
+    dict(LLAMA, use_rope_scaling=True, rope_scaling_original_max_position_embeddings=8, rotary_percent=0.5),
+    dict(LLAMA, add_qkv_bias=True, attention_impl="materialized", checkpoint_activations=True),
 ]
 
 
@@ -216,6 +275,7 @@ SEQUENCE_PARALLEL_CONFIGS = [
          embed_layernorm=True),
     dict(sequence_parallel=True, position_embedding_type="alibi", attention_impl="materialized",
          checkpoint_activations=True, apply_residual_connection_post_layernorm=True),
+    dict(LLAMA, sequence_parallel=True, tp_comm_overlap=True),
 ]
 
 

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from megatron.core.models.gpt.positional import (LearnedPositionEmbedding, alibi_bias, alibi_slopes,
-                                                 apply_rotary_embedding, rotary_cos_sin,
+from megatron.core.models.gpt.positional import (LearnedPositionEmbedding, Llama3RopeScaling, alibi_bias,
+                                                 alibi_slopes, apply_rotary_embedding, rotary_cos_sin,
                                                  rotary_inverse_frequencies)
 
 
@@ -104,3 +104,29 @@ def test_learned_position_embedding_lookup_and_length_check():
     torch.testing.assert_close(table(positions), table.weight[positions])
     with pytest.raises(ValueError, match="--max-position-embeddings"):
         table(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_llama3_rope_scaling_matches_transformers():
+    rope_utils = pytest.importorskip("transformers.modeling_rope_utils")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=512, num_attention_heads=4, rope_theta=500000.0,
+                                      max_position_embeddings=131072,
+                                      rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                                        high_freq_factor=4.0, original_max_position_embeddings=8192))
+    expected, attention_scaling = rope_utils.ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    ours = rotary_inverse_frequencies(128, 500000.0, Llama3RopeScaling(32.0, 1.0, 4.0, 8192))
+    assert attention_scaling == 1.0
+    torch.testing.assert_close(ours, expected.float(), rtol=1e-6, atol=0)
+    plain = rotary_inverse_frequencies(128, 500000.0)
+    assert torch.equal(ours[:20], plain[:20])  # short wavelengths are kept
+    torch.testing.assert_close(ours[-10:], plain[-10:] / 32.0)  # long ones are stretched by the factor
+
+
+def test_partial_rotary_leaves_the_other_channels():
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 2, 3, 16, generator=generator)
+    positions = torch.tensor([[0, 1, 2, 3, 4], [9, 8, 7, 6, 5]])
+    cos, sin = rotary_cos_sin(positions, rotary_inverse_frequencies(8))
+    got = apply_rotary_embedding(x, cos, sin)
+    assert torch.equal(got[..., 8:], x[..., 8:])
+    torch.testing.assert_close(got[..., :8].double(), rotary_by_pairs(x[..., :8], positions), rtol=1e-5, atol=1e-6)
