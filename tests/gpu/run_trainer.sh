@@ -21,6 +21,10 @@
 #   7. against the peer (RUNS="peer_1p3b peer_1p3b_mbs16 peer_1p3b_mbs32 peer_350m peer_350m_mbs32", log interval 1):
 #      the 1.3B at micro-batch 8, 16 and 32 and the 350M at 16 and 32, bf16, ZeRO-1; tools/benchmarks/bench_vs_peer.sh
 #      runs them and the peer
+#   7b. the Llama-style 1.2B against the peer (RUNS="llama1p2b_mbs1 llama1p2b_mbs2 llama1p2b_mbs4"): 16 layers,
+#      hidden 2048, 32 heads over 8 key/value groups, SwiGLU ffn 8192, RoPE base 500000, RMSNorm, untied
+#      output layer, no biases, seq 4096, vocabulary padded to 128256 (the data's GPT-2 BPE ids all fit),
+#      bf16, ZeRO-1, global batch 16, ITERS_LLAMA iterations (default 10), log interval 1
 #   8. scaling (RUNS="scale_1gpu scale_dp2 scale_tp2 scale_tp2_sp scale_pp2 scale_pp2_flops", and with 4 GPUs
 #      "scale_tp2dp2 scale_tp2dp2_sp scale_pp4 scale_pp4_flops"): the 1.3B GPT, bf16, ZeRO-1, micro-batch 8, global
 #      batch 64 (8 micro-batches per pipeline), CPU initialization (the same weights in every layout);
@@ -138,6 +142,15 @@ compare_layouts() {  # tolerance iterations run... : losses and grad norms of it
     $py tests/gpu/compare_logs.py layouts --tolerance "$tolerance" --first "$iterations" $(logs_of "$@")
 }
 
+llama_run() {  # name mbs: the Llama-style 1.2B of 7b (the later --max-position-embeddings and
+    # --pad-vocab-size-to replace gpt_run's)
+    local name=$1 mbs=$2
+    SEQ=4096 LOG_INTERVAL=1 ITERS=${ITERS_LLAMA:-10} gpt_run "$name" 16 2048 32 bf16 "$mbs" 16 \
+        --max-position-embeddings 4096 --pad-vocab-size-to 128256 --normalization RMSNorm --swiglu \
+        --ffn-hidden-size 8192 --position-embedding-type rope --rotary-base 500000 --group-query-attention \
+        --num-query-groups 8 --untie-embeddings-and-output-weights --disable-bias-linear
+}
+
 big_run() {  # name ngpus [flags...]: the 6.7B GPT (bf16, CPU initialization, global batch 16)
     local name=$1 ngpus=$2
     shift 2
@@ -197,6 +210,9 @@ for run in $RUNS; do
         peer_1p3b_mbs16) LOG_INTERVAL=1 ITERS=12 gpt_run peer_1p3b_mbs16 24 2048 16 bf16 16 32 ;;
         peer_1p3b_mbs32) LOG_INTERVAL=1 ITERS=12 gpt_run peer_1p3b_mbs32 24 2048 16 bf16 32 32 ;;
         peer_350m_mbs32) LOG_INTERVAL=1 ITERS=12 gpt_run peer_350m_mbs32 24 1024 16 bf16 32 64 ;;
+        llama1p2b_mbs1) llama_run llama1p2b_mbs1 1 ;;
+        llama1p2b_mbs2) llama_run llama1p2b_mbs2 2 ;;
+        llama1p2b_mbs4) llama_run llama1p2b_mbs4 4 ;;
         overflow) SCALE_POWER=24 HYSTERESIS=1 LOG_INTERVAL=1 ITERS=12 gpt_run overflow 4 1024 16 fp16 4 8 ;;
         layout_single) layout_run layout_single 1 ;;
         layout_dp2) layout_run layout_dp2 2 ;;

@@ -1,15 +1,26 @@
-"""Training throughput of the strongest peer (transformers' GPT-2 under torch.compile) against our trainer's logs.
+"""Training throughput of the strongest peer (transformers under torch.compile) against our trainer's logs.
 
-The peer trains the same shapes as the trainer's runs: GPT-2 with learned positions, GeLU (tanh),
+The peer trains the same shapes as the trainer's runs (tests/gpu/run_trainer.sh's peer runs),
 sdpa attention, the vocabulary padded like ours, fp32 weights under bf16 autocast, fused AdamW
 (lr 1e-4, betas 0.9 / 0.95, weight decay 0.1), gradients accumulated over the trainer run's global
-batch (32 sequences for the 1.3B, 64 for the 350M: tests/gpu/run_trainer.sh's peer runs) before each
-optimizer step, its model compiled with ``torch.compile``. Each of its candidate micro-batches is
-timed (steady state, after warm-up and compilation) and the best counts, as the peer's user would
-pick it; ours likewise is the best of its runs given (one log per micro-batch). Model TFLOP/s use the trainer's
-formula (megatron/training/metrics.py) for both, so the ratio is a ratio of tokens/s.
+batch before each optimizer step, its model compiled with ``torch.compile``:
 
-    python3 tools/benchmarks/bench_vs_peer.py --ours 1p3b=trainer_1p3b.log --ours 350m=trainer_350m.log
+    1p3b, 350m   GPT2LMHeadModel: learned positions, GeLU (tanh), seq 2048, vocabulary 50304, global
+                 batch 32 (1.3B) or 64 (350M)
+    llama1p2b    LlamaForCausalLM: 16 layers, hidden 2048, 32 heads over 8 key/value groups, SwiGLU
+                 ffn 8192, RoPE base 500000, RMSNorm, untied output layer, no biases, seq 4096,
+                 vocabulary 128256, global batch 16. The trainer's data are the GPT-2 BPE ids of the
+                 sample corpus (run_trainer.sh's 32000-token tokenizer): every id fits in the 128256-row
+                 vocabulary, and a speed benchmark needs no Llama tokenizer (the peer reads random ids).
+
+Each of the peer's candidate micro-batches is timed (steady state, after warm-up and compilation)
+and the best counts, as the peer's user would pick it; a micro-batch that runs out of memory drops
+out. Ours likewise is the best of its runs given (one log per micro-batch). Model TFLOP/s use the
+trainer's count for both (megatron.core.flops.model_flops_per_iteration through
+megatron/training/throughput.py: Megatron-LM's formula, key/value projections of g x hn and the GLU's
+doubled first MLP matmul included), so the ratio is a ratio of tokens/s.
+
+    python3 tools/benchmarks/bench_vs_peer.py --ours 1p3b=trainer_1p3b.log --ours llama1p2b=a.log,b.log
 
 ``--ours NAME=LOG[,LOG...]`` names a model of MODELS and the trainer logs of it (each: the mean model
 TFLOP/s of the iterations after ``--skip``; the best counts); tools/benchmarks/bench_vs_peer.sh runs
@@ -31,6 +42,9 @@ from megatron.training.throughput import model_flops  # noqa: E402
 from tools.benchmarks.scaling_table import steady_state  # noqa: E402
 
 
+LLAMA_ROPE_BASE = 500000.0
+
+
 @dataclass(frozen=True)
 class PeerModel:
     num_layers: int
@@ -38,23 +52,46 @@ class PeerModel:
     num_attention_heads: int
     micro_batches: tuple[int, ...]  # the peer's candidates, best picked
     global_batch: int  # sequences per optimizer step, as in the trainer's run
+    seq_length: int = 2048
+    padded_vocab_size: int = 50304
+    llama: bool = False  # LlamaForCausalLM's layers (module docstring) instead of GPT-2's
+    ffn_hidden_size: int | None = None  # default 4h
+    num_query_groups: int | None = None  # key/value groups; default one per head
 
 
 MODELS = {
     "1p3b": PeerModel(24, 2048, 16, (16, 32, 8, 4), 32),
     "350m": PeerModel(24, 1024, 16, (8, 16, 32), 64),
+    "llama1p2b": PeerModel(16, 2048, 32, (4, 2, 1), 16, seq_length=4096, padded_vocab_size=128256, llama=True,
+                           ffn_hidden_size=8192, num_query_groups=8),
 }
 
 
 def gpt_config(model: PeerModel, seq_length: int, vocab_size: int) -> GPTModelConfig:
+    """Our model of the peer's shapes (what the trainer's run builds), for the FLOP count."""
+    llama = {}
+    if model.llama:
+        llama = dict(normalization="RMSNorm", glu_activation="swiglu", bias_gelu_fusion=False,
+                     position_embedding_type="rotary", rotary_base=LLAMA_ROPE_BASE,
+                     untie_embeddings_and_output_weights=True, add_bias_linear=False)
     return GPTModelConfig(num_layers=model.num_layers, hidden_size=model.hidden_size,
                           num_attention_heads=model.num_attention_heads, padded_vocab_size=vocab_size,
-                          seq_length=seq_length, max_position_embeddings=seq_length)
+                          seq_length=seq_length, max_position_embeddings=seq_length,
+                          ffn_hidden_size=model.ffn_hidden_size, num_query_groups=model.num_query_groups, **llama)
 
 
 def peer_model(model: PeerModel, seq_length: int, vocab_size: int, device) -> torch.nn.Module:
     import transformers
 
+    if model.llama:
+        config = transformers.LlamaConfig(
+            vocab_size=vocab_size, hidden_size=model.hidden_size, intermediate_size=model.ffn_hidden_size,
+            num_hidden_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
+            num_key_value_heads=model.num_query_groups or model.num_attention_heads,
+            max_position_embeddings=seq_length, rope_theta=LLAMA_ROPE_BASE, rms_norm_eps=1e-5,
+            tie_word_embeddings=False, attention_bias=False, mlp_bias=False, attention_dropout=0.0,
+            attn_implementation="sdpa")
+        return transformers.LlamaForCausalLM(config).to(device)
     config = transformers.GPT2Config(vocab_size=vocab_size, n_positions=seq_length, n_embd=model.hidden_size,
                                      n_layer=model.num_layers, n_head=model.num_attention_heads,
                                      activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
@@ -94,13 +131,18 @@ def peer_step_seconds(module: torch.nn.Module, micro_batch: int, accumulation: i
 def peer_best(model: PeerModel, args, device) -> tuple[float, int]:
     """(best model TFLOP/s, its micro-batch) over the candidates that fit in memory."""
     best = (0.0, 0)
+    seq_length = args.seq_length or model.seq_length
+    vocab_size = args.padded_vocab_size or model.padded_vocab_size
     for micro_batch in args.peer_micro_batches or model.micro_batches:
-        module = peer_model(model, args.seq_length, args.padded_vocab_size, device)
+        module = None
         accumulation = max(1, model.global_batch // micro_batch)
         try:
-            seconds = peer_step_seconds(module, micro_batch, accumulation, args.seq_length, args.padded_vocab_size,
+            module = peer_model(model, seq_length, vocab_size, device)
+            seconds = peer_step_seconds(module, micro_batch, accumulation, seq_length, vocab_size,
                                         compile_model=not args.no_compile, warmup=args.warmup, iters=args.iters)
-        except torch.OutOfMemoryError:
+        except Exception as error:  # noqa: BLE001 - torch.compile wraps an out-of-memory error in its own
+            if "out of memory" not in str(error).lower():
+                raise
             print(f"peer micro-batch {micro_batch}: out of memory")
             seconds = math.inf
         finally:
@@ -108,10 +150,9 @@ def peer_best(model: PeerModel, args, device) -> tuple[float, int]:
             torch._dynamo.reset()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        flops = model_flops(gpt_config(model, args.seq_length, args.padded_vocab_size), micro_batch * accumulation,
-                            args.seq_length)
+        flops = model_flops(gpt_config(model, seq_length, vocab_size), micro_batch * accumulation, seq_length)
         tflops = flops / seconds / 1e12
-        print(f"peer seq {args.seq_length} micro-batch {micro_batch} x {accumulation}: "
+        print(f"peer seq {seq_length} micro-batch {micro_batch} x {accumulation}: "
               f"{seconds * 1e3:.1f} ms/step, {tflops:.1f} model TFLOP/s")
         best = max(best, (tflops, micro_batch))
     return best
@@ -132,8 +173,9 @@ def parse_args(argv=None):
     parser.add_argument("--ours", action="append", required=True,
                         help="NAME=LOG[,LOG...], NAME one of " + ", ".join(MODELS))
     parser.add_argument("--skip", type=int, default=3, help="warm-up iterations of the trainer logs left out")
-    parser.add_argument("--seq-length", type=int, default=2048)
-    parser.add_argument("--padded-vocab-size", type=int, default=50304)
+    parser.add_argument("--seq-length", type=int, default=None, help="the peer's sequence (default: the model's)")
+    parser.add_argument("--padded-vocab-size", type=int, default=None,
+                        help="the peer's vocabulary (default: the model's)")
     parser.add_argument("--peer-micro-batches", type=int, nargs="+", default=None,
                         help="the peer's candidate micro-batches (default: per model, see MODELS)")
     parser.add_argument("--warmup", type=int, default=2)
