@@ -55,7 +55,8 @@ def main(argv=None):
     flags = parsed.flags
     try:
         tokenizer = build_tokenizer(flags.tokenizer_type, vocab_file=flags.vocab_file, merge_file=flags.merge_file,
-                                    tokenizer_name_or_path=flags.tokenizer_name_or_path)
+                                    tokenizer_name_or_path=flags.tokenizer_name_or_path,
+                                    tokenizer_model=flags.tokenizer_model)
         config = build_config(parsed, tokenizer.vocab_size)
         check_dataset_files(config.data.dataset)
     except (ArgumentError, TokenizerError) as error:

@@ -77,9 +77,13 @@ def add_preprocessing_arguments(parser):
     group.add_argument("--vocab-file", type=str, default=None, help="GPT-2 vocab.json")
     group.add_argument("--merge-file", type=str, default=None, help="GPT-2 merges.txt")
     group.add_argument("--tokenizer-name-or-path", type=str, default=None,
-                       help="local directory of a HF tokenizer (PretrainedFromHF)")
+                       help="local directory of a HF tokenizer (PretrainedFromHF, HuggingFaceTokenizer)")
+    group.add_argument("--tokenizer-model", type=str, default=None,
+                       help="a SentencePiece .model (SentencePieceTokenizer) or a tokenizer.json or its "
+                            "directory (HuggingFaceTokenizer)")
     group.add_argument("--append-eod", action="store_true",
-                       help="append the end-of-document token to every document")
+                       help="append the end-of-document token to every document (a tokenizer's BOS, "
+                            "where it has one, always starts each document)")
     group.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                        help="pad the reported vocabulary size to a multiple of this")
     group.add_argument("--pad-vocab-size-to", type=int, default=None,
@@ -116,7 +120,7 @@ def encoder_config_from_args(args):
     if len(set(args.json_keys)) != len(args.json_keys):
         raise PreprocessingError(f"--json-keys has duplicates: {' '.join(args.json_keys)}")
     tokenizer = TokenizerSpec(args.tokenizer_type, args.vocab_file, args.merge_file,
-                              args.tokenizer_name_or_path)
+                              args.tokenizer_name_or_path, args.tokenizer_model)
     return EncoderConfig(tokenizer=tokenizer, json_keys=tuple(args.json_keys),
                          split_sentences=args.split_sentences, keep_newlines=args.keep_newlines,
                          append_eod=args.append_eod)

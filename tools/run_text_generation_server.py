@@ -48,7 +48,7 @@ import torch  # noqa: E402
 from megatron.core.checkpoint.reader import CheckpointInputError  # noqa: E402
 from megatron.core.text_generation.generation import GenerationInputError  # noqa: E402
 from megatron.core.text_generation.sampling import SamplingParams  # noqa: E402
-from megatron.core.tokenizer import TokenizerError  # noqa: E402
+from megatron.core.tokenizer import TokenizerError, prompt_tokens  # noqa: E402
 from megatron.training.argument_types import ArgumentError  # noqa: E402
 from megatron.training.arguments import report_error_and_exit  # noqa: E402
 from megatron.training.dist_utils import broadcast_object_from_rank_0, is_rank_0, print_rank_0  # noqa: E402
@@ -135,7 +135,7 @@ def parse_request(body, tokenizer, seq_length: int) -> GenerationRequest:
                   "an integer in [0, 2**64 - 1]")
     for index, prompt in enumerate(prompts):
         _check_unicode(prompt, index)
-        length = len(tokenizer.tokenize(prompt)) if prompt else 1
+        length = len(prompt_tokens(tokenizer, prompt))
         if length + tokens > seq_length:
             raise RequestError(f"prompt {index} has {_count(length, 'token')}: with tokens_to_generate {tokens} "
                                f"that is longer than the model's {seq_length} positions")

@@ -38,6 +38,8 @@ def parse_args(argv=None):
     tokenizer.add_argument("--vocab-file", default=None)
     tokenizer.add_argument("--merge-file", default=None)
     tokenizer.add_argument("--tokenizer-name-or-path", default=None)
+    tokenizer.add_argument("--tokenizer-model", default=None,
+                           help="SentencePiece .model, or tokenizer.json (or its directory)")
     which = parser.add_argument_group("samples").add_mutually_exclusive_group(required=True)
     which.add_argument("--iteration-range", type=parse_int, nargs=2, metavar=("FIRST", "LAST"),
                        help="the samples of iterations FIRST..LAST (both included, 1-based)")
@@ -122,7 +124,8 @@ def main(argv=None):
     start, end = sample_range(parser, args)
     try:
         tokenizer = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
-                                    tokenizer_name_or_path=args.tokenizer_name_or_path)
+                                    tokenizer_name_or_path=args.tokenizer_name_or_path,
+                                    tokenizer_model=args.tokenizer_model)
     except TokenizerError as exc:
         parser.error(str(exc))
     datasets, _ = run_datasets(args)

@@ -52,7 +52,7 @@ from megatron.core.text_generation.forward import PipelineForward
 from megatron.core.text_generation.generation import generate
 from megatron.core.text_generation.sampling import SamplingParams
 from megatron.core.text_generation.stage_model import InferenceStage, load_stage_weights
-from megatron.core.tokenizer import build_tokenizer
+from megatron.core.tokenizer import build_tokenizer, prompt_tokens
 from megatron.training.argument_types import ErrorRaisingParser
 from megatron.training.arguments import ReadOnlyNamespace, build_parser, explicit_dests
 from megatron.training.config import InferenceConfig, ProcessLayout, TokenizerConfig, tokenizer_config_from_args
@@ -96,11 +96,12 @@ class InferenceModel:
 
     def generate_text(self, prompts: Sequence[str], max_new_tokens: int, params: SamplingParams,
                       generator: torch.Generator | None = None, use_cache: bool = True) -> list["GeneratedText"]:
-        """Continue each prompt (text; "" starts from the end-of-document token, an unconditional
-        sample) by up to ``max_new_tokens`` tokens; collective, the same prompts on every rank.
+        """Continue each prompt (text, after the tokenizer's BOS where it has one; "" starts from the
+        BOS, else from the end-of-document token: an unconditional sample) by up to ``max_new_tokens``
+        tokens; collective, the same prompts on every rank.
         GenerationInputError names a prompt that is too long for --seq-length."""
         tokenizer = self.tokenizer
-        token_lists = [tokenizer.tokenize(prompt) if prompt else [tokenizer.eod] for prompt in prompts]
+        token_lists = [prompt_tokens(tokenizer, prompt) for prompt in prompts]
         output = generate(self.forward, token_lists, max_new_tokens, params, eod=tokenizer.eod,
                           vocab_size=tokenizer.vocab_size, max_length=self.seq_length, use_cache=use_cache,
                           generator=generator, device=self.device)
@@ -228,7 +229,8 @@ def checked_seq_length(flags, checkpoint: SavedCheckpoint) -> int:
 def checked_tokenizer(config: TokenizerConfig, checkpoint: SavedCheckpoint):
     """The configured tokenizer, refused when it has more tokens than the checkpoint's vocabulary."""
     tokenizer = build_tokenizer(config.tokenizer_type, vocab_file=config.vocab_file, merge_file=config.merge_file,
-                                tokenizer_name_or_path=config.tokenizer_name_or_path)
+                                tokenizer_name_or_path=config.tokenizer_name_or_path,
+                                tokenizer_model=config.tokenizer_model)
     if tokenizer.vocab_size > checkpoint.model["padded_vocab_size"]:
         raise InferenceSetupError(f"the tokenizer has {tokenizer.vocab_size} tokens, the checkpoint's model "
                                   f"{checkpoint.model['padded_vocab_size']}: not the tokenizer it was trained with")

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import torch
 
 from megatron.core.parallel_state import validate_parallel_sizes
-from megatron.core.tokenizer import REJECTED_TOKENIZER_TYPES
+from megatron.core.tokenizer import REJECTED_TOKENIZER_TYPES, SENTENCEPIECE_TYPES, SUPPORTED_TOKENIZER_TYPES
 from megatron.training.engine.ds_config import resolve_ds_config
 from megatron.training.argument_types import ArgumentError
 from megatron.training.bnb_optimizer import INSTALL_HINT
@@ -396,11 +396,20 @@ def _check_tokenizer_and_tools(args):
     kind = args.tokenizer_type
     if kind in REJECTED_TOKENIZER_TYPES:
         raise ArgumentError(f"--tokenizer-type {kind} is not supported (BERT tokenizers are out of scope); "
-                            f"use GPT2BPETokenizer or PretrainedFromHF")
+                            f"use one of {', '.join(SUPPORTED_TOKENIZER_TYPES)}")
     if kind == "GPT2BPETokenizer" and not (args.vocab_file and args.merge_file):
         raise ArgumentError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
     if kind == "PretrainedFromHF" and not args.tokenizer_name_or_path:
         raise ArgumentError("--tokenizer-type PretrainedFromHF needs --tokenizer-name-or-path")
+    if kind == "HuggingFaceTokenizer" and not (args.tokenizer_model or args.tokenizer_name_or_path):
+        raise ArgumentError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a tokenizer.json, "
+                            "or a directory holding one)")
+    if kind in SENTENCEPIECE_TYPES:
+        if not args.tokenizer_model:
+            raise ArgumentError(f"--tokenizer-type {kind} needs --tokenizer-model (a SentencePiece .model file)")
+        if importlib.util.find_spec("sentencepiece") is None:
+            raise ArgumentError(f"--tokenizer-type {kind} needs the sentencepiece package: "
+                                "pip install .[sentencepiece] (or pip install sentencepiece)")
     if args.codecarbon_dir and importlib.util.find_spec("codecarbon") is None:
         raise ArgumentError("--codecarbon-dir needs the codecarbon package: pip install codecarbon")
     if args.pp_partition_method is not None:

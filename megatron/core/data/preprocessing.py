@@ -56,16 +56,19 @@ class TokenizerSpec:
     vocab_file: str = None
     merge_file: str = None
     tokenizer_name_or_path: str = None
+    tokenizer_model: str = None
 
     def build(self):
         from megatron.core.tokenizer import build_tokenizer
         return build_tokenizer(self.tokenizer_type, vocab_file=self.vocab_file, merge_file=self.merge_file,
-                               tokenizer_name_or_path=self.tokenizer_name_or_path)
+                               tokenizer_name_or_path=self.tokenizer_name_or_path,
+                               tokenizer_model=self.tokenizer_model)
 
 
 @dataclasses.dataclass(frozen=True)
 class EncoderConfig:
-    """What one document becomes: which json keys, sentence splitting, and a trailing eod."""
+    """What one document becomes: which json keys, sentence splitting, and a trailing eod (the
+    tokenizer's BOS, where it has one, always starts the document)."""
 
     tokenizer: TokenizerSpec
     json_keys: tuple = ("text",)
@@ -301,13 +304,16 @@ class ChunkEncoder:
     """Encodes ``LineChunk``s into ``EncodedChunk``s with one tokenizer (built once per process).
 
     Per document and json key: the text (or its sentences) is tokenized; empty token lists are
-    dropped; with ``append_eod`` the eod id ends the last item. The token dtype is
+    dropped; the tokenizer's BOS (Llama's ``<s>``), where it has one, starts the first item, and
+    with ``append_eod`` the eod id ends the last item. The token dtype is
     ``best_fitting_dtype(tokenizer.vocab_size)``.
     """
 
     def __init__(self, config, tokenizer=None):
+        from megatron.core.tokenizer import bos_of
         self.config = config
         self.tokenizer = tokenizer if tokenizer is not None else config.tokenizer.build()
+        self._bos = bos_of(self.tokenizer)
         self.dtype = np.dtype(best_fitting_dtype(self.tokenizer.vocab_size))
         self._splitter = build_sentence_splitter(config.keep_newlines) if config.split_sentences else None
 
@@ -372,9 +378,15 @@ class ChunkEncoder:
         pieces = []
         sizes = []
         for items in documents:
-            for ids in items:
+            if self._bos is not None:
+                pieces.append((self._bos,))
+                sizes.append(1)
+            for position, ids in enumerate(items):
                 pieces.append(ids)
-                sizes.append(len(ids))
+                if self._bos is not None and position == 0:
+                    sizes[-1] += len(ids)
+                else:
+                    sizes.append(len(ids))
             if eod is not None:
                 pieces.append(eod)
                 sizes[-1] += 1
