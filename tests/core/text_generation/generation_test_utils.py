@@ -16,7 +16,11 @@ GREEDY = SamplingParams(greedy=True)
 OPTIONS = {"learned": dict(),
            "rotary + swiglu": dict(position_embedding_type="rotary", glu_activation="swiglu", bias_gelu_fusion=False),
            "alibi + embedding LN + fp32 residual": dict(position_embedding_type="alibi", embed_layernorm=True,
-                                                          fp32_residual_connection=True)}
+                                                          fp32_residual_connection=True),
+           "llama: RMSNorm, GQA, swiglu, untied, no bias": dict(
+               position_embedding_type="rotary", rotary_base=500000.0, normalization="RMSNorm", num_attention_heads=8,
+               num_query_groups=2, glu_activation="swiglu", bias_gelu_fusion=False, ffn_hidden_size=48,
+               untie_embeddings_and_output_weights=True, add_bias_linear=False)}
 
 
 def tiny_model(seed: int = 1, **options) -> GPTModel:

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from megatron.core import fused_kernels
+from megatron.core.text_generation.decode_layers import layer_step
+from megatron.core.text_generation.kv_cache import LayerKVCache
 from tests.core.text_generation.generation_test_utils import (EOD, NEW_TOKENS, OPTIONS, PROMPTS, VOCAB,
                                                               cached_logits_in_chunks, inference_of, run, tiny_model)
 
@@ -60,3 +62,16 @@ def test_one_row_steps_take_the_fused_layer_path_and_equal_the_training_model(na
     for row, prompt in enumerate(PROMPTS):
         assert run(inference, prompts=[prompt]).continuation(0) == batched.continuation(row)
     assert fused_calls
+
+
+def test_grouped_query_caches_hold_the_key_value_groups():
+    """With g key/value groups a layer's cache is [b, g, capacity, hn]: memory ∝ g, not n."""
+    model = tiny_model(seed=5, **OPTIONS["llama: RMSNorm, GQA, swiglu, untied, no bias"])
+    layer, cache = model.layers[0], LayerKVCache(16)
+    hidden = torch.randn(6, 2, model.config.hidden_size, generator=torch.Generator().manual_seed(6))
+    positions = torch.arange(6).expand(2, 6)
+    with torch.no_grad():
+        expected = layer(hidden, positions)
+        got = layer_step(layer, hidden, positions, cache)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert tuple(cache.keys.shape) == tuple(cache.values.shape) == (2, 2, 16, model.config.kv_channels)
