@@ -1,11 +1,12 @@
 #!/bin/bash
 # Every GPU check and benchmark in one go, on the GPU machine, from the repository root:
 #   bash tests/gpu/run_all.sh            (logs under $OUT, default /tmp/gpu_checks)
-# GPU tests, fused-kernel table, the optimizer step, attention and GEMMs of the 1.3B, 1.3B forward+backward, text generation, the decode layer chain, then the trainer runs of run_trainer.sh
+# GPU tests, fused-kernel table, the optimizer step, attention and GEMMs of the 1.3B, 1.3B forward+backward, text generation
+# (the 1.3B GPT and the Llama-style 1.2B), the decode layer chain, then the trainer runs of run_trainer.sh
 # (with 2 or more GPUs also the DP/TP/PP layout comparison), the trainer against transformers +
-# torch.compile (bench_vs_peer.sh) and, with 2 or more GPUs, the bandwidth of TP's collectives
+# torch.compile (bench_vs_peer.sh: the 1.3B, the 350M and the Llama-style 1.2B) and, with 2 or more GPUs, the bandwidth of TP's collectives
 # (bench_collectives.py), the fused collectives of --tp-comm-overlap (bench_async_tp.py) and the scaling table (bench_scaling.sh).
-# Takes about 15 minutes on one H100.
+# Takes about 25 minutes on one H100.
 # The GPU machine has no network and no DeepSpeed: carry DeepSpeed's wheel (and any other missing
 # package) in .whl/ at the repository root, and it is installed from there.
 set -o pipefail
@@ -26,6 +27,8 @@ python3 tools/benchmarks/bench_attention.py 2>&1 | tee "$OUT/attention_bench.log
 python3 tools/benchmarks/bench_gemms.py 2>&1 | tee "$OUT/gemms_bench.log" || status=1
 python3 tools/benchmarks/bench_gpt_model.py 2>&1 | tee "$OUT/gpt_1p3b_bench.log" || status=1
 python3 tools/benchmarks/bench_text_generation.py 2>&1 | tee "$OUT/text_generation_bench.log" || status=1
+python3 tools/benchmarks/bench_text_generation.py --model llama1p2b --skip-growing-cache 2>&1 \
+    | tee "$OUT/text_generation_llama_bench.log" || status=1
 python3 tools/benchmarks/bench_decode_layers.py 2>&1 | tee "$OUT/decode_layers_bench.log" || status=1
 runs="example overflow 350m_bf16 350m_fp16 1p3b_bf16 1p3b_fp16"
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then

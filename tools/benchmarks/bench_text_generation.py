@@ -1,8 +1,15 @@
 """Text generation speed on one GPU: ours against transformers' ``generate`` on the same weights.
 
-Default: the 1.3B GPT (24 layers, hidden 2048, 16 heads, learned positions, padded vocabulary
-50304, bf16), a random prompt of 128 tokens, then 256 new tokens, greedy, no early stop, at batch
-1 and 32. Timed, each after one untimed run:
+Models (``--model``; the shape flags override a model's values):
+
+    gpt1p3b (default)  the 1.3B GPT: 24 layers, hidden 2048, 16 heads, learned positions, padded
+                       vocabulary 50304 (GPT-2's 50257 ids), against GPT2LMHeadModel
+    llama1p2b          a Llama-style 1.2B: 16 layers, hidden 2048, 32 heads over 8 key/value groups,
+                       SwiGLU ffn 8192, RoPE base 500000, RMSNorm, untied output layer, no biases,
+                       vocabulary 128256, against LlamaForCausalLM (issue 33's generation goal)
+
+random weights in bf16, a random prompt of 128 tokens, then 256 new tokens, greedy, no early stop,
+at batch 1 and 32. Timed, each after one untimed run:
 
     ours, growing cache       the key/value cache of kv_cache.LayerKVCache, every step from Python
     ours, static + graphs     fixed-size caches, each one-token step replayed from a CUDA graph
@@ -10,7 +17,7 @@ Default: the 1.3B GPT (24 layers, hidden 2048, 16 heads, learned positions, padd
                               transformers keeps its static cache and compiled graphs)
     ours, ... + compiled      the same with a one-token step after the embedding compiled (torch.compile)
                               before the graph captures them
-    transformers, static      GPT2LMHeadModel.generate(cache_implementation="static"), sdpa attention,
+    transformers, static      the model's generate(cache_implementation="static"), sdpa attention,
                               with its automatic compilation disabled, and as it comes (it compiles
                               the decoding step when it can)
 
@@ -29,11 +36,14 @@ only (no mask: what an exact-length decode kernel would read).
 Reported: tokens per second (batch x new tokens / wall time of the whole call, prefill included),
 our best over transformers' best, and whether the greedy tokens agree (bf16 rounding may part them
 after a while; the first difference is printed). Batch-1 decode: seconds per new token
-((t[256 tokens] - t[1 token]) / 255) against the memory-bandwidth bound = parameter bytes / copy
-bandwidth measured here (a 2 GiB device-to-device copy reads and writes each byte once).
+((t[256 tokens] - t[1 token]) / 255) against the memory-bandwidth bound = the bytes one decode step
+must read (``decode_bytes_per_token``: every weight, but one row of the input word and position
+tables where the output layer does not read them, plus the key/value cache of the mean context,
+prompt + new tokens / 2) / the copy bandwidth measured here (a 2 GiB device-to-device copy reads and
+writes each byte once).
 
-    python tools/benchmarks/bench_text_generation.py [--batch-sizes 1 32] [--no-compiled-transformers]
-        [--skip-growing-cache] [--profile-dir DIR] [--attention-backends]
+    python tools/benchmarks/bench_text_generation.py [--model llama1p2b] [--batch-sizes 1 32]
+        [--no-compiled-transformers] [--skip-growing-cache] [--profile-dir DIR] [--attention-backends]
 """
 import argparse
 import dataclasses
@@ -57,42 +67,120 @@ from megatron.core.text_generation.generation import generate  # noqa: E402
 from megatron.core.text_generation.sampling import SamplingParams  # noqa: E402
 from megatron.core.text_generation.stage_model import InferenceStage  # noqa: E402
 
-VOCAB = 50257  # GPT-2's; the rows up to the padded size are never chosen
+# Per model: GPTModelConfig's fields (params_dtype and the shape flags' values join them), and the
+# tokenizer's vocabulary ("vocab": prompts are drawn below it; as the end-of-document id it is never chosen)
+MODELS = {
+    "gpt1p3b": dict(num_layers=24, hidden_size=2048, num_attention_heads=16, padded_vocab_size=50304,
+                    max_positions=2048, vocab=50257),
+    "llama1p2b": dict(num_layers=16, hidden_size=2048, num_attention_heads=32, num_query_groups=8,
+                      ffn_hidden_size=8192, padded_vocab_size=128256, max_positions=4096, vocab=128256,
+                      normalization="RMSNorm", glu_activation="swiglu", bias_gelu_fusion=False,
+                      position_embedding_type="rotary", rotary_base=500000.0,
+                      untie_embeddings_and_output_weights=True, add_bias_linear=False),
+}
+GPT2_VOCAB = MODELS["gpt1p3b"]["vocab"]
+SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+               "padded_vocab_size", "max_positions")
 
 
-def parse_args():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-layers", type=int, default=24)
-    parser.add_argument("--hidden-size", type=int, default=2048)
-    parser.add_argument("--num-attention-heads", type=int, default=16)
-    parser.add_argument("--padded-vocab-size", type=int, default=50304)
-    parser.add_argument("--max-positions", type=int, default=2048)
+    parser.add_argument("--model", choices=sorted(MODELS), default="gpt1p3b")
+    for flag in SHAPE_FLAGS:
+        parser.add_argument("--" + flag.replace("_", "-"), type=int, default=None, help="default: the model's")
     parser.add_argument("--prompt-length", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
-    parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="fp32: CPU checks")
     parser.add_argument("--no-compiled-transformers", action="store_true",
                         help="skip transformers' compiled run (its compilation takes a minute or more)")
     parser.add_argument("--skip-growing-cache", action="store_true", help="skip our slowest variant")
     parser.add_argument("--profile-dir", help="write a kernel table of one call per graph variant and batch here")
     parser.add_argument("--attention-backends", action="store_true", help="time a decode step's attention per backend")
-    return parser.parse_args()
+    args = parser.parse_args(argv)
+    for flag in SHAPE_FLAGS:
+        if getattr(args, flag) is None:
+            setattr(args, flag, MODELS[args.model].get(flag))
+    return args
 
 
-def build_stage(args) -> InferenceStage:
-    config = GPTModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                            num_attention_heads=args.num_attention_heads, padded_vocab_size=args.padded_vocab_size,
-                            seq_length=args.max_positions, max_position_embeddings=args.max_positions,
-                            params_dtype=torch_dtype(args.dtype, "--dtype"), hidden_dropout=0.0,
-                            attention_dropout=0.0)
+def model_config(args) -> GPTModelConfig:
+    """The --model's configuration with the shape flags' values, the --dtype, no dropout."""
+    fields = {name: value for name, value in MODELS[args.model].items() if name not in ("max_positions", "vocab")}
+    fields.update({flag: getattr(args, flag) for flag in SHAPE_FLAGS if flag != "max_positions"})
+    return GPTModelConfig(**fields, seq_length=args.max_positions, max_position_embeddings=args.max_positions,
+                          params_dtype=torch_dtype(args.dtype, "--dtype"), hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def build_stage(args, device="cuda") -> InferenceStage:
     model_parallel_seed(1234, 0, 0)
-    return InferenceStage(config, single_rank_groups(), device=torch.device("cuda")).eval()
+    return InferenceStage(model_config(args), single_rank_groups(), device=torch.device(device)).eval()
+
+
+def decode_bytes_per_token(stage: InferenceStage, context: int) -> int:
+    """Bytes one batch-1 decode step must read: every parameter, except that of the input word table
+    (when the output layer is its own) and of a learned position table only one row, plus the keys and
+    values of ``context`` positions in every layer (2 L g hn context elements)."""
+    config = stage.config
+    total = sum(p.numel() * p.element_size() for p in stage.parameters())
+    one_row_tables = [stage.embedding.position_embeddings] if stage.embedding.position_embeddings is not None else []
+    if stage.output_layer is not None:
+        one_row_tables.append(stage.embedding.word_embeddings)
+    for table in one_row_tables:
+        for weight in table.parameters():
+            total -= (weight.shape[0] - 1) * weight[0].numel() * weight.element_size()
+    element = torch.empty((), dtype=config.params_dtype).element_size()
+    return total + 2 * config.num_layers * config.num_query_groups * config.kv_channels * context * element
+
+
+def llama_weights(stage: InferenceStage) -> dict[str, torch.Tensor]:
+    """The stage's weights under LlamaForCausalLM's names: query_key_value's rows [g, q + 2, hn] give
+    q_proj (the groups' query heads in order), k_proj and v_proj; dense_h_to_4h is [W_a; W_g] with
+    a * silu(g), so W_a is up_proj and W_g gate_proj. The rotary halves are Llama's layout already."""
+    config = stage.config
+    q, hn, h = config.queries_per_group, config.kv_channels, config.hidden_size
+    state = {"model.embed_tokens.weight": stage.embedding.word_embeddings.weight,
+             "lm_head.weight": stage.output_layer.weight, "model.norm.weight": stage.final_layernorm.weight}
+    for index, layer in enumerate(stage.layers):
+        prefix = f"model.layers.{index}."
+        qkv = layer.self_attention.query_key_value.weight.view(config.num_query_groups, q + 2, hn, h)
+        up, gate = layer.mlp.dense_h_to_4h.weight.chunk(2, dim=0)
+        state.update({prefix + "input_layernorm.weight": layer.input_layernorm.weight,
+                      prefix + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
+                      prefix + "self_attn.q_proj.weight": qkv[:, :q].reshape(-1, h),
+                      prefix + "self_attn.k_proj.weight": qkv[:, q].reshape(-1, h),
+                      prefix + "self_attn.v_proj.weight": qkv[:, q + 1].reshape(-1, h),
+                      prefix + "self_attn.o_proj.weight": layer.self_attention.dense.weight,
+                      prefix + "mlp.up_proj.weight": up, prefix + "mlp.gate_proj.weight": gate,
+                      prefix + "mlp.down_proj.weight": layer.mlp.dense_4h_to_h.weight})
+    return state
+
+
+def transformers_llama(stage: InferenceStage):
+    """LlamaForCausalLM holding the stage's weights (``llama_weights``), sdpa attention."""
+    import transformers
+
+    config = stage.config
+    hf_config = transformers.LlamaConfig(
+        vocab_size=config.padded_vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_hidden_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_query_groups, head_dim=config.kv_channels,
+        max_position_embeddings=config.seq_length, rope_theta=config.rotary_base, rms_norm_eps=config.layernorm_epsilon,
+        tie_word_embeddings=False, attention_bias=False, mlp_bias=False, attn_implementation="sdpa")
+    with torch.device(stage.embedding.word_embeddings.weight.device):
+        model = transformers.LlamaForCausalLM(hf_config)
+    model = model.to(dtype=config.params_dtype).eval()
+    model.load_state_dict(llama_weights(stage), strict=True)
+    return model
 
 
 def transformers_model(stage: InferenceStage):
-    """GPT2LMHeadModel holding the stage's weights (the exporter's per-layer mapping), sdpa attention."""
+    """The transformers model holding the stage's weights, sdpa attention: LlamaForCausalLM for an
+    RMSNorm model, else GPT2LMHeadModel (the exporter's per-layer mapping)."""
     import transformers
 
+    if stage.config.normalization == "RMSNorm":
+        return transformers_llama(stage)
     config = dataclasses.asdict(stage.config)
     layers = {}
     for name, tensor in stage.state_dict().items():
@@ -101,8 +189,8 @@ def transformers_model(stage: InferenceStage):
         layers.setdefault(index, {})[local] = tensor
     state = {}
     for layer, layer_state in layers.items():
-        state.update(exported_layer(config, layer, layer_state, VOCAB))
-    hf_config = transformers_config(config, VOCAB, stage.config.params_dtype)
+        state.update(exported_layer(config, layer, layer_state, GPT2_VOCAB))
+    hf_config = transformers_config(config, GPT2_VOCAB, stage.config.params_dtype)
     hf_config.pop("architectures")
     with torch.device(stage.embedding.word_embeddings.weight.device):
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**hf_config, attn_implementation="sdpa"))
@@ -121,10 +209,10 @@ def timed(run) -> tuple[float, torch.Tensor]:
     return time.perf_counter() - start, output
 
 
-def ours(forward: PipelineForward, prompts: torch.Tensor, new_tokens: int):
+def ours(forward: PipelineForward, prompts: torch.Tensor, new_tokens: int, vocab: int):
     def run():
-        output = generate(forward, prompts.tolist(), new_tokens, SamplingParams(greedy=True), eod=VOCAB,
-                          vocab_size=VOCAB, max_length=prompts.shape[1] + new_tokens, device=prompts.device)
+        output = generate(forward, prompts.tolist(), new_tokens, SamplingParams(greedy=True), eod=vocab,
+                          vocab_size=vocab, max_length=prompts.shape[1] + new_tokens, device=prompts.device)
         return output.tokens[:, prompts.shape[1]:]
     return run
 
@@ -199,14 +287,14 @@ def check_graph_logits(stage: InferenceStage, variants: dict, tokens: torch.Tens
     return passed
 
 
-def profile_calls(variants: dict, prompts: torch.Tensor, new_tokens: int, path: str) -> None:
+def profile_calls(variants: dict, prompts: torch.Tensor, new_tokens: int, vocab: int, path: str) -> None:
     """torch.profiler over one call of each graph variant: the GPU kernel table and kernels per step."""
     from torch.profiler import ProfilerActivity, profile
 
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as report:
         for name in (GRAPHS, COMPILED):
-            run = ours(variants[name], prompts, new_tokens)
+            run = ours(variants[name], prompts, new_tokens, vocab)
             run()
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
@@ -269,6 +357,18 @@ def attention_backend_times(args, batch: int, filled: int = 256) -> None:
             print(f"batch {batch:3d} | attention of one decode step, {name}: not available ({error})".splitlines()[0])
 
 
+def report_decode_bound(stage: InferenceStage, variant: str, per_token: float, context: int) -> None:
+    """Prints batch-1 decode seconds per token against the memory-bandwidth bound (module docstring)."""
+    read = decode_bytes_per_token(stage, context)
+    cache = read - decode_bytes_per_token(stage, 0)
+    bandwidth = copy_bandwidth()
+    bound = read / bandwidth
+    print(f"batch   1 | decode ({variant}) {per_token * 1e3:.3f} ms/token; bound {bound * 1e3:.3f} ms/token "
+          f"({read / 1e9:.3f} GB read per token, {cache / 1e9:.3f} GB of it the key/value cache of {context} "
+          f"positions, over a measured copy bandwidth of {bandwidth / 1e12:.2f} TB/s): "
+          f"{bound / per_token:.0%} of the memory-bandwidth bound", flush=True)
+
+
 def timed_or_none(run):
     """timed(run), or None after printing the error (one variant failing leaves the others' figures)."""
     try:
@@ -278,62 +378,69 @@ def timed_or_none(run):
         return None
 
 
+def time_batch(args, variants: dict, hf_model, prompts: torch.Tensor, vocab: int) -> tuple[dict, str | None]:
+    """Times every variant at this batch and prints the table: ({name: (seconds, tokens)} of those that
+    ran, the fastest of ours or None)."""
+    batch = prompts.shape[0]
+    results = {name: timed_or_none(ours(forward, prompts, args.new_tokens, vocab))
+               for name, forward in variants.items()}
+    results["transformers, static, eager"] = timed_or_none(theirs(hf_model, prompts, args.new_tokens, compiled=False))
+    if not args.no_compiled_transformers:
+        results["transformers, static, compiled"] = timed_or_none(theirs(hf_model, prompts, args.new_tokens,
+                                                                         compiled=True))
+    ran = {name: result for name, result in results.items() if result is not None}
+    reference = ran.get("transformers, static, eager", (None, None))[1]
+    for name, (seconds, tokens) in ran.items():
+        agreement = "no eager run" if reference is None else first_difference(tokens, reference)
+        print(f"batch {batch:3d} | {name:34s} | {batch * args.new_tokens / seconds:10.1f} tokens/s | "
+              f"{seconds:7.3f} s | vs transformers eager: {agreement}", flush=True)
+    mine = [name for name in ran if name.startswith("ours")]
+    theirs_ran = [ran[name][0] for name in ran if name.startswith("transformers")]
+    best_ours = min(mine, key=lambda name: ran[name][0]) if mine else None
+    if best_ours is not None and theirs_ran:
+        print(f"batch {batch:3d} | ours / transformers (best of each): {min(theirs_ran) / ran[best_ours][0]:.2f}x "
+              f"({best_ours})", flush=True)
+    return results, best_ours
+
+
+def optional(step) -> bool:
+    """Runs step(): False if it returned False or failed (its error printed), else True."""
+    try:
+        return step() is not False
+    except Exception:  # noqa: BLE001 - reported, and the exit status says so
+        traceback.print_exc()
+        return False
+
+
 def main():
     args = parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     stage = build_stage(args)
+    vocab = MODELS[args.model]["vocab"]
     parameter_bytes = sum(p.numel() * p.element_size() for p in stage.parameters())
-    print(f"model: {sum(p.numel() for p in stage.parameters()) / 1e9:.3f}B parameters ({parameter_bytes / 2**30:.2f} GiB "
-          f"{args.dtype}); prompt {args.prompt_length}, {args.new_tokens} new tokens", flush=True)
+    print(f"model {args.model}: {sum(p.numel() for p in stage.parameters()) / 1e9:.3f}B parameters "
+          f"({parameter_bytes / 2**30:.2f} GiB {args.dtype}); prompt {args.prompt_length}, "
+          f"{args.new_tokens} new tokens", flush=True)
     hf_model = transformers_model(stage)
     variants = our_variants(stage, args.skip_growing_cache)
     generator = torch.Generator(device="cuda").manual_seed(0)
     healthy = True
     for batch in args.batch_sizes:
         total = args.prompt_length + args.new_tokens
-        check_tokens = torch.randint(0, VOCAB, (batch, total), device="cuda", generator=generator)
-        try:
-            healthy &= check_graph_logits(stage, variants, check_tokens, args.prompt_length)
-        except Exception:  # noqa: BLE001 - reported, and the exit status says so
-            traceback.print_exc()
-            healthy = False
-        prompts = torch.randint(0, VOCAB, (batch, args.prompt_length), device="cuda", generator=generator)
-        results = {name: timed_or_none(ours(forward, prompts, args.new_tokens)) for name, forward in variants.items()}
-        results["transformers, static, eager"] = timed(theirs(hf_model, prompts, args.new_tokens, compiled=False))
-        if not args.no_compiled_transformers:
-            results["transformers, static, compiled"] = timed(theirs(hf_model, prompts, args.new_tokens, compiled=True))
-        healthy &= all(result is not None for result in results.values())
-        results = {name: result for name, result in results.items() if result is not None}
-        reference = results["transformers, static, eager"][1]
-        for name, (seconds, tokens) in results.items():
-            print(f"batch {batch:3d} | {name:34s} | {batch * args.new_tokens / seconds:10.1f} tokens/s | "
-                  f"{seconds:7.3f} s | vs transformers eager: {first_difference(tokens, reference)}", flush=True)
-        mine = [name for name in results if name.startswith("ours")]
-        best_ours = min(mine, key=lambda name: results[name][0])
-        best_theirs = min(results[name][0] for name in results if name.startswith("transformers"))
-        print(f"batch {batch:3d} | ours / transformers (best of each): {best_theirs / results[best_ours][0]:.2f}x "
-              f"({best_ours})", flush=True)
+        check_tokens = torch.randint(0, vocab, (batch, total), device="cuda", generator=generator)
+        healthy &= optional(lambda: check_graph_logits(stage, variants, check_tokens, args.prompt_length))
+        prompts = torch.randint(0, vocab, (batch, args.prompt_length), device="cuda", generator=generator)
+        results, best_ours = time_batch(args, variants, hf_model, prompts, vocab)
+        healthy &= best_ours is not None and all(result is not None for result in results.values())
         if args.profile_dir:
-            try:
-                profile_calls(variants, prompts, args.new_tokens,
-                              os.path.join(args.profile_dir, f"profile_batch{batch}.txt"))
-            except Exception:  # noqa: BLE001 - reported, and the exit status says so
-                traceback.print_exc()
-                healthy = False
-        if batch == 1:
-            one_token, _ = timed(ours(variants[best_ours], prompts, 1))
+            path = os.path.join(args.profile_dir, f"profile_batch{batch}.txt")
+            healthy &= optional(lambda: profile_calls(variants, prompts, args.new_tokens, vocab, path))
+        if batch == 1 and best_ours is not None:
+            one_token, _ = timed(ours(variants[best_ours], prompts, 1, vocab))
             per_token = (results[best_ours][0] - one_token) / (args.new_tokens - 1)
-            bandwidth = copy_bandwidth()
-            bound = parameter_bytes / bandwidth
-            print(f"batch   1 | decode ({best_ours}) {per_token * 1e3:.3f} ms/token; bound {bound * 1e3:.3f} ms/token "
-                  f"({parameter_bytes / 1e9:.2f} GB over a measured copy bandwidth of {bandwidth / 1e12:.2f} TB/s): "
-                  f"{bound / per_token:.0%} of the memory-bandwidth bound", flush=True)
+            report_decode_bound(stage, best_ours, per_token, args.prompt_length + args.new_tokens // 2)
         if args.attention_backends:
-            try:
-                attention_backend_times(args, batch)
-            except Exception:  # noqa: BLE001 - reported, and the exit status says so
-                traceback.print_exc()
-                healthy = False
+            healthy &= optional(lambda: attention_backend_times(args, batch))
     sys.exit(0 if healthy else 1)
 
 
