@@ -59,16 +59,28 @@ BASE = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "kv_channe
         "apply_residual_connection_post_layernorm": False, "bias_gelu_fusion": True, "openai_gelu": False}
 
 
+LLAMA = {**BASE, "normalization": "RMSNorm", "glu_activation": "swiglu", "bias_gelu_fusion": False,
+         "position_embedding_type": "rotary", "rotary_percent": 1.0, "add_bias_linear": False, "num_query_groups": 2}
+
+
 @pytest.mark.parametrize("changes, named", [
-    ({"position_embedding_type": "rotary"}, "--position-embedding-type rotary"),
-    ({"glu_activation": "swiglu"}, "--glu-activation swiglu"),
+    ({"position_embedding_type": "rotary"}, "--normalization LayerNorm"),
+    ({"glu_activation": "swiglu"}, "--position-embedding-type absolute"),
     ({"apply_residual_connection_post_layernorm": True}, "--apply-residual-connection-post-layernorm"),
     ({"position_embedding_type": "alibi"}, "ALiBi without --embed-layernorm"),
     ({"position_embedding_type": "alibi", "embed_layernorm": True, "ffn_hidden_size": 128}, "--ffn-hidden-size 128"),
     ({"embed_layernorm": True}, "--embed-layernorm with learned absolute positions"),
+    ({**LLAMA, "normalization": "LayerNorm"}, "--normalization LayerNorm"),
+    ({**LLAMA, "position_embedding_type": "alibi"}, "--position-embedding-type alibi"),
+    ({**LLAMA, "glu_activation": "geglu"}, "--glu-activation geglu"),
+    ({**LLAMA, "rotary_percent": 0.5}, "--rotary-percent 0.5"),
+    ({**LLAMA, "add_bias_linear": True, "add_qkv_bias": True}, "--add-qkv-bias with biases on every linear layer"),
 ])
 def test_options_no_architecture_expresses_are_refused_by_name(changes, named):
     with pytest.raises(NotExportableError, match=named):
         architecture({**BASE, **changes})
     assert architecture(BASE) == "GPT2LMHeadModel"
     assert architecture({**BASE, "position_embedding_type": "alibi", "embed_layernorm": True}) == "BloomForCausalLM"
+    assert architecture(LLAMA) == "LlamaForCausalLM"
+    assert architecture({**LLAMA, "add_qkv_bias": True}) == "Qwen2ForCausalLM"
+    assert architecture({**LLAMA, "add_bias_linear": True, "num_query_groups": 4}) == "LlamaForCausalLM"

@@ -1,4 +1,4 @@
-"""Export a checkpoint as a Hugging Face transformers model (GPT-2 or BLOOM), in safetensors.
+"""Export a checkpoint as a Hugging Face transformers model (GPT-2, BLOOM, Llama or Qwen2), in safetensors.
 
     python tools/convert_checkpoint/deepspeed_to_transformers.py --input_folder CKPT[/global_stepN] \\
         --output_folder HF_MODEL
@@ -6,7 +6,10 @@
 The output loads offline with ``transformers.AutoModelForCausalLM.from_pretrained(HF_MODEL)``:
 config.json, one safetensors shard per layer with model.safetensors.index.json (written as the
 layers are read, one at a time, whatever TP and PP the checkpoint was saved with), and the
-tokenizer's vocab.json and merges.txt when the run named them and they still exist. Which
+tokenizer files the run named when they still exist: GPT-2's vocab.json and merges.txt (with a
+tokenizer_config.json), a tokenizer.json with the tokenizer_config.json and special_tokens_map.json
+beside it (--tokenizer-model or --tokenizer-name-or-path), or a SentencePiece model as
+tokenizer.model. config.json's bos and eos are the tokenizer's, as the trainer uses them. Which
 architecture, and the options refused: megatron.core.checkpoint.transformers_export.
 """
 import argparse
@@ -24,8 +27,8 @@ select_accelerator()  # before anything imports deepspeed: one accelerator choic
 
 from megatron.core.checkpoint.output import staged_directory, tree_size  # noqa: E402
 from megatron.core.checkpoint.reader import CheckpointInputError, iter_full_layers  # noqa: E402
-from megatron.core.checkpoint.transformers_export import (NotExportableError, architecture,  # noqa: E402
-                                                          exported_layer, transformers_config)
+from megatron.core.checkpoint.transformers_export import (LLAMA_CLASS, NotExportableError,  # noqa: E402
+                                                          architecture, exported_layer, transformers_config)
 from tools.convert_checkpoint.reshape import ALLOW_MISSING_MANIFEST_HELP, open_input, report  # noqa: E402
 
 
@@ -37,34 +40,79 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+SENTENCEPIECE_FILE = "tokenizer.model"
+
+
+def _tokenizer_sources(data: dict) -> dict[str, str]:
+    """Exported name -> the file the run's tokenizer flags point at (module docstring)."""
+    kind = data.get("tokenizer_type", "GPT2BPETokenizer")
+    if kind == "GPT2BPETokenizer":
+        return {"vocab.json": data.get("vocab_file"), "merges.txt": data.get("merge_file")}
+    path = data.get("tokenizer_model") or data.get("tokenizer_name_or_path")
+    if not path:
+        return {}
+    if kind in ("HuggingFaceTokenizer", "PretrainedFromHF"):
+        directory = path if os.path.isdir(path) else os.path.dirname(path)
+        sources = {name: os.path.join(directory, name) for name in HF_TOKENIZER_FILES + ("vocab.json", "merges.txt")}
+        if not os.path.isdir(path):
+            sources["tokenizer.json"] = path
+        return sources
+    return {SENTENCEPIECE_FILE: path}
+
+
 def copy_tokenizer(saved_config: dict, output: str) -> list[str]:
-    """The run's GPT-2 BPE files, when it named them and they exist; the names copied."""
+    """The run's tokenizer files that still exist (module docstring); the names copied."""
     data = saved_config.get("data", {})
     copied = []
-    for key, name in (("vocab_file", "vocab.json"), ("merge_file", "merges.txt")):
-        path = data.get(key)
+    for name, path in _tokenizer_sources(data).items():
         if path and os.path.isfile(path):
             shutil.copyfile(path, os.path.join(output, name))
             copied.append(name)
-    if len(copied) == 2:
+    if {"vocab.json", "merges.txt"} <= set(copied) and "tokenizer_config.json" not in copied:
         with open(os.path.join(output, "tokenizer_config.json"), "w") as f:
             json.dump({"tokenizer_class": "GPT2Tokenizer", "model_max_length": saved_config.get("model", {}).get(
                 "max_position_embeddings", 1024)}, f, indent=1)
     return copied
 
 
-def set_end_of_document(output: str, vocab_size: int) -> None:
-    """bos/eos of config.json: the tokenizer's <|endoftext|> when its vocab.json is there, else none
-    (transformers' GPT-2 default, 50256, is not a token of a smaller vocabulary)."""
-    vocab_path, config_path = os.path.join(output, "vocab.json"), os.path.join(output, "config.json")
-    end = None
-    if os.path.isfile(vocab_path):
+def _special_tokens(output: str, saved_config: dict, llama_class: bool) -> tuple[int | None, int | None]:
+    """(bos, eos) of the exported tokenizer: GPT-2's <|endoftext|> for both when its vocab.json is
+    there (transformers' GPT-2 default, 50256, is not a token of a smaller vocabulary); for the Llama
+    class the trainer's own reading of the copied tokenizer (its bos, and eod as eos)."""
+    vocab_path = os.path.join(output, "vocab.json")
+    if not llama_class or saved_config.get("data", {}).get("tokenizer_type", "GPT2BPETokenizer") == "GPT2BPETokenizer":
+        if not os.path.isfile(vocab_path):
+            return None, None
         with open(vocab_path) as f:
             end = json.load(f).get("<|endoftext|>")
+        return (None if llama_class else end), end
+    from megatron.core.tokenizer import TokenizerError, bos_of, build_tokenizer
+
+    kind = saved_config["data"]["tokenizer_type"]
+    if kind in ("HuggingFaceTokenizer", "PretrainedFromHF"):
+        if not os.path.isfile(os.path.join(output, "tokenizer.json")):
+            return None, None
+        kind, arguments = "HuggingFaceTokenizer", {"tokenizer_model": output}
+    else:
+        if not os.path.isfile(os.path.join(output, SENTENCEPIECE_FILE)):
+            return None, None
+        arguments = {"tokenizer_model": os.path.join(output, SENTENCEPIECE_FILE)}
+    try:
+        tokenizer = build_tokenizer(kind, **arguments)
+    except TokenizerError:
+        return None, None
+    return bos_of(tokenizer), tokenizer.eod
+
+
+def set_special_tokens(output: str, vocab_size: int, saved_config: dict, llama_class: bool) -> None:
+    """bos_token_id and eos_token_id of config.json (``_special_tokens``), None outside the vocabulary."""
+    config_path = os.path.join(output, "config.json")
+    bos, eos = _special_tokens(output, saved_config, llama_class)
     with open(config_path) as f:
         config = json.load(f)
-    end = end if end is not None and end < vocab_size else None
-    config.update(bos_token_id=end, eos_token_id=end)
+    config.update({key: (token if token is not None and token < vocab_size else None)
+                   for key, token in (("bos_token_id", bos), ("eos_token_id", eos))})
     with open(config_path, "w") as f:
         json.dump(config, f, indent=1)
 
@@ -81,7 +129,8 @@ def export(arguments) -> str:
         raise CheckpointInputError(f"{checkpoint.directory}: {error}") from None
     vocab_size, weight_map, dtype = checkpoint.original_vocab_size, {}, None
     with staged_directory(arguments.output_folder) as staging, \
-            tqdm(iter_full_layers(checkpoint), total=checkpoint.model["num_layers"] + 2, desc="layers", unit="layer",
+            tqdm(iter_full_layers(checkpoint), total=checkpoint.model["num_layers"] + 2 + bool(
+                checkpoint.model.get("untie_embeddings_and_output_weights")), desc="layers", unit="layer",
                  file=sys.stderr) as layers:
         for layer, state in layers:
             tensors = exported_layer(checkpoint.model, layer, state, vocab_size)
@@ -94,8 +143,9 @@ def export(arguments) -> str:
             json.dump({"metadata": {"total_size": tree_size(staging)}, "weight_map": weight_map}, f, indent=1)
         with open(os.path.join(staging, "config.json"), "w") as f:
             json.dump(transformers_config(checkpoint.model, vocab_size, dtype), f, indent=1)
-        tokenizer = copy_tokenizer(checkpoint.state["args"].get("config", {}), staging)
-        set_end_of_document(staging, vocab_size)
+        saved_config = checkpoint.state["args"].get("config", {})
+        tokenizer = copy_tokenizer(saved_config, staging)
+        set_special_tokens(staging, vocab_size, saved_config, kind in LLAMA_CLASS)
     return (f"{kind} of iteration {checkpoint.iteration} (saved at TP {checkpoint.tp}, PP {checkpoint.pp}) written "
             f"to {arguments.output_folder}: {len(weight_map)} tensors, vocabulary {vocab_size} (padding of "
             f"{checkpoint.model['padded_vocab_size'] - vocab_size} rows dropped), tokenizer files: "

@@ -1,4 +1,4 @@
-"""Import a Hugging Face transformers GPT-2 or BLOOM model as a checkpoint at any TP and PP size.
+"""Import a Hugging Face transformers GPT-2, BLOOM, Llama, Mistral or Qwen2 model as a checkpoint at any TP and PP size.
 
     python tools/convert_checkpoint/transformers_to_megatron.py --input_folder HF_MODEL \\
         --output_folder CKPT --target_tp 2 --target_pp 2 [--pad_vocab_size_to P] [--seq_length S]
@@ -6,7 +6,8 @@
 HF_MODEL is a local transformers directory (config.json and safetensors or pytorch_model.bin
 weights). CKPT is a --save directory: ``global_step0`` in the pipeline engine's layout, weights
 only, with the model configuration, a manifest and ``latest``; the tokenizer files found in
-HF_MODEL are copied to CKPT/tokenizer. The summary prints the flags a run needs to load it:
+HF_MODEL are copied to CKPT/tokenizer (GPT-2's vocab.json and merges.txt, else a tokenizer.json,
+else a SentencePiece tokenizer.model). The summary prints the flags a run needs to load it:
 
     pretrain_gpt.py <those model flags> --load CKPT --no-load-optim --no-load-rng ...    (or --finetune)
 
@@ -16,6 +17,7 @@ so with padding the loss is no longer exactly transformers'; the summary reports
 Which configurations import, and how the tensors map: megatron.core.checkpoint.transformers_import.
 """
 import argparse
+import dataclasses
 import os
 import shutil
 import sys
@@ -34,10 +36,11 @@ from megatron.core.checkpoint.sharding import ModelSharding  # noqa: E402
 from megatron.core.checkpoint.transformers_import import (BLOOM, TransformersWeights,  # noqa: E402
                                                           imported_layers, model_options, read_transformers_config)
 from megatron.core.checkpoint.writer import check_target_layout, write_checkpoint  # noqa: E402
-from megatron.core.models.gpt.config import GPTModelConfig  # noqa: E402
+from megatron.core.models.gpt.config import GPTConfigError, GPTModelConfig  # noqa: E402
 from tools.convert_checkpoint.reshape import layout_parser, report  # noqa: E402
 
-TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model")
 TOKENIZER_DIRECTORY = "tokenizer"
 BLOOM_SEQ_LENGTH = 2048
 
@@ -48,7 +51,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--pad_vocab_size_to", type=int, default=None,
                         help="rows of the word embeddings (default: the model's, up to a multiple of --target_tp)")
     parser.add_argument("--seq_length", type=int, default=None,
-                        help=f"training sequence length (default: GPT-2's n_positions; BLOOM {BLOOM_SEQ_LENGTH})")
+                        help=f"training sequence length (default: the model's max_position_embeddings, GPT-2's "
+                             f"n_positions; BLOOM {BLOOM_SEQ_LENGTH})")
     return parser.parse_args(argv)
 
 
@@ -62,18 +66,20 @@ def padded_vocabulary(vocab_size: int, tp: int, requested: int | None) -> int:
 
 
 def model_config(options: dict, seq_length: int, padded: int, dtype: torch.dtype) -> GPTModelConfig:
-    return GPTModelConfig(
-        num_layers=options["num_layers"], hidden_size=options["hidden_size"],
-        num_attention_heads=options["num_attention_heads"], padded_vocab_size=padded, seq_length=seq_length,
-        ffn_hidden_size=options["ffn_hidden_size"], max_position_embeddings=options["max_position_embeddings"] or seq_length,
-        position_embedding_type=options["position_embedding_type"], layernorm_epsilon=options["layernorm_epsilon"],
-        apply_residual_connection_post_layernorm=options["apply_residual_connection_post_layernorm"],
-        embed_layernorm=options["embed_layernorm"], openai_gelu=options["tanh_gelu"],
-        bias_gelu_fusion=options["tanh_gelu"], params_dtype=dtype)
+    """The GPTModelConfig of the imported options (GPTModelConfig fields; BLOOM's missing position table
+    counts the training length)."""
+    fields = {field.name for field in dataclasses.fields(GPTModelConfig)}
+    values = {name: value for name, value in options.items() if name in fields}
+    values["max_position_embeddings"] = options["max_position_embeddings"] or seq_length
+    try:
+        return GPTModelConfig(**values, padded_vocab_size=padded, seq_length=seq_length, params_dtype=dtype)
+    except GPTConfigError as error:
+        raise CheckpointInputError(f"the imported model cannot be configured: {error}") from None
 
 
 def model_flags(model: GPTModelConfig) -> list[str]:
-    """The trainer's flags for ``model``: the fields a load checks, the GeLU and the epsilon."""
+    """The trainer's flags for ``model``: the fields a load checks, the activation, the norm and its epsilon,
+    the rotary settings."""
     flags = ["--num-layers", model.num_layers, "--hidden-size", model.hidden_size,
              "--num-attention-heads", model.num_attention_heads, "--ffn-hidden-size", model.ffn_hidden_size,
              "--seq-length", model.seq_length, "--max-position-embeddings", model.max_position_embeddings,
@@ -81,15 +87,43 @@ def model_flags(model: GPTModelConfig) -> list[str]:
              "--layernorm-epsilon", model.layernorm_epsilon, "--pad-vocab-size-to", model.padded_vocab_size]
     if model.padded_vocab_size % 128:  # the default --make-vocab-size-divisible-by must divide it
         flags += ["--make-vocab-size-divisible-by", 1]
-    flags.append("--openai-gelu" if model.openai_gelu else "--no-bias-gelu-fusion")
+    if model.glu_activation == "swiglu":
+        flags.append("--swiglu")
+    else:
+        flags.append("--openai-gelu" if model.openai_gelu else "--no-bias-gelu-fusion")
     flags += ["--embed-layernorm"] * model.embed_layernorm
     flags += ["--apply-residual-connection-post-layernorm"] * model.apply_residual_connection_post_layernorm
-    return [str(flag) for flag in flags]
+    return [str(flag) for flag in flags + _llama_flags(model)]
+
+
+def _llama_flags(model: GPTModelConfig) -> list:
+    """The flags of the Llama-class options that differ from the defaults."""
+    flags = []
+    if model.normalization != "LayerNorm":
+        flags += ["--normalization", model.normalization]
+    if model.kv_channels * model.num_attention_heads != model.hidden_size:
+        flags += ["--kv-channels", model.kv_channels]
+    if model.num_query_groups != model.num_attention_heads:
+        flags += ["--group-query-attention", "--num-query-groups", model.num_query_groups]
+    if model.position_embedding_type == "rotary":
+        flags += ["--rotary-base", f"{model.rotary_base:g}"]
+        flags += ["--rotary-percent", model.rotary_percent] * (model.rotary_percent != 1.0)
+    if model.use_rope_scaling:
+        flags += ["--use-rope-scaling", "--rope-scaling-factor", model.rope_scaling_factor,
+                  "--rope-scaling-low-freq-factor", model.rope_scaling_low_freq_factor,
+                  "--rope-scaling-high-freq-factor", model.rope_scaling_high_freq_factor,
+                  "--rope-scaling-original-max-position-embeddings",
+                  model.rope_scaling_original_max_position_embeddings]
+    flags += ["--untie-embeddings-and-output-weights"] * model.untie_embeddings_and_output_weights
+    flags += ["--disable-bias-linear"] * (not model.add_bias_linear)
+    flags += ["--add-qkv-bias"] * (model.add_qkv_bias and not model.add_bias_linear)
+    return flags
 
 
 def tokenizer_settings(source: str, output: str) -> tuple[list[str], dict]:
     """(the trainer's flags, the recorded data settings) for the tokenizer files copy_tokenizer_files
-    puts under ``output``: the GPT-2 BPE files, else a transformers tokenizer, else none."""
+    puts under ``output``: the GPT-2 BPE files, else a tokenizer.json (HuggingFaceTokenizer), else a
+    SentencePiece tokenizer.model, else none."""
     present = {name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(source, name))}
     directory = os.path.join(output, TOKENIZER_DIRECTORY)
     if {"vocab.json", "merges.txt"} <= present:
@@ -97,8 +131,12 @@ def tokenizer_settings(source: str, output: str) -> tuple[list[str], dict]:
         return (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges],
                 {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": vocab, "merge_file": merges})
     if "tokenizer.json" in present:
-        return (["--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", directory],
-                {"tokenizer_type": "PretrainedFromHF", "tokenizer_name_or_path": directory})
+        return (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", directory],
+                {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": directory})
+    if "tokenizer.model" in present:
+        model = os.path.join(directory, "tokenizer.model")
+        return (["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model],
+                {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": model})
     return [], {}
 
 
@@ -118,8 +156,12 @@ def import_model(arguments) -> str:
 
     started = time.perf_counter()
     source, tp, pp = arguments.input_folder, arguments.target_tp, arguments.target_pp
-    kind, options = model_options(read_transformers_config(source), source)
+    kind, options = model_options(read_transformers_config(source), source, arguments.seq_length)
     check_target_layout(options, tp, pp)
+    groups = options.get("num_query_groups") or options["num_attention_heads"]
+    if groups % tp:
+        raise CheckpointInputError(f"--target_tp {tp}: the model's {groups} key/value groups must divide by the "
+                                   f"tensor-parallel size")
     weights = TransformersWeights(source)
     vocab_size = options["vocab_size"]
     padded = padded_vocabulary(vocab_size, tp, arguments.pad_vocab_size_to)
@@ -129,7 +171,8 @@ def import_model(arguments) -> str:
     tokenizer_flags, data = tokenizer_settings(source, output)
     state = imported_checkpoint_state(model, vocab_size, tp, pp, {**data, "orig_vocab_size": vocab_size},
                                       deepspeed_version())
-    with tqdm(imported_layers(weights, kind, options, padded), total=options["num_layers"] + 2, desc="layers",
+    layers_total = options["num_layers"] + 2 + bool(options.get("untie_embeddings_and_output_weights"))
+    with tqdm(imported_layers(weights, kind, options, padded), total=layers_total, desc="layers",
               unit="layer", file=sys.stderr) as layers:
         written = write_checkpoint(output, 0, layers, state, tp, pp, ModelSharding(model),
                                    before_commit=lambda staging: copy_tokenizer_files(source, staging))
