@@ -361,15 +361,15 @@ def _sweep_qkv_split(dtype):
     _sweep_one("qkv cat, then bias row sum", lambda c: cat_then_sum(), [None])
 
 
-def compare_qkv_split(dtype, heads=32, head_dim=64):
+def compare_qkv_split(dtype):
     """Backward of split_query_key_value (dmixed and the bias gradient from dq, dk, dv as cuDNN's
-    attention backward leaves them), the Triton kernel against the reference's autograd, for
-    multi-head attention and 4 and 32 query heads per key/value group (the Llama-style shapes:
-    32 heads of 64)."""
+    attention backward leaves them), the Triton kernel against the reference's autograd: multi-head
+    attention at the 1.3B GPT's 16 heads of 128 and at 32 heads of 64, then the Llama-style 32 heads
+    of 64 over 8 key/value groups and over 1 (multi-query)."""
     from triton.testing import do_bench
 
-    print(f"\nqkv split backward, {heads} heads of {head_dim}, seq {SEQ}, micro-batch {MICRO_BATCH}: ms (median)")
-    for queries in (1, 4, heads):
+    print(f"\nqkv split backward, seq {SEQ}, micro-batch {MICRO_BATCH}: ms (median), GB/s over dmixed read + written")
+    for heads, head_dim, queries in ((16, 128, 1), (32, 64, 1), (32, 64, 4), (32, 64, 32)):
         groups = heads // queries
         width = groups * (queries + 2) * head_dim
         mixed = torch.randn(SEQ, MICRO_BATCH, width, device="cuda").to(dtype).requires_grad_(True)
@@ -381,8 +381,9 @@ def compare_qkv_split(dtype, heads=32, head_dim=64):
                 return torch.autograd.grad(split(mixed, bias, head_dim, queries), (mixed, bias), grads)
 
             times.append(do_bench(backward, warmup=25, rep=200, return_mode="median"))
-        print(f"  {queries:>2} queries per group ({groups} groups): fused {times[0]:.3f}  reference {times[1]:.3f}  "
-              f"x{times[1] / times[0]:.2f}", flush=True)
+        moved = 2 * mixed.numel() * mixed.element_size()
+        print(f"  {heads} heads of {head_dim}, {queries:>2} per group: fused {times[0]:.3f}  reference {times[1]:.3f}  "
+              f"x{times[1] / times[0]:.2f}  {moved / times[0] / 1e6:.0f} GB/s", flush=True)
 
 
 def sweep(dtype):

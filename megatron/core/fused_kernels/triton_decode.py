@@ -223,10 +223,10 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, norm_bia
     acc_gate = w_gate.to(tl.float32) * x[None, :]
     for start in range(BLOCK_K, K, BLOCK_K):
         tile = start + cols
-        x = _input_tile(x_ptr, norm_weight_ptr, norm_bias_ptr, tile, K, mean, rstd, NORM, EVEN_K)[None, :]
-        acc += _weight_tile(w_ptr, row_offsets, row_ok, tile, K, EVEN_K).to(tl.float32) * x
+        x_tile = _input_tile(x_ptr, norm_weight_ptr, norm_bias_ptr, tile, K, mean, rstd, NORM, EVEN_K)[None, :]
+        acc += _weight_tile(w_ptr, row_offsets, row_ok, tile, K, EVEN_K).to(tl.float32) * x_tile
         if ACTIVATION == 3:
-            acc_gate += _weight_tile(w_ptr, gate_offsets, row_ok, tile, K, EVEN_K).to(tl.float32) * x
+            acc_gate += _weight_tile(w_ptr, gate_offsets, row_ok, tile, K, EVEN_K).to(tl.float32) * x_tile
     _epilogue(tl.sum(acc, axis=1), tl.sum(acc_gate, axis=1), bias_ptr, residual_ptr, y_ptr, rows, row_ok, N,
               HAS_BIAS, HAS_RESIDUAL, ACTIVATION)
 

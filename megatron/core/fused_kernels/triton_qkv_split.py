@@ -12,11 +12,15 @@ backward left them and must hand back
 
 autograd's split backward concatenates (for q > 1 it even fills three zero tensors of dy's size
 and adds them) and the projection's backward then reads dy again to sum its rows; here the sum is
-taken from registers during the copy. Programs: one launch over the groups, a fixed number of
-programs per group striding over the tokens; each copies the group's q + 2 rows of a tile of tokens
-into its (q + 2) * hn contiguous columns and keeps fp32 partial sums, added by torch afterwards.
-With dq, dk, dv as cuDNN's attention backward leaves them ([s, b, np, hn], dense) this ran at
-0.128 ms against 0.153 for one launch per q, k, v at micro-batch 8 on an H200 (q = 1).
+taken from registers during the copy. Programs: one launch, a fixed number of programs striding
+over the tokens per head (q = 1: each copies the head's q, k and v rows of a tile of tokens into
+its 3 * hn contiguous columns) or per row of the g * (q + 2) (q > 1: each copies one query head's,
+key's or value's rows into its hn columns), keeping fp32 partial sums, added by torch afterwards.
+With dq, dk, dv as cuDNN's attention backward leaves them ([s, b, np, hn], dense) the q = 1 kernel
+ran at 0.128 ms against 0.153 for one launch per q, k, v at micro-batch 8 on an H200 (16 heads of
+128). The first grouped version, which loaded a group's q query heads as one [tokens, q, hn] tile,
+ran at 0.26 ms for 32 heads of 64 over 8 groups at micro-batch 8 (an H200), a third of the copy
+bandwidth; one program per row streams [tokens, hn] tiles as the q = 1 kernel does.
 
 This module imports triton; ``selection.kernel_module`` imports it only when a CUDA tensor needs it.
 """
@@ -33,75 +37,108 @@ _PROGRAMS_PER_SM = 8
 
 @triton.jit
 def _pack_qkv_grads_kernel(
-    dq_ptr, dk_ptr, dv_ptr, out_ptr, partial_sums_ptr, n_tokens, batch, head_dim, queries, n_cols,
+    dq_ptr, dk_ptr, dv_ptr, out_ptr, partial_sums_ptr, n_tokens, batch, head_dim, n_cols,
     dq_stride_s, dq_stride_b, dq_stride_h, dk_stride_s, dk_stride_b, dk_stride_h, dv_stride_s, dv_stride_b, dv_stride_h,
-    SUM_COLUMNS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+    SUM_COLUMNS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Copies dq of the q query heads, dk and dv of group program_id(1) into its (q + 2) * hn
-    contiguous columns of dy."""
+    """Copies dq, dk, dv of head program_id(1) into its 3 * hn contiguous columns of dy."""
     program = tl.program_id(0)
     n_programs = tl.num_programs(0)
-    group = tl.program_id(1)
+    head = tl.program_id(1)
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < head_dim
-    members = tl.arange(0, BLOCK_Q)  # the group's query heads, i of q
-    query_ok = (members < queries)[:, None] & dim_ok[None, :]  # [BLOCK_Q, BLOCK_D]
-    query_offsets = (group * queries + members)[:, None] * dq_stride_h + dims[None, :]
-    first_col = group * (queries + 2) * head_dim
-    query_cols = (first_col + members * head_dim)[:, None] + dims[None, :]
-    sums_q = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+    sums_q = tl.zeros([BLOCK_D], dtype=tl.float32)
     sums_k = tl.zeros([BLOCK_D], dtype=tl.float32)
     sums_v = tl.zeros([BLOCK_D], dtype=tl.float32)
     for first_token in range(program * BLOCK_M, n_tokens, n_programs * BLOCK_M):
         tokens = first_token + tl.arange(0, BLOCK_M)  # t = position * b + sequence
-        token_ok = tokens < n_tokens
-        in_bounds = token_ok[:, None] & dim_ok[None, :]
+        in_bounds = (tokens < n_tokens)[:, None] & dim_ok[None, :]
         positions, sequences = (tokens // batch).to(tl.int64), (tokens % batch).to(tl.int64)
-        out_rows = tokens.to(tl.int64) * n_cols
-        dq = tl.load(dq_ptr + (positions * dq_stride_s + sequences * dq_stride_b)[:, None, None]
-                     + query_offsets[None, :, :], mask=token_ok[:, None, None] & query_ok[None, :, :], other=0.0)
-        dk = tl.load(dk_ptr + (positions * dk_stride_s + sequences * dk_stride_b + group * dk_stride_h)[:, None]
+        out_offsets = tokens.to(tl.int64)[:, None] * n_cols + (head * 3 * head_dim + dims)[None, :]
+        dq = tl.load(dq_ptr + (positions * dq_stride_s + sequences * dq_stride_b + head * dq_stride_h)[:, None]
                      + dims[None, :], mask=in_bounds, other=0.0)
-        dv = tl.load(dv_ptr + (positions * dv_stride_s + sequences * dv_stride_b + group * dv_stride_h)[:, None]
+        dk = tl.load(dk_ptr + (positions * dk_stride_s + sequences * dk_stride_b + head * dk_stride_h)[:, None]
                      + dims[None, :], mask=in_bounds, other=0.0)
-        key_offsets = out_rows[:, None] + (first_col + queries * head_dim + dims)[None, :]
-        tl.store(out_ptr + out_rows[:, None, None] + query_cols[None, :, :], dq.to(out_ptr.dtype.element_ty),
-                 mask=token_ok[:, None, None] & query_ok[None, :, :])
-        tl.store(out_ptr + key_offsets, dk.to(out_ptr.dtype.element_ty), mask=in_bounds)
-        tl.store(out_ptr + key_offsets + head_dim, dv.to(out_ptr.dtype.element_ty), mask=in_bounds)
+        dv = tl.load(dv_ptr + (positions * dv_stride_s + sequences * dv_stride_b + head * dv_stride_h)[:, None]
+                     + dims[None, :], mask=in_bounds, other=0.0)
+        tl.store(out_ptr + out_offsets, dq.to(out_ptr.dtype.element_ty), mask=in_bounds)
+        tl.store(out_ptr + out_offsets + head_dim, dk.to(out_ptr.dtype.element_ty), mask=in_bounds)
+        tl.store(out_ptr + out_offsets + 2 * head_dim, dv.to(out_ptr.dtype.element_ty), mask=in_bounds)
         if SUM_COLUMNS:
             sums_q += tl.sum(dq.to(tl.float32), axis=0)
             sums_k += tl.sum(dk.to(tl.float32), axis=0)
             sums_v += tl.sum(dv.to(tl.float32), axis=0)
     if SUM_COLUMNS:
-        row = partial_sums_ptr + program * n_cols
-        tl.store(row + query_cols, sums_q, mask=query_ok)
-        tl.store(row + first_col + queries * head_dim + dims, sums_k, mask=dim_ok)
-        tl.store(row + first_col + (queries + 1) * head_dim + dims, sums_v, mask=dim_ok)
+        row = partial_sums_ptr + program * n_cols + head * 3 * head_dim + dims
+        tl.store(row, sums_q, mask=dim_ok)
+        tl.store(row + head_dim, sums_k, mask=dim_ok)
+        tl.store(row + 2 * head_dim, sums_v, mask=dim_ok)
+
+
+@triton.jit
+def _pack_grouped_qkv_grads_kernel(
+    dq_ptr, dk_ptr, dv_ptr, out_ptr, partial_sums_ptr, n_tokens, batch, head_dim, queries, n_cols,
+    dq_stride_s, dq_stride_b, dq_stride_h, dk_stride_s, dk_stride_b, dk_stride_h, dv_stride_s, dv_stride_b, dv_stride_h,
+    SUM_COLUMNS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Copies the gradient of row program_id(1) of the g * (q + 2) (query head i of group j, its key
+    or its value) into its hn contiguous columns of dy. The source is picked by masks: the two
+    loads masked off read no memory."""
+    program = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    slot = tl.program_id(1)
+    group = slot // (queries + 2)
+    member = slot % (queries + 2)
+    query_head = group * queries + tl.minimum(member, queries - 1)
+    is_query, is_key, is_value = member < queries, member == queries, member > queries
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < head_dim
+    sums = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for first_token in range(program * BLOCK_M, n_tokens, n_programs * BLOCK_M):
+        tokens = first_token + tl.arange(0, BLOCK_M)  # t = position * b + sequence
+        in_bounds = (tokens < n_tokens)[:, None] & dim_ok[None, :]
+        positions, sequences = (tokens // batch).to(tl.int64), (tokens % batch).to(tl.int64)
+        dq = tl.load(dq_ptr + (positions * dq_stride_s + sequences * dq_stride_b + query_head * dq_stride_h)[:, None]
+                     + dims[None, :], mask=in_bounds & is_query, other=0.0)
+        dk = tl.load(dk_ptr + (positions * dk_stride_s + sequences * dk_stride_b + group * dk_stride_h)[:, None]
+                     + dims[None, :], mask=in_bounds & is_key, other=0.0)
+        dv = tl.load(dv_ptr + (positions * dv_stride_s + sequences * dv_stride_b + group * dv_stride_h)[:, None]
+                     + dims[None, :], mask=in_bounds & is_value, other=0.0)
+        grad = tl.where(is_query, dq, tl.where(is_key, dk, dv))
+        out_offsets = tokens.to(tl.int64)[:, None] * n_cols + (slot * head_dim + dims)[None, :]
+        tl.store(out_ptr + out_offsets, grad.to(out_ptr.dtype.element_ty), mask=in_bounds)
+        if SUM_COLUMNS:
+            sums += tl.sum(grad.to(tl.float32), axis=0)
+    if SUM_COLUMNS:
+        tl.store(partial_sums_ptr + program * n_cols + slot * head_dim + dims, sums, mask=dim_ok)
 
 
 def pack_qkv_grads(dq, dk, dv, with_bias_grad, num_warps=_NUM_WARPS, programs_per_sm=_PROGRAMS_PER_SM,
                    tile_elements=_TILE_ELEMENTS):
     """(dy [s, b, g * (q + 2) * hn] contiguous, db [g * (q + 2) * hn] fp32 or None) from dq
     [s, b, g * q, hn], dk, dv [s, b, g, hn] of any strides whose last is 1: one launch over (token
-    programs, groups)."""
+    programs, heads) for q = 1, over (token programs, rows of a token's g * (q + 2)) for q > 1."""
     seq, batch, heads, head_dim = dq.shape
     groups = dk.shape[2]
     queries = heads // groups
-    n_tokens, n_cols = seq * batch, groups * (queries + 2) * head_dim
-    block_d, block_q = next_power_of_2(head_dim), next_power_of_2(queries)
-    rows_per_tile = max(1, 3 * tile_elements // (block_d * (block_q + 2)))  # ~3 * tile_elements loaded a tile
-    block_m = 1 << (rows_per_tile.bit_length() - 1)  # a power of 2, as tl.arange needs
-    n_tiles = groups * cdiv(n_tokens, block_m)
+    slots = groups * (queries + 2)
+    n_tokens, n_cols = seq * batch, slots * head_dim
+    block_d = next_power_of_2(head_dim)
+    block_m = max(1, tile_elements // block_d)
+    programs_along = groups if queries == 1 else slots
+    n_tiles = programs_along * cdiv(n_tokens, block_m)
     programs = reduction_programs(dq.device, n_tiles, programs_per_sm)
-    grid = (max(1, programs // groups), groups)
+    grid = (max(1, programs // programs_along), programs_along)
     out = torch.empty((seq, batch, n_cols), dtype=dq.dtype, device=dq.device)
     partial_sums = torch.empty((grid[0], n_cols) if with_bias_grad else (1,), dtype=torch.float32, device=dq.device)
-    _pack_qkv_grads_kernel[grid](
-        dq, dk, dv, out, partial_sums, n_tokens, batch, head_dim, queries, n_cols,
-        *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-        SUM_COLUMNS=with_bias_grad, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=block_d, num_warps=num_warps,
-    )
+    strides = (*dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3])
+    settings = dict(SUM_COLUMNS=with_bias_grad, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps)
+    if queries == 1:
+        _pack_qkv_grads_kernel[grid](dq, dk, dv, out, partial_sums, n_tokens, batch, head_dim, n_cols, *strides,
+                                     **settings)
+    else:
+        _pack_grouped_qkv_grads_kernel[grid](dq, dk, dv, out, partial_sums, n_tokens, batch, head_dim, queries, n_cols,
+                                             *strides, **settings)
     return out, (partial_sums.sum(0) if with_bias_grad else None)
 
 
