@@ -25,9 +25,9 @@ from megatron.core.models.gpt.transformer_layer import ParallelTransformerLayer
 
 
 def fuses_one_row_steps(config: GPTModelConfig, tp_size: int) -> bool:
-    """Whether ``one_row_step`` covers the layers of this model: not GLU, a second residual source,
-    fp32 residuals nor TP's all-reduce (between a product and its bias)."""
-    return (tp_size == 1 and not config.sequence_parallel and config.glu_activation is None
+    """Whether ``one_row_step`` covers the layers of this model: a GeLU or SwiGLU MLP, no second
+    residual source, no fp32 residuals and no TP all-reduce (between a product and its bias)."""
+    return (tp_size == 1 and not config.sequence_parallel and config.glu_activation in (None, "swiglu")
             and not config.apply_residual_connection_post_layernorm and not config.fp32_residual_connection)
 
 
@@ -78,14 +78,19 @@ def one_row_step(layer: ParallelTransformerLayer, hidden_states: torch.Tensor, p
         qkv = LN_1(x) W_qkv^T + b_qkv;  x' = x + (Attn(qkv) W_o^T + b_o)   (attention stores k, v)
         y = x' + (act(LN_2(x') W_1^T + b_1) W_2^T + b_2)
 
+    LN is LayerNorm or RMSNorm, act GeLU or SwiGLU (a * silu(g) of the [W_a; W_g] product); absent
+    biases are skipped.
     [1, 1, h] -> [1, 1, h]. A batch-1 step is bound by reading the weights; separate layer-norm and
     add kernels between the GEMVs cost a launch and a ramp each."""
     attention, mlp = layer.self_attention, layer.mlp
     first, second = layer.input_layernorm, layer.post_attention_layernorm
+    norm = "rms" if layer.config.normalization == "RMSNorm" else "layer"
+    activation = "swiglu" if layer.config.glu_activation == "swiglu" else mlp.gelu_form
     mixed = fused_kernels.layer_norm_linear(hidden_states, first.weight, first.bias, first.eps,
-                                            attention.query_key_value.weight, attention.query_key_value.bias)
+                                            attention.query_key_value.weight, attention.query_key_value.bias,
+                                            None, norm)
     context = cached_attention(attention, mixed, position_ids, kv_cache)  # [1, 1, np * hn]
     hidden_states = fused_kernels.linear(context, attention.dense.weight, attention.dense.bias, hidden_states)
     intermediate = fused_kernels.layer_norm_linear(hidden_states, second.weight, second.bias, second.eps,
-                                                   mlp.dense_h_to_4h.weight, mlp.dense_h_to_4h.bias, mlp.gelu_form)
+                                                   mlp.dense_h_to_4h.weight, mlp.dense_h_to_4h.bias, activation, norm)
     return fused_kernels.linear(intermediate, mlp.dense_4h_to_h.weight, mlp.dense_4h_to_h.bias, hidden_states)

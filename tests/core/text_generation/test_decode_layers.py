@@ -36,7 +36,8 @@ def test_cached_logits_equal_the_training_model(name, static_cache):
 
 ONE_ROW_OPTIONS = {"learned, tanh GeLU": dict(), "rotary, erf GeLU": dict(position_embedding_type="rotary",
                                                                         bias_gelu_fusion=False),
-                   "alibi, embedding LN": dict(position_embedding_type="alibi", embed_layernorm=True)}
+                   "alibi, embedding LN": dict(position_embedding_type="alibi", embed_layernorm=True),
+                   "llama": OPTIONS["llama: RMSNorm, GQA, swiglu, untied, no bias"]}
 
 
 @pytest.mark.parametrize("name", ONE_ROW_OPTIONS)
@@ -47,14 +48,14 @@ def test_one_row_steps_take_the_fused_layer_path_and_equal_the_training_model(na
     fused_calls = []
     fused = fused_kernels.layer_norm_linear
     monkeypatch.setattr(fused_kernels, "layer_norm_linear",
-                        lambda *args: fused_calls.append(args[6] if len(args) > 6 else "qkv") or fused(*args))
+                        lambda *args: fused_calls.append(args[6] or "qkv") or fused(*args))
     model = tiny_model(seed=8, **ONE_ROW_OPTIONS[name])
     inference = inference_of(model, static_cache=True)
     tokens = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = model(tokens).float()
     torch.testing.assert_close(cached_logits_in_chunks(inference, tokens), expected, rtol=1e-5, atol=5e-5)
-    activation = "gelu" if name == "rotary, erf GeLU" else "gelu_tanh"
+    activation = {"rotary, erf GeLU": "gelu", "llama": "swiglu"}.get(name, "gelu_tanh")
     assert fused_calls == ["qkv", activation] * (4 * 3)  # 4 one-token steps of 3 layers
     fused_calls.clear()
     batched = run(inference)
