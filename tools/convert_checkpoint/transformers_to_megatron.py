@@ -158,10 +158,6 @@ def import_model(arguments) -> str:
     source, tp, pp = arguments.input_folder, arguments.target_tp, arguments.target_pp
     kind, options = model_options(read_transformers_config(source), source, arguments.seq_length)
     check_target_layout(options, tp, pp)
-    groups = options.get("num_query_groups") or options["num_attention_heads"]
-    if groups % tp:
-        raise CheckpointInputError(f"--target_tp {tp}: the model's {groups} key/value groups must divide by the "
-                                   f"tensor-parallel size")
     weights = TransformersWeights(source)
     vocab_size = options["vocab_size"]
     padded = padded_vocabulary(vocab_size, tp, arguments.pad_vocab_size_to)

@@ -171,8 +171,9 @@ def model_options(config: dict, directory: str, seq_length: int | None = None) -
     """
     kind = config.get("model_type")
     if kind not in MODEL_TYPES:
-        raise CheckpointInputError(f"{directory}/config.json: model_type {kind!r} cannot be imported (these can: "
-                                   f"{', '.join(MODEL_TYPES)})")
+        experts = " (mixture-of-experts layers)" if any(config.get(key) for key in MOE_KEYS) else ""
+        raise CheckpointInputError(f"{directory}/config.json: model_type {kind!r}{experts} cannot be imported "
+                                   f"(these can: {', '.join(MODEL_TYPES)})")
     try:
         if kind in ("gpt2", "bloom"):
             options, refused = (_gpt2_options if kind == "gpt2" else _bloom_options)(config)

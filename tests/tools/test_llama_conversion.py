@@ -1,0 +1,278 @@
+"""Llama-class models through tools/convert_checkpoint: transformers_to_megatron.py imports tiny random
+LlamaForCausalLM (grouped-query attention, 4 heads over 2 groups, SwiGLU, RoPE base 500000, untied, no
+biases), its Llama 3.x rope-scaled form, Qwen2ForCausalLM (QKV bias), MistralForCausalLM and Llama with
+biases on every linear layer; deepspeed_to_transformers.py exports them back.
+
+* In this process: each import at TP=2 x PP=2, merged into one model, gives transformers' logits and
+  loss, and exported again gives back transformers' tensors; the tokenizer files travel both ways; what
+  cannot be expressed is refused by name with nothing left on disk.
+* End to end (slow): the Llama import at TP=2 x PP=2 and at TP=1 trains with pretrain_gpt.py (4 and 1
+  gloo processes, 3 iterations, the same data): the first loss is transformers' on the first global
+  batch and the two runs' losses agree; the trained TP=2 x PP=2 checkpoint exported gives a
+  transformers model whose loss is ours and whose greedy ``generate`` is generate_samples_gpt.py's.
+
+Tolerances: 1e-5 relative (fp32 on both sides, the sums run in another order; logits relative to the
+largest).
+"""
+import json
+import os
+
+import pytest
+import torch
+
+from megatron.core.checkpoint.model_loading import load_gpt_model
+from megatron.core.checkpoint.reader import open_checkpoint
+from tests.conftest import REPO_ROOT
+from tests.tools.test_transformers_to_megatron import transformers_loss
+from tests.training.e2e_utils import read_scalars, run_pretrain, run_script
+from tests.training.reference_loop import global_batch, training_dataset
+from tests.training.test_layout_equivalence import SEED, common_flags, series
+from tools.convert_checkpoint import deepspeed_to_transformers, transformers_to_megatron
+
+VOCABULARY, POSITIONS, SEQ_LENGTH, GLOBAL_BATCH, TRAIN_ITERS = 1000, 80, 32, 4, 3  # the sample tokenizer: 1000
+SIZES = dict(vocab_size=VOCABULARY, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=POSITIONS, rms_norm_eps=1e-5, tie_word_embeddings=False)
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 16}
+MODELS = {  # name -> (transformers class, its configuration)
+    "llama": ("Llama", dict(rope_theta=500000.0)),
+    "llama3-scaled": ("Llama", dict(rope_theta=500000.0, rope_scaling=LLAMA3_SCALING)),
+    "qwen2": ("Qwen2", dict(rope_theta=1000000.0)),
+    "mistral": ("Mistral", dict(sliding_window=None, head_dim=32)),
+    "llama-biases": ("Llama", dict(attention_bias=True, mlp_bias=True)),
+}
+TOOL = os.path.join(REPO_ROOT, "tools", "generate_samples_gpt.py")
+
+
+def tiny_model(name: str = "llama", **changes):
+    """A random transformers model of ``MODELS[name]``, its norms and biases drawn away from 1 and 0 so
+    that a misplaced one shows."""
+    import transformers
+
+    family, options = MODELS[name]
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{family}Config")(**{**SIZES, **options, **changes})
+    model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
+    with torch.no_grad():
+        for parameter_name, parameter in model.named_parameters():
+            if "norm" in parameter_name:
+                parameter.normal_(1.0, 0.2)
+            elif parameter_name.endswith(".bias"):
+                parameter.normal_(0.0, 0.2)
+    return model
+
+
+def import_model(source: str, output: str, *extra) -> int:
+    return transformers_to_megatron.main(["--input_folder", source, "--output_folder", output, *extra])
+
+
+def sample_tokens(batch: int = 2, length: int = 48) -> torch.Tensor:
+    return torch.randint(0, VOCABULARY, (batch, length), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_import_at_tp2_pp2_gives_transformers_loss_and_exports_back(name, tmp_path):
+    import transformers
+
+    model = tiny_model(name)
+    source, imported, exported = (str(tmp_path / part) for part in ("hf", "imported", "exported"))
+    model.save_pretrained(source)
+    assert import_model(source, imported, "--target_tp", "2", "--target_pp", "2") == 0
+    tokens = sample_tokens()
+    ours = load_gpt_model(open_checkpoint(imported), use_cpu_initialization=True)
+    with torch.no_grad():
+        our_logits, their_logits = ours(tokens), model(tokens).logits
+    assert (our_logits - their_logits).abs().max() <= 1e-5 * their_logits.abs().max()
+    loss = ours(tokens[:, :-1], labels=tokens[:, 1:]).item()
+    assert loss == pytest.approx(transformers_loss(model, tokens), rel=1e-5)
+
+    assert deepspeed_to_transformers.main(["--input_folder", imported, "--output_folder", exported]) == 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(exported, local_files_only=True)
+    expected = "Qwen2ForCausalLM" if name == "qwen2" else "LlamaForCausalLM"  # Mistral without a window is Llama
+    assert type(back).__name__ == expected
+    original, returned = model.state_dict(), back.state_dict()
+    assert set(original) == set(returned)
+    assert all(torch.equal(original[key], returned[key]) for key in original)
+
+
+def test_import_prints_the_flags_of_the_llama_options(tmp_path, capsys):
+    source = str(tmp_path / "hf")
+    tiny_model("llama3-scaled").save_pretrained(source)
+    assert import_model(source, str(tmp_path / "imported"), "--target_tp", "2", "--seq_length", "32") == 0
+    summary = capsys.readouterr().out
+    for flags in ("--seq-length 32 --max-position-embeddings 80 --position-embedding-type rotary",
+                  "--swiglu --normalization RMSNorm --group-query-attention --num-query-groups 2 --rotary-base 500000",
+                  "--use-rope-scaling --rope-scaling-factor 8.0 --rope-scaling-low-freq-factor 1.0 "
+                  "--rope-scaling-high-freq-factor 4.0 --rope-scaling-original-max-position-embeddings 16",
+                  "--untie-embeddings-and-output-weights --disable-bias-linear"):
+        assert flags in summary
+    source = str(tmp_path / "qwen")
+    tiny_model("qwen2", tie_word_embeddings=True).save_pretrained(source)
+    assert import_model(source, str(tmp_path / "qwen_imported")) == 0
+    summary = capsys.readouterr().out
+    assert "--disable-bias-linear --add-qkv-bias" in summary and "--untie" not in summary
+
+
+def edit_config(directory: str, **changes) -> None:
+    path = os.path.join(directory, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config.update(changes)
+    with open(path, "w") as f:
+        json.dump(config, f)
+
+
+@pytest.mark.parametrize("changes, extra, named", [
+    ({"model_type": "mistral", "sliding_window": 16}, [],
+     "sliding_window 16 (sliding-window attention; only sequences of at most 16 positions"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16}, ["--seq_length", "32"],
+     "sliding_window 16"),
+    ({"num_local_experts": 8}, [], "num_local_experts 8 (mixture-of-experts layers)"),
+    ({"num_key_value_heads": 3}, [], "num_attention_heads 4 that num_key_value_heads 3 do not divide"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}}, [],
+     "rope scaling type 'yarn' (only llama3 frequency scaling, or none, is implemented)"),
+    ({"rope_parameters": None, "rope_theta": 10000.0, "rope_scaling": {"type": "linear", "factor": 2.0}}, [],
+     "rope scaling type 'linear'"),
+    ({"attention_bias": True}, [], "attention_bias without mlp_bias"),
+    ({"mlp_bias": True}, [], "mlp_bias without attention_bias"),
+    ({"hidden_act": "gelu"}, [], "hidden_act gelu"),
+    ({"model_type": "mixtral", "num_local_experts": 8}, [], "model_type 'mixtral' (mixture-of-experts layers)"),
+    ({}, ["--target_tp", "4"], "--target_tp 4: the TP ranks split the model's 2 key/value groups"),
+])
+def test_what_cannot_be_expressed_is_refused_by_name_and_nothing_written(changes, extra, named, tmp_path, capsys):
+    source, output = str(tmp_path / "hf"), str(tmp_path / "imported")
+    tiny_model("llama").save_pretrained(source)
+    edit_config(source, **changes)
+    assert import_model(source, output, *extra) == 1
+    assert named in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+def test_a_window_longer_than_the_sequences_imports_as_full_attention(tmp_path, capsys):
+    source = str(tmp_path / "hf")
+    tiny_model("mistral", sliding_window=40).save_pretrained(source)
+    assert import_model(source, str(tmp_path / "imported"), "--seq_length", "32") == 0
+    assert "--seq-length 32 --max-position-embeddings 40" in capsys.readouterr().out
+
+
+def hf_tokenizer_directory(data, directory: str) -> str:
+    """transformers' fast GPT-2 tokenizer of the sample BPE files, saved as tokenizer.json (and its
+    configuration) only."""
+    import transformers
+
+    tokenizer = transformers.GPT2TokenizerFast(vocab_file=data.vocab_file, merges_file=data.merge_file)
+    tokenizer.save_pretrained(directory)
+    for name in ("vocab.json", "merges.txt"):
+        if os.path.exists(os.path.join(directory, name)):
+            os.remove(os.path.join(directory, name))
+    return directory
+
+
+def test_a_tokenizer_json_travels_both_ways(e2e_data, tmp_path, capsys):
+    import transformers
+
+    from megatron.core.tokenizer import build_tokenizer
+
+    source, imported, exported = (str(tmp_path / part) for part in ("hf", "imported", "exported"))
+    tiny_model("llama").save_pretrained(source)
+    hf_tokenizer_directory(e2e_data, source)
+    assert import_model(source, imported) == 0
+    assert f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {imported}/tokenizer" in capsys.readouterr().out
+    data = open_checkpoint(imported).state["args"]["config"]["data"]
+    assert data == {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": f"{imported}/tokenizer",
+                    "orig_vocab_size": VOCABULARY}
+    assert deepspeed_to_transformers.main(["--input_folder", imported, "--output_folder", exported]) == 0
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(exported))
+    ours = build_tokenizer(**{key: value for key, value in data.items() if key != "orig_vocab_size"})
+    theirs = transformers.AutoTokenizer.from_pretrained(exported, local_files_only=True)
+    text = "The history of the Python language, in 1990."
+    assert theirs(text)["input_ids"] == ours.tokenize(text)
+    config = transformers.AutoConfig.from_pretrained(exported, local_files_only=True)
+    assert config.eos_token_id == ours.eod and config.bos_token_id is None
+
+
+# ------------------------------------------------------------------------------------ end to end
+
+LLAMA_FLAGS = ["--normalization", "RMSNorm", "--swiglu", "--ffn-hidden-size", "96", "--position-embedding-type",
+               "rope", "--rotary-base", "500000", "--group-query-attention", "--num-query-groups", "2",
+               "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--layernorm-epsilon", "1e-5",
+               "--pad-vocab-size-to", str(VOCABULARY), "--make-vocab-size-divisible-by", "1"]
+LAYOUTS = {"tp2-pp2": (2, 2), "tp1": (1, 1)}
+
+
+@pytest.fixture(scope="module")
+def llama_runs(e2e_data, tmp_path_factory):
+    """(the transformers model, layout -> (losses, the --save directory)) of 3 iterations of
+    pretrain_gpt.py from the Llama import at each layout."""
+    directory = tmp_path_factory.mktemp("llama_runs")
+    model = tiny_model("llama")
+    source = str(directory / "hf")
+    model.save_pretrained(source)
+    runs = {}
+    for name, (tp, pp) in LAYOUTS.items():
+        imported, save, tensorboard = (str(directory / f"{part}_{name}") for part in ("imported", "save", "tb"))
+        assert import_model(source, imported, "--target_tp", str(tp), "--target_pp", str(pp),
+                            "--seq_length", str(SEQ_LENGTH)) == 0
+        flags = common_flags(e2e_data, seq_length=SEQ_LENGTH, global_batch=GLOBAL_BATCH, train_iters=TRAIN_ITERS)
+        flags += LLAMA_FLAGS + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+                                "--zero-stage", "1", "--load", imported, "--no-load-optim", "--no-load-rng",
+                                "--save", save, "--save-interval", str(TRAIN_ITERS), "--tensorboard-dir", tensorboard]
+        run_pretrain(flags, nproc=tp * pp, timeout=600).assert_ok()
+        runs[name] = (series(read_scalars(tensorboard), "lm-loss-training/lm loss", range(1, TRAIN_ITERS + 1)), save)
+    return model, runs
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_imports_train_from_transformers_loss_to_the_same_losses(llama_runs, e2e_data):
+    model, runs = llama_runs
+    dataset = training_dataset(e2e_data.data_prefix, SEQ_LENGTH, SEED, GLOBAL_BATCH, e2e_data.cache_dir)
+    expected = transformers_loss(model, global_batch(dataset, 0, GLOBAL_BATCH))
+    losses, single = runs["tp2-pp2"][0], runs["tp1"][0]
+    assert losses[0] == pytest.approx(expected, rel=1e-5)
+    assert losses == pytest.approx(single, rel=1e-5)
+    assert len({round(loss, 4) for loss in losses}) == TRAIN_ITERS  # the runs do train
+
+
+PROMPTS = ["The history of the", "In 1990, a new", "Rome"]
+NEW_TOKENS = 10
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_trained_checkpoint_exports_with_our_loss_and_greedy_tokens(llama_runs, e2e_data, tmp_path):
+    import transformers
+
+    from megatron.core.tokenizer import GPT2BPETokenizer
+
+    _, runs = llama_runs
+    save = runs["tp2-pp2"][1]
+    exported = str(tmp_path / "exported")
+    assert deepspeed_to_transformers.main(["--input_folder", save, "--output_folder", exported]) == 0
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(exported, local_files_only=True).eval()
+    assert type(hf_model).__name__ == "LlamaForCausalLM"
+    ours = load_gpt_model(open_checkpoint(save), use_cpu_initialization=True)
+    dataset = training_dataset(e2e_data.data_prefix, SEQ_LENGTH, SEED, GLOBAL_BATCH, e2e_data.cache_dir)
+    tokens = global_batch(dataset, 0, GLOBAL_BATCH)
+    with torch.no_grad():
+        our_loss = ours(tokens[:, :-1], labels=tokens[:, 1:]).item()
+    assert transformers_loss(hf_model, tokens) == pytest.approx(our_loss, rel=1e-5)
+
+    prompts, genfile = tmp_path / "prompts.txt", tmp_path / "samples.jsonl"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    command = [TOOL, "--load", save, "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+               "--seq-length", str(SEQ_LENGTH), "--max-position-embeddings", str(POSITIONS), *LLAMA_FLAGS,
+               "--vocab-file", e2e_data.vocab_file, "--merge-file", e2e_data.merge_file,
+               "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--greedy",
+               "--out-seq-length", str(NEW_TOKENS), "--micro-batch-size", "3", "--sample-input-file", str(prompts),
+               "--genfile", str(genfile)]
+    run_script(command, 4, timeout=300).assert_ok()
+    samples = [json.loads(line) for line in genfile.read_text().splitlines()]
+    tokenizer = GPT2BPETokenizer(e2e_data.vocab_file, e2e_data.merge_file)
+    assert hf_model.config.eos_token_id == tokenizer.eod
+    for prompt, sample in zip(PROMPTS, samples, strict=True):
+        ids = tokenizer.tokenize(prompt)
+        output = hf_model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                   eos_token_id=tokenizer.eod, pad_token_id=tokenizer.eod,
+                                   attention_mask=torch.ones(1, len(ids)))
+        assert output[0, len(ids):].tolist() == sample["tokens"], prompt
