@@ -1,19 +1,26 @@
 """Size a GPT pretraining run before launching it: parameters, memory per GPU, FLOPs and training time.
 
 Takes pretrain_gpt.py's model flags and a parallel layout, and prints (docs/model_calculator.md has
-the derivations). Notation: L layers, h hidden, a heads, f = ffn hidden size (default 4h), s
-sequence length, V_p padded vocabulary, t = TP, p = PP, d = DP = GPUs / (t p), b micro batch,
-B global batch, e = bytes of an activation element (2 in fp16/bf16, 4 in fp32).
+the derivations). Notation: L layers, h hidden, a heads, f = ffn hidden size (default 4h; 8h/3
+rounded down to a multiple of 64 with --swiglu, as the trainer), s sequence length, V_p padded
+vocabulary, t = TP, p = PP, d = DP = GPUs / (t p), b micro batch, B global batch, e = bytes of an
+activation element (2 in fp16/bf16, 4 in fp32). Llama-class options: g key/value groups (grouped-
+query attention, default a), k = g h / a the width of the keys and of the values, u = 2 with a
+SwiGLU MLP (its first matmul is twice as wide) else 1, RMSNorm (no bias), no biases
+(--disable-bias-linear, --add-qkv-bias puts the QKV one back), an untied output layer.
 
 Parameters (exact): counted on the trainer's own pipeline layers (GPTModelPipe's list, built on the
 meta device, so no memory is taken), with V_p = V rounded up to a multiple of
 --make-vocab-size-divisible-by x t as the trainer pads it. On one GPU a tensor the layers mark as
 split over TP counts 1/t, the others (row-parallel biases, LayerNorms, the position table) whole:
     layer     4h^2 + 2hf + 9h + f             (QKV, output projection, two MLP matmuls, their biases,
-                                               two LayerNorms)
+                                               two LayerNorms); in general
+              h(h + 2k) + h^2 + (u + 1)hf     the matmuls: QKV (a + 2g) h/a x h, output, MLP
+              + (h + 2k) + h + uf + h         the biases (the QKV one alone with --add-qkv-bias)
+              + 4h (LayerNorm) or 2h (RMSNorm)
     per GPU   (4h^2 + 2hf + 3h + f)/t + 6h
     model     L layer + V_p h [+ s_max h learned positions] [+ 2h embedding LayerNorm] + 2h final
-              LayerNorm [+ V_p h untied output layer, which the trainer does not build]
+              LayerNorm (h RMSNorm) [+ V_p h untied output layer]
 The stages are the trainer's split (``stage_boundaries`` with the default --pp-partition-method,
 type:transformer: the first L mod p stages get one layer more); the first holds the embeddings, the
 last the final LayerNorm and the output layer (tied: a copy of the embedding module, as DeepSpeed's
@@ -33,10 +40,12 @@ one chunk is recomputed at a time. 1F1B keeps min(p - stage, micro-batches per s
 in flight. The last stage adds 2 e s b V_p / t at the loss (the logits, which the fused cross
 entropy keeps for the backward, and their gradient).
 
-FLOPs per iteration (Narayanan et al. 2021), matmuls only:
-    model     F = 3 B s [L (8h^2 + 4sh + 4hf) + 2hV_p]   = 72 B s L h^2 (1 + s/6h + V_p/12Lh) at f = 4h
+FLOPs per iteration (Narayanan et al. 2021; Megatron-LM's count with grouped-query attention and
+a GLU, megatron.core.flops), matmuls only, l = 4h^2 + 4hk + 4sh + 2(u + 1)hf per layer and token
+(8h^2 + 4sh + 4hf without the Llama-class options):
+    model     F = 3 B s [L l + 2hV_p]                    = 72 B s L h^2 (1 + s/6h + V_p/12Lh) at f = 4h
     hardware  with full recomputation the layers run a second forward:
-              4 B s L (8h^2 + 4sh + 4hf) + 6 B s h V_p   = 96 B s L h^2 (1 + s/6h + V_p/16Lh) at f = 4h
+              4 B s L l + 6 B s h V_p                    = 96 B s L h^2 (1 + s/6h + V_p/16Lh) at f = 4h
     days      tokens x (F / B s) / (GPUs x peak x MFU) / 86400
 """
 import argparse
@@ -46,7 +55,7 @@ import math
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -54,11 +63,14 @@ from megatron.core.flops import layer_forward_flops_per_token, output_layer_forw
 from megatron.core.flops import model_flops_per_iteration as core_model_flops  # noqa: E402
 from megatron.core.tokenizer.gpt2_bpe import TokenizerError  # noqa: E402
 from megatron.core.tokenizer.vocab_padding import vocab_size_with_padding  # noqa: E402
+from megatron.training.argument_groups import add_llama_args  # noqa: E402
 from megatron.training.argument_types import parse_float, parse_int  # noqa: E402
+from tools.model_calculator_report import format_report  # noqa: E402
 
-GIB = 2.0 ** 30
 SECONDS_PER_DAY = 86400.0
-POSITION_EMBEDDING_TYPES = ("absolute", "learned", "rotary", "alibi")  # learned = Megatron's absolute
+# learned = Megatron's absolute, rope = Megatron-LM's rotary
+POSITION_EMBEDDING_TYPES = ("absolute", "learned", "rotary", "rope", "alibi")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 PRECISIONS = ("fp32", "fp16", "bf16")
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -83,10 +95,35 @@ class ModelShape:
     position_embedding_type: str = "absolute"
     untie_embeddings_and_output_weights: bool = False
     embed_layernorm: bool = False
+    normalization: str = "LayerNorm"
+    num_query_groups: int | None = None  # None: one per head (multi-head attention)
+    swiglu: bool = False
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
 
     @property
     def ffn(self) -> int:
-        return 4 * self.hidden_size if self.ffn_hidden_size is None else self.ffn_hidden_size
+        """f: --ffn-hidden-size, else 4h, or with --swiglu 8h/3 rounded down to a multiple of 64 (the trainer's
+        default, Megatron-LM's)."""
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        return int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
+
+    @property
+    def groups(self) -> int:
+        """g: the key/value groups."""
+        return self.num_attention_heads if self.num_query_groups is None else self.num_query_groups
+
+    @property
+    def key_value_size(self) -> int:
+        """k = g h / a: the width of the keys (and of the values)."""
+        return self.groups * (self.hidden_size // self.num_attention_heads)
+
+    @property
+    def rotary(self) -> bool:
+        return self.position_embedding_type in ("rotary", "rope")
 
     @property
     def max_positions(self) -> int:
@@ -158,10 +195,16 @@ def check_model(shape: ModelShape) -> None:
     _require_positive({"--num-layers": shape.num_layers, "--hidden-size": shape.hidden_size,
                        "--num-attention-heads": shape.num_attention_heads, "--seq-length": shape.seq_length,
                        "--max-position-embeddings": shape.max_position_embeddings,
-                       "--vocab-size": shape.vocab_size, "--ffn-hidden-size": shape.ffn_hidden_size})
+                       "--vocab-size": shape.vocab_size, "--ffn-hidden-size": shape.ffn_hidden_size,
+                       "--num-query-groups": shape.num_query_groups})
     if shape.hidden_size % shape.num_attention_heads:
         raise CalculatorError(f"--num-attention-heads {shape.num_attention_heads} does not divide "
                               f"--hidden-size {shape.hidden_size}")
+    if shape.num_attention_heads % shape.groups:
+        raise CalculatorError(f"--num-query-groups {shape.groups} does not divide --num-attention-heads "
+                              f"{shape.num_attention_heads}: each key/value group serves the same number of heads")
+    if shape.normalization not in NORMALIZATIONS:
+        raise CalculatorError(f"--normalization {shape.normalization!r}: use one of {', '.join(NORMALIZATIONS)}")
     if shape.position_embedding_type not in POSITION_EMBEDDING_TYPES:
         raise CalculatorError(f"--position-embedding-type {shape.position_embedding_type!r}: use one of "
                               f"{', '.join(POSITION_EMBEDDING_TYPES)}")
@@ -179,6 +222,9 @@ def _check_parallel_sizes(shape: ModelShape, layout: Layout) -> None:
     if shape.num_attention_heads % t:
         raise CalculatorError(f"--tensor-model-parallel-size {t} does not divide --num-attention-heads "
                               f"{shape.num_attention_heads}: each TP rank needs whole heads")
+    if shape.groups % t:
+        raise CalculatorError(f"--tensor-model-parallel-size {t} does not divide --num-query-groups {shape.groups}: "
+                              f"each TP rank needs whole key/value groups")
     if shape.ffn % t:
         raise CalculatorError(f"--tensor-model-parallel-size {t} does not divide the MLP size {shape.ffn} "
                               f"(--ffn-hidden-size, default 4 x --hidden-size)")
@@ -257,14 +303,20 @@ def model_config(shape: ModelShape, tensor_parallel: int):
     from megatron.core.models.gpt.config import GPTConfigError, GPTModelConfig
     from megatron.core.parallel_state import ParallelConfigError
 
-    positions = "absolute" if shape.position_embedding_type == "learned" else shape.position_embedding_type
+    positions = {"learned": "absolute", "rope": "rotary"}.get(shape.position_embedding_type,
+                                                              shape.position_embedding_type)
     try:
         config = GPTModelConfig(
             num_layers=shape.num_layers, hidden_size=shape.hidden_size,
             num_attention_heads=shape.num_attention_heads, seq_length=shape.seq_length,
             padded_vocab_size=padded_vocab_size(shape, tensor_parallel), ffn_hidden_size=shape.ffn,
             max_position_embeddings=None if positions == "rotary" else shape.max_positions,
-            position_embedding_type=positions, embed_layernorm=shape.embed_layernorm)
+            position_embedding_type=positions, embed_layernorm=shape.embed_layernorm,
+            normalization=shape.normalization, num_query_groups=shape.groups,
+            glu_activation="swiglu" if shape.swiglu else None, bias_gelu_fusion=not shape.swiglu,
+            add_bias_linear=shape.add_bias_linear, add_qkv_bias=shape.add_qkv_bias,
+            untie_embeddings_and_output_weights=shape.untie_embeddings_and_output_weights,
+            rotary_base=shape.rotary_base, rotary_percent=shape.rotary_percent)
         config.validate_for_tensor_parallel(tensor_parallel)
     except (GPTConfigError, ParallelConfigError) as error:
         raise CalculatorError(str(error)) from None
@@ -336,18 +388,14 @@ def _per_gpu(module, tensor_parallel: int) -> int:
                for p in module.parameters())
 
 
-def _stage_parameters_per_gpu(stage: list, build: _BuiltLayers, shape: ModelShape, tensor_parallel: int,
-                              output_per_gpu: int) -> int:
+def _stage_parameters_per_gpu(stage: list, build: _BuiltLayers, tensor_parallel: int) -> int:
     """A stage's parameters on one GPU: each module once (a tied module is one per stage, as DeepSpeed
-    builds it); an untied output layer instead of the head's tied embedding copy."""
+    builds it: the tied head of the last stage is a copy of the embedding module)."""
     count, tied_counted = 0, False
     for spec in stage:
         if not hasattr(spec, "build"):
             continue  # a function: no parameters
-        is_head = getattr(spec, "forward_fn", None) is not None
-        if is_head and shape.untie_embeddings_and_output_weights:
-            count += output_per_gpu
-        elif hasattr(spec, "key"):  # the tied embedding
+        if hasattr(spec, "key"):  # the tied embedding
             if not tied_counted:
                 count += _per_gpu(build(spec), tensor_parallel)
                 tied_counted = True
@@ -358,18 +406,17 @@ def _stage_parameters_per_gpu(stage: list, build: _BuiltLayers, shape: ModelShap
 
 def count_parameters(shape: ModelShape, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> ParameterCounts:
     """Parameters of the model (each counted once) and of one GPU of each pipeline stage, counted on the
-    trainer's layers; an untied output layer (which the trainer does not build) is a word table of its own."""
+    trainer's layers (the untied output layer among them)."""
     stages = pipeline_stages(shape, tensor_parallel, pipeline_parallel)
     build = _BuiltLayers()
     specs = [spec for stage in stages for spec in stage if hasattr(spec, "build")]
     embedding = build(next(spec for spec in specs if hasattr(spec, "key")))
     word = embedding.word_embeddings.weight.numel()
     position = 0 if embedding.position_embeddings is None else embedding.position_embeddings.weight.numel()
-    output = word if shape.untie_embeddings_and_output_weights else 0
+    output = sum(build(spec).weight.numel() for spec in specs if spec.typename.__name__ == "OutputLayerPipe")
     unique = [build(spec) for spec in specs if not hasattr(spec, "key")] + [embedding]
-    total = sum(p.numel() for module in unique for p in module.parameters()) + output
-    per_gpu = [_stage_parameters_per_gpu(stage, build, shape, tensor_parallel, output // tensor_parallel)
-               for stage in stages]
+    total = sum(p.numel() for module in unique for p in module.parameters())
+    per_gpu = [_stage_parameters_per_gpu(stage, build, tensor_parallel) for stage in stages]
     return ParameterCounts(total=total, without_embeddings=total - word - position - output, word_embeddings=word,
                            position_embeddings=position, output_layer=output,
                            layers_per_stage=[sum(map(_is_transformer_layer, stage)) for stage in stages],
@@ -429,14 +476,16 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout) -> float:
     """Bytes one layer keeps for the backward, per micro-batch (Korthikanti et al. 2022): s b h (4e + 2)
     outside the TP regions (two LayerNorm inputs, the QKV and MLP inputs, two 1-byte dropout masks),
     replicated over TP, or split (/ t) by sequence parallelism, + s b h (4e + 2ef/h) / t split (Q, K,
-    V, attention output, GeLU input and output) [+ 2 e s b h (1 - 1/t) with --tp-comm-overlap, which
+    V, attention output, GeLU input and output; K and V are k wide, not h, and SwiGLU keeps its 2f
+    input and f product, 3ef/h) [+ 2 e s b h (1 - 1/t) with --tp-comm-overlap, which
     keeps the QKV and MLP inputs gathered] [+ (2e + 1) a s^2 b / t: softmax output, its dropout mask
     and output, when materialized]. At e = 2, f = 4h: s b h (10 + 24/t + 5as/(ht)), and with sequence
     parallelism s b h / t (34 + 5as/h)."""
     s, b, h = shape.seq_length, layout.micro_batch_size, shape.hidden_size
     e, t = activation_element_bytes(layout.precision), layout.tensor_parallel
     outside_tp = (4 * e + 2) / (t if layout.sequence_parallel else 1)
-    inside_tp = (4 * e + 2 * e * shape.ffn / h) / t
+    mlp = (3 if shape.swiglu else 2) * shape.ffn
+    inside_tp = e * (2 * h + 2 * shape.key_value_size + mlp) / h / t
     gathered_inputs = 2 * e * (1 - 1 / t) if layout.tp_comm_overlap else 0.0
     scores = (2 * e + 1) * shape.num_attention_heads * s * s * b / t if layout.materialized_attention else 0.0
     return s * b * h * (outside_tp + inside_tp + gathered_inputs) + scores
@@ -493,20 +542,21 @@ def stage_activation_bytes(shape: ModelShape, layout: Layout, stage: int, layers
 
 
 def model_flops_per_iteration(shape: ModelShape, layout: Layout) -> float:
-    """F = 3 B s [L (8h^2 + 4sh + 4hf) + 2hV_p]: forward + backward (twice the forward), no recomputation;
+    """F = 3 B s [L l + 2hV_p] (module docstring): forward + backward (twice the forward), no recomputation;
     the trainer's count (megatron.core.flops), which its model TFLOP/s and MFU use."""
     return core_model_flops(global_batch_size=layout.batch, seq_length=shape.seq_length,
                             num_layers=shape.num_layers, hidden_size=shape.hidden_size,
                             padded_vocab_size=padded_vocab_size(shape, layout.tensor_parallel),
-                            ffn_hidden_size=shape.ffn)
+                            ffn_hidden_size=shape.ffn, glu=shape.swiglu, key_value_size=shape.key_value_size)
 
 
 def hardware_flops_with_recompute(shape: ModelShape, layout: Layout) -> float:
-    """4 B s L (8h^2 + 4sh + 4hf) + 6 B s h V_p: full recomputation adds one forward of the layers (the
-    output layer is not recomputed); 96 B s L h^2 (1 + s/6h + V_p/16Lh) at f = 4h (Narayanan et al. 2021)."""
+    """4 B s L l + 6 B s h V_p: full recomputation adds one forward of the layers (the output layer is
+    not recomputed); 96 B s L h^2 (1 + s/6h + V_p/16Lh) at f = 4h (Narayanan et al. 2021)."""
     tokens = layout.batch * shape.seq_length
     logits = output_layer_forward_flops_per_token(shape.hidden_size, padded_vocab_size(shape, layout.tensor_parallel))
-    layer = layer_forward_flops_per_token(shape.hidden_size, shape.seq_length, shape.ffn)
+    layer = layer_forward_flops_per_token(shape.hidden_size, shape.seq_length, shape.ffn, glu=shape.swiglu,
+                                          key_value_size=shape.key_value_size)
     return tokens * (4.0 * shape.num_layers * layer + 3.0 * logits)
 
 
@@ -559,6 +609,7 @@ def calculate(shape: ModelShape, layout: Layout, budget: TrainingBudget = Traini
     check_budget(budget)
     counts = count_parameters(shape, layout.tensor_parallel, layout.pipeline_parallel)
     return {"model": {**asdict(shape), "max_position_embeddings": shape.max_positions, "ffn_hidden_size": shape.ffn,
+                      "num_query_groups": shape.groups, "key_value_size": shape.key_value_size,
                       "position_table_rows": shape.position_rows,
                       "padded_vocab_size": padded_vocab_size(shape, layout.tensor_parallel)},
             "layout": {**asdict(layout), "data_parallel": layout.data_parallel, "global_batch_size": layout.batch,
@@ -567,118 +618,6 @@ def calculate(shape: ModelShape, layout: Layout, budget: TrainingBudget = Traini
             "memory_per_gpu": {"activation_bytes_per_layer": layer_activation_bytes(shape, layout),
                                "stages": _memory_figures(shape, layout, counts)},
             "flops": _flops_figures(shape, layout, budget)}
-
-
-def _count(number: int, noun: str) -> str:
-    return f"{number} {noun}" if number == 1 else f"{number} {noun}es" if noun.endswith("h") else f"{number} {noun}s"
-
-
-def _giga(count: float) -> str:
-    return f"{count / 1e9:,.3f} B" if count >= 1e9 else f"{count / 1e6:,.2f} M"
-
-
-def _gib(size: float) -> str:
-    return f"{size / GIB:8.2f}"
-
-
-def _options(lay: dict) -> str:
-    """The header's third line: attention, gradient accumulation and sequence parallelism."""
-    options = ["materialized scores" if lay["materialized_attention"] else "fused (SDPA)"]
-    if lay["fp32_grad_accumulation"]:
-        immediate = lay["precision"] == "bf16" and lay["immediate_grad_update"]
-        options.append("fp32 gradient accumulation" + (" (immediate_grad_update)" if immediate else ""))
-    if lay["sequence_parallel"]:
-        options.append("sequence parallel" + (" with TP comm overlap" if lay["tp_comm_overlap"] else ""))
-    return "        attention: " + ", ".join(options)
-
-
-def _format_header(figures: dict) -> list[str]:
-    m, lay = figures["model"], figures["layout"]
-    positions = {"absolute": "learned", "learned": "learned"}.get(m["position_embedding_type"],
-                                                                  m["position_embedding_type"])
-    recompute = (f"full, {_count(lay['checkpoint_num_layers'], 'layer')} per chunk" if lay["checkpoint_activations"]
-                 else "off")
-    return [f"model:  {_count(m['num_layers'], 'layer')}, hidden {m['hidden_size']}, "
-            f"{_count(m['num_attention_heads'], 'head')}, ffn {m['ffn_hidden_size']}, seq {m['seq_length']}, vocab "
-            f"{m['vocab_size']} -> padded {m['padded_vocab_size']}, {positions} positions (max "
-            f"{m['max_position_embeddings']})"
-            f"{', untied output' if m['untie_embeddings_and_output_weights'] else ''}"
-            f"{', embedding LayerNorm' if m['embed_layernorm'] else ''}",
-            f"layout: {_count(lay['num_gpus'], 'GPU')} = TP {lay['tensor_parallel']} x PP {lay['pipeline_parallel']} "
-            f"x DP {lay['data_parallel']}; micro batch {lay['micro_batch_size']}, global batch "
-            f"{lay['global_batch_size']} ({_count(lay['micro_batches_per_step'], 'micro-batch')} per step); "
-            f"{lay['precision']}, ZeRO "
-            f"{lay['zero_stage']}, recomputation {recompute}",
-            _options(lay)]
-
-
-def _table_names(parameters: dict) -> str:
-    names = ["word"] + (["position"] if parameters["position_embeddings"] else []) \
-        + (["output"] if parameters["output_layer"] else [])
-    return (", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]) + \
-        (" tables" if len(names) > 1 else " table")
-
-
-def _format_parameters(figures: dict) -> list[str]:
-    p = figures["parameters"]
-    lines = ["", "parameters (exact)",
-             f"  total                 {_giga(p['total']):>14}  ({p['total']:,})",
-             f"  without embeddings    {_giga(p['without_embeddings']):>14}  (less the {_table_names(p)})"]
-    for stage, (layers, count) in enumerate(zip(p["layers_per_stage"], p["per_gpu"])):
-        lines.append(f"  per GPU, stage {stage:<3}    {_giga(count):>14}  ({_count(layers, 'layer')})")
-    return lines
-
-
-def _heaviest_stage(figures: dict) -> dict:
-    zero = str(figures["layout"]["zero_stage"])
-    return max(figures["memory_per_gpu"]["stages"], key=lambda stage: stage["by_zero_stage"][zero]["total"])
-
-
-def _format_memory(figures: dict) -> list[str]:
-    lay, heaviest = figures["layout"], _heaviest_stage(figures)
-    zero = str(lay["zero_stage"])
-    lines = ["", f"memory per GPU, GiB (pipeline stage {heaviest['stage']}, the fullest GPU)",
-             "                              ZeRO 0   ZeRO 1   ZeRO 2   ZeRO 3"]
-    rows = (("weights", "weights"), ("gradients", "gradients"), ("optimizer states", "optimizer"),
-            ("activations (estimate)", "activations"), ("total (estimate)", "total"))
-    for label, key in rows:
-        values = "".join(f" {_gib(heaviest['by_zero_stage'][str(z)][key])}" for z in ZERO_STAGES)
-        lines.append(f"  {label:<26}{values}")
-    if lay["pipeline_parallel"] > 1:
-        lines.append("  (ZeRO 2 and 3 columns: DeepSpeed's pipeline engine runs neither with PP > 1)")
-    lines.append(f"  activations of one layer and micro-batch without recomputation: "
-                 f"{figures['memory_per_gpu']['activation_bytes_per_layer'] / GIB:.3f} GiB")
-    for stage in figures["memory_per_gpu"]["stages"]:
-        act = stage["activations"]
-        lines.append(f"  stage {stage['stage']}: activations {act['total'] / GIB:.2f} GiB = {act['in_flight']} "
-                     f"micro-batch(es) in flight x {act['per_micro_batch'] / GIB:.2f} + recomputed chunk "
-                     f"{act['recompute'] / GIB:.2f} + logits {act['logits'] / GIB:.2f}; total at ZeRO {zero}: "
-                     f"{stage['by_zero_stage'][zero]['total'] / GIB:.2f} GiB")
-    return lines
-
-
-def _format_flops(figures: dict) -> list[str]:
-    f = figures["flops"]
-    lines = ["", f"FLOPs per iteration ({f['tokens_per_iteration']:,} tokens)",
-             f"  model FLOPs (forward + backward, no recomputation)   {f['model_flops_per_iteration']:.4e}",
-             f"  hardware FLOPs with full recomputation               "
-             f"{f['hardware_flops_per_iteration_with_recompute']:.4e}",
-             f"  this run's hardware FLOPs                            "
-             f"{f['this_run_hardware_flops_per_iteration']:.4e}",
-             f"  model FLOPs per token                                {f['model_flops_per_token']:.4e}"]
-    if "training" in f:
-        run = f["training"]
-        lines += ["", f"time to train {run['train_tokens']:,.0f} tokens at MFU {run['mfu']:.0%} of "
-                      f"{run['peak_tflops']:g} TFLOP/s per GPU (estimate)",
-                  f"  {run['iterations']:,} iterations, {run['tokens_per_second']:,.0f} tokens/s on "
-                  f"{figures['layout']['num_gpus']} GPUs: {run['days']:.2f} days"]
-    return lines
-
-
-def format_report(figures: dict) -> str:
-    """The figures of ``calculate`` as a readable report."""
-    return "\n".join(_format_header(figures) + _format_parameters(figures) + _format_memory(figures)
-                     + _format_flops(figures))
 
 
 # ------------------------------------------------------------------------------------------ command line
@@ -698,8 +637,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--ffn-hidden-size", type=parse_int, default=None, help="MLP inner size (default 4h)")
     model.add_argument("--position-embedding-type", choices=POSITION_EMBEDDING_TYPES, default="absolute",
                        help="absolute (= learned) adds a position table; rotary and alibi have none")
-    model.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     model.add_argument("--embed-layernorm", action="store_true", help="LayerNorm after the word embeddings (BLOOM)")
+    add_llama_args(model)  # the trainer's Llama-class flags; the rotary base and rope scaling change no figure
     layout = parser.add_argument_group("layout")
     layout.add_argument("--tensor-model-parallel-size", type=parse_int, default=1)
     layout.add_argument("--pipeline-model-parallel-size", type=parse_int, default=1)
@@ -732,6 +671,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _query_groups(args: argparse.Namespace) -> int | None:
+    """g from --num-key-value-heads, or --group-query-attention --num-query-groups (as the trainer reads them)."""
+    if args.num_key_value_heads is not None:
+        return args.num_key_value_heads
+    if args.group_query_attention != (args.num_query_groups is not None):
+        raise CalculatorError("--group-query-attention and --num-query-groups G go together: give both")
+    return args.num_query_groups
+
+
 def fp32_grad_accumulation(precision: str, grad_accum_dtype: str | None) -> bool:
     """Whether a 16-bit run adds an fp32 gradient buffer: by default with bf16 (as the trainer sets it)."""
     accumulate = grad_accum_dtype or ("fp32" if precision == "bf16" else precision)
@@ -747,7 +695,11 @@ def inputs_from_args(args: argparse.Namespace) -> tuple[ModelShape, Layout, Trai
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, pad_vocab_size_to=args.pad_vocab_size_to,
         ffn_hidden_size=args.ffn_hidden_size, position_embedding_type=args.position_embedding_type,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-        embed_layernorm=args.embed_layernorm)
+        embed_layernorm=args.embed_layernorm, normalization=args.normalization, num_query_groups=_query_groups(args),
+        swiglu=args.swiglu, add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
+        rotary_base=args.rotary_base, rotary_percent=args.rotary_percent)
+    if args.use_rotary_position_embeddings:
+        shape = replace(shape, position_embedding_type="rotary")
     precision = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     split_over_tp = tp > 1  # the trainer turns --sequence-parallel and --tp-comm-overlap off at TP 1

@@ -1,5 +1,7 @@
-"""tools/model_calculator.py: parameter counts against published models and a tensor-by-tensor count,
-memory and FLOPs against hand computations, and the errors of bad layouts."""
+"""tools/model_calculator.py: parameter counts against published models, a tensor-by-tensor count and a
+built GPTModel (Llama-class options too: RMSNorm, grouped-query attention, SwiGLU, untied output layer,
+no biases), memory and FLOPs against hand computations and megatron.core.flops, and the errors of bad
+layouts."""
 import json
 import math
 import os
@@ -9,8 +11,11 @@ from dataclasses import replace
 
 import pytest
 
+from megatron.core.flops import model_flops_per_iteration
+from megatron.core.models.gpt import GPTModel
+from megatron.core.parallel_state import single_rank_groups
 from tools.model_calculator import (CalculatorError, Layout, ModelShape, TrainingBudget, calculate, count_parameters,
-                                    layers_per_stage, main, model_state_bytes, stage_activation_bytes)
+                                    layers_per_stage, main, model_config, model_state_bytes, stage_activation_bytes)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GPT2_MEDIUM = ModelShape(num_layers=24, hidden_size=1024, num_attention_heads=16, seq_length=1024,
@@ -22,12 +27,20 @@ BLOOM_176B = ModelShape(num_layers=70, hidden_size=14336, num_attention_heads=11
 # A model small enough to count by hand: V_p = 1000 at TP 1 (a multiple of 8), 1008 at TP 2 (of 16).
 SMALL = ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=1000,
                    make_vocab_size_divisible_by=8)
+# Llama-class: 4 heads over 2 key/value groups (k = 32), SwiGLU with the default f = 8h/3 -> 128, RMSNorm,
+# rotary, untied, no biases
+LLAMA = replace(SMALL, normalization="RMSNorm", num_query_groups=2, swiglu=True, add_bias_linear=False,
+                untie_embeddings_and_output_weights=True, position_embedding_type="rope", rotary_base=500000.0)
+LLAMA_FLAGS = ["--normalization", "RMSNorm", "--group-query-attention", "--num-query-groups", "2", "--swiglu",
+               "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope",
+               "--rotary-base", "500000"]
 
 
 def gpt_tensors(shape: ModelShape, vocab: int):
     """(name, shape, TP split dimension or None, owner) of every tensor of the GPT, written out as the
     layers hold them; owner is "embedding", "layer" or "head". Independent of the tool's formulas."""
-    h, f = shape.hidden_size, shape.ffn
+    h, f, k = shape.hidden_size, shape.ffn, shape.key_value_size
+    gate = 2 if shape.swiglu else 1
     yield "word_embeddings.weight", (vocab, h), 0, "embedding"
     if shape.position_rows:
         yield "position_embeddings.weight", (shape.position_rows, h), None, "embedding"
@@ -35,16 +48,22 @@ def gpt_tensors(shape: ModelShape, vocab: int):
         yield "embed_layernorm.weight", (h,), None, "embedding"
         yield "embed_layernorm.bias", (h,), None, "embedding"
     layer = [("input_layernorm.weight", (h,), None), ("input_layernorm.bias", (h,), None),
-             ("query_key_value.weight", (3 * h, h), 0), ("query_key_value.bias", (3 * h,), 0),
+             ("query_key_value.weight", (h + 2 * k, h), 0), ("query_key_value.bias", (h + 2 * k,), 0),
              ("dense.weight", (h, h), 1), ("dense.bias", (h,), None),
              ("post_attention_layernorm.weight", (h,), None), ("post_attention_layernorm.bias", (h,), None),
-             ("dense_h_to_4h.weight", (f, h), 0), ("dense_h_to_4h.bias", (f,), 0),
+             ("dense_h_to_4h.weight", (gate * f, h), 0), ("dense_h_to_4h.bias", (gate * f,), 0),
              ("dense_4h_to_h.weight", (h, f), 1), ("dense_4h_to_h.bias", (h,), None)]
+    rms = shape.normalization == "RMSNorm"
     for number in range(shape.num_layers):
         for name, dims, split in layer:
-            yield f"layers.{number}.{name}", dims, split, "layer"
+            kept = not (rms and "layernorm.bias" in name) and (
+                shape.add_bias_linear or not name.endswith(".bias") or "layernorm" in name
+                or shape.add_qkv_bias and name.startswith("query_key_value"))
+            if kept:
+                yield f"layers.{number}.{name}", dims, split, "layer"
     yield "final_layernorm.weight", (h,), None, "head"
-    yield "final_layernorm.bias", (h,), None, "head"
+    if not rms:
+        yield "final_layernorm.bias", (h,), None, "head"
     if shape.untie_embeddings_and_output_weights:
         yield "output_layer.weight", (vocab, h), 0, "head"
 
@@ -77,7 +96,7 @@ def test_bloom_176b_matches_the_published_count():
 @pytest.mark.parametrize("shape", [SMALL, ModelShape(num_layers=3, hidden_size=48, num_attention_heads=6,
                                                      seq_length=16, vocab_size=500, make_vocab_size_divisible_by=4,
                                                      ffn_hidden_size=96, untie_embeddings_and_output_weights=True,
-                                                     embed_layernorm=True)])
+                                                     embed_layernorm=True), LLAMA, replace(LLAMA, add_qkv_bias=True)])
 def test_counts_per_gpu_match_the_split_tensors(shape):
     tp, pp = 2, 2
     multiple = shape.make_vocab_size_divisible_by * tp
@@ -305,3 +324,76 @@ def test_report_defaults_and_words(capsys):
     assert header[0].startswith("model:  1 layer, hidden 64, 1 head, ") and "rotary positions (max 48)" in header[0]
     assert header[1].startswith("layout: 1 GPU = TP 1 x PP 1 x DP 1; micro batch 1, global batch 1 (1 micro-batch "
                                 "per step)") and "recomputation full, 1 layer per chunk" in header[1]
+
+
+@pytest.mark.parametrize("shape", [SMALL, LLAMA, replace(LLAMA, add_qkv_bias=True, num_query_groups=1),
+                                   replace(LLAMA, untie_embeddings_and_output_weights=False, ffn_hidden_size=96)])
+def test_counts_equal_a_built_gpt_model(shape):
+    """The total is the parameters of the trainer's plain GPTModel of the same configuration."""
+    # CPU initialization needs no model-parallel RNG stream
+    model = GPTModel(replace(model_config(shape, 1), use_cpu_initialization=True), single_rank_groups())
+    counts = count_parameters(shape)
+    assert counts.total == sum(p.numel() for p in model.parameters())
+    output = 0 if model.output_layer is None else model.output_layer.weight.numel()
+    assert counts.output_layer == output
+    positions = model.embedding.position_embeddings
+    tables = model.embedding.word_embeddings.weight.numel() + output + (0 if positions is None else positions.weight.numel())
+    assert counts.without_embeddings == counts.total - tables
+
+
+def test_llama_count_by_hand():
+    h, k, f, V = 64, 32, 128, 1000
+    layer = h * (h + 2 * k) + h * h + 2 * f * h + f * h + 2 * h  # QKV, output, SwiGLU's 2f x h, f x h, two RMSNorms
+    assert count_parameters(LLAMA).total == 2 * layer + h + 2 * V * h  # final RMSNorm; word and output tables
+
+
+def test_llama_flops_are_megatron_lms_count():
+    """F = 3 B s [L (4h^2 + 4hk + 4sh + 6hf) + 2hV]: grouped keys and values (k = 32), SwiGLU (three
+    h x f matmuls), the untied head; equal to megatron.core.flops, which the trainer's log line uses."""
+    layout = Layout(num_gpus=4, micro_batch_size=2, global_batch_size=16)
+    flops = calculate(LLAMA, layout)["flops"]
+    B, s, L, h, k, f, V = 16, 32, 2, 64, 32, 128, 1000
+    layer = 4 * h * h + 4 * h * k + 4 * s * h + 6 * h * f
+    assert flops["model_flops_per_iteration"] == 3 * B * s * (L * layer + 2 * h * V)
+    assert flops["model_flops_per_iteration"] == model_flops_per_iteration(
+        global_batch_size=B, seq_length=s, num_layers=L, hidden_size=h, padded_vocab_size=V, ffn_hidden_size=f,
+        glu=True, key_value_size=k)
+    assert flops["hardware_flops_per_iteration_with_recompute"] == B * s * (4 * L * layer + 6 * h * V)
+
+
+def test_llama_activations():
+    """Inside the TP regions Q and the attention output are h wide, K and V k wide, SwiGLU keeps its 2f
+    input and its f product: s b (4e + 2) h + s b e (2h + 2k + 3f)."""
+    layout = Layout(micro_batch_size=2, precision="bf16")
+    per_layer = calculate(LLAMA, layout)["memory_per_gpu"]["activation_bytes_per_layer"]
+    assert per_layer == pytest.approx(32 * 2 * (10 * 64 + 2 * (2 * 64 + 2 * 32 + 3 * 128)), rel=1e-12)
+
+
+def test_llama_flags(capsys):
+    figures = main(SMALL_FLAGS + LLAMA_FLAGS + ["--tensor-model-parallel-size", "2", "--num-gpus", "2", "--json"])
+    assert figures["parameters"]["total"] == count_parameters(LLAMA, 2).total
+    assert (figures["model"]["num_query_groups"], figures["model"]["key_value_size"]) == (2, 32)
+    assert figures["model"]["ffn_hidden_size"] == 128
+    same = main(SMALL_FLAGS + ["--normalization", "rmsnorm", "--num-key-value-heads", "2", "--swiglu",
+                               "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+                               "--use-rotary-position-embeddings", "--rope-theta", "500000",
+                               "--tensor-model-parallel-size", "2", "--num-gpus", "2", "--json"])
+    assert same["parameters"] == figures["parameters"] and same["flops"] == figures["flops"]
+    capsys.readouterr()
+    main(SMALL_FLAGS + LLAMA_FLAGS)
+    assert ("4 heads over 2 key/value groups, ffn 128 SwiGLU" in capsys.readouterr().out.splitlines()[0])
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--tensor-model-parallel-size", "4", "--num-gpus", "4"], "--tensor-model-parallel-size 4 does not divide "
+                                                               "--num-query-groups 2"),
+    (["--num-query-groups", "3"], "--num-query-groups 3 does not divide --num-attention-heads 4"),
+])
+def test_a_bad_llama_flag_exits_2_naming_it(flags, named, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(SMALL_FLAGS + LLAMA_FLAGS + flags)
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(SMALL_FLAGS + ["--group-query-attention"])
+    assert "--group-query-attention and --num-query-groups G go together" in capsys.readouterr().err
