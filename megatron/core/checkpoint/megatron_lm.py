@@ -15,11 +15,16 @@ tokenizer), ``checkpoint_version`` 3.0,
                                       "position_embeddings": {"weight"},      learned positions
                                       "embed_layernorm": {"weight", "bias"}}, --embed-layernorm
                         "encoder": {"layers.<i>.<our layer's names>": ...,     i from 0 on every stage
-                                    "final_layernorm.weight" / ".bias"}},     last stage
-     "word_embeddings_for_head": {"weight"}}                                   last stage, PP > 1
+                                    "final_layernorm.weight" / ".bias"},      last stage
+                        "output_layer": {"weight"}},                           last stage, untied head
+     "word_embeddings_for_head": {"weight"}}                                   last stage, PP > 1, tied head
 
 Each stage holds L / PP consecutive transformer layers. The TP split of each tensor is the
-trainer's (sharding.py). There is no optimizer, LR schedule or RNG state: weights only.
+trainer's (sharding.py), which is Megatron-LM's: grouped-query attention's QKV rows are per key/value
+group [its query heads; key; value], split over TP by whole groups; SwiGLU's first MLP weight holds
+[A_r; G_r] on rank r. ``args`` carry Megatron-LM's flags of these options too (``group_query_attention``,
+``swiglu``, ``position_embedding_type`` "rope" for rotary). There is no optimizer, LR schedule or
+RNG state: weights only.
 
 Memory: the layers of one pipeline stage (a rank's file holds all of them; the stage's TP files are
 written once its last layer is read), plus the word embeddings kept for the last stage's head.
@@ -31,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.core.checkpoint.names import EMBEDDING_LAYER, FIRST_TRANSFORMER_LAYER, final_norm_layer
+from megatron.core.checkpoint.names import EMBEDDING_LAYER, FIRST_TRANSFORMER_LAYER, final_norm_layer, output_layer
 from megatron.core.checkpoint.latest import write_tracker
 from megatron.core.checkpoint.output import save_torch_file, staged_directory, write_tree_manifest
 from megatron.core.checkpoint.partitions import TensorSplit, split_partitions
@@ -62,10 +67,21 @@ def megatron_lm_arguments(checkpoint: SavedCheckpoint, tp: int, pp: int, padded:
     data = checkpoint.state["args"].get("config", {}).get("data", {})
     counters = {key: 0 if release else checkpoint.state.get(key, 0)
                 for key in ("consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens")}
-    return types.SimpleNamespace(**model, **counters, **{key: data.get(key) for key in (
-        "tokenizer_type", "vocab_file", "merge_file", "tokenizer_name_or_path")},
+    tokenizer = {key: data.get(key) for key in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_name_or_path")}
+    return types.SimpleNamespace(**{**model, **megatron_lm_model_flags(model)}, **counters, **tokenizer,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, iteration=0 if release else checkpoint.iteration,
         fp16=model["params_dtype"] == torch.float16, bf16=model["params_dtype"] == torch.bfloat16)
+
+
+def megatron_lm_model_flags(model: dict) -> dict:
+    """Megatron-LM's names of the saved model's options that ours spell otherwise."""
+    heads = model["num_attention_heads"]
+    groups = model.get("num_query_groups") or heads
+    rotary = model.get("position_embedding_type") == "rotary"
+    return {"group_query_attention": groups != heads, "num_query_groups": groups,
+            "swiglu": model.get("glu_activation") == "swiglu",
+            "position_embedding_type": "rope" if rotary else model.get("position_embedding_type"),
+            "norm_epsilon": model.get("layernorm_epsilon")}
 
 
 class _StageFiles:
@@ -77,6 +93,7 @@ class _StageFiles:
         self.embedding: dict[str, dict[str, tuple[torch.Tensor, TensorSplit]]] = {}
         self.encoder: dict[str, tuple[torch.Tensor, TensorSplit]] = {}
         self.head: tuple[torch.Tensor, TensorSplit] | None = None
+        self.output_layer: tuple[torch.Tensor, TensorSplit] | None = None
 
     def _parts(self, tensors: dict[str, tuple[torch.Tensor, TensorSplit]]) -> dict[str, list[torch.Tensor]]:
         return {name: split_partitions(tensor, split, self.tp) for name, (tensor, split) in tensors.items()}
@@ -85,18 +102,21 @@ class _StageFiles:
         encoder = self._parts(self.encoder)
         embedding = {module: self._parts(tensors) for module, tensors in self.embedding.items()}
         head = self._parts({"weight": self.head}) if self.head is not None else None
+        untied = self._parts({"weight": self.output_layer}) if self.output_layer is not None else None
         for rank in range(self.tp):
             language_model = {"encoder": {name: parts[rank] for name, parts in encoder.items()}}
             if embedding:
                 language_model["embedding"] = {module: {p: parts[rank] for p, parts in tensors.items()}
                                                for module, tensors in embedding.items()}
+            if untied is not None:
+                language_model["output_layer"] = {"weight": untied["weight"][rank]}
             model = {"language_model": language_model}
             if head is not None:
                 model["word_embeddings_for_head"] = {"weight": head["weight"][rank]}
             directory = os.path.join(self.root, rank_directory(rank, stage, self.pp))
             os.makedirs(directory)
             save_torch_file({**self.header, "model": model}, os.path.join(directory, "model_optim_rng.pt"))
-        self.embedding, self.encoder, self.head = {}, {}, None
+        self.embedding, self.encoder, self.head, self.output_layer = {}, {}, None, None
 
 
 def write_megatron_lm_checkpoint(checkpoint: SavedCheckpoint, output: str, tp: int, pp: int, release: bool = False,
@@ -109,6 +129,7 @@ def write_megatron_lm_checkpoint(checkpoint: SavedCheckpoint, output: str, tp: i
                                    f"{num_layers} layers do not split into {pp} stages")
     per_stage, padded = num_layers // pp, target_padded_vocab_size(checkpoint.model["padded_vocab_size"], tp)
     arguments = megatron_lm_arguments(checkpoint, tp, pp, padded, release)
+    untied = bool(checkpoint.model.get("untie_embeddings_and_output_weights"))
     header = {"args": arguments, "checkpoint_version": CHECKPOINT_VERSION, "iteration": arguments.iteration,
               "tokens": arguments.consumed_train_tokens,
               "checkpoint_info": {**checkpoint.state["checkpoint_info"], "padded_vocab_size": padded}}
@@ -126,7 +147,10 @@ def write_megatron_lm_checkpoint(checkpoint: SavedCheckpoint, output: str, tp: i
                     stage_files.embedding.setdefault(module, {})[p] = entries[f"{module}.{p}"]
             elif layer == final_norm_layer(num_layers):
                 stage_files.encoder.update({f"final_layernorm.{p}": entry for p, entry in entries.items()})
-                stage_files.head = words if pp > 1 else None
+                stage_files.head = words if pp > 1 and not untied else None
+            elif layer == output_layer(num_layers):
+                weight, split = entries["weight"]
+                stage_files.output_layer = (padded_rows(weight, padded), split)
             else:
                 index = layer - FIRST_TRANSFORMER_LAYER
                 if index // per_stage != stage:

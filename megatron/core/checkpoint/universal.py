@@ -4,17 +4,20 @@ DeepSpeed's ``ds_to_universal`` merges each parameter's ZeRO fragments into one 
 TP rank, then joins the TP slices by the regex patterns of the ``universal_checkpoint_info`` entry
 of the model-states file; its ``load_universal`` loader cuts them again for the new TP size. The
 patterns say what the model's layers mark on their parameters (sharding.py), in DeepSpeed's
-vocabulary: one pattern per parameter, its layer index matching any index (names are the plain or
-the pipeline module's, e.g. ``tied_modules.embed.word_embeddings.weight``,
-``5.self_attention.dense.weight``, ``8.weight`` for the final norm):
+vocabulary: one pattern per parameter of a transformer layer, its layer index matching any index, and
+one per other parameter, its name exact (the final norm's ``L+4.weight`` and the untied output layer's
+``L+5.weight`` differ only by the index). Names are the plain or the pipeline module's, e.g.
+``tied_modules.embed.word_embeddings.weight``, ``5.self_attention.dense.weight``, ``8.weight``:
 
     averaged over TP       LayerNorms, the position table, the row-parallel biases (copies that are
                            equal; averaging keeps them exact)
     joined along dim 1     the row-parallel weights
-    joined along dim 0     everything else (column-parallel weights and biases, word embeddings)
+    joined along dim 0     everything else (column-parallel weights and biases, word embeddings, the
+                           untied output layer)
     two halves             stride 2, a GLU's first MLP weight and bias: each rank holds [A_r; G_r],
                            joined as [A; G]
-    vocabulary             the word embeddings: padding rows stripped to the original vocabulary
+    vocabulary             the word embeddings and the untied output layer: padding rows stripped to
+                           the original vocabulary
                            and padded again for the new TP size
     pipeline-replicated    the embedding module, held by the first and the last stage: only its word
                            embeddings are tied (their gradients summed over the two stages); the last
@@ -29,10 +32,11 @@ from megatron.core.checkpoint.sharding import ModelSharding
 UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"  # DeepSpeed's key in the model-states file
 EMBEDDING_MODULE = "^" + re.escape(PIPELINE_EMBEDDING_PREFIX)
 _LAYER_INDEX = re.compile(r"^(layers\.)?\d+\.(.+)$")
+TRANSFORMER_LAYER_PREFIX = "layers."  # the plain module's names of the transformer layers' parameters
 
 
 def parameter_pattern(name: str) -> str:
-    """The pattern of the parameter ``name`` in every layer: its layer index, if any, matches any index."""
+    """The pattern of the transformer-layer parameter ``name`` in every layer: its layer index matches any index."""
     match = _LAYER_INDEX.match(name)
     if match is None:
         return f"^{re.escape(name)}$"
@@ -40,10 +44,15 @@ def parameter_pattern(name: str) -> str:
 
 
 def _patterns(sharding: ModelSharding, pipeline: bool, wanted) -> list[str]:
-    """The patterns of the parameters whose split is ``wanted``, in the model's order, each once."""
-    names = [pipeline_name(name, sharding.num_layers) if pipeline else name
-             for name, split in sharding.splits.items() if wanted(split)]
-    return list(dict.fromkeys(parameter_pattern(name) for name in names))
+    """The patterns of the parameters whose split is ``wanted``, in the model's order, each once:
+    a transformer layer's with any layer index, the others exact (module docstring)."""
+    patterns = []
+    for name, split in sharding.splits.items():
+        if wanted(split):
+            saved = pipeline_name(name, sharding.num_layers) if pipeline else name
+            patterns.append(parameter_pattern(saved) if name.startswith(TRANSFORMER_LAYER_PREFIX)
+                            else f"^{re.escape(saved)}$")
+    return list(dict.fromkeys(patterns))
 
 
 def universal_info(sharding: ModelSharding, pipeline: bool, padded_vocab_size: int, original_vocab_size: int) -> dict:

@@ -10,9 +10,10 @@ hold: optimizer states and RNG states, which belong to the source's ranks. Resum
 ``--no-load-optim --no-load-rng`` (the schedule and counters continue) or ``--finetune``; for the
 optimizer state, convert to a universal checkpoint instead.
 
-The vocabulary: the word embeddings keep the source's padded rows (trained padding, which the
-softmax sees) when the padded size divides by the target TP size; otherwise zero rows are added up
-to the next multiple, and the resumed run needs ``--pad-vocab-size-to`` that size.
+The vocabulary: the word embeddings and the untied output layer keep the source's padded rows
+(trained padding, which the softmax sees) when the padded size divides by the target TP size;
+otherwise zero rows are added up to the next multiple, and the resumed run needs
+``--pad-vocab-size-to`` that size.
 """
 import os
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from typing import Callable, Iterable
 import torch
 
 from megatron.core.checkpoint.layer_files import write_layer
-from megatron.core.checkpoint.names import EMBEDDING_LAYER
+from megatron.core.checkpoint.names import EMBEDDING_LAYER, output_layer
 from megatron.core.checkpoint.latest import checkpoint_tag, write_latest
 from megatron.core.checkpoint.output import save_torch_file, staged_directory, write_tree_manifest
 from megatron.core.checkpoint.reader import CheckpointInputError, SavedCheckpoint, iter_full_layers
@@ -45,11 +46,15 @@ class WrittenCheckpoint:
 
 
 def check_target_layout(model: dict, tp: int, pp: int, flags: tuple[str, str] = ("--target_tp", "--target_pp")) -> None:
-    """The heads, the MLP and the layers must split into the target sizes."""
+    """The heads, the key/value groups, the MLP and the layers must split into the target sizes."""
     heads, ffn, layers = model["num_attention_heads"], model["ffn_hidden_size"], model["num_layers"]
     if tp < 1 or heads % tp or ffn % tp:
         raise CheckpointInputError(f"{flags[0]} {tp}: the model's {heads} attention heads and MLP width {ffn} must "
                                    f"divide by the tensor-parallel size")
+    groups = model.get("num_query_groups") or heads
+    if groups % tp:
+        raise CheckpointInputError(f"{flags[0]} {tp}: the TP ranks split the model's {groups} key/value groups "
+                                   f"(grouped-query attention) whole; use a TP size that divides {groups}")
     if pp < 1 or pp > layers:
         raise CheckpointInputError(f"{flags[1]} {pp}: the model has {layers} transformer layers; each of the "
                                    f"pipeline stages needs at least one")
@@ -114,11 +119,14 @@ def write_model_checkpoint(checkpoint: SavedCheckpoint, output: str, tp: int, pp
     TP ``tp`` and PP ``pp`` (module docstring); ``on_layer`` is called after each layer is written."""
     check_target_layout(checkpoint.model, tp, pp)
     padded = target_padded_vocab_size(checkpoint.model["padded_vocab_size"], tp)
+    vocabulary_tables = {EMBEDDING_LAYER: "word_embeddings.weight",
+                         output_layer(checkpoint.model["num_layers"]): "weight"}
 
     def padded_layers():
         for layer, state in iter_full_layers(checkpoint):
-            if layer == EMBEDDING_LAYER:
-                state["word_embeddings.weight"] = padded_rows(state["word_embeddings.weight"], padded)
+            if layer in vocabulary_tables:
+                key = vocabulary_tables[layer]
+                state[key] = padded_rows(state[key], padded)
             yield layer, state
 
     trainer_state = _trainer_state(checkpoint, tp, pp, dp, padded)
