@@ -140,17 +140,18 @@ class GuardedEncoder:
 
 
 class TiktokenBPE:
-    """Encoder on a tiktoken ``Encoding`` built offline from the ranks (``encode_ordinary``).
+    """Encoder on a tiktoken ``Encoding`` built offline from the ranks (``encode_ordinary``) and
+    the pre-tokenization ``pattern`` (GPT-2's by default).
 
     ``encode_ordinary`` ignores special tokens, so a literal <|endoftext|> is ordinary text, like
     the reference. It runs on the calling thread: parallelism comes from worker processes.
     """
 
-    def __init__(self, mergeable_ranks, rank_to_id):
+    def __init__(self, mergeable_ranks, rank_to_id, pattern=TIKTOKEN_SPLIT_PATTERN):
         import tiktoken
 
         self._encoding = tiktoken.Encoding(
-            name="megatron_gpt2_bpe", pat_str=TIKTOKEN_SPLIT_PATTERN,
+            name="megatron_gpt2_bpe", pat_str=pattern,
             mergeable_ranks=mergeable_ranks, special_tokens={EOD_TOKEN: len(mergeable_ranks)})
         self.ids_are_ranks = np.array_equal(rank_to_id, np.arange(len(rank_to_id)))
         self._rank_to_id = rank_to_id.tolist()

@@ -15,6 +15,9 @@ import os
 from tests.conftest import SAMPLE_CORPUS
 
 LLAMA3_BOS, LLAMA3_EOS = "<|begin_of_text|>", "<|end_of_text|>"
+# Llama 3's pre-tokenization (its tokenizer.json's Split regex).
+LLAMA3_SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                        r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 def corpus_texts(limit=None):
@@ -34,15 +37,20 @@ def write_config(directory, **config):
         json.dump(config, handle)
 
 
-def write_llama3_style(directory, vocab_file, merge_file, with_config=True):
-    """A Llama 3 style tokenizer.json (+ tokenizer_config.json) in ``directory``; returns it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+def write_llama3_style(directory, vocab_file, merge_file, with_config=True, llama3_split=False):
+    """A Llama 3 style tokenizer.json (+ tokenizer_config.json) in ``directory``; returns it.
+    ``llama3_split``: Llama 3's Split regex + ByteLevel and ``ignore_merges``, else GPT-2's ByteLevel."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     from megatron.core.tokenizer.bpe_files import read_merge_file
     with open(vocab_file, encoding="utf-8") as handle:
         vocab = json.load(handle)
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=read_merge_file(merge_file)))
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=read_merge_file(merge_file), ignore_merges=llama3_split))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if llama3_split:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([LLAMA3_BOS, LLAMA3_EOS])
     bos_id = tokenizer.token_to_id(LLAMA3_BOS)

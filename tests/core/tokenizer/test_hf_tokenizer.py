@@ -130,3 +130,35 @@ def test_bad_files_are_one_clear_error(llama3_dir, tmp_path):
     (tmp_path / "no_eos" / "tokenizer_config.json").write_text("[1, 2")
     refused("tokenizer_config.json: not a readable JSON file", tokenizer_model=no_eos)
     refused("HuggingFaceTokenizer needs --tokenizer-model")
+
+
+@pytest.fixture(scope="module")
+def llama3_split_dir(gpt2_tokenizer_files, tmp_path_factory):
+    return write_llama3_style(tmp_path_factory.mktemp("llama3_split"), *gpt2_tokenizer_files, llama3_split=True)
+
+
+# Added tokens inside a text (the library splits them out), a character unassigned in Unicode
+# (regex classes may differ between libraries), and plain text the compiled path encodes.
+TRICKY_TEXTS = ["before <|end_of_text|> after <|begin_of_text|>x", "unassigned \U000e0fff here",
+                "It's 12345 naïve 日本語 🙂\n\n  spaces\t", ""]
+
+
+@pytest.mark.parametrize("layout", ["llama3", "llama3_split"])
+def test_byte_level_files_take_the_tiktoken_path_with_the_library_ids(layout, request):
+    directory = request.getfixturevalue(f"{layout}_dir")
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=directory)
+    assert tokenizer.fast_path_reason == "tiktoken (checked equal to HF tokenizers)"
+    library = Tokenizer.from_file(os.path.join(directory, "tokenizer.json"))
+    expected = [encoding.ids for encoding in library.encode_batch(TEXTS + TRICKY_TEXTS, add_special_tokens=False)]
+    assert tokenizer.tokenize_batch(TEXTS + TRICKY_TEXTS) == expected
+    assert [tokenizer.tokenize(text) for text in TRICKY_TEXTS] == expected[len(TEXTS):]
+    assert 4097 in expected[-4]  # <|end_of_text|> in the text is the added token, as the library has it
+
+
+def test_other_files_use_the_library(llama2_dir):
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=llama2_dir)
+    assert tokenizer.fast_path_reason.startswith("HF tokenizers (no tiktoken path: the pre-tokenizer is not "
+                                                 "byte-level BPE's")
+    library = Tokenizer.from_file(os.path.join(llama2_dir, "tokenizer.json"))
+    assert tokenizer.tokenize_batch(TRICKY_TEXTS) == [encoding.ids for encoding in library.encode_batch(
+        TRICKY_TEXTS, add_special_tokens=False)]
