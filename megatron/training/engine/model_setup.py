@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.layer_norm import LayerNorm
+from megatron.core.models.gpt.layer_norm import LayerNorm, RMSNorm
 from megatron.core.parallel_state import ParallelGroups
 from megatron.core.tensor_parallel import VocabParallelEmbedding
 from megatron.training.config import OptimizerConfig, ScheduleConfig, TrainConfig
@@ -59,7 +59,7 @@ def build_model(config: TrainConfig, groups: ParallelGroups) -> torch.nn.Module:
 
 
 def _is_norm(module: torch.nn.Module) -> bool:
-    return isinstance(module, (LayerNorm, torch.nn.LayerNorm))
+    return isinstance(module, (LayerNorm, RMSNorm, torch.nn.LayerNorm))
 
 
 def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
