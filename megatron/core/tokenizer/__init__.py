@@ -9,9 +9,10 @@ id its library puts before a sequence (Llama's ``<s>``, ``<|begin_of_text|>``) o
 ``eod`` ends a document. Documents (in preprocessing) and prompts (``prompt_tokens``) start with
 ``bos`` where there is one, which reproduces the library's own encoding.
 
-GPT-2 BPE: the fast path is used when it reproduces the reference ids (``tok.is_fast``,
-``tok.fast_path_reason``). ``use_fast=False`` or the environment variable
-``MEGATRON_TOKENIZER_FAST=0`` (when ``use_fast`` is None) forces the regex reference.
+GPT-2 BPE and byte-level tokenizer.json files: the tiktoken fast path is used when it reproduces
+the reference ids (``tok.is_fast``, ``tok.fast_path_reason``). ``use_fast=False`` or the environment
+variable ``MEGATRON_TOKENIZER_FAST=0`` (when ``use_fast`` is None) forces the regex reference (the
+``tokenizers`` library for a tokenizer.json).
 """
 import importlib.util
 import os
@@ -48,11 +49,11 @@ def prompt_tokens(tokenizer, text):
     return ids or [tokenizer.eod]
 
 
-def _hf_tokenizer(tokenizer_model, tokenizer_name_or_path):
+def _hf_tokenizer(tokenizer_model, tokenizer_name_or_path, use_fast):
     if tokenizer_model:
-        return HuggingFaceTokenizer(tokenizer_model, flag="--tokenizer-model")
+        return HuggingFaceTokenizer(tokenizer_model, flag="--tokenizer-model", use_fast=use_fast)
     if tokenizer_name_or_path:
-        return HuggingFaceTokenizer(tokenizer_name_or_path, flag="--tokenizer-name-or-path")
+        return HuggingFaceTokenizer(tokenizer_name_or_path, flag="--tokenizer-name-or-path", use_fast=use_fast)
     raise TokenizerError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a tokenizer.json, or "
                          "a directory holding one) or --tokenizer-name-or-path (a directory)")
 
@@ -65,7 +66,7 @@ def _pretrained_from_hf(tokenizer_name_or_path, use_fast):
                              "--tokenizer-name-or-path (a local tokenizer directory)")
     if (importlib.util.find_spec("transformers") is None
             and os.path.isfile(os.path.join(tokenizer_name_or_path, TOKENIZER_FILE))):
-        return HuggingFaceTokenizer(tokenizer_name_or_path, flag="--tokenizer-name-or-path")
+        return HuggingFaceTokenizer(tokenizer_name_or_path, flag="--tokenizer-name-or-path", use_fast=use_fast)
     return PretrainedFromHF(tokenizer_name_or_path, use_fast=use_fast)
 
 
@@ -87,7 +88,7 @@ def build_tokenizer(tokenizer_type, vocab_file=None, merge_file=None,
     if tokenizer_type == "PretrainedFromHF":
         return _pretrained_from_hf(tokenizer_name_or_path, use_fast)
     if tokenizer_type == "HuggingFaceTokenizer":
-        return _hf_tokenizer(tokenizer_model, tokenizer_name_or_path)
+        return _hf_tokenizer(tokenizer_model, tokenizer_name_or_path, use_fast)
     if tokenizer_type in SENTENCEPIECE_TYPES:
         if not tokenizer_model:
             raise TokenizerError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model (a SentencePiece "

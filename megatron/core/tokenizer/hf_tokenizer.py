@@ -15,12 +15,14 @@ Without ``add_bos_token`` in a config, ``bos`` is the token the tokenizer.json's
 puts first. Without a config, ``eod`` is the first of ``FALLBACK_EOS_TOKENS`` in the vocabulary.
 
 A byte-level BPE file (GPT-2, Llama 3) is encoded by tiktoken where that gives the library's ids
-(``hf_fast_path``; ``fast_path_reason`` says which), about 7x faster; otherwise by the library.
+(``hf_fast_path``; ``fast_path_reason`` says which), about 7x faster; otherwise, or with
+``use_fast=False`` or MEGATRON_TOKENIZER_FAST=0, by the library.
 """
 import json
 import os
 
 from megatron.core.tokenizer.bpe_files import TokenizerError
+from megatron.core.tokenizer.gpt2_bpe import FAST_ENV_VAR, fast_path_requested
 from megatron.core.tokenizer.hf_fast_path import build_tiktoken_path
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -79,8 +81,8 @@ class HuggingFaceTokenizer:
     file is missing or does not parse, or when the tokenizer has no end-of-sequence token.
     """
 
-    def __init__(self, path, flag="--tokenizer-model"):
-        self._arguments = (path, flag)
+    def __init__(self, path, flag="--tokenizer-model", use_fast=None):
+        self._arguments = (path, flag, use_fast)
         from tokenizers import Tokenizer
         self.tokenizer_file = tokenizer_json_path(path, flag)
         try:
@@ -94,7 +96,11 @@ class HuggingFaceTokenizer:
         self.vocab_size = max(self.vocab.values()) + 1
         self.eod = self._eos_id(config, flag)
         self.bos = self._bos_id(config, flag)
-        self._fast_encode_batch, self.fast_path_reason = build_tiktoken_path(self.tokenizer_file, self._tokenizer)
+        self._fast_encode_batch, self.fast_path_reason = None, (
+            f"HF tokenizers: tiktoken path switched off (use_fast=False or {FAST_ENV_VAR}=0)")
+        if fast_path_requested(use_fast):
+            self._fast_encode_batch, self.fast_path_reason = build_tiktoken_path(self.tokenizer_file,
+                                                                                 self._tokenizer)
         self.is_fast = True
 
     def __reduce__(self):

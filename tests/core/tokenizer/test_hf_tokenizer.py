@@ -162,3 +162,12 @@ def test_other_files_use_the_library(llama2_dir):
     library = Tokenizer.from_file(os.path.join(llama2_dir, "tokenizer.json"))
     assert tokenizer.tokenize_batch(TRICKY_TEXTS) == [encoding.ids for encoding in library.encode_batch(
         TRICKY_TEXTS, add_special_tokens=False)]
+
+
+def test_the_tiktoken_path_can_be_switched_off(llama3_dir, monkeypatch):
+    monkeypatch.setenv("MEGATRON_TOKENIZER_FAST", "0")
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=llama3_dir)
+    assert tokenizer.fast_path_reason.startswith("HF tokenizers: tiktoken path switched off")
+    fast = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=llama3_dir, use_fast=True)
+    assert fast.fast_path_reason.startswith("tiktoken")
+    assert tokenizer.tokenize_batch(TEXTS + TRICKY_TEXTS) == fast.tokenize_batch(TEXTS + TRICKY_TEXTS)
