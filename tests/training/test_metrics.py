@@ -31,11 +31,13 @@ def test_model_flops_reduce_to_design_formula_without_glu_at_4h(b, s, n, h, v):
     assert flops == pytest.approx(reference_model_flops(b, s, n, h, v), rel=1e-12)
 
 
-def matmul_flops_by_shape(b, s, n, h, v, f, p, glu):
-    """2·m·k·n for each matmul of one forward pass, times 3 for forward + backward."""
+def matmul_flops_by_shape(b, s, n, h, v, f, p, glu, k=None):
+    """2·m·k·n for each matmul of one forward pass, times 3 for forward + backward; k the width of the
+    keys and of the values (p without grouped-query attention)."""
     tokens = b * s
+    k = p if k is None else k
     per_layer = [
-        (tokens, h, 3 * p),                # QKV projection
+        (tokens, h, p + 2 * k),            # QKV projection
         (b * s, p, s),                     # scores: per head [s, hn] x [hn, s], summed over heads
         (b * s, s, p),                     # probabilities x values
         (tokens, p, h),                    # output projection
@@ -46,29 +48,40 @@ def matmul_flops_by_shape(b, s, n, h, v, f, p, glu):
     return 3 * forward
 
 
-@pytest.mark.parametrize("f, p, glu", [(128, 32, False), (48, 40, True), (80, 32, False)])
-def test_model_flops_general_formula_matches_a_count_by_shapes(f, p, glu):
+@pytest.mark.parametrize("f, p, glu, k", [(128, 32, False, None), (48, 40, True, None), (80, 32, False, None),
+                                          (48, 32, True, 16), (80, 48, False, 12)])
+def test_model_flops_general_formula_matches_a_count_by_shapes(f, p, glu, k):
     b, s, n, h, v = 3, 16, 2, 32, 64
     flops = core_flops.model_flops_per_iteration(global_batch_size=b, seq_length=s, num_layers=n, hidden_size=h,
-                                              padded_vocab_size=v, ffn_hidden_size=f, projection_size=p, glu=glu)
-    assert flops == matmul_flops_by_shape(b, s, n, h, v, f, p, glu)
+                                              padded_vocab_size=v, ffn_hidden_size=f, projection_size=p, glu=glu,
+                                              key_value_size=k)
+    assert flops == matmul_flops_by_shape(b, s, n, h, v, f, p, glu, k)
 
 
-@pytest.mark.parametrize("glu, ffn", [(None, None), ("swiglu", 48), (None, 80)])
-def test_model_flops_equal_torch_flop_counter_on_our_gpt_model(glu, ffn):
+# Llama-class: 4 heads over 2 key/value groups, SwiGLU, RMSNorm, rotary, untied output layer, no biases
+LLAMA = dict(num_query_groups=2, glu_activation="swiglu", bias_gelu_fusion=False, normalization="RMSNorm",
+             position_embedding_type="rotary", rotary_base=500000.0, untie_embeddings_and_output_weights=True,
+             add_bias_linear=False)
+
+
+@pytest.mark.parametrize("options", [{"glu_activation": None, "ffn_hidden_size": None},
+                                     {"glu_activation": "swiglu", "ffn_hidden_size": 48, "bias_gelu_fusion": False},
+                                     {"glu_activation": None, "ffn_hidden_size": 80},
+                                     {**LLAMA, "ffn_hidden_size": 48}], ids=["gpt", "swiglu", "ffn", "llama"])
+def test_model_flops_equal_torch_flop_counter_on_our_gpt_model(options):
     # The materialized attention runs the scores and the weighted sum as (b)bmm, which torch counts.
-    config = GPTModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, kv_channels=12,
-                            padded_vocab_size=64, seq_length=16, max_position_embeddings=16,
-                            ffn_hidden_size=ffn, glu_activation=glu, bias_gelu_fusion=glu is None,
-                            hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
-                            attention_impl="materialized")
+    config = GPTModelConfig(**{**dict(num_layers=2, hidden_size=32, num_attention_heads=4, kv_channels=12,
+                                      padded_vocab_size=64, seq_length=16, max_position_embeddings=16,
+                                      hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+                                      attention_impl="materialized"), **options})
     model = GPTModel(config, single_rank_groups())
     tokens = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(0))
     with FlopCounterMode(display=False) as counter:
         model(tokens, labels=tokens).backward()
     expected = core_flops.model_flops_per_iteration(
         global_batch_size=3, seq_length=16, num_layers=2, hidden_size=32, padded_vocab_size=64,
-        ffn_hidden_size=config.ffn_hidden_size, projection_size=config.projection_size, glu=glu is not None)
+        ffn_hidden_size=config.ffn_hidden_size, projection_size=config.projection_size,
+        glu=config.glu_activation is not None, key_value_size=config.key_value_size)
     assert counter.get_total_flops() == expected
 
 
@@ -104,6 +117,22 @@ def test_compute_throughput_uses_the_model_config():
     model_flops = reference_model_flops(32, 128, 4, 256, 1024)  # recomputation earns no credit
     assert result.model_tflops == pytest.approx(model_flops / (0.5 * 4 * 1e12))
     assert result.mfu == pytest.approx(result.model_tflops / 0.5)
+
+
+def test_compute_throughput_counts_grouped_query_attention_swiglu_and_the_untied_head():
+    """The log line's model TFLOP/s: per layer and token 4hp + 4hk + 4sp + 6hf (k = g hn = 2 x 32 of p = 256,
+    SwiGLU), + 2hV for the untied output layer (Megatron-LM's count)."""
+    config = GPTModelConfig(num_layers=4, hidden_size=256, num_attention_heads=8, padded_vocab_size=1024,
+                            seq_length=128, ffn_hidden_size=512, **LLAMA)
+    result = throughput.compute_throughput(config, global_batch_size=32, seq_length=128, iteration_time=0.5,
+                                           world_size=4, data_parallel_size=2, peak_tflops=0.5)
+    h, k, s, f = 256, 64, 128, 512
+    model_flops = 3 * 32 * 128 * (4 * (4 * h * h + 4 * h * k + 4 * s * h + 6 * h * f) + 2 * h * 1024)
+    assert result.model_tflops == pytest.approx(model_flops / (0.5 * 4 * 1e12), rel=1e-12)
+    assert result.model_tflops < throughput.compute_throughput(
+        GPTModelConfig(num_layers=4, hidden_size=256, num_attention_heads=8, padded_vocab_size=1024, seq_length=128,
+                       ffn_hidden_size=512, **{**LLAMA, "num_query_groups": 8}),
+        global_batch_size=32, seq_length=128, iteration_time=0.5, world_size=4, data_parallel_size=2).model_tflops
 
 
 def test_gigaflos_increment():
