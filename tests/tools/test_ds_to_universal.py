@@ -11,7 +11,11 @@ Set-up: test_layout_equivalence's flags (fp32, dropout 0, weight decay 1.0, clip
 sizes of tests/training/test_3d_parallel_cpu.py, whose saving TP=2 x PP=2 x DP=2 run at ZeRO-1 is
 the 2_2_2 source here (a session fixture, tests/training/parallel_3d_runs.py). Layouts are
 TP_PP_DP; the source runs once per source layout (it is the uninterrupted reference), each target
-resumes from its own copy of the conversion.
+resumes from its own copy of the conversion. The Llama-class model (RMSNorm, 4 heads over 2 key/value
+groups, SwiGLU, rotary base 500000, untied output layer, no biases) converts from its TP=2 x PP=2
+run with sequence parallelism (parallel_3d_runs.llama_saving_run, 2 layers, global batch 4, saved at
+iteration 2 of 4) and resumes at TP=1 x PP=1 x DP=2: the grouped QKV rows, SwiGLU's halves and the
+untied head's vocabulary rows are joined, the final norm averaged, and its iterations 3-4 follow.
 """
 import argparse
 import os
@@ -25,7 +29,8 @@ from megatron.core.checkpoint.reader import open_checkpoint
 from megatron.core.checkpoint.universal_writer import write_universal_zero
 from megatron.training.log_reader import iteration_records
 from tests.training.e2e_utils import read_scalars, run_pretrain
-from tests.training.parallel_3d_runs import GLOBAL_BATCH, NUM_LAYERS, SAVE_ITERATION, SEQ_LENGTH, TRAIN_ITERS
+from tests.training.parallel_3d_runs import (GLOBAL_BATCH, LLAMA_NUM_LAYERS, LLAMA_SAVE_ITERATION, LLAMA_TRAIN_ITERS,
+                                             NUM_LAYERS, SAVE_ITERATION, SEQ_LENGTH, TRAIN_ITERS, llama_flags)
 from tests.training.test_layout_equivalence import common_flags, series
 from tools.convert_checkpoint import ds_to_universal
 from tools.convert_checkpoint.ds_to_universal import write_model_states
@@ -125,7 +130,7 @@ def test_universal_resume_continues_the_source_run(sources, e2e_data, tmp_path, 
     shutil.rmtree(load)
 
 
-def deepspeed_reference(tag_directory: str, output: str) -> str:
+def deepspeed_reference(tag_directory: str, output: str, num_layers: int = NUM_LAYERS) -> str:
     """DeepSpeed's own conversion of ``tag_directory`` (its model-states files patched to keep the padded
     vocabulary, as the tool records), with parameter folders under pipeline names; returns its zero/."""
     from deepspeed.checkpoint import ds_to_universal as deepspeed_conversion
@@ -144,15 +149,20 @@ def deepspeed_reference(tag_directory: str, output: str) -> str:
     zero = os.path.join(converted, "zero")
     for name in os.listdir(zero):
         if os.path.isdir(os.path.join(zero, name)):
-            os.rename(os.path.join(zero, name), os.path.join(zero, as_pipeline_name(name, NUM_LAYERS)))
+            os.rename(os.path.join(zero, name), os.path.join(zero, as_pipeline_name(name, num_layers)))
     return zero
 
 
-@pytest.mark.parametrize("layout, zero_stage", [("2_2_2", 1), ("1_1_2", 2)])
-def test_our_conversion_writes_what_deepspeeds_writes(sources, tmp_path, layout, zero_stage):
-    """The streaming conversion gives DeepSpeed's files, tensor for tensor (pipeline names, padded rows kept)."""
-    tag_directory = os.path.join(sources(layout, zero_stage, [])["save"], f"global_step{SAVE_ITERATION}")
-    expected = deepspeed_reference(tag_directory, str(tmp_path))
+@pytest.mark.parametrize("layout, zero_stage", [("2_2_2", 1), ("1_1_2", 2), ("llama", 1)])
+def test_our_conversion_writes_what_deepspeeds_writes(sources, request, tmp_path, layout, zero_stage):
+    """The streaming conversion gives DeepSpeed's files, tensor for tensor (pipeline names, padded rows kept);
+    DeepSpeed joins each TP slice by the patterns our model-states files record."""
+    if layout == "llama":
+        tag_directory = os.path.join(str(request.getfixturevalue("llama_saving_run")["save"]),
+                                     f"global_step{LLAMA_SAVE_ITERATION}")
+    else:
+        tag_directory = os.path.join(sources(layout, zero_stage, [])["save"], f"global_step{SAVE_ITERATION}")
+    expected = deepspeed_reference(tag_directory, str(tmp_path), LLAMA_NUM_LAYERS if layout == "llama" else NUM_LAYERS)
     ours = str(tmp_path / "ours")
     write_universal_zero(open_checkpoint(tag_directory, read_optimizer=True), ours, workers=2)
     found = os.path.join(ours, "zero")
@@ -170,3 +180,27 @@ def test_our_conversion_writes_what_deepspeeds_writes(sources, tmp_path, layout,
                 continue
             assert set(mine) == set(theirs) and torch.equal(mine.pop("param"), theirs.pop("param")), (name, state)
             assert mine == theirs, (name, state)
+
+
+def test_llama_universal_resume_continues_the_source_run(llama_saving_run, e2e_data, tmp_path, capsys):
+    source_save = str(llama_saving_run["save"])
+    load = os.path.join(str(tmp_path), "load")
+    os.makedirs(load)
+    assert ds_to_universal.main(["--input_folder", os.path.join(source_save, f"global_step{LLAMA_SAVE_ITERATION}"),
+                                 "--output_folder", os.path.join(load, f"global_step{LLAMA_SAVE_ITERATION}_universal"),
+                                 "--num_extract_workers", "1", "--num_merge_workers", "1"]) == 0
+    assert "universal checkpoint of iteration 2" in capsys.readouterr().out
+    head = os.path.join(load, f"global_step{LLAMA_SAVE_ITERATION}_universal", "zero", f"{LLAMA_NUM_LAYERS + 5}.weight")
+    saved = torch.load(os.path.join(head, "fp32.pt"), weights_only=False)
+    assert saved["vocab_tensor"] and saved["cat_dim"] == 0 and tuple(saved["param"].shape) == (1152, 64)
+    tensorboard = str(tmp_path / "tb")
+    processes, flags = layout_flags("1_1_2", 1)
+    result = run_pretrain(llama_flags(e2e_data) + flags + ["--load", load, "--universal-checkpoint",
+                                                           "--tensorboard-dir", tensorboard], nproc=processes,
+                          timeout=600)
+    result.assert_ok()
+    resumed = list(range(LLAMA_SAVE_ITERATION + 1, LLAMA_TRAIN_ITERS + 1))
+    found = read_scalars(tensorboard)
+    assert series(found, LOSS_TAG, resumed) == pytest.approx(llama_saving_run["loss"][LLAMA_SAVE_ITERATION:], rel=1e-5)
+    assert series(found, LR_TAG, resumed) == llama_saving_run["lr"][LLAMA_SAVE_ITERATION:]
+    assert counters(result.output, resumed) == counters(llama_saving_run["output"], resumed)

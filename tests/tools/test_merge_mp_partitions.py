@@ -10,6 +10,13 @@ weights of iteration 2 before any update, so a run resumed from the converted we
 --no-load-optim must log the same loss: 1e-6 relative (the layouts only reorder fp32 sums, which
 moves a loss of ~7 by a few ulps; test_layout_equivalence.py says more), with the same learning
 rate, since the LR schedule and the counters are carried.
+
+The Llama-class source (RMSNorm, 4 heads over 2 key/value groups, SwiGLU, rotary base 500000, an
+untied output layer, no biases) is parallel_3d_runs.llama_saving_run (TP=2 x PP=2 with sequence
+parallelism, saved at iteration 2 of 4): merged to TP=1 and reshaped to TP=1 x PP=2 it gives the
+source's iteration-3 loss; its output layer (layer L+5) is split by vocabulary rows and its grouped QKV
+by whole groups, so TP=4 (more ranks than its 2 groups) is refused; in Megatron-LM's layout the head
+is ``language_model.output_layer``.
 """
 import os
 import shutil
@@ -23,6 +30,7 @@ from megatron.core.checkpoint.model_loading import full_model_state
 from megatron.core.checkpoint.reader import open_checkpoint
 from tests.conftest import REPO_ROOT
 from tests.training.e2e_utils import read_scalars, run_command, run_pretrain
+from tests.training.parallel_3d_runs import LLAMA_NUM_LAYERS, LLAMA_SAVE_ITERATION, llama_flags
 from tests.training.test_layout_equivalence import common_flags, series
 from tools import merge_mp_partitions
 from tools.convert_checkpoint import deepspeed_to_deepspeed, deepspeed_to_megatron, ds_to_universal
@@ -200,3 +208,80 @@ def test_megatron_lm_layout_needs_equal_stages(source, tmp_path, capsys):
     assert deepspeed_to_megatron.main(["--input_folder", source[0], "--output_folder", output, "--target_pp", "3"]) == 1
     assert "--target_pp 3: Megatron-LM gives every stage the same number of layers" in capsys.readouterr().err
     assert not os.path.exists(output)
+
+
+@pytest.fixture(scope="module")
+def llama_source(llama_saving_run) -> tuple[str, list[float], list[float]]:
+    """(the Llama-class TP=2 x PP=2 run's global_step2 directory, its losses, its learning rates)."""
+    tag = os.path.join(str(llama_saving_run["save"]), f"global_step{LLAMA_SAVE_ITERATION}")
+    return tag, llama_saving_run["loss"], llama_saving_run["lr"]
+
+
+def assert_llama_resumes_with_source_loss(data, llama_source, load: str, processes: int, layout: list[str],
+                                          tensorboard: str):
+    _, losses, rates = llama_source
+    result = run_pretrain(llama_flags(data) + layout + ["--load", load, "--no-load-optim", "--no-load-rng",
+                                                        "--tensorboard-dir", tensorboard], nproc=processes, timeout=600)
+    result.assert_ok()
+    found = read_scalars(tensorboard)
+    assert series(found, LOSS_TAG, [3, 4])[0] == pytest.approx(losses[2], rel=1e-6)
+    assert series(found, LR_TAG, [3, 4]) == rates[2:]
+
+
+def test_llama_merged_to_tp1_gives_the_source_loss(e2e_data, llama_source, tmp_path):
+    merged = str(tmp_path / "merged")
+    assert merge_mp_partitions.main(["--model-type", "GPT", "--tensor-model-parallel-size", "2", "--load",
+                                     llama_source[0], "--save", merged, "--num-layers", str(LLAMA_NUM_LAYERS)]) == 0
+    tag = os.path.join(merged, "global_step2")
+    head = f"layer_{LLAMA_NUM_LAYERS + 5:02d}-model_00-model_states.pt"
+    assert sorted(name for name in os.listdir(tag) if name.startswith("layer_")) == [
+        f"layer_{layer:02d}-model_00-model_states.pt" for layer in (1, 3, 4, 6)] + [head]
+    source = open_checkpoint(llama_source[0])
+    expected = full_model_state(source)
+    assert torch.equal(torch.load(os.path.join(tag, head), weights_only=True)["weight"], expected["output_layer.weight"])
+    assert_llama_resumes_with_source_loss(e2e_data, llama_source, merged, 1, [], str(tmp_path / "tb"))
+
+
+def test_llama_reshaped_to_tp1_pp2_gives_the_source_loss(e2e_data, llama_source, tmp_path):
+    reshaped = str(tmp_path / "tp1_pp2")
+    assert deepspeed_to_deepspeed.main(["--input_folder", llama_source[0], "--output_folder", reshaped,
+                                        "--target_tp", "1", "--target_pp", "2"]) == 0
+    assert_llama_resumes_with_source_loss(e2e_data, llama_source, reshaped, 2, ["--pipeline-model-parallel-size", "2"],
+                                          str(tmp_path / "tb"))
+
+
+def test_llama_more_tp_ranks_than_key_value_groups_are_refused(llama_source, tmp_path, capsys):
+    outputs = [str(tmp_path / "reshaped"), str(tmp_path / "megatron")]
+    assert deepspeed_to_deepspeed.main(["--input_folder", llama_source[0], "--output_folder", outputs[0],
+                                        "--target_tp", "4"]) == 1
+    assert deepspeed_to_megatron.main(["--input_folder", llama_source[0], "--output_folder", outputs[1],
+                                       "--target_tp", "4"]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 2 and all("--target_tp 4: the TP ranks split the model's 2 key/value groups" in line
+                                    for line in errors), errors
+    assert not any(os.path.exists(path) for path in outputs)
+
+
+def test_llama_megatron_lm_layout_holds_the_untied_head_and_grouped_qkv(llama_source, tmp_path):
+    """TP=2 x PP=2: the last stage's ``output_layer`` holds each rank's vocabulary half of the untied head
+    and no tied head copy; each rank's QKV holds its key/value group's (2 + 2) x 16 rows, the source's
+    rows of that group; ``args`` name the options as Megatron-LM does."""
+    output = str(tmp_path / "megatron")
+    assert deepspeed_to_megatron.main(["--input_folder", llama_source[0], "--output_folder", output,
+                                       "--target_tp", "2", "--target_pp", "2"]) == 0
+    expected = full_model_state(open_checkpoint(llama_source[0]))
+    root = os.path.join(output, "iter_0000002")
+    heads, qkv = [], []
+    for rank in range(2):
+        last = torch.load(os.path.join(root, f"mp_rank_{rank:02d}_001", "model_optim_rng.pt"), weights_only=False)
+        first = torch.load(os.path.join(root, f"mp_rank_{rank:02d}_000", "model_optim_rng.pt"), weights_only=False)
+        assert "word_embeddings_for_head" not in last["model"]
+        heads.append(last["model"]["language_model"]["output_layer"]["weight"])
+        qkv.append(first["model"]["language_model"]["encoder"]["layers.0.self_attention.query_key_value.weight"])
+        arguments = last["args"]
+        assert (arguments.group_query_attention, arguments.num_query_groups, arguments.swiglu,
+                arguments.position_embedding_type, arguments.normalization, arguments.add_bias_linear,
+                arguments.untie_embeddings_and_output_weights) == (True, 2, True, "rope", "RMSNorm", False, True)
+    assert torch.equal(torch.cat(heads), expected["output_layer.weight"])
+    assert [tuple(t.shape) for t in qkv] == [(64, 64)] * 2
+    assert torch.equal(torch.cat(qkv), expected["layers.0.self_attention.query_key_value.weight"])

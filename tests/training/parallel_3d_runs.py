@@ -1,7 +1,9 @@
 """The runs of test_3d_parallel_cpu.py over 8 gloo processes, and its saving TP=2 x PP=2 x DP=2 (ZeRO-1)
 run as a session fixture (``saving_layout_run``, registered in tests/conftest.py): launched once per
 session, shared with tests/tools/test_ds_to_universal.py, which converts its global_step2 as its
-2_2_2 source. test_3d_parallel_cpu.py's docstring describes the set-up.
+2_2_2 source. test_3d_parallel_cpu.py's docstring describes the set-up. Likewise the Llama-class
+model's saving TP=2 x PP=2 run (``llama_saving_run``), shared by test_llama_layouts.py and the
+checkpoint tools' tests.
 """
 import pytest
 
@@ -48,4 +50,33 @@ def saving_layout_run(e2e_data, tmp_path_factory) -> dict:
         "--zero-stage", "1", "--save", str(checkpoints), "--save-interval", str(SAVE_ITERATION)]
     run = train(flags, PROCESSES, str(tmp_path_factory.mktemp(f"tb_{SAVING_LAYOUT}")),
                 list(range(1, TRAIN_ITERS + 1)))
+    return {**run, "save": checkpoints}
+
+
+# ---- the Llama-class model (tests/training/test_llama_layouts.py describes the set-up) --------------
+LLAMA_MODEL_FLAGS = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+                     "--rotary-base", "500000", "--group-query-attention", "--num-query-groups", "2",
+                     "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+LLAMA_NUM_LAYERS, LLAMA_SEQ_LENGTH, LLAMA_GLOBAL_BATCH, LLAMA_TRAIN_ITERS, LLAMA_SAVE_ITERATION = 2, 32, 4, 4, 2
+LLAMA_SAVING_LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                       "--sequence-parallel", "--zero-stage", "1"]
+
+
+def llama_flags(data) -> list[str]:
+    """test_layout_equivalence's flags (fp32, dropout 0, CPU initialization, ...) for the Llama-class
+    model: 2 layers, hidden 64, 4 heads over 2 key/value groups, SwiGLU (ffn 128), RMSNorm, rotary base
+    500000, untied output layer, no biases; sequence 32, global batch 4, 4 iterations."""
+    return common_flags(data, seq_length=LLAMA_SEQ_LENGTH, num_layers=LLAMA_NUM_LAYERS,
+                        global_batch=LLAMA_GLOBAL_BATCH, train_iters=LLAMA_TRAIN_ITERS) + LLAMA_MODEL_FLAGS
+
+
+@pytest.fixture(scope="session")
+def llama_saving_run(e2e_data, tmp_path_factory) -> dict:
+    """train() of the Llama-class model under TP=2 x PP=2 with --sequence-parallel at ZeRO-1, saved
+    every LLAMA_SAVE_ITERATION iterations, with "save": its --save directory (a Path). Shared by
+    test_llama_layouts.py (its TP=2 x PP=2 layout), test_merge_mp_partitions.py and test_ds_to_universal.py."""
+    checkpoints = tmp_path_factory.mktemp("llama_checkpoints")
+    flags = llama_flags(e2e_data) + LLAMA_SAVING_LAYOUT + ["--save", str(checkpoints),
+                                                           "--save-interval", str(LLAMA_SAVE_ITERATION)]
+    run = train(flags, 4, str(tmp_path_factory.mktemp("tb_llama_tp2_pp2")), list(range(1, LLAMA_TRAIN_ITERS + 1)))
     return {**run, "save": checkpoints}
