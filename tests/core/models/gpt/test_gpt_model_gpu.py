@@ -5,8 +5,8 @@ import torch
 
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.parallel_state import single_rank_groups
-from tests.core.models.gpt.gpt_test_utils import random_tokens, randomize_parameters, relative_error, tiny_config,
-                                                  with_overrides
+from tests.core.models.gpt.gpt_test_utils import (random_tokens, randomize_parameters, relative_error, tiny_config,
+                                                  with_overrides)
 from tests.core.models.gpt.test_gpt_model import LLAMA
 
 pytestmark = pytest.mark.gpu
