@@ -268,6 +268,7 @@ def test_trained_checkpoint_exports_with_our_loss_and_greedy_tokens(llama_runs, 
                "--genfile", str(genfile)]
     run_script(command, 4, timeout=300).assert_ok()
     samples = [json.loads(line) for line in genfile.read_text().splitlines()]
+    assert sum(len(sample["tokens"]) for sample in samples) > 2 * NEW_TOKENS  # generation may stop at an eod
     tokenizer = GPT2BPETokenizer(e2e_data.vocab_file, e2e_data.merge_file)
     assert hf_model.config.eos_token_id == tokenizer.eod
     for prompt, sample in zip(PROMPTS, samples, strict=True):
