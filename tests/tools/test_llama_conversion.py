@@ -155,40 +155,59 @@ def test_a_window_longer_than_the_sequences_imports_as_full_attention(tmp_path, 
     assert "--seq-length 32 --max-position-embeddings 40" in capsys.readouterr().out
 
 
-def hf_tokenizer_directory(data, directory: str) -> str:
-    """transformers' fast GPT-2 tokenizer of the sample BPE files, saved as tokenizer.json (and its
-    configuration) only."""
-    import transformers
-
-    tokenizer = transformers.GPT2TokenizerFast(vocab_file=data.vocab_file, merges_file=data.merge_file)
-    tokenizer.save_pretrained(directory)
-    for name in ("vocab.json", "merges.txt"):
-        if os.path.exists(os.path.join(directory, name)):
-            os.remove(os.path.join(directory, name))
-    return directory
-
-
-def test_a_tokenizer_json_travels_both_ways(e2e_data, tmp_path, capsys):
-    import transformers
-
-    from megatron.core.tokenizer import build_tokenizer
-
-    source, imported, exported = (str(tmp_path / part) for part in ("hf", "imported", "exported"))
-    tiny_model("llama").save_pretrained(source)
-    hf_tokenizer_directory(e2e_data, source)
+def tokenizer_round_trip(model, source: str, tmp_path) -> tuple[dict, str]:
+    """(the imported checkpoint's tokenizer settings, the exported directory) of ``model`` saved with the
+    tokenizer files already in ``source``."""
+    imported, exported = str(tmp_path / "imported"), str(tmp_path / "exported")
+    model.save_pretrained(source)
     assert import_model(source, imported) == 0
-    assert f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {imported}/tokenizer" in capsys.readouterr().out
     data = open_checkpoint(imported).state["args"]["config"]["data"]
-    assert data == {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": f"{imported}/tokenizer",
-                    "orig_vocab_size": VOCABULARY}
     assert deepspeed_to_transformers.main(["--input_folder", imported, "--output_folder", exported]) == 0
-    assert {"tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(exported))
+    return data, exported
+
+
+def assert_same_tokenizer(data: dict, exported: str) -> None:
+    """transformers' tokenizer of ``exported`` gives the ids our generation starts from (the BOS
+    included), and config.json the same bos and eos."""
+    import transformers
+
+    from megatron.core.tokenizer import bos_of, build_tokenizer, prompt_tokens
+
     ours = build_tokenizer(**{key: value for key, value in data.items() if key != "orig_vocab_size"})
     theirs = transformers.AutoTokenizer.from_pretrained(exported, local_files_only=True)
     text = "The history of the Python language, in 1990."
-    assert theirs(text)["input_ids"] == ours.tokenize(text)
+    assert theirs(text)["input_ids"] == prompt_tokens(ours, text)
     config = transformers.AutoConfig.from_pretrained(exported, local_files_only=True)
-    assert config.eos_token_id == ours.eod and config.bos_token_id is None
+    assert (config.bos_token_id, config.eos_token_id) == (bos_of(ours), ours.eod)
+    assert bos_of(ours) is not None
+
+
+def test_a_tokenizer_json_travels_both_ways(e2e_data, tmp_path, capsys):
+    from tests.core.tokenizer.llama_style import write_llama3_style
+
+    source = str(tmp_path / "hf")
+    write_llama3_style(source, e2e_data.vocab_file, e2e_data.merge_file)  # 1000 tokens, then its BOS and EOS
+    data, exported = tokenizer_round_trip(tiny_model("llama", vocab_size=VOCABULARY + 2), source, tmp_path)
+    tokenizer = str(tmp_path / "imported" / "tokenizer")
+    assert f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {tokenizer}" in capsys.readouterr().out
+    assert data == {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": tokenizer,
+                    "orig_vocab_size": VOCABULARY + 2}
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(exported))
+    assert_same_tokenizer(data, exported)
+
+
+def test_a_sentencepiece_model_travels_both_ways(tmp_path, capsys):
+    from tests.core.tokenizer.llama_style import train_sentencepiece
+
+    pytest.importorskip("sentencepiece")
+    source = str(tmp_path / "hf")
+    os.makedirs(source)
+    train_sentencepiece(os.path.join(source, "tokenizer.model"), vocab_size=VOCABULARY)
+    data, exported = tokenizer_round_trip(tiny_model("llama"), source, tmp_path)
+    model_file = str(tmp_path / "imported" / "tokenizer" / "tokenizer.model")
+    assert f"--tokenizer-type SentencePieceTokenizer --tokenizer-model {model_file}" in capsys.readouterr().out
+    assert {"tokenizer.model", "tokenizer_config.json"} <= set(os.listdir(exported))
+    assert_same_tokenizer(data, exported)
 
 
 # ------------------------------------------------------------------------------------ end to end

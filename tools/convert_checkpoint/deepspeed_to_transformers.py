@@ -76,33 +76,55 @@ def copy_tokenizer(saved_config: dict, output: str) -> list[str]:
     return copied
 
 
+def _copied_tokenizer(output: str, saved_config: dict):
+    """The trainer's tokenizer of the files copied to ``output`` (a tokenizer.json or a SentencePiece
+    model), or None."""
+    from megatron.core.tokenizer import TokenizerError, build_tokenizer
+
+    kind = saved_config.get("data", {}).get("tokenizer_type", "GPT2BPETokenizer")
+    if kind in ("HuggingFaceTokenizer", "PretrainedFromHF"):
+        kind, path = "HuggingFaceTokenizer", os.path.join(output, "tokenizer.json")
+    else:
+        path = os.path.join(output, SENTENCEPIECE_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        return build_tokenizer(kind, tokenizer_model=path)
+    except TokenizerError:
+        return None
+
+
 def _special_tokens(output: str, saved_config: dict, llama_class: bool) -> tuple[int | None, int | None]:
-    """(bos, eos) of the exported tokenizer: GPT-2's <|endoftext|> for both when its vocab.json is
-    there (transformers' GPT-2 default, 50256, is not a token of a smaller vocabulary); for the Llama
-    class the trainer's own reading of the copied tokenizer (its bos, and eod as eos)."""
+    """(bos, eos) of the exported tokenizer: GPT-2's <|endoftext|> when its vocab.json is there (for both
+    under GPT-2 and BLOOM, as eos for the Llama class; transformers' GPT-2 default, 50256, is not a token
+    of a smaller vocabulary); else the trainer's own reading of the copied tokenizer (its bos, and eod
+    as eos)."""
     vocab_path = os.path.join(output, "vocab.json")
-    if not llama_class or saved_config.get("data", {}).get("tokenizer_type", "GPT2BPETokenizer") == "GPT2BPETokenizer":
+    if saved_config.get("data", {}).get("tokenizer_type", "GPT2BPETokenizer") == "GPT2BPETokenizer":
         if not os.path.isfile(vocab_path):
             return None, None
         with open(vocab_path) as f:
             end = json.load(f).get("<|endoftext|>")
         return (None if llama_class else end), end
-    from megatron.core.tokenizer import TokenizerError, bos_of, build_tokenizer
+    from megatron.core.tokenizer import bos_of
 
-    kind = saved_config["data"]["tokenizer_type"]
-    if kind in ("HuggingFaceTokenizer", "PretrainedFromHF"):
-        if not os.path.isfile(os.path.join(output, "tokenizer.json")):
-            return None, None
-        kind, arguments = "HuggingFaceTokenizer", {"tokenizer_model": output}
-    else:
-        if not os.path.isfile(os.path.join(output, SENTENCEPIECE_FILE)):
-            return None, None
-        arguments = {"tokenizer_model": os.path.join(output, SENTENCEPIECE_FILE)}
-    try:
-        tokenizer = build_tokenizer(kind, **arguments)
-    except TokenizerError:
-        return None, None
-    return bos_of(tokenizer), tokenizer.eod
+    tokenizer = _copied_tokenizer(output, saved_config)
+    return (None, None) if tokenizer is None else (bos_of(tokenizer), tokenizer.eod)
+
+
+def write_sentencepiece_config(output: str, saved_config: dict) -> None:
+    """A tokenizer_config.json beside a copied SentencePiece model: transformers' LlamaTokenizer with
+    the model's bos (added, as the trainer adds it) and eos pieces."""
+    tokenizer = _copied_tokenizer(output, saved_config)
+    path = os.path.join(output, "tokenizer_config.json")
+    if tokenizer is None or not hasattr(tokenizer, "inv_vocab") or os.path.exists(path):
+        return
+    config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": tokenizer.bos is not None, "add_eos_token": False,
+              "eos_token": tokenizer.inv_vocab[tokenizer.eod]}
+    if tokenizer.bos is not None:
+        config["bos_token"] = tokenizer.inv_vocab[tokenizer.bos]
+    with open(path, "w") as f:
+        json.dump(config, f, indent=1)
 
 
 def set_special_tokens(output: str, vocab_size: int, saved_config: dict, llama_class: bool) -> None:
@@ -145,6 +167,8 @@ def export(arguments) -> str:
             json.dump(transformers_config(checkpoint.model, vocab_size, dtype), f, indent=1)
         saved_config = checkpoint.state["args"].get("config", {})
         tokenizer = copy_tokenizer(saved_config, staging)
+        if SENTENCEPIECE_FILE in tokenizer:
+            write_sentencepiece_config(staging, saved_config)
         set_special_tokens(staging, vocab_size, saved_config, kind in LLAMA_CLASS)
     return (f"{kind} of iteration {checkpoint.iteration} (saved at TP {checkpoint.tp}, PP {checkpoint.pp}) written "
             f"to {arguments.output_folder}: {len(weight_map)} tensors, vocabulary {vocab_size} (padding of "
