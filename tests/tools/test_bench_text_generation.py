@@ -1,4 +1,4 @@
-"""tools/benchmarks/bench_text_generation.py on CPU: the Llama peer holds our weights, the bandwidth bound's bytes."""
+"""tools/benchmarks/bench_text_generation.py on CPU: the peers hold our weights, the bandwidth bound's bytes."""
 import torch
 
 from megatron.core.parallel_state import single_rank_groups
@@ -16,7 +16,8 @@ def test_llama_peer_gives_our_logits_and_greedy_tokens():
     with torch.no_grad():
         for param in stage.parameters():  # norms away from 1, so a swapped weight shows
             param.add_(0.1 * torch.randn_like(param))
-    peer = transformers_model(stage)
+    peer = transformers_model(stage, 96)
+    assert type(peer).__name__ == "LlamaForCausalLM"
     tokens = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
     forward = PipelineForward(stage, single_rank_groups())
     with torch.no_grad():
@@ -25,6 +26,16 @@ def test_llama_peer_gives_our_logits_and_greedy_tokens():
     assert torch.allclose(found, expected, rtol=1e-4, atol=1e-4)
     prompts = tokens[:, :5]
     assert torch.equal(ours(forward, prompts, 6, vocab=96)(), theirs(peer, prompts, 6, compiled=False)())
+
+
+def test_gpt2_peer_gives_our_logits():
+    stage = build_stage(parse_args(TINY), "cpu")
+    peer = transformers_model(stage, 90)
+    assert type(peer).__name__ == "GPT2LMHeadModel"
+    tokens = torch.randint(0, 90, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = PipelineForward(stage, single_rank_groups()).last_stage_logits(tokens)[..., :90]
+        assert torch.allclose(peer(tokens).logits, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_decode_bytes_per_token():

@@ -78,7 +78,6 @@ MODELS = {
                       position_embedding_type="rotary", rotary_base=500000.0,
                       untie_embeddings_and_output_weights=True, add_bias_linear=False),
 }
-GPT2_VOCAB = MODELS["gpt1p3b"]["vocab"]
 SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                "padded_vocab_size", "max_positions")
 
@@ -133,54 +132,12 @@ def decode_bytes_per_token(stage: InferenceStage, context: int) -> int:
     return total + 2 * config.num_layers * config.num_query_groups * config.kv_channels * context * element
 
 
-def llama_weights(stage: InferenceStage) -> dict[str, torch.Tensor]:
-    """The stage's weights under LlamaForCausalLM's names: query_key_value's rows [g, q + 2, hn] give
-    q_proj (the groups' query heads in order), k_proj and v_proj; dense_h_to_4h is [W_a; W_g] with
-    a * silu(g), so W_a is up_proj and W_g gate_proj. The rotary halves are Llama's layout already."""
-    config = stage.config
-    q, hn, h = config.queries_per_group, config.kv_channels, config.hidden_size
-    state = {"model.embed_tokens.weight": stage.embedding.word_embeddings.weight,
-             "lm_head.weight": stage.output_layer.weight, "model.norm.weight": stage.final_layernorm.weight}
-    for index, layer in enumerate(stage.layers):
-        prefix = f"model.layers.{index}."
-        qkv = layer.self_attention.query_key_value.weight.view(config.num_query_groups, q + 2, hn, h)
-        up, gate = layer.mlp.dense_h_to_4h.weight.chunk(2, dim=0)
-        state.update({prefix + "input_layernorm.weight": layer.input_layernorm.weight,
-                      prefix + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
-                      prefix + "self_attn.q_proj.weight": qkv[:, :q].reshape(-1, h),
-                      prefix + "self_attn.k_proj.weight": qkv[:, q].reshape(-1, h),
-                      prefix + "self_attn.v_proj.weight": qkv[:, q + 1].reshape(-1, h),
-                      prefix + "self_attn.o_proj.weight": layer.self_attention.dense.weight,
-                      prefix + "mlp.up_proj.weight": up, prefix + "mlp.gate_proj.weight": gate,
-                      prefix + "mlp.down_proj.weight": layer.mlp.dense_4h_to_h.weight})
-    return state
-
-
-def transformers_llama(stage: InferenceStage):
-    """LlamaForCausalLM holding the stage's weights (``llama_weights``), sdpa attention."""
+def transformers_model(stage: InferenceStage, vocab: int):
+    """The transformers model that the exporter writes for the stage's weights (its per-layer mapping
+    and config: GPT2LMHeadModel, LlamaForCausalLM, ...), the first ``vocab`` rows of the vocabulary,
+    sdpa attention."""
     import transformers
 
-    config = stage.config
-    hf_config = transformers.LlamaConfig(
-        vocab_size=config.padded_vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_hidden_size,
-        num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_query_groups, head_dim=config.kv_channels,
-        max_position_embeddings=config.seq_length, rope_theta=config.rotary_base, rms_norm_eps=config.layernorm_epsilon,
-        tie_word_embeddings=False, attention_bias=False, mlp_bias=False, attn_implementation="sdpa")
-    with torch.device(stage.embedding.word_embeddings.weight.device):
-        model = transformers.LlamaForCausalLM(hf_config)
-    model = model.to(dtype=config.params_dtype).eval()
-    model.load_state_dict(llama_weights(stage), strict=True)
-    return model
-
-
-def transformers_model(stage: InferenceStage):
-    """The transformers model holding the stage's weights, sdpa attention: LlamaForCausalLM for an
-    RMSNorm model, else GPT2LMHeadModel (the exporter's per-layer mapping)."""
-    import transformers
-
-    if stage.config.normalization == "RMSNorm":
-        return transformers_llama(stage)
     config = dataclasses.asdict(stage.config)
     layers = {}
     for name, tensor in stage.state_dict().items():
@@ -189,11 +146,13 @@ def transformers_model(stage: InferenceStage):
         layers.setdefault(index, {})[local] = tensor
     state = {}
     for layer, layer_state in layers.items():
-        state.update(exported_layer(config, layer, layer_state, GPT2_VOCAB))
-    hf_config = transformers_config(config, GPT2_VOCAB, stage.config.params_dtype)
+        state.update(exported_layer(config, layer, layer_state, vocab))
+    hf_config = transformers_config(config, vocab, stage.config.params_dtype)
     hf_config.pop("architectures")
+    hf_config = transformers.AutoConfig.for_model(hf_config.pop("model_type"), **hf_config,
+                                                  attn_implementation="sdpa")
     with torch.device(stage.embedding.word_embeddings.weight.device):
-        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**hf_config, attn_implementation="sdpa"))
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
     model = model.to(dtype=stage.config.params_dtype).eval()
     model.load_state_dict(state, strict=False)
     return model
@@ -421,7 +380,7 @@ def main():
     print(f"model {args.model}: {sum(p.numel() for p in stage.parameters()) / 1e9:.3f}B parameters "
           f"({parameter_bytes / 2**30:.2f} GiB {args.dtype}); prompt {args.prompt_length}, "
           f"{args.new_tokens} new tokens", flush=True)
-    hf_model = transformers_model(stage)
+    hf_model = transformers_model(stage, vocab)
     variants = our_variants(stage, args.skip_growing_cache)
     generator = torch.Generator(device="cuda").manual_seed(0)
     healthy = True
