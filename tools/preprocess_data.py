@@ -13,10 +13,16 @@ run with one line naming the path and the cause, leaving nothing partial.
 With ``--workers N > 1`` the parent reads chunks of ``--chunk-size`` lines, N processes encode
 them, and the parent writes the results in input order (byte-identical to ``--workers 1``).
 
-Example:
+A tokenizer that starts sequences with a BOS (Llama's ``<s>``, ``<|begin_of_text|>``) starts every
+document with it, so a document is the tokenizer library's own encoding of the text, then the eod
+with ``--append-eod``.
+
+Examples:
     python tools/preprocess_data.py --input examples/data/python-docs.jsonl.gz \
         --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \
         --append-eod --output-prefix runs/data/python-docs --workers 2
+    python tools/preprocess_data.py --input corpus.jsonl --append-eod --output-prefix runs/data/corpus \
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model llama3/tokenizer.json
 """
 import argparse
 import contextlib
