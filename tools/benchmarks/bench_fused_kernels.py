@@ -366,24 +366,25 @@ def compare_qkv_split(dtype):
     attention backward leaves them), the Triton kernel against the reference's autograd: multi-head
     attention at the 1.3B GPT's 16 heads of 128 and at 32 heads of 64, then the Llama-style 32 heads
     of 64 over 8 key/value groups and over 1 (multi-query)."""
-    from triton.testing import do_bench
-
-    print(f"\nqkv split backward, seq {SEQ}, micro-batch {MICRO_BATCH}: ms (median), GB/s over dmixed read + written")
+    print(f"\nqkv split backward, seq {SEQ}, micro-batch {MICRO_BATCH}: ms (median) on the eager clock (host time "
+          f"included) and the CUDA-graph clock (GPU time); GB/s = dmixed read + written / graph time")
     for heads, head_dim, queries in ((16, 128, 1), (32, 64, 1), (32, 64, 4), (32, 64, 32)):
         groups = heads // queries
         width = groups * (queries + 2) * head_dim
         mixed = torch.randn(SEQ, MICRO_BATCH, width, device="cuda").to(dtype).requires_grad_(True)
         bias = torch.randn(width, device="cuda").to(dtype).requires_grad_(True)
         grads = [torch.randn(SEQ, MICRO_BATCH, n, head_dim, device="cuda").to(dtype) for n in (heads, groups, groups)]
-        times = []
+        eager, graph = [], []
         for split in (fused_kernels.split_query_key_value, reference.split_query_key_value_reference):
             def backward():
                 return torch.autograd.grad(split(mixed, bias, head_dim, queries), (mixed, bias), grads)
 
-            times.append(do_bench(backward, warmup=25, rep=200, return_mode="median"))
+            eager.append(_time_eager(backward))
+            graph.append(_time_graph(backward))
         moved = 2 * mixed.numel() * mixed.element_size()
-        print(f"  {heads} heads of {head_dim}, {queries:>2} per group: fused {times[0]:.3f}  reference {times[1]:.3f}  "
-              f"x{times[1] / times[0]:.2f}  {moved / times[0] / 1e6:.0f} GB/s", flush=True)
+        print(f"  {heads} heads of {head_dim}, {queries:>2} per group: eager fused {eager[0]:.3f} reference "
+              f"{eager[1]:.3f} x{eager[1] / eager[0]:.2f} | graph fused {graph[0]:.3f} reference {graph[1]:.3f} "
+              f"x{graph[1] / graph[0]:.2f} | {moved / graph[0] / 1e6:.0f} GB/s", flush=True)
 
 
 def sweep(dtype):
