@@ -7,7 +7,12 @@ Layouts: "trainer", q, k, v as views of the query_key_value output [s, b, np, 3,
 query, key and value rows), the output's gradient sequence-first like the output; "bhsd", each
 contiguous [b, np, s, hn]; "bshd", each contiguous [b, s, np, hn].
 
-    python3 tools/benchmarks/bench_attention.py [--batch 16] [--repeats 10]
+Grouped-query attention of the Llama-style 1.2B (32 query heads over 8 key/value groups of 64,
+seq 4096, micro-batch 4; ``--grouped`` prints only this table): torch's fused GQA
+(``enable_gqa=True``, which only the flash kernel takes) against the keys and values repeated to the
+query heads (``repeat_interleave``, timed with it) under the default backend choice and under cuDNN.
+
+    python3 tools/benchmarks/bench_attention.py [--batch 16] [--repeats 10] [--grouped]
 """
 import argparse
 import os
@@ -59,12 +64,51 @@ def _case(backend, layout, batch, repeats):
         return median_ms(forward, repeats), median_ms(forward_backward, repeats), forward_backward
 
 
+def grouped_query_table(repeats, batch=4, heads=32, groups=8, head_dim=64, seq=4096):
+    """The module docstring's grouped-query table: forward + backward ms of each way."""
+    like = dict(device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    query = torch.randn(batch, heads, seq, head_dim, **like)
+    key, value = (torch.randn(batch, groups, seq, head_dim, **like) for _ in range(2))
+    grad_output = torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16)
+
+    def fused(backend):
+        with sdpa_kernel(backend):
+            out = F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
+            torch.autograd.grad(out, (query, key, value), grad_output)
+
+    def repeated(backends):
+        with sdpa_kernel(backends):
+            keys, values = (t.repeat_interleave(heads // groups, dim=1) for t in (key, value))
+            out = F.scaled_dot_product_attention(query, keys, values, is_causal=True)
+            torch.autograd.grad(out, (query, key, value), grad_output)
+
+    forward_backward_flop = 3.5 * 4 * batch * heads * seq * seq * head_dim / 2
+    print(f"\ngrouped-query attention: b {batch}, {heads} heads over {groups} groups of {head_dim}, seq {seq}")
+    print("| way | forward + backward ms | TFLOP/s |\n|---|---|---|")
+    default_order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                     SDPBackend.MATH]
+    for name, call in (("enable_gqa, flash", lambda: fused(SDPBackend.FLASH_ATTENTION)),
+                       ("keys repeated, cuDNN", lambda: repeated(SDPBackend.CUDNN_ATTENTION)),
+                       ("keys repeated, flash", lambda: repeated(SDPBackend.FLASH_ATTENTION)),
+                       ("keys repeated, any backend", lambda: repeated(default_order))):
+        try:
+            ms = median_ms(call, repeats)
+        except RuntimeError as error:
+            print(f"| {name} | {str(error).splitlines()[0][:60]} | |")
+            continue
+        print(f"| {name} | {ms:.2f} | {forward_backward_flop / ms / 1e9:.0f} |")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--grouped", action="store_true", help="only the grouped-query table")
     args = parser.parse_args(argv)
     refuse_non_positive(parser, args, "batch", "repeats")
+    if args.grouped:
+        grouped_query_table(args.repeats)
+        return
     forward_flop = 4 * args.batch * HEADS * SEQ * SEQ * HEAD_DIM / 2
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
     print("| backend | layout | forward ms | TFLOP/s | forward + backward ms | backward TFLOP/s |\n|---|---|---|---|---|---|")
@@ -94,6 +138,7 @@ def main(argv=None):
             torch.cuda.synchronize()
         print("\nkernels of the trainer layout's forward + backward (cuDNN):")
         print(profile.key_averages().table(sort_by="cuda_time_total", row_limit=8))
+    grouped_query_table(args.repeats)
 
 
 if __name__ == "__main__":
