@@ -7,7 +7,8 @@
   that would vouch for what they could not verify.
 - An output that cannot be written (a read-only filesystem, a path through a file, a disk that fills
   mid-conversion; injected by tests/disk_faults.py, as the tests run as root): one line naming the
-  output and the cause, nothing left under the output's name and no hidden partial directory.
+  output and the cause, nothing left under the output's name and no hidden partial directory (the
+  imports of transformers models: the GPT-2 export of that checkpoint and a tiny Llama).
 
 The input is the session's TP=2 x PP=2 checkpoint (tests/tasks/trained_checkpoint.py); every tool runs
 in this process (ds_to_universal with one extraction process, so the injected faults reach it).
@@ -20,6 +21,7 @@ import pytest
 from megatron.core.checkpoint.manifest import MANIFEST_NAME
 from tests.disk_faults import full_disk, read_only
 from tests.tasks.trained_checkpoint import checkpoint_path
+from tests.tools.test_llama_conversion import tiny_model
 from tools import merge_mp_partitions
 from tools.convert_checkpoint import (deepspeed_to_deepspeed, deepspeed_to_megatron, deepspeed_to_transformers,
                                       ds_to_universal, transformers_to_megatron)
@@ -126,8 +128,11 @@ def test_an_unwritable_output_is_one_line_and_leaves_nothing(trained, tmp_path, 
     exported = tmp_path / "hf"  # the import's input, written before any fault
     assert deepspeed_to_transformers.main(["--input_folder", checkpoint_path(save), "--output_folder",
                                            str(exported)]) == 0
+    llama = tmp_path / "llama"  # a Llama-class import too: its untied output layer is one more layer file
+    tiny_model("llama").save_pretrained(str(llama))
     runs = [(main, arguments) for main, arguments, _ in tool_runs(checkpoint_path(save)).values()]
-    runs.append((transformers_to_megatron.main, ["--input_folder", str(exported), "--output_folder", ""]))
+    runs += [(transformers_to_megatron.main, ["--input_folder", str(exported), "--output_folder", ""]),
+             (transformers_to_megatron.main, ["--input_folder", str(llama), "--output_folder", "", "--target_tp", "2"])]
     target = tmp_path / "target"
     target.mkdir()
     for main, arguments in runs:
