@@ -13,6 +13,8 @@ environment variable ``MEGATRON_FUSED_KERNELS=0`` or ``set_fused_kernels_enabled
 the references.
 """
 from megatron.core.fused_kernels.decode_ops import decode_attention, layer_norm_linear, linear
+from megatron.core.fused_kernels.elementwise_ops import (rotary_embedding, rotary_embedding_reference, swiglu,
+                                                        swiglu_reference)
 from megatron.core.fused_kernels.selection import (FusedKernelArgumentError, fused_kernels_enabled,
                                                    set_fused_kernels_enabled)
 from megatron.core.fused_kernels.training_ops import (adamw_step, bias_dropout_add, bias_gelu, layer_norm,
@@ -51,9 +53,13 @@ __all__ = [
     "linear_reference",
     "rms_norm",
     "rms_norm_reference",
+    "rotary_embedding",
+    "rotary_embedding_reference",
     "scale_mask_softmax",
     "scale_mask_softmax_reference",
     "set_fused_kernels_enabled",
     "split_query_key_value",
     "split_query_key_value_reference",
+    "swiglu",
+    "swiglu_reference",
 ]
