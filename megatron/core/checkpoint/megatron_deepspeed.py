@@ -186,7 +186,7 @@ def read_checkpoint_state(directory: str) -> dict | None:
     if not files:
         return None
     state = load_file(files[0])
-    return trainer_state(state) if is_megatron_deepspeed_state(state) else None
+    return trainer_state(state, files[0]) if is_megatron_deepspeed_state(state) else None
 
 
 def plain(value):
@@ -203,11 +203,37 @@ def plain(value):
     return str(value)
 
 
-def model_fields(arguments: SavedArguments) -> dict:
+def llama_class_options(arguments: SavedArguments) -> list[str]:
+    """The Llama-class options of Microsoft's Megatron-DeepSpeed that the args set (as its flags), whose
+    names and weight layouts BigScience's fork, the one read here, does not have."""
+    options = [flag for flag, name in (("--swiglu", "swiglu"), ("--use-rotary-position-embeddings",
+                                                                 "use_rotary_position_embeddings"),
+                                       ("--untie-embeddings-and-output-weights", "untie_embeddings_and_output_weights"))
+               if getattr(arguments, name, False)]
+    heads, groups = getattr(arguments, "num_attention_heads", None), getattr(arguments, "num_key_value_heads", None)
+    if groups not in (None, heads):
+        options.append(f"--num-key-value-heads {groups}")
+    if str(getattr(arguments, "normalization", "layernorm")).lower() != "layernorm":
+        options.append(f"--normalization {arguments.normalization}")
+    if not getattr(arguments, "add_bias_linear", True):
+        options.append("--disable-bias-linear")
+    return options
+
+
+def model_fields(arguments: SavedArguments, source: str = "the checkpoint") -> dict:
     """Our model configuration's fields that Megatron-DeepSpeed's args hold under the same name
-    (num_layers, hidden_size, ..., position_embedding_type as "absolute" / "rotary" / "alibi")."""
+    (num_layers, hidden_size, ..., position_embedding_type as "absolute" / "rotary" / "alibi"); a
+    model with Llama-class options (``llama_class_options``) is refused, naming them."""
+    options = llama_class_options(arguments)
+    if options:
+        raise MegatronDeepSpeedError(f"{source}: a Megatron-DeepSpeed model with {', '.join(options)} is not read "
+                                     f"here; export it to a Hugging Face Llama directory and import that with "
+                                     f"tools/convert_checkpoint/transformers_to_megatron.py")
     fields = [field.name for field in dataclasses.fields(GPTModelConfig) if field.name != "params_dtype"]
-    return {name: plain(getattr(arguments, name)) for name in fields if hasattr(arguments, name)}
+    values = {name: plain(getattr(arguments, name)) for name in fields if hasattr(arguments, name)}
+    if "normalization" in values:  # Microsoft's fork spells it "layernorm", the only one read
+        values["normalization"] = "LayerNorm"
+    return values
 
 
 def progress_entries(state: dict) -> dict:
@@ -223,14 +249,14 @@ def progress_entries(state: dict) -> dict:
             "curriculum_seqlen": getattr(arguments, "curriculum_seqlen", None) if curriculum else None}
 
 
-def trainer_state(state: dict) -> dict:
+def trainer_state(state: dict, source: str = "the checkpoint") -> dict:
     """A Megatron-DeepSpeed model-states dict in this trainer's terms: ``args`` as plain values
     (``model``, the TP / PP / DP sizes, and the whole Namespace under ``megatron_deepspeed_args``),
     the counters under our keys (progress_entries), WRITER_KEY set; the rest as saved."""
     arguments = state["args"]
     translated = dict(state)
     translated["args"] = {
-        "model": model_fields(arguments),
+        "model": model_fields(arguments, source),
         "tensor_model_parallel_size": getattr(arguments, "tensor_model_parallel_size", 1),
         "pipeline_model_parallel_size": getattr(arguments, "pipeline_model_parallel_size", 1),
         "data_parallel_size": getattr(arguments, "data_parallel_size", state.get("dp_world_size")),
@@ -308,7 +334,7 @@ def translated_input(tag_directory: str, scratch_parent: str):
         for name in os.listdir(tag_directory):
             source = os.path.abspath(os.path.join(tag_directory, name))
             if MODEL_STATES_FILE.match(name):
-                torch.save(trainer_state(load_file(source, mmap=False)), os.path.join(view, name))
+                torch.save(trainer_state(load_file(source, mmap=False), source), os.path.join(view, name))
             else:
                 os.symlink(source, os.path.join(view, name))
         yield view

@@ -90,6 +90,31 @@ def test_the_state_is_translated_into_our_keys(tmp_path):
     assert state["lr_scheduler"] == {"max_lr": 1e-3, "num_steps": 96}
 
 
+@pytest.mark.parametrize("options, named", [
+    ({"swiglu": True}, "--swiglu"),
+    ({"num_key_value_heads": 2}, "--num-key-value-heads 2"),
+    ({"normalization": "rmsnorm", "untie_embeddings_and_output_weights": True},
+     "--untie-embeddings-and-output-weights, --normalization rmsnorm"),
+    ({"add_bias_linear": False, "use_rotary_position_embeddings": True},
+     "--use-rotary-position-embeddings, --disable-bias-linear"),
+])
+def test_a_llama_class_model_of_microsofts_fork_is_refused_by_name(tmp_path, options, named):
+    path = model_states(tmp_path / "mp_rank_00_model_states.pt", their_args(**options))
+    with pytest.raises(megatron_deepspeed.MegatronDeepSpeedError) as error:
+        megatron_deepspeed.read_checkpoint_state(str(tmp_path))
+    assert str(error.value) == (f"{path}: a Megatron-DeepSpeed model with {named} is not read here; export it to a "
+                                f"Hugging Face Llama directory and import that with "
+                                f"tools/convert_checkpoint/transformers_to_megatron.py")
+
+
+def test_microsofts_defaults_are_read(tmp_path):
+    model_states(tmp_path / "mp_rank_00_model_states.pt", their_args(
+        swiglu=False, num_key_value_heads=4, normalization="layernorm", add_bias_linear=True,
+        untie_embeddings_and_output_weights=False, use_rotary_position_embeddings=False))
+    model = megatron_deepspeed.read_checkpoint_state(str(tmp_path))["args"]["model"]
+    assert (model["num_layers"], model["normalization"], model["add_bias_linear"]) == (2, "LayerNorm", True)
+
+
 def test_a_checkpoint_of_ours_is_not_taken_for_theirs(tmp_path):
     torch.save({"args": {"model": {}}, "iteration": 3}, tmp_path / "mp_rank_00_model_states.pt")
     assert megatron_deepspeed.read_checkpoint_state(str(tmp_path)) is None
