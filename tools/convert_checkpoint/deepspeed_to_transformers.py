@@ -31,6 +31,9 @@ from megatron.core.checkpoint.transformers_export import (LLAMA_CLASS, NotExport
                                                           architecture, exported_layer, transformers_config)
 from tools.convert_checkpoint.reshape import ALLOW_MISSING_MANIFEST_HELP, open_input, report  # noqa: E402
 
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+SENTENCEPIECE_FILE = "tokenizer.model"
+
 
 def parse_arguments(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -40,17 +43,13 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-SENTENCEPIECE_FILE = "tokenizer.model"
-
-
 def _tokenizer_sources(data: dict) -> dict[str, str]:
     """Exported name -> the file the run's tokenizer flags point at (module docstring)."""
     kind = data.get("tokenizer_type", "GPT2BPETokenizer")
     if kind == "GPT2BPETokenizer":
         return {"vocab.json": data.get("vocab_file"), "merges.txt": data.get("merge_file")}
     path = data.get("tokenizer_model") or data.get("tokenizer_name_or_path")
-    if not path:
+    if not path or not os.path.exists(path):  # gone, or a name on the Hub rather than a local path
         return {}
     if kind in ("HuggingFaceTokenizer", "PretrainedFromHF"):
         directory = path if os.path.isdir(path) else os.path.dirname(path)
