@@ -14,6 +14,7 @@ biases on every linear layer; deepspeed_to_transformers.py exports them back.
 Tolerances: 1e-5 relative (fp32 on both sides, the sums run in another order; logits relative to the
 largest).
 """
+import dataclasses
 import json
 import os
 
@@ -208,6 +209,50 @@ def test_a_sentencepiece_model_travels_both_ways(tmp_path, capsys):
     assert f"--tokenizer-type SentencePieceTokenizer --tokenizer-model {model_file}" in capsys.readouterr().out
     assert {"tokenizer.model", "tokenizer_config.json"} <= set(os.listdir(exported))
     assert_same_tokenizer(data, exported)
+
+
+def write_model_checkpoint(config, directory: str) -> None:
+    """A --save directory holding a random GPTModel of ``config`` at TP = PP = 1, written as an import is."""
+    from megatron.core.checkpoint.client_state import imported_checkpoint_state
+    from megatron.core.checkpoint.names import EMBEDDING_LAYER, PIPELINE_EMBEDDING_PREFIX, pipeline_name
+    from megatron.core.checkpoint.sharding import ModelSharding
+    from megatron.core.checkpoint.writer import write_checkpoint
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.parallel_state import single_rank_groups
+
+    layers = {}
+    for name, tensor in GPTModel(config, single_rank_groups()).state_dict().items():
+        full_name = pipeline_name(name, config.num_layers)
+        if full_name.startswith(PIPELINE_EMBEDDING_PREFIX):
+            index, key = EMBEDDING_LAYER, full_name[len(PIPELINE_EMBEDDING_PREFIX):]
+        else:
+            layer, _, key = full_name.partition(".")
+            index = int(layer)
+        layers.setdefault(index, {})[key] = tensor
+    state = imported_checkpoint_state(config, VOCABULARY, 1, 1, {}, "0")
+    write_checkpoint(directory, 0, sorted(layers.items()), state, 1, 1, ModelSharding(config))
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"normalization": "LayerNorm"}, "--normalization LayerNorm"),
+    ({"position_embedding_type": "alibi"}, "--position-embedding-type alibi"),
+    ({"glu_activation": "geglu"}, "--glu-activation geglu"),
+    ({"rotary_percent": 0.5}, "--rotary-percent 0.5 (Llama rotates whole heads)"),
+])
+def test_export_refuses_what_llama_cannot_express_before_writing(changes, named, tmp_path, capsys):
+    from megatron.core.models.gpt.config import GPTModelConfig
+
+    config = GPTModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                            padded_vocab_size=VOCABULARY, seq_length=SEQ_LENGTH, max_position_embeddings=POSITIONS,
+                            ffn_hidden_size=96, normalization="RMSNorm", glu_activation="swiglu",
+                            bias_gelu_fusion=False, position_embedding_type="rotary", add_bias_linear=False,
+                            untie_embeddings_and_output_weights=True, use_cpu_initialization=True)
+    checkpoint = str(tmp_path / "checkpoint")
+    write_model_checkpoint(dataclasses.replace(config, **changes), checkpoint)
+    output = str(tmp_path / "exported")
+    assert deepspeed_to_transformers.main(["--input_folder", checkpoint, "--output_folder", output]) == 1
+    assert named in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint"]
 
 
 # ------------------------------------------------------------------------------------ end to end
