@@ -171,3 +171,19 @@ def test_the_tiktoken_path_can_be_switched_off(llama3_dir, monkeypatch):
     fast = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=llama3_dir, use_fast=True)
     assert fast.fast_path_reason.startswith("tiktoken")
     assert tokenizer.tokenize_batch(TEXTS + TRICKY_TEXTS) == fast.tokenize_batch(TEXTS + TRICKY_TEXTS)
+
+
+def test_an_nfc_normalizer_keeps_the_tiktoken_path(llama3_split_dir, tmp_path):
+    with open(os.path.join(llama3_split_dir, "tokenizer.json"), encoding="utf-8") as handle:
+        spec = json.load(handle)
+    spec["normalizer"] = {"type": "NFC"}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "tokenizer.json"))
+    assert tokenizer.fast_path_reason == "tiktoken (checked equal to HF tokenizers)"
+    texts = TEXTS[:30] + TRICKY_TEXTS + ["cafe\u0301 and caf\u00e9", "\u212b ring"]  # NFC changes these two
+    library = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert tokenizer.tokenize_batch(texts) == [encoding.ids for encoding in library.encode_batch(
+        texts, add_special_tokens=False)]
+    spec["normalizer"] = {"type": "NFKC"}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    assert "NFKC normalizer" in build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path)).fast_path_reason
