@@ -27,7 +27,8 @@ from tools.convert_checkpoint.reshape import (ALLOW_MISSING_MANIFEST_HELP, open_
 
 CHECKED_MODEL_FLAGS = {"--num-layers": "num_layers", "--hidden-size": "hidden_size",
                        "--num-attention-heads": "num_attention_heads", "--ffn-hidden-size": "ffn_hidden_size",
-                       "--max-position-embeddings": "max_position_embeddings", "--seq-length": "seq_length"}
+                       "--max-position-embeddings": "max_position_embeddings", "--seq-length": "seq_length",
+                       "--num-query-groups": "num_query_groups", "--num-key-value-heads": "num_query_groups"}
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:
@@ -48,6 +49,14 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     return arguments
 
 
+def saved_model_field(model: dict, field: str):
+    """The checkpoint's ``field``; key/value groups default to the heads (a model saved before grouped-query
+    attention has one group per head)."""
+    if field == "num_query_groups":
+        return model.get(field) or model["num_attention_heads"]
+    return model[field]
+
+
 def merge(arguments) -> str:
     checkpoint = open_input(arguments.load, arguments.allow_missing_manifest, "--load")
     if checkpoint.tp != arguments.tensor_model_parallel_size:
@@ -55,8 +64,9 @@ def merge(arguments) -> str:
                                    f"was saved with TP {checkpoint.tp}")
     for flag, field in CHECKED_MODEL_FLAGS.items():
         given = getattr(arguments, flag[2:].replace("-", "_"))
-        if given is not None and given != checkpoint.model[field]:
-            raise CheckpointInputError(f"{flag} {given}: the checkpoint's model has {checkpoint.model[field]}")
+        saved = saved_model_field(checkpoint.model, field)
+        if given is not None and given != saved:
+            raise CheckpointInputError(f"{flag} {given}: the checkpoint's model has {saved}")
     return reshape_with_progress(checkpoint, arguments.save, 1, arguments.target_pipeline_model_parallel_size,
                                  flag="--save")
 

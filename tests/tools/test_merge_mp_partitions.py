@@ -228,10 +228,16 @@ def assert_llama_resumes_with_source_loss(data, llama_source, load: str, process
     assert series(found, LR_TAG, [3, 4]) == rates[2:]
 
 
-def test_llama_merged_to_tp1_gives_the_source_loss(e2e_data, llama_source, tmp_path):
+def test_llama_merged_to_tp1_gives_the_source_loss(e2e_data, llama_source, tmp_path, capsys):
     merged = str(tmp_path / "merged")
     assert merge_mp_partitions.main(["--model-type", "GPT", "--tensor-model-parallel-size", "2", "--load",
-                                     llama_source[0], "--save", merged, "--num-layers", str(LLAMA_NUM_LAYERS)]) == 0
+                                     llama_source[0], "--save", str(tmp_path / "refused"), "--group-query-attention",
+                                     "--num-query-groups", "4"]) == 1
+    assert "--num-query-groups 4: the checkpoint's model has 2" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "refused")
+    assert merge_mp_partitions.main(["--model-type", "GPT", "--tensor-model-parallel-size", "2", "--load",
+                                     llama_source[0], "--save", merged, "--num-layers", str(LLAMA_NUM_LAYERS),
+                                     "--num-key-value-heads", "2"]) == 0
     tag = os.path.join(merged, "global_step2")
     head = f"layer_{LLAMA_NUM_LAYERS + 5:02d}-model_00-model_states.pt"
     assert sorted(name for name in os.listdir(tag) if name.startswith("layer_")) == [
