@@ -17,6 +17,7 @@ largest).
 import dataclasses
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -188,6 +189,8 @@ def test_a_tokenizer_json_travels_both_ways(e2e_data, tmp_path, capsys):
 
     source = str(tmp_path / "hf")
     write_llama3_style(source, e2e_data.vocab_file, e2e_data.merge_file)  # 1000 tokens, then its BOS and EOS
+    for name, path in (("vocab.json", e2e_data.vocab_file), ("merges.txt", e2e_data.merge_file)):
+        shutil.copyfile(path, os.path.join(source, name))  # as Qwen2 ships them: the tokenizer.json still rules
     data, exported = tokenizer_round_trip(tiny_model("llama", vocab_size=VOCABULARY + 2), source, tmp_path)
     tokenizer = str(tmp_path / "imported" / "tokenizer")
     assert f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {tokenizer}" in capsys.readouterr().out

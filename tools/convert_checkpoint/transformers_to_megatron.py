@@ -33,7 +33,7 @@ select_accelerator()  # before anything imports deepspeed: one accelerator choic
 
 from megatron.core.checkpoint.reader import CheckpointInputError  # noqa: E402
 from megatron.core.checkpoint.sharding import ModelSharding  # noqa: E402
-from megatron.core.checkpoint.transformers_import import (BLOOM, TransformersWeights,  # noqa: E402
+from megatron.core.checkpoint.transformers_import import (BLOOM, LLAMA_CLASS, TransformersWeights,  # noqa: E402
                                                           imported_layers, model_options, read_transformers_config)
 from megatron.core.checkpoint.writer import check_target_layout, write_checkpoint  # noqa: E402
 from megatron.core.models.gpt.config import GPTConfigError, GPTModelConfig  # noqa: E402
@@ -120,13 +120,16 @@ def _llama_flags(model: GPTModelConfig) -> list:
     return flags
 
 
-def tokenizer_settings(source: str, output: str) -> tuple[list[str], dict]:
+def tokenizer_settings(source: str, output: str, llama_class: bool = False) -> tuple[list[str], dict]:
     """(the trainer's flags, the recorded data settings) for the tokenizer files copy_tokenizer_files
-    puts under ``output``: the GPT-2 BPE files, else a tokenizer.json (HuggingFaceTokenizer), else a
-    SentencePiece tokenizer.model, else none."""
+    puts under ``output``: for GPT-2 and BLOOM the GPT-2 BPE files, else a tokenizer.json
+    (HuggingFaceTokenizer), else a SentencePiece tokenizer.model; for the Llama class the
+    tokenizer.json first (Qwen2 ships vocab.json and merges.txt too, but splits text otherwise than
+    GPT-2's BPE). None of them: no flags."""
     present = {name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(source, name))}
     directory = os.path.join(output, TOKENIZER_DIRECTORY)
-    if {"vocab.json", "merges.txt"} <= present:
+    gpt2_files = {"vocab.json", "merges.txt"} <= present
+    if gpt2_files and not (llama_class and "tokenizer.json" in present):
         vocab, merges = os.path.join(directory, "vocab.json"), os.path.join(directory, "merges.txt")
         return (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges],
                 {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": vocab, "merge_file": merges})
@@ -164,7 +167,7 @@ def import_model(arguments) -> str:
     seq_length = arguments.seq_length or options["max_position_embeddings"] or BLOOM_SEQ_LENGTH
     model = model_config(options, seq_length, padded, weights.dtype)
     output = os.path.abspath(arguments.output_folder)
-    tokenizer_flags, data = tokenizer_settings(source, output)
+    tokenizer_flags, data = tokenizer_settings(source, output, kind in LLAMA_CLASS)
     state = imported_checkpoint_state(model, vocab_size, tp, pp, {**data, "orig_vocab_size": vocab_size},
                                       deepspeed_version())
     layers_total = options["num_layers"] + 2 + bool(options.get("untie_embeddings_and_output_weights"))
