@@ -44,8 +44,8 @@ def _swiglu_setup(args):
     grad = torch.randn(tokens, FFN, device=DEVICE, dtype=DTYPE)
     element = x.element_size()
     forward_bytes = 3 * tokens * FFN * element
-    return ([x], [grad], lambda t: (elementwise_ops.swiglu_reference(t),), lambda t: (triton_swiglu.SwiGLUFunction.apply(t),),
-            forward_bytes, forward_bytes + 5 * tokens * FFN * element)
+    return ([x], [grad], lambda t: (elementwise_ops.swiglu_reference(t),),
+            lambda t: (triton_swiglu.SwiGLUFunction.apply(t),), forward_bytes, forward_bytes + 5 * tokens * FFN * element)
 
 
 def _positions(batch, seq):
@@ -107,7 +107,7 @@ def _report(name, setup, args):
     eager = rows["torch eager"]
     print(f"{'':16}{'fwd ms':>9}{'fwd+bwd ms':>12}{'fwd x':>8}{'fwd+bwd x':>11}{'fwd GB/s':>10}{'fwd+bwd GB/s':>14}")
     for label, (forward, both) in rows.items():
-        bandwidth = f"{forward_bytes / forward / 1e6:10.0f}{total_bytes / both / 1e6:14.0f}" if label == "triton" else ""
+        bandwidth = "" if label != "triton" else f"{forward_bytes / forward / 1e6:10.0f}{total_bytes / both / 1e6:14.0f}"
         print(f"{label:16}{forward:9.3f}{both:12.3f}{eager[0] / forward:8.2f}{eager[1] / both:11.2f}{bandwidth}")
 
 

@@ -78,10 +78,12 @@ def _rotary_kernel(
     tokens64 = tokens.to(tl.int64)[:, None]
     sequence64 = sequence.to(tl.int64)
     _rotate_heads(q_ptr, q_out_ptr, head_split, n_q_heads, head_splits, tokens_ok,
-                  tokens64 * q_stride_s + sequence64 * q_stride_b, tokens64 * q_out_stride_s + sequence64 * q_out_stride_b,
+                  tokens64 * q_stride_s + sequence64 * q_stride_b,
+                  tokens64 * q_out_stride_s + sequence64 * q_out_stride_b,
                   q_stride_h, q_out_stride_h, cos, sin, half, head_dim, BLOCK_HALF, BLOCK_REST)
     _rotate_heads(k_ptr, k_out_ptr, head_split, n_k_heads, head_splits, tokens_ok,
-                  tokens64 * k_stride_s + sequence64 * k_stride_b, tokens64 * k_out_stride_s + sequence64 * k_out_stride_b,
+                  tokens64 * k_stride_s + sequence64 * k_stride_b,
+                  tokens64 * k_out_stride_s + sequence64 * k_out_stride_b,
                   k_stride_h, k_out_stride_h, cos, sin, half, head_dim, BLOCK_HALF, BLOCK_REST)
 
 
@@ -109,7 +111,8 @@ def rotate(q, k, positions, inv_freq, *, inverse, in_batch_first, out_batch_firs
         seq, batch, n_q_heads, head_dim = q.shape
     n_k_heads = k.shape[1] if in_batch_first else k.shape[2]
     half = inv_freq.shape[0]
-    shapes = [(batch, n, seq, head_dim) if out_batch_first else (seq, batch, n, head_dim) for n in (n_q_heads, n_k_heads)]
+    shapes = [(batch, n, seq, head_dim) if out_batch_first else (seq, batch, n, head_dim)
+              for n in (n_q_heads, n_k_heads)]
     q_out = torch.empty(shapes[0], dtype=q.dtype, device=q.device)
     k_out = torch.empty(shapes[1], dtype=k.dtype, device=k.device)
     positions = positions.expand(batch, seq)
