@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from megatron.core.fused_kernels.selection import FusedKernelArgumentError, dtype_violation, fused_or_reference
 
 MAX_SWIGLU_NUMEL = 2**31 - 1  # the kernel's column offsets are int32 (its row offsets int64)
+MAX_ROTARY_NUMEL = 2**31 - 1  # the rotary kernel's head offsets are int32 (its token offsets int64)
 
 
 def swiglu_reference(x: torch.Tensor) -> torch.Tensor:
@@ -66,6 +67,8 @@ def rotary_constraint_violation(query: torch.Tensor, key: torch.Tensor, position
     """Why the Triton rotary embedding cannot take these tensors on any device, or None."""
     if query.numel() == 0 or key.numel() == 0:
         return "query or key is empty"
+    if max(query.numel(), key.numel()) > MAX_ROTARY_NUMEL:
+        return f"query or key has more than {MAX_ROTARY_NUMEL} elements"
     if inv_freq.dtype != torch.float32:
         return f"inv_freq has dtype {inv_freq.dtype}, the kernel takes fp32"
     if position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool:

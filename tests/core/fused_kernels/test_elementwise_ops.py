@@ -93,6 +93,8 @@ def test_rotary_constraints():
     assert "key has dtype torch.float32" in violation(query, key.float(), positions, inv_freq)
     assert "query has dtype torch.float64" in violation(query.double(), key.double(), positions, inv_freq)
     assert "empty" in violation(query[:0], key[:0], positions[:, :0], inv_freq)
+    huge = torch.zeros(1, dtype=torch.bfloat16).expand(2**16, 2**8, 2**4, 2**3)  # 2^31 elements, no memory
+    assert "more than 2147483647 elements" in violation(huge, huge, positions, inv_freq)
 
 
 def test_swiglu_refuses_an_odd_last_dim():
