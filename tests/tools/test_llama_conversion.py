@@ -6,15 +6,17 @@ biases on every linear layer; deepspeed_to_transformers.py exports them back.
 * In this process: each import at TP=2 x PP=2, merged into one model, gives transformers' logits and
   loss, and exported again gives back transformers' tensors; the tokenizer files travel both ways; what
   cannot be expressed is refused by name with nothing left on disk.
-* End to end (slow): the Llama import at TP=2 x PP=2 and at TP=1 trains with pretrain_gpt.py (4 and 1
-  gloo processes, 3 iterations, the same data): the first loss is transformers' on the first global
-  batch and the two runs' losses agree; the trained TP=2 x PP=2 checkpoint exported gives a
+* End to end (slow): the Llama import at TP=2 x PP=2 and at TP=1 trains with pretrain_gpt.py and the
+  model flags the import printed (4 and 1 gloo processes, 3 iterations, the same data): the first loss
+  is transformers' on the first global batch and the two runs' losses agree; the trained TP=2 x PP=2 checkpoint exported gives a
   transformers model whose loss is ours and whose greedy ``generate`` is generate_samples_gpt.py's.
 
 Tolerances: 1e-5 relative (fp32 on both sides, the sums run in another order; logits relative to the
 largest).
 """
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import shutil
@@ -260,17 +262,19 @@ def test_export_refuses_what_llama_cannot_express_before_writing(changes, named,
 
 # ------------------------------------------------------------------------------------ end to end
 
-LLAMA_FLAGS = ["--normalization", "RMSNorm", "--swiglu", "--ffn-hidden-size", "96", "--position-embedding-type",
-               "rope", "--rotary-base", "500000", "--group-query-attention", "--num-query-groups", "2",
-               "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--layernorm-epsilon", "1e-5",
-               "--pad-vocab-size-to", str(VOCABULARY), "--make-vocab-size-divisible-by", "1"]
 LAYOUTS = {"tp2-pp2": (2, 2), "tp1": (1, 1)}
+
+
+def printed_model_flags(summary: str) -> list[str]:
+    """The model (and tokenizer) flags of the import's summary: what comes before the layout and --load."""
+    return summary.split("Train it with: ", 1)[1].split(" --tensor-model-parallel-size", 1)[0].split()
 
 
 @pytest.fixture(scope="module")
 def llama_runs(e2e_data, tmp_path_factory):
-    """(the transformers model, layout -> (losses, the --save directory)) of 3 iterations of
-    pretrain_gpt.py from the Llama import at each layout."""
+    """(the transformers model, the model flags the import printed, layout -> (losses, the --save
+    directory)) of 3 iterations of pretrain_gpt.py from the Llama import at each layout, with the
+    printed flags."""
     directory = tmp_path_factory.mktemp("llama_runs")
     model = tiny_model("llama")
     source = str(directory / "hf")
@@ -278,21 +282,24 @@ def llama_runs(e2e_data, tmp_path_factory):
     runs = {}
     for name, (tp, pp) in LAYOUTS.items():
         imported, save, tensorboard = (str(directory / f"{part}_{name}") for part in ("imported", "save", "tb"))
-        assert import_model(source, imported, "--target_tp", str(tp), "--target_pp", str(pp),
-                            "--seq_length", str(SEQ_LENGTH)) == 0
+        summary = io.StringIO()
+        with contextlib.redirect_stdout(summary):
+            assert import_model(source, imported, "--target_tp", str(tp), "--target_pp", str(pp),
+                                "--seq_length", str(SEQ_LENGTH)) == 0
+        model_flags = printed_model_flags(summary.getvalue())
         flags = common_flags(e2e_data, seq_length=SEQ_LENGTH, global_batch=GLOBAL_BATCH, train_iters=TRAIN_ITERS)
-        flags += LLAMA_FLAGS + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+        flags += model_flags + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
                                 "--zero-stage", "1", "--load", imported, "--no-load-optim", "--no-load-rng",
                                 "--save", save, "--save-interval", str(TRAIN_ITERS), "--tensorboard-dir", tensorboard]
         run_pretrain(flags, nproc=tp * pp, timeout=600).assert_ok()
         runs[name] = (series(read_scalars(tensorboard), "lm-loss-training/lm loss", range(1, TRAIN_ITERS + 1)), save)
-    return model, runs
+    return model, model_flags, runs
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_imports_train_from_transformers_loss_to_the_same_losses(llama_runs, e2e_data):
-    model, runs = llama_runs
+    model, _, runs = llama_runs
     dataset = training_dataset(e2e_data.data_prefix, SEQ_LENGTH, SEED, GLOBAL_BATCH, e2e_data.cache_dir)
     expected = transformers_loss(model, global_batch(dataset, 0, GLOBAL_BATCH))
     losses, single = runs["tp2-pp2"][0], runs["tp1"][0]
@@ -312,7 +319,7 @@ def test_trained_checkpoint_exports_with_our_loss_and_greedy_tokens(llama_runs, 
 
     from megatron.core.tokenizer import GPT2BPETokenizer
 
-    _, runs = llama_runs
+    _, model_flags, runs = llama_runs
     save = runs["tp2-pp2"][1]
     exported = str(tmp_path / "exported")
     assert deepspeed_to_transformers.main(["--input_folder", save, "--output_folder", exported]) == 0
@@ -327,9 +334,8 @@ def test_trained_checkpoint_exports_with_our_loss_and_greedy_tokens(llama_runs, 
 
     prompts, genfile = tmp_path / "prompts.txt", tmp_path / "samples.jsonl"
     prompts.write_text("\n".join(PROMPTS) + "\n")
-    command = [TOOL, "--load", save, "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-               "--seq-length", str(SEQ_LENGTH), "--max-position-embeddings", str(POSITIONS), *LLAMA_FLAGS,
-               "--vocab-file", e2e_data.vocab_file, "--merge-file", e2e_data.merge_file,
+    command = [TOOL, "--load", save, *model_flags, "--vocab-file", e2e_data.vocab_file, "--merge-file",
+               e2e_data.merge_file,
                "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--greedy",
                "--out-seq-length", str(NEW_TOKENS), "--micro-batch-size", "3", "--sample-input-file", str(prompts),
                "--genfile", str(genfile)]
