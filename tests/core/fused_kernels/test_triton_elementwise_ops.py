@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import fused_kernels
-from megatron.core.fused_kernels import elementwise_ops
+from megatron.core.fused_kernels import elementwise_ops, selection
 from megatron.core.models.gpt.positional import Llama3RopeScaling, rotary_inverse_frequencies
 
 pytestmark = pytest.mark.gpu
@@ -178,6 +178,7 @@ def test_attention_inputs_through_split_rotary_and_sdpa(references):
 
 
 def test_rotary_embedding_falls_back_on_fp64_frequencies(monkeypatch):
+    monkeypatch.setattr(selection, "_enabled_override", True)
     calls = []
     original = elementwise_ops.rotary_embedding_reference
     monkeypatch.setattr(elementwise_ops, "rotary_embedding_reference", lambda *args: calls.append(1) or original(*args))
