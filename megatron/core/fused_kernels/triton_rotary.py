@@ -14,7 +14,9 @@ the [b, heads, s, hn] layout attention takes (``batch_first``) or [s, b, heads, 
 the incoming gradients through their strides and writes dq, dk [s, b, heads, hn] contiguous.
 No [s, b, 1, d] cos/sin tensors exist: each program takes the positions of a block of BLOCK_S tokens
 of one sequence, computes their cos and sin once in registers and applies them to its share of
-the nq + nk heads (every ``head_splits``-th head, q's then k's).
+the nq + nk heads (every ``head_splits``-th head, q's then k's). On NVIDIA GPUs ``tl.cos`` and
+``tl.sin`` compile to libdevice's ``__nv_cosf`` / ``__nv_sinf`` (full range reduction, as torch's
+CUDA cos and sin), not to the ``cos.approx`` instructions, so long positions keep their accuracy.
 
 This module imports triton; ``selection.kernel_module`` imports it only when a CUDA tensor needs it.
 """
