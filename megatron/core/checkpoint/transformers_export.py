@@ -107,8 +107,6 @@ def architecture(model: dict) -> str:
     if _is_llama_class(model):
         return _llama_architecture(model)
     refused = []
-    if model.get("glu_activation"):
-        refused.append(f"--glu-activation {model['glu_activation']}")
     if model.get("apply_residual_connection_post_layernorm"):
         refused.append("--apply-residual-connection-post-layernorm")
     if model["kv_channels"] * model["num_attention_heads"] != model["hidden_size"]:

@@ -77,7 +77,7 @@ def _gpt2_options(config: dict) -> tuple[dict, list[str]]:
                "embed_layernorm": False, "openai_gelu": activation in TANH_GELU,
                "bias_gelu_fusion": activation in TANH_GELU, "apply_residual_connection_post_layernorm": False}
     if not config.get("tie_word_embeddings", True):
-        refused.append("tie_word_embeddings false (GPT-2's output layer is the word embeddings)")
+        refused.append("tie_word_embeddings false (a GPT-2 imports with its output layer tied to the word embeddings)")
     return options, refused
 
 
@@ -89,7 +89,7 @@ def _bloom_options(config: dict) -> tuple[dict, list[str]]:
                "embed_layernorm": True, "openai_gelu": True, "bias_gelu_fusion": True,
                "apply_residual_connection_post_layernorm": bool(config.get("apply_residual_connection_post_layernorm"))}
     refused = [] if config.get("tie_word_embeddings", True) else [
-        "tie_word_embeddings false (BLOOM's output layer is the word embeddings)"]
+        "tie_word_embeddings false (a BLOOM imports with its output layer tied to the word embeddings)"]
     return options, refused
 
 
