@@ -80,7 +80,8 @@ def test_import_at_tp2_pp2_gives_transformers_loss_and_exports_back(name, tmp_pa
 
     model = tiny_model(name)
     source, imported, exported = (str(tmp_path / part) for part in ("hf", "imported", "exported"))
-    model.save_pretrained(source)
+    model.save_pretrained(source, max_shard_size="200KB")  # shards and their index, read one layer at a time
+    assert os.path.exists(os.path.join(source, "model.safetensors.index.json"))
     assert import_model(source, imported, "--target_tp", "2", "--target_pp", "2") == 0
     tokens = sample_tokens()
     ours = load_gpt_model(open_checkpoint(imported), use_cpu_initialization=True)
