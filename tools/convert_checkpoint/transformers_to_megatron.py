@@ -1,4 +1,4 @@
-"""Import a Hugging Face transformers GPT-2, BLOOM, Llama, Mistral or Qwen2 model as a checkpoint at any TP and PP size.
+"""Import a transformers GPT-2, BLOOM, Llama, Mistral or Qwen2 model as a checkpoint at any TP and PP size.
 
     python tools/convert_checkpoint/transformers_to_megatron.py --input_folder HF_MODEL \\
         --output_folder CKPT --target_tp 2 --target_pp 2 [--pad_vocab_size_to P] [--seq_length S]
@@ -7,13 +7,15 @@ HF_MODEL is a local transformers directory (config.json and safetensors or pytor
 weights). CKPT is a --save directory: ``global_step0`` in the pipeline engine's layout, weights
 only, with the model configuration, a manifest and ``latest``; the tokenizer files found in
 HF_MODEL are copied to CKPT/tokenizer (GPT-2's vocab.json and merges.txt, else a tokenizer.json,
-else a SentencePiece tokenizer.model). The summary prints the flags a run needs to load it:
+else a SentencePiece tokenizer.model; a Llama-class model's tokenizer.json first). The summary
+prints the flags a run needs to load it:
 
     pretrain_gpt.py <those model flags> --load CKPT --no-load-optim --no-load-rng ...    (or --finetune)
 
-The vocabulary: the word embeddings keep the model's rows and gain zero rows up to a multiple of
-the target TP size, or up to --pad_vocab_size_to. A zero row's logit is 0 and enters the softmax,
-so with padding the loss is no longer exactly transformers'; the summary reports the rows added.
+The vocabulary: the word embeddings (and an untied output layer) keep the model's rows and gain zero
+rows up to a multiple of the target TP size, or up to --pad_vocab_size_to. A zero row's logit is 0
+and enters the softmax, so with padding the loss is no longer exactly transformers'; the summary
+reports the rows added.
 Which configurations import, and how the tensors map: megatron.core.checkpoint.transformers_import.
 """
 import argparse
