@@ -41,6 +41,7 @@ from megatron.core.checkpoint.manifest import MANIFEST_NAME, SAVING_MARKER, Mani
 from megatron.core.checkpoint.names import PIPELINE_EMBEDDING_PREFIX
 from megatron.core.checkpoint.origin import UnverifiedCheckpointError, unverified_reading_line
 from megatron.core.checkpoint.client_state import plain_value
+from megatron.core.checkpoint.sharding import saved_model_config
 from megatron.training.config import CheckpointConfig, TrainConfig
 from megatron.training.dist_utils import print_rank_0
 
@@ -172,7 +173,7 @@ def _check_compatible(state: dict, config: TrainConfig, directory: str, universa
                               f"a {type(arguments).__name__}) and is read only as its own global_stepN directory: "
                               f"--load its save directory without --universal-checkpoint, or convert it with "
                               f"tools/convert_checkpoint/ds_to_universal.py")
-    saved = arguments.get("model", {})
+    saved = _completed_model(arguments.get("model", {}))
     configured = plain_value(config.model)
     fields = [name for name in CHECKED_MODEL_FIELDS if not (universal and name == "padded_vocab_size")]
     differing = [f"{FIELD_FLAGS.get(name, '--' + name.replace('_', '-'))}: checkpoint {saved[name]!r}, "
@@ -181,6 +182,16 @@ def _check_compatible(state: dict, config: TrainConfig, directory: str, universa
     if differing:
         raise CheckpointError(f"{directory}: the checkpoint's model differs from the configured one: "
                               + "; ".join(differing))
+
+
+def _completed_model(saved: dict) -> dict:
+    """A checkpoint's model fields with the defaults the configuration derives (g = n where the
+    checkpoint stores no key/value groups, ...), so that a value left unset compares as what it meant;
+    as saved where they do not make a valid configuration (the field checks then name the difference)."""
+    try:
+        return plain_value(saved_model_config(saved))
+    except (ValueError, TypeError):
+        return saved
 
 
 def _check_engine_layout(engine, tag_directory: str) -> None:

@@ -65,7 +65,9 @@ from megatron.training.launch_env import effective_backend, rank_in_environment,
 # Flags whose value, when given, must be the checkpoint's (dest = the saved configuration's key).
 MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
                "max_position_embeddings", "position_embedding_type", "glu_activation", "embed_layernorm",
-               "apply_residual_connection_post_layernorm", "openai_gelu", "layernorm_epsilon")
+               "apply_residual_connection_post_layernorm", "openai_gelu", "layernorm_epsilon", "normalization",
+               "num_query_groups", "untie_embeddings_and_output_weights", "add_qkv_bias",
+               "rotary_base", "rotary_percent", "use_rope_scaling")
 
 
 class InferenceSetupError(ValueError):
