@@ -4,11 +4,12 @@
 ``split_query_key_value`` (``training_ops``; multi-head and grouped-query layouts) run Triton
 kernels (forward and backward; the split's forward is views, for grouped queries the query a copy)
 on CUDA when their constraints hold, and the references (``*_reference``) otherwise and always on
-CPU; ``selection`` states the rules. ``linear``, ``layer_norm_linear`` (one row of input, with a
+CPU; ``selection`` states the rules. ``swiglu`` and ``rotary_embedding`` (``elementwise_ops``:
+a Llama-style layer's gated activation, and the rotation of its queries and keys in one launch)
+follow the same rules. ``linear``, ``layer_norm_linear`` (one row of input, with a
 LayerNorm or RMSNorm, a GeLU or SwiGLU activation, or a residual folded in) and
 ``decode_attention`` (over a key/value cache of g groups) (``decode_ops``) are the forward-only
-kernels of a one-token decoding step. ``adamw_step`` is the
-optimizer's: one pass over a flat fp32 tensor that also writes the weights' bf16 copy. The
+kernels of a one-token decoding step. ``adamw_step`` is the optimizer's: one pass over a flat fp32 tensor that also writes the weights' bf16 copy. The
 environment variable ``MEGATRON_FUSED_KERNELS=0`` or ``set_fused_kernels_enabled(False)`` forces
 the references.
 """

@@ -8,8 +8,7 @@ import torch.nn.functional as F
 from megatron.core import fused_kernels
 from megatron.core.fused_kernels import elementwise_ops, selection
 from megatron.core.fused_kernels.selection import FusedKernelArgumentError
-from megatron.core.models.gpt.positional import (Llama3RopeScaling, apply_rotary_embedding, rotary_cos_sin,
-                                                 rotary_inverse_frequencies)
+from megatron.core.models.gpt.positional import Llama3RopeScaling, rotary_inverse_frequencies
 
 
 @pytest.fixture
@@ -40,7 +39,15 @@ def test_swiglu_is_the_mlp_math_with_its_gradient(dtype, no_kernel_requested):
 
 
 def _model_rotary(x, position_ids, inv_freq):
-    return apply_rotary_embedding(x, *rotary_cos_sin(position_ids, inv_freq))
+    """The rotary formula written out: pair (i, i + d/2) of x [s, b, heads, hn] turned by float32(p) * theta_i
+    in fp32, the channels past d kept, cast back."""
+    half = inv_freq.shape[0]
+    angles = position_ids.t().to(torch.float32)[..., None] * inv_freq  # [s, b, d / 2]
+    cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]
+    x32 = x.to(torch.float32)
+    first, second = x32[..., :half], x32[..., half:2 * half]
+    turned = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).to(x.dtype)
+    return torch.cat((turned, x[..., 2 * half:]), dim=-1)
 
 
 ROTARY_CASES = [  # s, b, groups, queries per group, hn, rotated d, scaling, positions [1, s]

@@ -26,7 +26,7 @@ from megatron.core import fused_kernels
 from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.models.gpt.init import weight_init_method
 from megatron.core.models.gpt.positional import (Llama3RopeScaling, alibi_bias, alibi_slopes,
-                                                 apply_rotary_embedding, rotary_cos_sin, rotary_inverse_frequencies)
+                                                 rotary_inverse_frequencies)
 from megatron.core.parallel_state import ParallelGroups
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.random import MODEL_PARALLEL_RNG, get_rng_tracker
@@ -72,8 +72,9 @@ class ParallelSelfAttention(nn.Module):
                 scaling = Llama3RopeScaling(config.rope_scaling_factor, config.rope_scaling_low_freq_factor,
                                             config.rope_scaling_high_freq_factor,
                                             config.rope_scaling_original_max_position_embeddings)
-            inv_freq = rotary_inverse_frequencies(config.rotary_dim, config.rotary_base, scaling)
-            self.register_buffer("rotary_inv_freq", inv_freq.to(device), persistent=False)
+            # fp32 whatever the params dtype: a plain attribute, out of reach of module.to(dtype) and
+            # of DeepSpeed's casts of the module to bf16 / fp16 (rotary_frequencies moves it)
+            self._rotary_inv_freq = rotary_inverse_frequencies(config.rotary_dim, config.rotary_base, scaling)
         if config.position_embedding_type == "alibi":
             first_head = groups.tp_rank * self.heads_per_partition
             slopes = alibi_slopes(config.num_attention_heads)[first_head:first_head + self.heads_per_partition]
@@ -110,11 +111,18 @@ class ParallelSelfAttention(nn.Module):
         # q [s, b, np, hn], k and v [s, b, ng, hn]
         query, key, value = fused_kernels.split_query_key_value(mixed, mixed_bias, self.head_dim,
                                                                 self.config.queries_per_group)
-        if self.config.position_embedding_type == "rotary":
-            cos, sin = rotary_cos_sin(position_ids, self.rotary_inv_freq)
-            query, key = apply_rotary_embedding(query, cos, sin), apply_rotary_embedding(key, cos, sin)
-        # [s, b, np, hn] -> [b, np, s, hn]
-        return tuple(t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if self.config.position_embedding_type == "rotary":  # and [s, b, heads, hn] -> [b, heads, s, hn]
+            query, key = fused_kernels.rotary_embedding(query, key, position_ids,
+                                                        self.rotary_frequencies(position_ids.device))
+        else:
+            query, key = query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3)
+        return query, key, value.permute(1, 2, 0, 3)
+
+    def rotary_frequencies(self, device: torch.device) -> torch.Tensor:
+        """The rotary inverse frequencies [d / 2], fp32, on ``device`` (moved there once)."""
+        if self._rotary_inv_freq.device != device:
+            self._rotary_inv_freq = self._rotary_inv_freq.to(device)
+        return self._rotary_inv_freq
 
     def _dropout_probability(self) -> float:
         return self.config.attention_dropout if self.training else 0.0

@@ -18,8 +18,7 @@ GLU_GATE_FUNCTIONS = {
     "geglu": F.gelu,
     "liglu": _identity,
     "reglu": F.relu,
-    "swiglu": F.silu,
-}
+}  # swiglu: fused_kernels.swiglu
 
 
 class ParallelMLP(nn.Module):
@@ -65,7 +64,9 @@ class ParallelMLP(nn.Module):
             return self.dense_4h_to_h(fused_kernels.bias_gelu(bias, intermediate))
         if bias is not None:
             intermediate = intermediate + bias
-        if self.config.glu_activation is not None:
+        if self.config.glu_activation == "swiglu":
+            intermediate = fused_kernels.swiglu(intermediate)  # [s, b, ffn / tp]
+        elif self.config.glu_activation is not None:
             linear, gate = intermediate.chunk(2, dim=-1)  # 2 x [s, b, ffn / tp]
             intermediate = linear * GLU_GATE_FUNCTIONS[self.config.glu_activation](gate)
         else:

@@ -6,7 +6,8 @@ with theta_i = base^(-2i/d), i < d/2:
 where the angle vector is [p theta_0 .. p theta_{d/2-1}] repeated twice (GPT-NeoX's and Llama's
 layout: channel i pairs with channel i + d/2); the channels past d pass through. The angles, cos,
 sin and the rotation are computed in fp32 and the result is cast back, which keeps bf16 and fp16
-runs accurate at long positions.
+runs accurate at long positions. Here: the frequencies theta (``rotary_inverse_frequencies``); the
+rotation is ``fused_kernels.rotary_embedding`` (a Triton kernel on CUDA).
 
 Llama 3's frequency scaling (``Llama3RopeScaling``) stretches the long wavelengths to a context
 ``factor`` times the original C: with wavelength w_i = 2 pi / theta_i, low = C / low_freq_factor and
@@ -72,33 +73,6 @@ def rotary_inverse_frequencies(dim: int, base: float = ROTARY_BASE, scaling: Lla
     channel = torch.arange(0, dim, 2, dtype=torch.int64, device=device).to(torch.float32)
     inv_freq = 1.0 / (base ** (channel / dim))
     return inv_freq if scaling is None else scaling.scale(inv_freq)
-
-
-def rotary_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotary angles, fp32, shaped [s, b, 1, d] to broadcast over heads.
-
-    position_ids: [b, s] integer positions (reset per document with --reset-position-ids);
-    inv_freq: [d / 2] (``rotary_inverse_frequencies``).
-    """
-    angles = position_ids.t().to(torch.float32)[..., None] * inv_freq.to(position_ids.device)  # [s, b, d / 2]
-    angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]  # [s, b, 1, d]
-    return angles.cos(), angles.sin()
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """[x1, x2] -> [-x2, x1] over the last dim (halves of equal size)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin on the first d channels of x [s, b, np, hn] (d = cos's last dim),
-    in fp32, cast back to x's dtype; the channels past d unchanged."""
-    dim = cos.shape[-1]
-    rotated, passed = (x, None) if dim == x.shape[-1] else (x[..., :dim], x[..., dim:])
-    x32 = rotated.to(torch.float32)
-    out = (x32 * cos + rotate_half(x32) * sin).to(x.dtype)
-    return out if passed is None else torch.cat((out, passed), dim=-1)
 
 
 def _power_of_two_slopes(n: int) -> list[float]:

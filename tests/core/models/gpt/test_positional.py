@@ -4,9 +4,15 @@ import math
 import pytest
 import torch
 
+from megatron.core.fused_kernels import rotary_embedding
 from megatron.core.models.gpt.positional import (LearnedPositionEmbedding, Llama3RopeScaling, alibi_bias,
-                                                 alibi_slopes, apply_rotary_embedding, rotary_cos_sin,
-                                                 rotary_inverse_frequencies)
+                                                 alibi_slopes, rotary_inverse_frequencies)
+
+
+def rotate(x, positions, dim, base=10000.0):
+    """The model's rotary embedding of x [s, b, heads, hn] at positions [b, s], as [s, b, heads, hn]."""
+    rotated, _ = rotary_embedding(x, x, positions, rotary_inverse_frequencies(dim, base), batch_first=False)
+    return rotated
 
 
 def rotary_by_pairs(x, positions, base=10000.0):
@@ -32,9 +38,7 @@ def test_rotary_matches_pairwise_rotation():
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(5, 2, 3, 8, generator=generator)
     positions = torch.tensor([[0, 1, 2, 3, 4], [7, 0, 1, 2, 30]])  # second row: reset positions
-    cos, sin = rotary_cos_sin(positions, rotary_inverse_frequencies(8))
-    assert cos.shape == (5, 2, 1, 8) and cos.dtype == torch.float32
-    got = apply_rotary_embedding(x, cos, sin)
+    got = rotate(x, positions, 8)
     torch.testing.assert_close(got.double(), rotary_by_pairs(x, positions), rtol=1e-5, atol=1e-6)
 
 
@@ -43,9 +47,7 @@ def test_rotary_scores_depend_only_on_relative_position():
     q, k = torch.randn(1, 1, 1, 16, generator=generator), torch.randn(1, 1, 1, 16, generator=generator)
 
     def score(p_q, p_k):
-        cos_q, sin_q = rotary_cos_sin(torch.tensor([[p_q]]), rotary_inverse_frequencies(16))
-        cos_k, sin_k = rotary_cos_sin(torch.tensor([[p_k]]), rotary_inverse_frequencies(16))
-        return float((apply_rotary_embedding(q, cos_q, sin_q) * apply_rotary_embedding(k, cos_k, sin_k)).sum())
+        return float((rotate(q, torch.tensor([[p_q]]), 16) * rotate(k, torch.tensor([[p_k]]), 16)).sum())
 
     assert score(10, 3) == pytest.approx(score(107, 100), abs=1e-4)
     assert score(10, 3) != pytest.approx(score(10, 4), abs=1e-3)
@@ -55,8 +57,7 @@ def test_rotary_is_bf16_safe_at_long_positions():
     generator = torch.Generator().manual_seed(2)
     x = torch.randn(4, 1, 2, 64, generator=generator).to(torch.bfloat16)
     positions = torch.tensor([[4093, 4094, 4095, 4096]])
-    cos, sin = rotary_cos_sin(positions, rotary_inverse_frequencies(64))
-    got = apply_rotary_embedding(x, cos, sin)
+    got = rotate(x, positions, 64)
     assert got.dtype == torch.bfloat16
     expected = rotary_by_pairs(x.double(), positions)
     # only the final rounding to bf16 remains: well under 2^-8 relative per element
@@ -126,7 +127,6 @@ def test_partial_rotary_leaves_the_other_channels():
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(5, 2, 3, 16, generator=generator)
     positions = torch.tensor([[0, 1, 2, 3, 4], [9, 8, 7, 6, 5]])
-    cos, sin = rotary_cos_sin(positions, rotary_inverse_frequencies(8))
-    got = apply_rotary_embedding(x, cos, sin)
+    got = rotate(x, positions, 8)
     assert torch.equal(got[..., 8:], x[..., 8:])
     torch.testing.assert_close(got[..., :8].double(), rotary_by_pairs(x[..., :8], positions), rtol=1e-5, atol=1e-6)
