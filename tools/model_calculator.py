@@ -21,8 +21,9 @@ split over TP counts 1/t, the others (row-parallel biases, LayerNorms, the posit
     per GPU   (4h^2 + 2hf + 3h + f)/t + 6h
     model     L layer + V_p h [+ s_max h learned positions] [+ 2h embedding LayerNorm] + 2h final
               LayerNorm (h RMSNorm) [+ V_p h untied output layer]
-The stages are the trainer's split (``stage_boundaries`` with the default --pp-partition-method,
-type:transformer: the first L mod p stages get one layer more); the first holds the embeddings, the
+The stages are the trainer's split (``stage_boundaries`` with --pp-partition-method, by default
+type:transformer: the first L mod p stages get one layer more; "flops" weighs the output layer's 2hV
+against each layer's FLOPs, so the last stage gets fewer layers); the first holds the embeddings, the
 last the final LayerNorm and the output layer (tied: a copy of the embedding module, as DeepSpeed's
 tied layers do).
 
@@ -151,6 +152,7 @@ class Layout:
     immediate_grad_update: bool = True  # DeepSpeed's bf16.immediate_grad_update (the trainer's default)
     checkpoint_activations: bool = False
     checkpoint_num_layers: int = 1
+    pp_partition_method: str | None = None  # None: the trainer's default
     materialized_attention: bool = False
     sequence_parallel: bool = False
     tp_comm_overlap: bool = False
@@ -342,10 +344,11 @@ def _initialisation_stream():
         tracker.set_states(saved)
 
 
-def pipeline_stages(shape: ModelShape, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> list[list]:
+def pipeline_stages(shape: ModelShape, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+                    partition_method: str | None = None) -> list[list]:
     """The trainer's pipeline layer list (GPTModelPipe's specs, built on the meta device: shapes
-    without memory), split into stages by the trainer's own rule (``stage_boundaries`` with the
-    default --pp-partition-method)."""
+    without memory), split into stages by the trainer's own rule (``stage_boundaries`` with
+    --pp-partition-method ``partition_method``, default the trainer's)."""
     from megatron.training.initialize import select_accelerator
 
     select_accelerator()  # before DeepSpeed's import, which otherwise announces its CPU fallback on stdout
@@ -354,7 +357,11 @@ def pipeline_stages(shape: ModelShape, tensor_parallel: int = 1, pipeline_parall
     from megatron.training.engine.pipeline_module import gpt_layer_specs, stage_boundaries
 
     specs = gpt_layer_specs(model_config(shape, tensor_parallel), single_rank_groups(), device="meta")
-    bounds = stage_boundaries(specs, pipeline_parallel, DEFAULT_PP_PARTITION_METHOD)
+    try:
+        with _initialisation_stream():  # "parameters" builds each layer to count it
+            bounds = stage_boundaries(specs, pipeline_parallel, partition_method or DEFAULT_PP_PARTITION_METHOD)
+    except ValueError as error:
+        raise CalculatorError(str(error)) from None
     return [specs[bounds[stage]:bounds[stage + 1]] for stage in range(pipeline_parallel)]
 
 
@@ -362,9 +369,10 @@ def _is_transformer_layer(spec) -> bool:
     return getattr(spec, "typename", None) is not None and spec.typename.__name__ == "ParallelTransformerLayerPipe"
 
 
-def layers_per_stage(shape: ModelShape, pipeline_parallel: int) -> list[int]:
+def layers_per_stage(shape: ModelShape, pipeline_parallel: int, partition_method: str | None = None) -> list[int]:
     """Transformer layers of each pipeline stage, as the trainer splits them."""
-    return [sum(map(_is_transformer_layer, stage)) for stage in pipeline_stages(shape, 1, pipeline_parallel)]
+    return [sum(map(_is_transformer_layer, stage))
+            for stage in pipeline_stages(shape, 1, pipeline_parallel, partition_method)]
 
 
 class _BuiltLayers:
@@ -404,10 +412,11 @@ def _stage_parameters_per_gpu(stage: list, build: _BuiltLayers, tensor_parallel:
     return count
 
 
-def count_parameters(shape: ModelShape, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> ParameterCounts:
+def count_parameters(shape: ModelShape, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+                     partition_method: str | None = None) -> ParameterCounts:
     """Parameters of the model (each counted once) and of one GPU of each pipeline stage, counted on the
     trainer's layers (the untied output layer among them)."""
-    stages = pipeline_stages(shape, tensor_parallel, pipeline_parallel)
+    stages = pipeline_stages(shape, tensor_parallel, pipeline_parallel, partition_method)
     build = _BuiltLayers()
     specs = [spec for stage in stages for spec in stage if hasattr(spec, "build")]
     embedding = build(next(spec for spec in specs if hasattr(spec, "key")))
@@ -607,7 +616,7 @@ def calculate(shape: ModelShape, layout: Layout, budget: TrainingBudget = Traini
     check_model(shape)
     check_layout(shape, layout)
     check_budget(budget)
-    counts = count_parameters(shape, layout.tensor_parallel, layout.pipeline_parallel)
+    counts = count_parameters(shape, layout.tensor_parallel, layout.pipeline_parallel, layout.pp_partition_method)
     return {"model": {**asdict(shape), "max_position_embeddings": shape.max_positions, "ffn_hidden_size": shape.ffn,
                       "num_query_groups": shape.groups, "key_value_size": shape.key_value_size,
                       "position_table_rows": shape.position_rows,
@@ -642,6 +651,8 @@ def build_parser() -> argparse.ArgumentParser:
     layout = parser.add_argument_group("layout")
     layout.add_argument("--tensor-model-parallel-size", type=parse_int, default=1)
     layout.add_argument("--pipeline-model-parallel-size", type=parse_int, default=1)
+    layout.add_argument("--pp-partition-method", default=None,
+                        help="the trainer's stage split: type:transformer (default), flops, parameters, uniform")
     layout.add_argument("--num-gpus", type=parse_int, default=None, help="world size (default TP x PP)")
     layout.add_argument("--micro-batch-size", type=parse_int, default=1)
     layout.add_argument("--global-batch-size", type=parse_int, default=None, help="default micro batch x DP")
@@ -712,7 +723,8 @@ def inputs_from_args(args: argparse.Namespace) -> tuple[ModelShape, Layout, Trai
                     checkpoint_activations=args.checkpoint_activations,
                     checkpoint_num_layers=args.checkpoint_num_layers, materialized_attention=args.deterministic,
                     sequence_parallel=args.sequence_parallel and split_over_tp,
-                    tp_comm_overlap=args.tp_comm_overlap and split_over_tp)
+                    tp_comm_overlap=args.tp_comm_overlap and split_over_tp,
+                    pp_partition_method=args.pp_partition_method)
     return shape, layout, TrainingBudget(train_tokens=args.train_tokens, mfu=args.mfu, peak_tflops=args.peak_tflops)
 
 

@@ -397,3 +397,22 @@ def test_a_bad_llama_flag_exits_2_naming_it(flags, named, capsys):
     with pytest.raises(SystemExit):
         main(SMALL_FLAGS + ["--group-query-attention"])
     assert "--group-query-attention and --num-query-groups G go together" in capsys.readouterr().err
+
+
+def test_flops_partition_gives_the_untied_head_its_share():
+    """Per token a layer costs 4h^2 + 4hk + 4sh + 6hf = 81920 FLOPs and the head 2hV_p = 163840 (V_p = 1280),
+    two layers' worth: of 6 layers + head over 2 stages the flops split gives 4 and 2 + the head, the
+    default split 3 and 3."""
+    shape = replace(LLAMA, num_layers=6, vocab_size=1280, make_vocab_size_divisible_by=128)
+    assert layers_per_stage(shape, 2) == [3, 3]
+    assert layers_per_stage(shape, 2, "flops") == [4, 2]
+    # by parameters the word embeddings of stage 0 weigh as much as the untied head (V_p h each)
+    assert layers_per_stage(shape, 2, "parameters") == [3, 3]
+    layout = Layout(pipeline_parallel=2, num_gpus=2, pp_partition_method="flops")
+    assert calculate(shape, layout)["parameters"]["layers_per_stage"] == [4, 2]
+    assert main(SMALL_FLAGS + LLAMA_FLAGS + ["--num-layers", "6", "--vocab-size", "1280", "--make-vocab-size-divisible-by",
+                                             "128", "--pipeline-model-parallel-size", "2", "--num-gpus", "2",
+                                             "--pp-partition-method", "flops", "--json"])[
+        "parameters"]["layers_per_stage"] == [4, 2]
+    with pytest.raises(CalculatorError, match="--pp-partition-method 'stages' is not supported"):
+        layers_per_stage(shape, 2, "stages")
