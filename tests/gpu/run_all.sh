@@ -15,7 +15,7 @@ OUT=${OUT:-/tmp/gpu_checks}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH=/tmp/site
+        && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
 fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1
 status=0
@@ -24,6 +24,7 @@ python3 -m pytest -q -rfs -m gpu --continue-on-collection-errors tests 2>&1 | te
 python3 tools/benchmarks/bench_fused_kernels.py 2>&1 | tee "$OUT/fused_kernels_bench.log" || status=1
 python3 tools/benchmarks/bench_adamw_step.py 2>&1 | tee "$OUT/adamw_step_bench.log" || status=1
 python3 tools/benchmarks/bench_attention.py 2>&1 | tee "$OUT/attention_bench.log" || status=1
+python3 tools/benchmarks/bench_elementwise_ops.py 2>&1 | tee "$OUT/elementwise_ops_bench.log" || status=1
 python3 tools/benchmarks/bench_gemms.py 2>&1 | tee "$OUT/gemms_bench.log" || status=1
 python3 tools/benchmarks/bench_gpt_model.py 2>&1 | tee "$OUT/gpt_1p3b_bench.log" || status=1
 python3 tools/benchmarks/bench_text_generation.py 2>&1 | tee "$OUT/text_generation_bench.log" || status=1

@@ -28,7 +28,9 @@ def _loss_and_grads(model, tokens):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-4), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
+# bf16: the word embedding's gradient sums the rounded gradients of many positions (3.7 % from fp32
+# measured on an H200 for the Llama shapes, 2.x % for GPT's)
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-4), (torch.bfloat16, 6e-2)], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_cuda_model_matches_the_cpu_reference(variant, dtype, tolerance):
     config = tiny_config(**{**SHAPES, **VARIANTS[variant]})
