@@ -483,8 +483,9 @@ _MISSING_FEATURES = {
     **dict.fromkeys(_POST_TRAINING_FLAGS, "is a post-training option (RL, SFT, distillation); this trainer "
                                           "pretrains; remove the flag"),
     **dict.fromkeys(_TOKENIZER_FLAGS, (
-        "tokenizers here are GPT2BPETokenizer (--vocab-file, --merge-file) and PretrainedFromHF "
-        "(--tokenizer-name-or-path); remove the flag")),
+        "tokenizers here are GPT2BPETokenizer (--vocab-file, --merge-file), PretrainedFromHF "
+        "(--tokenizer-name-or-path), HuggingFaceTokenizer and SentencePieceTokenizer (--tokenizer-model), "
+        "without this option; remove the flag")),
     **dict.fromkeys(_FIM_FLAGS, "fill-in-the-middle samples are not supported; remove the flag"),
     **dict.fromkeys(_SPLIT_PATH_FLAGS, (
         "give each split's datasets with --train-weighted-split-paths, --valid-weighted-split-paths and "
