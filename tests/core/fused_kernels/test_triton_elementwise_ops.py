@@ -6,7 +6,6 @@ The ``references`` fixture makes the references raise inside the public ops, so 
 these tests provably takes the Triton path; comparisons use the saved originals.
 """
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ import torch.nn.functional as F
 from megatron.core import fused_kernels
 from megatron.core.fused_kernels import elementwise_ops, selection
 from megatron.core.models.gpt.positional import Llama3RopeScaling, rotary_inverse_frequencies
+from tests.core.fused_kernels.kernel_test_utils import forbid_references
 
 pytestmark = pytest.mark.gpu
 
@@ -24,20 +24,9 @@ DTYPE_IDS = ["fp16", "bf16", "fp32"]
 _REFERENCE_NAMES = ["swiglu_reference", "rotary_embedding_reference"]
 
 
-def _forbidden(name):
-    def call(*args, **kwargs):
-        raise AssertionError(f"{name} was called: the fast path was not taken")
-
-    return call
-
-
 @pytest.fixture
 def references(monkeypatch):
-    fused_kernels.set_fused_kernels_enabled(True)
-    originals = SimpleNamespace(**{name: getattr(elementwise_ops, name) for name in _REFERENCE_NAMES})
-    for name in _REFERENCE_NAMES:
-        monkeypatch.setattr(elementwise_ops, name, _forbidden(name))
-    yield originals
+    yield forbid_references(monkeypatch, elementwise_ops, _REFERENCE_NAMES)
     fused_kernels.set_fused_kernels_enabled(None)
 
 

@@ -13,6 +13,7 @@ import torch.utils.checkpoint
 
 from megatron.core import fused_kernels
 from megatron.core.fused_kernels import decode_ops, reference, training_ops
+from tests.core.fused_kernels.kernel_test_utils import forbid_references, forbidden
 
 pytestmark = pytest.mark.gpu
 
@@ -32,20 +33,9 @@ _REFERENCE_NAMES = [
 ]
 
 
-def _forbidden(name):
-    def call(*args, **kwargs):
-        raise AssertionError(f"{name} was called: the fast path was not taken")
-
-    return call
-
-
 @pytest.fixture
 def references(monkeypatch):
-    fused_kernels.set_fused_kernels_enabled(True)
-    originals = SimpleNamespace(**{name: getattr(reference, name) for name in _REFERENCE_NAMES})
-    for name in _REFERENCE_NAMES:
-        monkeypatch.setattr(reference, name, _forbidden(name))
-    yield originals
+    yield forbid_references(monkeypatch, reference, _REFERENCE_NAMES)
     fused_kernels.set_fused_kernels_enabled(None)
 
 
@@ -372,7 +362,7 @@ def test_disabled_kernels_use_the_references_on_cuda():
 @pytest.fixture
 def no_cublas_linear(monkeypatch):
     """F.linear inside the public ops raises: a call that returns took the GEMV."""
-    monkeypatch.setattr(decode_ops, "F", SimpleNamespace(linear=_forbidden("F.linear")))
+    monkeypatch.setattr(decode_ops, "F", SimpleNamespace(linear=forbidden("F.linear")))
 
 
 @pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=DTYPE_IDS)
