@@ -20,6 +20,9 @@ Cloze accuracy (``LambadaExamples``): the context predicts the last word; an exa
 when the greedy (argmax) prediction equals the target at every scored position. By default the
 target is the text's last token; with ``strict`` it is every token of the last word, tokenized with
 its leading space apart from the context.
+
+A tokenizer with a BOS (Llama's) starts the text (perplexity) and each passage (cloze) with it, as
+preprocessing starts every training document: the BOS is context, never a target.
 """
 import json
 import math
@@ -30,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.evaluation.detokenizer import wikitext_detokenize
+from megatron.core.tokenizer import bos_of
 
 LogitsFunction = Callable[[torch.Tensor], torch.Tensor]
 LOSS, ACCURACY = "loss", "accuracy"
@@ -142,18 +146,25 @@ def read_wikitext(path: str, tokenizer, seq_length: int, overlapping_eval: int |
     num_original_words = len(text.strip().split(" "))
     if num_original_words < 2:
         raise EvaluationInputError(f"{flag} {path}: fewer than 2 words")
-    tokens = tokenizer.tokenize(wikitext_detokenize(text))
+    tokens = with_bos(tokenizer, tokenizer.tokenize(wikitext_detokenize(text)))
     return LanguageModelWindows(tokens, seq_length, tokenizer.eod, overlapping_eval, num_original_words)
 
 
 def lambada_split(text: str, tokenizer, strict: bool) -> tuple[list[int], list[int]]:
-    """(context ids, target ids) of one LAMBADA passage."""
+    """(context ids, target ids) of one LAMBADA passage; the context starts with the tokenizer's BOS
+    where it has one."""
     if not strict:
-        tokens = tokenizer.tokenize(text)
+        tokens = with_bos(tokenizer, tokenizer.tokenize(text))
         return tokens[:-1], tokens[-1:]
     last_word = text.split()[-1]
     start = text.rfind(last_word)
-    return tokenizer.tokenize(text[:start].strip()), tokenizer.tokenize(" " + last_word)
+    return with_bos(tokenizer, tokenizer.tokenize(text[:start].strip())), tokenizer.tokenize(" " + last_word)
+
+
+def with_bos(tokenizer, ids: list[int]) -> list[int]:
+    """``[bos] + ids`` where the tokenizer has a BOS, else ``ids``."""
+    bos = bos_of(tokenizer)
+    return list(ids) if bos is None else [bos] + list(ids)
 
 
 def read_lambada(path: str, tokenizer, seq_length: int, strict: bool,

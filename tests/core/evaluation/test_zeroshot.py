@@ -147,3 +147,27 @@ def test_bad_inputs_are_named(tmp_path, tokenizer):
         read_wikitext(str(tmp_path / "missing.txt"), tokenizer, SEQ_LENGTH, None)
     with pytest.raises(EvaluationInputError, match="--overlapping-eval 17: .* between 1 and --seq-length"):
         LanguageModelWindows(list(range(40)), SEQ_LENGTH, 0, 17, 10)
+
+
+class _WithBos:
+    """The GPT-2 tokenizer given a BOS (id 1), as a Llama tokenizer has one."""
+
+    bos = 1
+
+    def __init__(self, tokenizer):
+        self.tokenize, self.eod = tokenizer.tokenize, tokenizer.eod
+
+
+def test_a_tokenizer_with_bos_starts_every_text_with_it(tmp_path, tokenizer):
+    llama_like = _WithBos(tokenizer)
+    text = "He handed her the lantern and said goodnight to Marguerite"
+    for strict in (False, True):
+        context, target = lambada_split(text, llama_like, strict)
+        plain_context, plain_target = lambada_split(text, tokenizer, strict)
+        assert (context, target) == ([1] + plain_context, plain_target)
+    path = tmp_path / "wiki.tokens"
+    path.write_text(" = Title = \n the first line , with words . \n")
+    windows, plain = read_wikitext(str(path), llama_like, 8, None), read_wikitext(str(path), tokenizer, 8, None)
+    # the BOS is context only: one more target than without it, every text token scored
+    assert windows.num_tokenized_tokens == plain.num_tokenized_tokens + 1
+    assert windows[0].tokens[0] == 1
