@@ -75,7 +75,7 @@ def test_an_unknown_class_stays_inert_data(tmp_path):
 
 
 def test_the_state_is_translated_into_our_keys(tmp_path):
-    path = model_states(tmp_path / "mp_rank_00_model_states.pt", their_args(), dp_world_size=4)
+    model_states(tmp_path / "mp_rank_00_model_states.pt", their_args(), dp_world_size=4)
     state = megatron_deepspeed.read_checkpoint_state(str(tmp_path))
     assert megatron_deepspeed.is_translated(state)
     assert (state["iteration"], state["consumed_train_samples"], state["consumed_valid_samples"],

@@ -178,7 +178,7 @@ LLAMA = dict(num_attention_heads=8, num_query_groups=4, normalization="RMSNorm",
 def hf_llama_state_dict(model, config):
     """Our weights under transformers' Llama / Qwen2 names: our query_key_value rows are per key/value
     group [g, q + 2, hn] (its q query heads, its key, its value), our dense_h_to_4h is [up; gate]."""
-    g, q, hn, h = config.num_query_groups, config.queries_per_group, config.kv_channels, config.hidden_size
+    g, q, hn = config.num_query_groups, config.queries_per_group, config.kv_channels
     ours = {name: param.detach() for name, param in model.named_parameters()}
     state = {"model.embed_tokens.weight": ours["embedding.word_embeddings.weight"],
              "model.norm.weight": ours["final_layernorm.weight"], "lm_head.weight": ours["output_layer.weight"]}
