@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.evaluation.detokenizer import wikitext_detokenize
-from megatron.core.tokenizer import bos_of
+from megatron.core.tokenizer import with_bos
 
 LogitsFunction = Callable[[torch.Tensor], torch.Tensor]
 LOSS, ACCURACY = "loss", "accuracy"
@@ -159,12 +159,6 @@ def lambada_split(text: str, tokenizer, strict: bool) -> tuple[list[int], list[i
     last_word = text.split()[-1]
     start = text.rfind(last_word)
     return with_bos(tokenizer, tokenizer.tokenize(text[:start].strip())), tokenizer.tokenize(" " + last_word)
-
-
-def with_bos(tokenizer, ids: list[int]) -> list[int]:
-    """``[bos] + ids`` where the tokenizer has a BOS, else ``ids``."""
-    bos = bos_of(tokenizer)
-    return list(ids) if bos is None else [bos] + list(ids)
 
 
 def read_lambada(path: str, tokenizer, seq_length: int, strict: bool,

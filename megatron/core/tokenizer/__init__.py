@@ -30,7 +30,7 @@ REJECTED_TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase")
 
 __all__ = ["FAST_ENV_VAR", "GPT2BPETokenizer", "HuggingFaceTokenizer", "PretrainedFromHF",
            "SENTENCEPIECE_TYPES", "SUPPORTED_TOKENIZER_TYPES", "SentencePieceTokenizer", "TokenizerError",
-           "bos_of", "build_tokenizer", "prompt_tokens", "vocab_size_with_padding"]
+           "bos_of", "build_tokenizer", "prompt_tokens", "vocab_size_with_padding", "with_bos"]
 
 
 def bos_of(tokenizer):
@@ -38,15 +38,16 @@ def bos_of(tokenizer):
     return getattr(tokenizer, "bos", None)
 
 
-def prompt_tokens(tokenizer, text):
-    """The ids a generation continues: ``[bos] + tokenize(text)`` where the tokenizer has a BOS,
-    else ``tokenize(text)``; a prompt without tokens starts from the BOS, or from ``eod`` (GPT-2's
-    unconditional sample)."""
-    ids = tokenizer.tokenize(text) if text else []
+def with_bos(tokenizer, ids):
+    """``[bos] + ids`` where the tokenizer has a BOS, else ``ids`` (a new list either way)."""
     bos = bos_of(tokenizer)
-    if bos is not None:
-        return [bos] + ids
-    return ids or [tokenizer.eod]
+    return list(ids) if bos is None else [bos] + list(ids)
+
+
+def prompt_tokens(tokenizer, text):
+    """The ids a generation continues: ``with_bos(tokenize(text))``; a prompt without tokens starts
+    from the BOS, or from ``eod`` (GPT-2's unconditional sample)."""
+    return with_bos(tokenizer, tokenizer.tokenize(text) if text else []) or [tokenizer.eod]
 
 
 def _hf_tokenizer(tokenizer_model, tokenizer_name_or_path, use_fast):
