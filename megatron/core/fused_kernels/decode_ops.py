@@ -140,7 +140,8 @@ def decode_attention(query, keys, values, position, slopes, scale, new_key=None,
     """One query per row and head at position p of a fixed-size key/value cache of g groups (see
     ``reference.decode_attention_reference`` for the math and shapes: query [b, np, 1, hn], keys and
     values [b, g, T, hn] with g dividing np, head j reading group j // (np / g); given new_key and
-    new_value, the step's own [b, g, 1, hn], they are first written into the cache at p): the
+    new_value, the step's own [b, g, 1, hn] (of any strides: the value is given the key's), they
+    are first written into the cache at p): the
     Triton kernel on CUDA for fp16/bf16/fp32 with contiguous caches, which reads only positions
     0 .. p; else the reference."""
     if query.dim() != 4 or query.shape[-2] != 1 or keys.dim() != 4 or keys.shape != values.shape \
@@ -159,11 +160,16 @@ def decode_attention(query, keys, values, position, slopes, scale, new_key=None,
                                        f"{step_shape} ([b, g, 1, hn]) and of the cache's dtype")
     if (keys.is_contiguous() and values.is_contiguous() and query.stride(-1) == 1 and position.is_cuda
             and (slopes is None or slopes.is_cuda and slopes.is_contiguous())
-            and (new_key is None or new_key.stride() == new_value.stride() and new_key.stride(-1) == 1)
+            and (new_key is None or new_key.stride(-1) == 1)
             and _decode_inputs_fit(query.dtype, query, keys, values, new_key, new_value)
             and _decode_kernels_available()):
         if new_key is None:
             return torch.ops.megatron.decode_attention(query, keys, values, position, slopes, scale)
+        if new_value.stride() != new_key.stride():
+            # the kernel reads the step's key and value with one set of strides (a fused rotary
+            # embedding writes a fresh key while the value is still a view of the projection's output)
+            new_value = torch.empty_strided(new_key.shape, new_key.stride(), dtype=new_value.dtype,
+                                            device=new_value.device).copy_(new_value)
         return torch.ops.megatron.decode_attention_write(query, new_key, new_value, keys, values, position, slopes,
                                                          scale)
     return reference.decode_attention_reference(query, keys, values, position, slopes, scale, new_key, new_value)

@@ -44,10 +44,6 @@ def cached_attention(attention: ParallelSelfAttention, mixed: torch.Tensor, posi
     query, key, value = attention.heads(mixed, position_ids, mixed_bias)  # [b, np, s, hn]
     slopes = attention.alibi_slopes if attention.config.position_embedding_type == "alibi" else None
     if kv_cache.fixed_size and seq_length == 1:
-        if value.stride() != key.stride():
-            # the kernel reads the step's key and value with one set of strides; the rotary kernel
-            # writes a fresh key, the value is still a view of the projection's output
-            value = torch.empty_strided(key.shape, key.stride(), dtype=value.dtype, device=value.device).copy_(value)
         keys, values, position = kv_cache.buffers(key)
         context = fused_kernels.decode_attention(query, keys, values, position, slopes,
                                                  1.0 / math.sqrt(attention.head_dim), key, value)
