@@ -13,7 +13,8 @@ and 16 layers of a Llama-style 1.2B model (hidden 2048, 32 heads of 64 over 8 ke
 SwiGLU ffn 8192, RMSNorm, no biases) over the same cache positions:
 
     Llama one-row layer per layer: layer_norm_linear with norm="rms" (QKV, [g, q + 2, hn] rows),
-                        decode_attention over the grouped cache (writes it), linear + residual,
+                        decode_attention reading those rows, turning the query and key by the
+                        rotary embedding, writing the grouped cache; linear + residual,
                         layer_norm_linear with norm="rms" and "swiglu" (h -> 2 ffn -> ffn),
                         linear + residual (ffn -> h)
     Llama GEMVs alone   the same four products, alone
@@ -69,13 +70,13 @@ def random_llama_layers(dtype=torch.bfloat16):
 
 
 def llama_one_row_layers(layers, x, position):
+    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, LLAMA_HEAD_DIM, 2, device="cuda") / LLAMA_HEAD_DIM)
     for layer in layers:
         mixed = fused_kernels.layer_norm_linear(x, layer["norms"][0], None, 1e-5, *layer["qkv"], norm="rms")
-        rows = mixed.view(1, 1, LLAMA_GROUPS, LLAMA_QUERIES + 2, LLAMA_HEAD_DIM)
-        query = rows[:, :, :, :LLAMA_QUERIES].reshape(1, 1, LLAMA_HEADS, LLAMA_HEAD_DIM).permute(1, 2, 0, 3)
-        key, value = (rows[:, :, :, i].permute(1, 2, 0, 3) for i in (LLAMA_QUERIES, LLAMA_QUERIES + 1))
-        context = fused_kernels.decode_attention(query, *layer["cache"], position, None, LLAMA_HEAD_DIM ** -0.5, key,
-                                                 value)
+        rows = mixed.view(1, 1, LLAMA_GROUPS, LLAMA_QUERIES + 2, LLAMA_HEAD_DIM).permute(1, 2, 3, 0, 4)
+        context = fused_kernels.decode_attention(rows[:, :, :LLAMA_QUERIES], *layer["cache"], position, None,
+                                                 LLAMA_HEAD_DIM ** -0.5, rows[:, :, LLAMA_QUERIES],
+                                                 rows[:, :, LLAMA_QUERIES + 1], (inv_freq, position))
         x = fused_kernels.linear(context.view(1, 1, HIDDEN), *layer["dense"], x)
         intermediate = fused_kernels.layer_norm_linear(x, layer["norms"][1], None, 1e-5, *layer["fc1"], "swiglu",
                                                        norm="rms")

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.fused_kernels import reference
+from megatron.core.fused_kernels.elementwise_ops import rotary_embedding_reference
 from megatron.core.fused_kernels.selection import (FAST_DTYPES, FusedKernelArgumentError, check_hidden_vector,
                                                    device_blocker, fused_kernels_enabled, kernel_module)
 
@@ -32,6 +33,11 @@ def _gemv_shape(x, weight, bias, residual, norm_weight, norm_bias, eps, norm, ac
     return x.new_empty((*x.shape[:-1], weight.shape[0] // 2 if activation == "swiglu" else weight.shape[0]))
 
 
+def _attention_output_shape(query):
+    """[b, np, 1, hn] of a query [b, np, 1, hn] or [b, g, q, 1, hn]."""
+    return (query.shape[0], query.shape[1] * query.shape[2], 1, query.shape[-1]) if query.dim() == 5 else query.shape
+
+
 @torch.library.custom_op("megatron::decode_attention", mutates_args=())
 def _decode_attention_op(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor,
                          slopes: Optional[torch.Tensor], scale: float) -> torch.Tensor:
@@ -40,20 +46,22 @@ def _decode_attention_op(query: torch.Tensor, keys: torch.Tensor, values: torch.
 
 @_decode_attention_op.register_fake
 def _decode_attention_shape(query, keys, values, position, slopes, scale):
-    return query.new_empty(query.shape)
+    return query.new_empty(_attention_output_shape(query))
 
 
 @torch.library.custom_op("megatron::decode_attention_write", mutates_args=("keys", "values"))
 def _decode_attention_write_op(query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor,
                                keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor,
-                               slopes: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+                               slopes: Optional[torch.Tensor], scale: float, inv_freq: Optional[torch.Tensor],
+                               rotary_positions: Optional[torch.Tensor]) -> torch.Tensor:
     return kernel_module("triton_decode").decode_attention(query, keys, values, position, slopes, scale, new_key,
-                                                           new_value)
+                                                           new_value, inv_freq, rotary_positions)
 
 
 @_decode_attention_write_op.register_fake
-def _decode_attention_write_shape(query, new_key, new_value, keys, values, position, slopes, scale):
-    return query.new_empty(query.shape)
+def _decode_attention_write_shape(query, new_key, new_value, keys, values, position, slopes, scale, inv_freq,
+                                  rotary_positions):
+    return query.new_empty(_attention_output_shape(query))
 
 
 # What torch.compiler.assume_constant_result sets on a function (tested against it): the decorator
@@ -136,19 +144,13 @@ def layer_norm_linear(x, norm_weight, norm_bias, eps, weight, bias=None, activat
     return reference.layer_norm_linear_reference(x, norm_weight, norm_bias, eps, weight, bias, activation, norm)
 
 
-def decode_attention(query, keys, values, position, slopes, scale, new_key=None, new_value=None):
-    """One query per row and head at position p of a fixed-size key/value cache of g groups (see
-    ``reference.decode_attention_reference`` for the math and shapes: query [b, np, 1, hn], keys and
-    values [b, g, T, hn] with g dividing np, head j reading group j // (np / g); given new_key and
-    new_value, the step's own [b, g, 1, hn] (of any strides: the value is given the key's), they
-    are first written into the cache at p): the
-    Triton kernel on CUDA for fp16/bf16/fp32 with contiguous caches, which reads only positions
-    0 .. p; else the reference."""
-    if query.dim() != 4 or query.shape[-2] != 1 or keys.dim() != 4 or keys.shape != values.shape \
-            or keys.shape[0] != query.shape[0] or query.shape[1] % keys.shape[1] != 0 \
-            or keys.shape[-1] != query.shape[-1]:
-        raise FusedKernelArgumentError(f"decode_attention: query must be [b, np, 1, hn] and keys, values "
-                                       f"[b, g, T, hn] with g dividing np, got {tuple(query.shape)}, "
+def _check_decode_attention_arguments(query, keys, values, position, new_key, new_value, rotary):
+    heads = _attention_output_shape(query)[1] if query.dim() in (4, 5) else 0
+    if query.dim() not in (4, 5) or query.shape[-2] != 1 or keys.dim() != 4 or keys.shape != values.shape \
+            or keys.shape[0] != query.shape[0] or heads % keys.shape[1] != 0 or keys.shape[-1] != query.shape[-1] \
+            or query.dim() == 5 and query.shape[1] != keys.shape[1]:
+        raise FusedKernelArgumentError(f"decode_attention: query must be [b, np, 1, hn] or [b, g, np / g, 1, hn] and "
+                                       f"keys, values [b, g, T, hn] with g dividing np, got {tuple(query.shape)}, "
                                        f"{tuple(keys.shape)}, {tuple(values.shape)}")
     if position.numel() != 1 or position.dtype != torch.long:
         raise FusedKernelArgumentError(f"decode_attention: position must be one int64 element, got "
@@ -158,18 +160,52 @@ def decode_attention(query, keys, values, position, slopes, scale, new_key=None,
             new_key.shape == new_value.shape == step_shape and new_key.dtype == new_value.dtype == keys.dtype):
         raise FusedKernelArgumentError(f"decode_attention: new_key and new_value come together, shaped "
                                        f"{step_shape} ([b, g, 1, hn]) and of the cache's dtype")
+    if rotary is not None:
+        inv_freq, positions = rotary
+        if new_key is None or inv_freq.dtype != torch.float32 or inv_freq.dim() != 1 \
+                or not 0 < 2 * inv_freq.numel() <= keys.shape[-1] or positions.numel() not in (1, keys.shape[0]) \
+                or positions.dtype.is_floating_point or positions.dtype == torch.bool:
+            raise FusedKernelArgumentError(f"decode_attention: rotary = (inv_freq [d / 2] fp32 with d <= hn, "
+                                           f"positions of b or 1 integers) needs new_key; got inv_freq "
+                                           f"{inv_freq.dtype} {tuple(inv_freq.shape)}, positions {positions.dtype} "
+                                           f"{tuple(positions.shape)}")
+
+
+def _rotated_reference(query, new_key, rotary):
+    """query [b, np, 1, hn] and new_key [b, g, 1, hn] turned by the rotary embedding (the reference)."""
+    inv_freq, positions = rotary
+    return rotary_embedding_reference(query.permute(2, 0, 1, 3), new_key.permute(2, 0, 1, 3),
+                                      positions.reshape(-1, 1), inv_freq)
+
+
+def decode_attention(query, keys, values, position, slopes, scale, new_key=None, new_value=None, rotary=None):
+    """One query per row and head at position p of a fixed-size key/value cache of g groups (see
+    ``reference.decode_attention_reference`` for the math and shapes: query [b, np, 1, hn], keys and
+    values [b, g, T, hn] with g dividing np, head j reading group j // (np / g); given new_key and
+    new_value, the step's own [b, g, 1, hn] (of any strides: the value is given the key's), they
+    are first written into the cache at p). The query may also be [b, g, np / g, 1, hn]: the grouped
+    rows of the QKV projection's output, read where they are. ``rotary`` = (inv_freq [d / 2] fp32,
+    positions [b] or [1] integers), with new_key: the query and new_key come before the rotary
+    embedding at those positions (``fused_kernels.rotary_embedding``'s math), which is applied here.
+    The Triton kernel runs on CUDA for fp16/bf16/fp32 with contiguous caches and reads only
+    positions 0 .. p; anything else runs the reference."""
+    _check_decode_attention_arguments(query, keys, values, position, new_key, new_value, rotary)
+    inv_freq, positions = (rotary[0], rotary[1].reshape(-1)) if rotary is not None else (None, None)
     if (keys.is_contiguous() and values.is_contiguous() and query.stride(-1) == 1 and position.is_cuda
             and (slopes is None or slopes.is_cuda and slopes.is_contiguous())
             and (new_key is None or new_key.stride(-1) == 1)
+            and (rotary is None or inv_freq.is_cuda and inv_freq.is_contiguous() and positions.is_cuda)
             and _decode_inputs_fit(query.dtype, query, keys, values, new_key, new_value)
             and _decode_kernels_available()):
         if new_key is None:
             return torch.ops.megatron.decode_attention(query, keys, values, position, slopes, scale)
         if new_value.stride() != new_key.stride():
-            # the kernel reads the step's key and value with one set of strides (a fused rotary
-            # embedding writes a fresh key while the value is still a view of the projection's output)
+            # the kernel reads the step's key and value with one set of strides
             new_value = torch.empty_strided(new_key.shape, new_key.stride(), dtype=new_value.dtype,
                                             device=new_value.device).copy_(new_value)
         return torch.ops.megatron.decode_attention_write(query, new_key, new_value, keys, values, position, slopes,
-                                                         scale)
+                                                         scale, inv_freq, positions)
+    query = query.reshape(_attention_output_shape(query))
+    if rotary is not None:
+        query, new_key = _rotated_reference(query, new_key, rotary)
     return reference.decode_attention_reference(query, keys, values, position, slopes, scale, new_key, new_value)

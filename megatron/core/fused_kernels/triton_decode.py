@@ -41,7 +41,11 @@ whole cache took 27 us per layer at batch 1 on an H200 (16 programs for 132 SMs)
 own key and value, the program whose chunk holds p writes them into the cache at p and uses them
 there, which saves the two cache-writing kernels. With grouped-query attention the q heads of a
 group are neighbouring programs that read the same chunk of the cache (from L2 after the first),
-and only the group's first head writes the step's key and value.
+and only the group's first head writes the step's key and value. The query may be read where the
+QKV projection's [g, q + 2, hn] rows hold it (head j at group j // q, row j % q), and with the
+rotary embedding's inverse frequencies the kernel turns the query and the step's key itself (the
+rotation of ``triton_rotary``, rounded once to the input dtype) before using and storing them: a
+decoding step's attention is then these two kernels and nothing around them.
 
 This module imports triton; ``selection.kernel_module`` imports it only when a CUDA tensor needs it.
 """
@@ -261,15 +265,37 @@ def _launch_options(pdl):
 
 
 @triton.jit
+def _head_vector(ptr, dims, dim_ok, angle_position, inv_freq_ptr, half, ROTARY: tl.constexpr):
+    """The head vector at ptr [BLOCK_D] in ptr's dtype; with ROTARY turned by the rotary embedding at
+    angle_position (fp32) as triton_rotary turns it: the first 2 * half channels in pairs (i, i + half)
+    at angles angle_position * inv_freq[i], fp32 math, one rounding."""
+    x = tl.load(ptr + dims, mask=dim_ok, other=0.0)
+    if ROTARY:
+        first = dims < half
+        rotated = dims < 2 * half
+        partner = tl.load(ptr + tl.where(first, dims + half, dims - half), mask=rotated, other=0.0).to(tl.float32)
+        angle = angle_position * tl.load(inv_freq_ptr + tl.where(first, dims, dims - half), mask=rotated, other=0.0)
+        x32 = x.to(tl.float32)
+        cos, sin = tl.cos(angle), tl.sin(angle)
+        turned = tl.where(first, x32 * cos - partner * sin, x32 * cos + partner * sin)
+        x = tl.where(rotated, turned, x32).to(ptr.dtype.element_ty)
+    return x
+
+
+@triton.jit
 def _decode_attention_chunk_kernel(q_ptr, k_ptr, v_ptr, new_k_ptr, new_v_ptr, position_ptr, slopes_ptr, partial_ptr,
-                                   stats_ptr, heads, queries, head_dim, capacity, q_stride_b, q_stride_h, new_stride_b,
-                                   new_stride_h, kv_stride_b, kv_stride_h, kv_stride_t, scale,
-                                   HAS_ALIBI: tl.constexpr, WRITE: tl.constexpr, BLOCK_D: tl.constexpr,
-                                   BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+                                   stats_ptr, rotary_positions_ptr, inv_freq_ptr, heads, queries, head_dim, capacity,
+                                   q_stride_b, q_stride_g, q_stride_h, new_stride_b, new_stride_h, kv_stride_b,
+                                   kv_stride_h, kv_stride_t, rotary_positions_stride, rotary_half, scale,
+                                   HAS_ALIBI: tl.constexpr, WRITE: tl.constexpr, ROTARY: tl.constexpr,
+                                   BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
     """Chunk c of (row, head) = program (0, 1): max m_c, sum l_c and sum_t exp(s_t - m_c) v_t over its
-    filled positions (none: m_c = -inf, l_c = 0, no memory read). With WRITE the step's own key and
-    value (at p) come from new_k, new_v, and the program holding p stores them into the cache (the
-    first of the group's ``queries`` heads; the others use them from registers)."""
+    filled positions (none: m_c = -inf, l_c = 0, no memory read). Head j's query is at
+    row * q_stride_b + (j // queries) * q_stride_g + (j % queries) * q_stride_h. With WRITE the
+    step's own key and value (at p) come from new_k, new_v, and the program holding p stores them
+    into the cache (the first of the group's ``queries`` heads; the others use them from registers).
+    With ROTARY (and WRITE) the query and the step's key are first turned by the rotary embedding at
+    the row's position rotary_positions[row * rotary_positions_stride]."""
     _enter(PDL)
     program = tl.program_id(0)  # row * heads + head
     chunk = tl.program_id(1)
@@ -279,20 +305,25 @@ def _decode_attention_chunk_kernel(q_ptr, k_ptr, v_ptr, new_k_ptr, new_v_ptr, po
     group = head // queries
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < head_dim
-    q = tl.load(q_ptr + row * q_stride_b + head * q_stride_h + dims, mask=dim_ok, other=0.0).to(tl.float32)
+    angle_position = 0.0
+    if ROTARY:
+        angle_position = tl.load(rotary_positions_ptr + row * rotary_positions_stride).to(tl.float32)
+    q = _head_vector(q_ptr + row * q_stride_b + group * q_stride_g + (head % queries) * q_stride_h, dims, dim_ok,
+                     angle_position, inv_freq_ptr, rotary_half, ROTARY).to(tl.float32)
     position = tl.load(position_ptr)
     t = chunk * BLOCK_T + tl.arange(0, BLOCK_T)
     valid = (t <= position) & (t < capacity)
     offsets = row.to(tl.int64) * kv_stride_b + group * kv_stride_h + t[:, None] * kv_stride_t + dims[None, :]
     tile_ok = valid[:, None] & dim_ok[None, :]
     if WRITE:
-        new_offsets = row * new_stride_b + group * new_stride_h + dims
+        new_offset = row * new_stride_b + group * new_stride_h
         is_new = (t == position)[:, None] & dim_ok[None, :]
         cached = tile_ok & ~is_new
         keys = tl.load(k_ptr + offsets, mask=cached, other=0.0)
         values = tl.load(v_ptr + offsets, mask=cached, other=0.0)
-        keys = tl.where(is_new, tl.load(new_k_ptr + new_offsets, mask=dim_ok, other=0.0)[None, :], keys)
-        values = tl.where(is_new, tl.load(new_v_ptr + new_offsets, mask=dim_ok, other=0.0)[None, :], values)
+        new_key = _head_vector(new_k_ptr + new_offset, dims, dim_ok, angle_position, inv_freq_ptr, rotary_half, ROTARY)
+        keys = tl.where(is_new, new_key[None, :], keys)
+        values = tl.where(is_new, tl.load(new_v_ptr + new_offset + dims, mask=dim_ok, other=0.0)[None, :], values)
         writer = is_new & (head % queries == 0)
         tl.store(k_ptr + offsets, keys, mask=writer)
         tl.store(v_ptr + offsets, values, mask=writer)
@@ -331,27 +362,35 @@ def _decode_attention_combine_kernel(partial_ptr, stats_ptr, out_ptr, chunks, he
 
 def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor,
                      slopes: torch.Tensor | None, scale: float, new_key: torch.Tensor | None = None,
-                     new_value: torch.Tensor | None = None) -> torch.Tensor:
-    """query [b, np, 1, hn] (last dim contiguous), keys/values [b, g, T, hn] contiguous (g dividing
+                     new_value: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None,
+                     rotary_positions: torch.Tensor | None = None) -> torch.Tensor:
+    """query [b, np, 1, hn], or [b, g, q, 1, hn] with q = np / g (the grouped rows of the QKV
+    projection, uncopied), the last dim contiguous; keys/values [b, g, T, hn] contiguous (g dividing
     np), position: one int64 element (p), slopes [np] or None -> [b, np, 1, hn] in the query's dtype.
     new_key, new_value [b, g, 1, hn] (of equal strides, the last dim contiguous, the cache's dtype),
     or None: the step's key and value, written into the cache at p here (else the cache holds them
-    already)."""
-    batch, heads, _, head_dim = query.shape
-    capacity = keys.shape[2]
+    already). inv_freq [d / 2] fp32 and rotary_positions [b] or [1] (integers, any stride), with new_key:
+    the query and new_key are given before the rotary embedding, which the kernel applies."""
+    batch, groups, capacity, head_dim = keys.shape
+    heads = query.shape[1] * (query.shape[2] if query.dim() == 5 else 1)
+    queries = heads // groups
+    q_stride_b, q_stride_g, q_stride_h = ((query.stride(0), query.stride(1), query.stride(2)) if query.dim() == 5
+                                          else (query.stride(0), queries * query.stride(1), query.stride(1)))
     block_t = max(_ATTENTION_BLOCK_T, next_power_of_2(cdiv(capacity, _ATTENTION_MAX_CHUNKS)))
     chunks, block_d = cdiv(capacity, block_t), next_power_of_2(head_dim)
     partial = torch.empty(batch * heads, chunks, block_d, dtype=torch.float32, device=query.device)
     stats = torch.empty(batch * heads, chunks, 2, dtype=torch.float32, device=query.device)
-    write = new_key is not None
+    write, rotary = new_key is not None, inv_freq is not None
     new_key, new_value = (new_key, new_value) if write else (query, query)
+    inv_freq, rotary_positions = (inv_freq, rotary_positions) if rotary else (partial, position)
     pdl = programmatic_launch(query)
     _decode_attention_chunk_kernel[(batch * heads, chunks)](
-        query, keys, values, new_key, new_value, position, keys if slopes is None else slopes, partial, stats, heads,
-        heads // keys.shape[1], head_dim, capacity, query.stride(0), query.stride(1), new_key.stride(0), new_key.stride(1), keys.stride(0),
-        keys.stride(1), keys.stride(2), scale, HAS_ALIBI=slopes is not None, WRITE=write, BLOCK_D=block_d,
-        BLOCK_T=block_t, PDL=pdl, num_warps=1 if batch * heads >= _ATTENTION_MANY_PAIRS else 2,
-        **_launch_options(pdl))
+        query, keys, values, new_key, new_value, position, keys if slopes is None else slopes, partial, stats,
+        rotary_positions, inv_freq, heads, queries, head_dim, capacity, q_stride_b, q_stride_g, q_stride_h,
+        new_key.stride(0), new_key.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
+        rotary_positions.stride(0) if rotary_positions.numel() > 1 else 0, inv_freq.numel() if rotary else 0, scale,
+        HAS_ALIBI=slopes is not None, WRITE=write, ROTARY=rotary, BLOCK_D=block_d, BLOCK_T=block_t, PDL=pdl,
+        num_warps=1 if batch * heads >= _ATTENTION_MANY_PAIRS else 2, **_launch_options(pdl))
     out = torch.empty(batch, heads, 1, head_dim, dtype=query.dtype, device=query.device)
     _decode_attention_combine_kernel[(batch * heads,)](partial, stats, out, chunks, head_dim,
                                                        BLOCK_C=next_power_of_2(chunks), BLOCK_D=block_d, PDL=pdl,

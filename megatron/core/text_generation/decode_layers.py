@@ -38,21 +38,34 @@ def cached_attention(attention: ParallelSelfAttention, mixed: torch.Tensor, posi
 
     ``kv_cache.extend(key, value)`` returns the keys and values to attend over [b, np, T, hn], a mask
     [.., s, T] (True = hidden) and the queries' positions [s], or None for both (then the queries
-    are the last s of the T positions). One query over a fixed-size cache takes ``buffers`` and
-    fused_kernels.decode_attention instead."""
+    are the last s of the T positions). One query over a fixed-size cache goes to ``step_attention``.
+    ``mixed_bias``: the projection's bias, already in mixed (split_query_key_value's contract)."""
+    if kv_cache.fixed_size and mixed.shape[0] == 1:
+        return merge_heads(step_attention(attention, mixed, position_ids, kv_cache))
     seq_length = mixed.shape[0]
     query, key, value = attention.heads(mixed, position_ids, mixed_bias)  # [b, np, s, hn]
-    slopes = attention.alibi_slopes if attention.config.position_embedding_type == "alibi" else None
-    if kv_cache.fixed_size and seq_length == 1:
-        keys, values, position = kv_cache.buffers(key)
-        context = fused_kernels.decode_attention(query, keys, values, position, slopes,
-                                                 1.0 / math.sqrt(attention.head_dim), key, value)
-        return merge_heads(context)
     key, value, mask, query_positions = kv_cache.extend(key, value)  # [b, np, T, hn]
     alibi = None
-    if slopes is not None:
-        alibi = alibi_bias(slopes, seq_length, key.shape[-2], query_positions).to(query.dtype)
+    if attention.config.position_embedding_type == "alibi":
+        alibi = alibi_bias(attention.alibi_slopes, seq_length, key.shape[-2], query_positions).to(query.dtype)
     return merge_heads(attention.sdpa(query, key, value, alibi, mask))
+
+
+def step_attention(attention: ParallelSelfAttention, mixed: torch.Tensor, position_ids: torch.Tensor,
+                   kv_cache) -> torch.Tensor:
+    """One token per row over a fixed-size cache, in one ``fused_kernels.decode_attention``: the query,
+    key and value are read where the projection's output mixed [1, b, g * (q + 2) * hn] (its bias
+    included) holds them, and the rotary embedding, the cache write and the attention happen in the
+    kernel. -> [b, np, 1, hn]."""
+    queries, head_dim = attention.config.queries_per_group, attention.head_dim
+    grouped = mixed.reshape(1, mixed.shape[1], -1, queries + 2, head_dim).permute(1, 2, 3, 0, 4)  # [b, g, q + 2, 1, hn]
+    query, key, value = grouped[:, :, :queries], grouped[:, :, queries], grouped[:, :, queries + 1]
+    keys, values, position = kv_cache.buffers(key)
+    embedding = attention.config.position_embedding_type
+    slopes = attention.alibi_slopes if embedding == "alibi" else None
+    rotary = (attention.rotary_frequencies(mixed.device), position_ids.reshape(-1)) if embedding == "rotary" else None
+    return fused_kernels.decode_attention(query, keys, values, position, slopes, 1.0 / math.sqrt(head_dim), key, value,
+                                          rotary)
 
 
 def layer_step(layer: ParallelTransformerLayer, hidden_states: torch.Tensor, position_ids: torch.Tensor,

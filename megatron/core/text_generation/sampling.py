@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+GREEDY_SLICES = 128  # greedy_tokens' first pass: a row's maxima over this many slices
+
 
 class SamplingError(ValueError):
     """Sampling parameters out of range; the message names the flag."""
@@ -65,11 +67,27 @@ def sampling_probabilities(logits: torch.Tensor, params: SamplingParams) -> torc
     return torch.softmax(filtered_logits(logits, params), dim=-1)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim of logits [b, V] (the first maximum, as torch.argmax), [b] int64.
+
+    A row of V = 128 k (a column multiple of ``GREEDY_SLICES``) goes in two passes: the maxima of
+    its slices, then the first slice holding the largest. torch.argmax spreads a batch-1 row over
+    few thread blocks: 27 us for a 128256-token row on an H200, 3 % of a 1.2B model's decoding step.
+    Exact: a slice's maximum is the first of that slice, and the first slice holding the row's
+    maximum holds its first occurrence."""
+    batch, vocab = logits.shape
+    if vocab % GREEDY_SLICES or vocab < GREEDY_SLICES * GREEDY_SLICES:
+        return torch.argmax(logits, dim=-1)
+    maxima, where = logits.reshape(batch, GREEDY_SLICES, -1).max(dim=-1)  # [b, slices]
+    slices = torch.argmax(maxima, dim=-1, keepdim=True)
+    return (slices * (vocab // GREEDY_SLICES) + where.gather(-1, slices)).squeeze(-1)
+
+
 def next_tokens(logits: torch.Tensor, params: SamplingParams, vocab_size: int,
                 generator: torch.Generator | None = None) -> torch.Tensor:
     """logits [b, V_padded] of the last position -> the next token of each row [b] (int64)."""
-    logits = logits[:, :vocab_size].float()
     if params.greedy:
-        return torch.argmax(logits, dim=-1)
+        return greedy_tokens(logits[:, :vocab_size])
+    logits = logits[:, :vocab_size].float()
     probabilities = sampling_probabilities(logits, params)
     return torch.multinomial(probabilities, num_samples=1, generator=generator).squeeze(-1)

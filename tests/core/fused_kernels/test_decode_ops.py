@@ -47,6 +47,28 @@ def test_cpu_runs_the_references_exactly(monkeypatch):
     assert requested == {}
 
 
+def test_grouped_query_with_rotary_on_cpu():
+    """A query of the projection's grouped rows [b, g, q, 1, hn] and the rotary embedding (a third of
+    the channels) give what the reshaped query after ``rotary_embedding_reference`` gives."""
+    torch.manual_seed(1)
+    batch, groups, queries, head_dim = 2, 2, 3, 12
+    mixed = torch.randn(1, batch, groups, queries + 2, head_dim).to(torch.bfloat16)  # the projection's rows
+    grouped = mixed.permute(1, 2, 3, 0, 4)  # [b, g, q + 2, 1, hn]
+    query, key, value = grouped[:, :, :queries], grouped[:, :, queries], grouped[:, :, queries + 1]
+    keys, values = torch.randn(2, batch, groups, 9, head_dim).to(torch.bfloat16)
+    inv_freq, positions, where = 1.0 / 10000 ** (torch.arange(2) / 2), torch.tensor([7, 4]), torch.tensor([6])
+    expected_cache = keys.clone(), values.clone()
+    rotated_query, rotated_key = fused_kernels.rotary_embedding_reference(
+        query.reshape(batch, groups * queries, 1, head_dim).permute(2, 0, 1, 3), key.permute(2, 0, 1, 3),
+        positions[:, None], inv_freq)
+    expected = fused_kernels.decode_attention_reference(rotated_query, *expected_cache, where, None, 0.5,
+                                                        rotated_key, value)
+    out = fused_kernels.decode_attention(query, keys, values, where, None, 0.5, key, value, (inv_freq, positions))
+    assert torch.equal(out, expected)
+    assert torch.equal(keys, expected_cache[0]) and torch.equal(values, expected_cache[1])
+    assert not torch.equal(rotated_key, key)  # the rotation changed what the cache holds at p
+
+
 @pytest.mark.parametrize(
     "call, message",
     [
@@ -61,6 +83,12 @@ def test_cpu_runs_the_references_exactly(monkeypatch):
         (lambda: fused_kernels.decode_attention(torch.zeros(1, 4, 1, 8), torch.zeros(1, 2, 6, 8), torch.zeros(1, 2, 6, 8),
                                                 torch.tensor([2]), None, 1.0, *torch.zeros(2, 1, 4, 1, 8)),
          r"shaped \(1, 2, 1, 8\) \(\[b, g, 1, hn\]\)"),
+        (lambda: fused_kernels.decode_attention(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 6, 8), torch.zeros(1, 2, 6, 8),
+                                                torch.tensor([2]), None, 1.0, *torch.zeros(2, 1, 2, 1, 8),
+                                                (torch.ones(5), torch.tensor([2]))), r"d <= hn"),
+        (lambda: fused_kernels.decode_attention(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 6, 8), torch.zeros(1, 2, 6, 8),
+                                                torch.tensor([2]), None, 1.0, None, None,
+                                                (torch.ones(2), torch.tensor([2]))), "needs new_key"),
         (lambda: fused_kernels.linear(torch.zeros(1, 8), torch.zeros(4, 8), None, torch.zeros(1, 8)), "residual"),
         (lambda: fused_kernels.layer_norm_linear(torch.zeros(1, 8), torch.ones(8), torch.zeros(8), 1e-5,
                                                  torch.zeros(4, 8), None, "relu"), "activation must be one of"),

@@ -506,6 +506,39 @@ def test_decode_attention_writes_cache(references, dtype, batch, groups, positio
     _assert_matches(out, expected.to(dtype), ulps=2, reduced=position + 1)
 
 
+@pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=DTYPE_IDS)
+@pytest.mark.parametrize("batch, groups, rotary_dim, position, shared", [(1, 2, 64, 200, False), (3, 8, 32, 17, False),
+                                                                        (2, 4, 64, 0, False), (4, 2, 64, 30, True)])
+def test_decode_attention_reads_projection_rows_and_turns_them(references, dtype, batch, groups, rotary_dim, position,
+                                                               shared):
+    """8 query heads over ``groups`` groups read where the QKV projection's [g, q + 2, hn] rows hold
+    them, turned by the rotary embedding in the kernel (all or half of the 64 channels) at positions
+    other than the cache slot (``shared``: one position expanded over the rows, stride 0): the cache
+    gets the turned key and the output is the reference's attention of the turned query."""
+    torch.manual_seed(10)
+    heads, head_dim, queries = 8, 64, 8 // groups
+    keys, values = (torch.randn(batch, groups, 256, head_dim, device="cuda").to(dtype) for _ in range(2))
+    mixed = torch.randn(1, batch, groups * (queries + 2) * head_dim, device="cuda").to(dtype)
+    rows = mixed.view(1, batch, groups, queries + 2, head_dim).permute(1, 2, 3, 0, 4)  # [b, g, q + 2, 1, hn]
+    query, key, value = rows[:, :, :queries], rows[:, :, queries], rows[:, :, queries + 1]
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, rotary_dim, 2, device="cuda") / rotary_dim)
+    positions = torch.arange(batch, device="cuda") * 5 + position + 3
+    if shared:
+        positions = torch.tensor([[position + 3]], device="cuda").expand(batch, 1)
+    where = torch.tensor([position], device="cuda")
+    turned_query, turned_key = fused_kernels.rotary_embedding_reference(
+        query.reshape(batch, heads, 1, head_dim).permute(2, 0, 1, 3), key.permute(2, 0, 1, 3),
+        positions.reshape(batch, 1), inv_freq)
+    expected_keys, expected_values = keys.clone(), values.clone()
+    expected_keys[:, :, position], expected_values[:, :, position] = turned_key[:, :, 0], value[:, :, 0]
+    out = fused_kernels.decode_attention(query, keys, values, where, None, 0.125, key, value, (inv_freq, positions))
+    _assert_matches(keys, expected_keys, ulps=1)
+    assert torch.equal(values, expected_values)
+    expected = references.decode_attention_reference(turned_query.double(), keys.double(), values.double(), where,
+                                                     None, 0.125)
+    _assert_matches(out, expected.to(dtype), ulps=2, reduced=position + 1)
+
+
 def test_chained_decode_kernels(references, no_cublas_linear):
     """Each kernel reads what the one before it wrote, back to back in one stream (on Hopper each
     starts before its predecessor ends and waits only before reading), eagerly and replayed from a

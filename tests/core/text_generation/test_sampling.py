@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from megatron.core.text_generation.sampling import (SamplingError, SamplingParams, filtered_logits, next_tokens,
-                                                    sampling_probabilities)
+from megatron.core.text_generation.sampling import (GREEDY_SLICES, SamplingError, SamplingParams, filtered_logits,
+                                                    greedy_tokens, next_tokens, sampling_probabilities)
 
 DRAWS = 40_000
 
@@ -84,6 +84,21 @@ def test_greedy_seed_and_vocabulary_padding():
                            for seed in (1, 1, 2))
     assert torch.equal(first, again) and not torch.equal(first, other)
     assert int(first.max()) < 3
+
+
+@pytest.mark.parametrize("vocab", [GREEDY_SLICES * GREEDY_SLICES, GREEDY_SLICES * 1002, GREEDY_SLICES * 1002 - 3])
+def test_greedy_tokens_are_the_first_maximum(vocab):
+    """torch.argmax's answer, ties included: maxima repeated within a slice, across slices, and in
+    the slice before the row's largest; a vocabulary that is no multiple of the slices too."""
+    torch.manual_seed(4)
+    logits = torch.randn(5, vocab).to(torch.bfloat16)
+    width = vocab // GREEDY_SLICES
+    logits[1, [3 * width + 7, 3 * width + 9, 90 * width]] = 50.0  # the first occurrence's slice holds two
+    logits[2, [width - 1, width]] = 50.0  # the last of one slice and the first of the next
+    logits[3] = 1.0  # all equal: token 0
+    logits[4, [vocab - 1]] = 50.0
+    assert torch.equal(greedy_tokens(logits), torch.argmax(logits, dim=-1))
+    assert greedy_tokens(logits)[:4].tolist() == [int(torch.argmax(logits[0])), 3 * width + 7, width - 1, 0]
 
 
 @pytest.mark.parametrize("flags, message", [(dict(temperature=0.0), "--temperature 0.0"),
