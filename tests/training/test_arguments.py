@@ -151,7 +151,8 @@ VALIDATION_CASES = {
     "fp16 with bf16": (["--fp16", "--bf16"], (), None, ["--fp16", "--bf16"]),
     "zero 2 with pp": (["--pipeline-model-parallel-size", "2", "--zero-stage", "2"], (), world(2),
                        ["--zero-stage", "--pipeline-model-parallel-size"]),
-    "zero 3": (["--zero-stage", "3"], (), None, ["--zero-stage", "stage 3"]),
+    "zero 3 with pp": (["--pipeline-model-parallel-size", "2", "--zero-stage", "3"], (), world(2),
+                       ["--zero-stage", "ZeRO-3", "--pipeline-model-parallel-size 2"]),
     "data path and weighted": (["--train-weighted-split-paths", "T: 1 0:1 /d/a"], (), None,
                                ["--data-path", "--train-weighted-split-paths"]),
     "split with weighted": (["--train-weighted-split-paths", "T: 1 0:1 /d/a", "--split", "98,2,0"], ["--data-path"],
@@ -372,7 +373,8 @@ def test_zero_stage_against_the_config(ds_file):
     assert parse(with_ds(ds_file({"zero_optimization": {"stage": 2}}))).derived.zero_stage == 2
     assert parse(with_ds(ds_file({}), "--zero-stage", "1")).derived.ds_config["zero_optimization"] == {"stage": 1}
     assert parse(with_ds(ds_file({}))).derived.zero_stage == 0
-    assert "zero_optimization.stage" in error(with_ds(ds_file({"zero_optimization": {"stage": 3}})))
+    assert parse(with_ds(ds_file({"zero_optimization": {"stage": 3}}))).derived.zero_stage == 3
+    assert "zero_optimization.stage" in error(with_ds(ds_file({"zero_optimization": {"stage": 4}})))
     message = error(with_ds(ds_file({"zero_optimization": {"stage": 2}}), "--pipeline-model-parallel-size", "2"),
                     env=world(2))
     assert "zero_optimization.stage" in message and "--pipeline-model-parallel-size 2" in message
@@ -702,8 +704,10 @@ def test_help_shows_the_defaults_worth_showing():
 
 
 @pytest.mark.parametrize("zero, extra, words", [
-    ({"stage": 2, "offload_optimizer": {"device": "nvme"}}, [], ["offload_optimizer.device 'nvme'", '"cpu"']),
-    ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, [], ["offload_optimizer", "stage 1 or 2"]),
+    ({"stage": 2, "offload_optimizer": {"device": "nvme"}}, [], ["offload_optimizer.device \"nvme\"", "NVMe"]),
+    ({"stage": 3, "offload_param": {"device": "nvme"}}, [], ["offload_param.device \"nvme\"", "NVMe"]),
+    ({"stage": 2, "offload_optimizer": {"device": "disk"}}, [], ["offload_optimizer.device 'disk'", '"cpu"']),
+    ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, [], ["offload_optimizer", "stage 1, 2 or 3"]),
     ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, ["--optimizer", "sgd"], ["CPU Adam", "--optimizer adam"]),
     ({"stage": 2, "offload_param": {"device": "cpu"}}, [], ["offload_param", "ZeRO-3"]),
 ])
@@ -712,10 +716,13 @@ def test_offload_settings_that_cannot_run_are_refused(ds_file, zero, extra, word
     assert all(word in message for word in words), message
 
 
-def test_cpu_offload_is_accepted_at_zero_1_and_2(ds_file):
-    for stage in (1, 2):
+def test_cpu_offload_is_accepted_at_zero_1_2_and_3(ds_file):
+    for stage in (1, 2, 3):
         parsed = parse(with_ds(ds_file({"zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}}})))
         assert parsed.derived.ds_config["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    zero = {"stage": 3, "offload_param": {"device": "cpu"}}
+    assert parse(with_ds(ds_file({"zero_optimization": zero}))).derived.ds_config["zero_optimization"]["offload_param"] \
+        == {"device": "cpu"}
 
 
 # ---- --sequence-parallel -------------------------------------------------------------------------

@@ -7,8 +7,8 @@ DeepSpeed's rank grid and precision against ours, applies the declared replaceme
     PipelineEngine     DeepSpeed's PipelineEngine on GPTModelPipe: ``train_batch`` / ``eval_batch``
                        run the 1F1B schedule over the micro batches; only the first and last stage
                        read data
-    PlainEngine        DeepSpeed's engine on GPTModel (ZeRO 2): forward, backward and step per micro
-                       batch, the optimizer stepping at the last
+    PlainEngine        DeepSpeed's engine on GPTModel (ZeRO 2 and 3): forward, backward and step per
+                       micro batch, the optimizer stepping at the last
 """
 
 import deepspeed
@@ -63,12 +63,21 @@ def check_engine_precision(engine, config: TrainConfig) -> None:
                                f"the configuration says fp16={config.precision.fp16} bf16={config.precision.bf16}")
 
 
+ZERO3_STEPS_LINE = ("ZeRO-3: the bf16 step replacements (one-kernel gradient accumulation, weight-gradient "
+                    "fusion of --gradient-accumulation-fusion, few-kernel norm, Triton AdamW writing the bf16 "
+                    "weights, clip inside AdamW) are off: they work on BF16_Optimizer's flat fp32 buffers, which "
+                    "ZeRO-3 replaces by its own partitions; DeepSpeed's stage-3 optimizer steps the torch AdamW "
+                    "(fused on CUDA) on them")
+
+
 def apply_replacements(engine, config: TrainConfig, groups: ParallelGroups) -> None:
     """The declared replacements this engine's configuration calls for (replacements.py)."""
     pipeline = isinstance(engine.module, PipelineModule)
     if not (engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization()):
         guard_fp32_steps(engine, groups)
-    if engine.bfloat16_enabled():
+    if engine.bfloat16_enabled() and engine.zero_optimization_stage() == 3:
+        dist_utils.print_rank_0(ZERO3_STEPS_LINE)
+    elif engine.bfloat16_enabled():
         bf16_steps.accumulate_in_one_kernel(engine)
         if config.precision.gradient_accumulation_fusion:
             bf16_steps.fuse_weight_gradient_accumulation(engine)

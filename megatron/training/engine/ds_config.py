@@ -25,8 +25,10 @@ The sums are the same bit for bit; it saves a read and a write of every bf16 gra
 micro-batch and holds each only briefly. (DeepSpeed's ``bf16.check_grad_overflow`` defaults to true: a NaN or Inf
 gradient skips the step at every ZeRO stage.) DeepSpeed 0.19 runs bf16 + fp32 accumulation as its BF16_Optimizer, which it
 only allows at ZeRO stage 1 (stage 0 raises "unsupported mix"); Megatron-DeepSpeed's "bf16 needs
-stage 0" was that same optimizer, so stage 0 becomes 1 in that case (said in the notice). Refused: ZeRO
-stage 3, stage >= 2 with pipeline parallelism, fp16 without CUDA,
+stage 0" was that same optimizer, so stage 0 becomes 1 in that case (said in the notice). At ZeRO
+stage 3 (PP 1 only) ``zero_optimization.memory_efficient_linear`` is false unless the config sets it
+(engine/zero3.py says why). Refused: ZeRO stage 3 with pipeline parallelism (named as such), stage >= 2
+with pipeline parallelism, fp16 without CUDA,
 a universal checkpoint (--universal-checkpoint, which sets ``checkpoint.load_universal``; the key
 alone counts as the flag) at ZeRO stage 0, and ``optimizer``/``scheduler`` blocks (the optimizer
 and the LR schedule come from the flags). With --optimizer sgd or --use-bnb-optimizer at ZeRO stage >= 1,
@@ -241,11 +243,17 @@ class _Resolution:
             stage, named = config_stage, f"zero_optimization.stage in {self.where}"
         else:
             stage, named = 0, "the default ZeRO stage"
-        if stage not in (0, 1, 2):
-            raise ArgumentError(f"{named} is {stage}: ZeRO stage 3 and above are not supported; use 0, 1 or 2")
+        if stage not in (0, 1, 2, 3):
+            raise ArgumentError(f"{named} is {stage}: ZeRO stages are 0, 1, 2 and 3")
+        if stage == 3 and self.pp > 1:
+            raise ArgumentError(f"{named} is 3 with --pipeline-model-parallel-size {self.pp}: ZeRO-3 runs at PP 1 "
+                                f"only (DeepSpeed's pipeline engine cannot partition parameters); use stage 0 or 1 "
+                                f"with PP > 1, or PP 1")
         if stage >= 2 and self.pp > 1:
             raise ArgumentError(f"{named} is {stage} with --pipeline-model-parallel-size {self.pp}: DeepSpeed's "
                                 f"pipeline engine cannot run ZeRO stage 2 or more; use stage 0 or 1, or PP 1")
+        if stage == 3 and _given(block, "memory_efficient_linear") is _MISSING:
+            block["memory_efficient_linear"] = False  # keep torch's F.linear process-wide (zero3.py)
         block["stage"] = stage
 
     def universal_checkpoint(self):
@@ -302,21 +310,36 @@ class _Resolution:
                                 "scale the loss for its stage-0 fp16 optimizer (deepspeedai/DeepSpeed#8393)")
 
     def offload(self):
-        """ZeRO's optimizer offload: to the CPU (with DeepSpeed's CPU Adam, engine.build_optimizer);
-        NVMe offload and offloading the parameters (ZeRO-3) are not supported."""
+        """ZeRO's offload to the CPU: the optimizer (stage >= 1, with DeepSpeed's CPU Adam,
+        engine.build_optimizer) and, at stage 3, the parameters. NVMe offload is refused by name."""
         block = self.config["zero_optimization"]
+        for key in ("offload_optimizer", "offload_param"):
+            device = (block.get(key) or {}).get("device", "none")
+            if device == "nvme":
+                raise ArgumentError(f"zero_optimization.{key}.device \"nvme\" in {self.where}: NVMe offload is "
+                                    f"not supported; use \"cpu\" (or \"none\")")
+            if device not in ("none", "cpu"):
+                raise ArgumentError(f"zero_optimization.{key}.device {device!r} in {self.where}: only "
+                                    f"\"cpu\" (or \"none\") is supported")
         device = (block.get("offload_optimizer") or {}).get("device", "none")
-        if device not in ("none", "cpu"):
-            raise ArgumentError(f"zero_optimization.offload_optimizer.device {device!r} in {self.where}: only "
-                                f"\"cpu\" (or \"none\") is supported")
         if device == "cpu" and block["stage"] == 0:
-            raise ArgumentError(f"zero_optimization.offload_optimizer in {self.where} needs ZeRO stage 1 or 2")
+            raise ArgumentError(f"zero_optimization.offload_optimizer in {self.where} needs ZeRO stage 1, 2 or 3")
         if device == "cpu" and self.args.optimizer != "adam":
             raise ArgumentError(f"zero_optimization.offload_optimizer in {self.where} runs DeepSpeed's CPU Adam: "
                                 f"use --optimizer adam, or no offload")
-        if (block.get("offload_param") or {}).get("device", "none") != "none":
-            raise ArgumentError(f"zero_optimization.offload_param in {self.where} is a ZeRO-3 feature, and ZeRO "
-                                f"stage 3 is not supported; remove it")
+        if (block.get("offload_param") or {}).get("device", "none") != "none" and block["stage"] != 3:
+            raise ArgumentError(f"zero_optimization.offload_param in {self.where} is a ZeRO-3 feature: set "
+                                f"zero_optimization.stage to 3 (--zero-stage 3), or remove it")
+
+    def zero3_checkpoints(self):
+        """Checkpoints at ZeRO-3 are not written nor read yet: refused rather than saved in a layout the
+        trainer and the checkpoint tools cannot read."""
+        if self.config["zero_optimization"]["stage"] != 3:
+            return
+        given = [name for name, value in (("--save", self.args.save), ("--load", self.args.load)) if value]
+        if given:
+            raise ArgumentError(f"{' and '.join(given)} at ZeRO stage 3: checkpoints are not supported at stage 3 "
+                                f"yet; train without them, or use stage 0, 1 or 2")
 
     def sequence_parallel_pipeline(self):
         """DeepSpeed's pipeline engine sends 1/TP of each activation per TP rank and all-gathers it on the
@@ -524,6 +547,7 @@ def resolve_ds_config(args, explicit, data_parallel_size, pipeline_parallel_size
     resolution.fp16_stage()
     resolution.universal_checkpoint()
     resolution.offload()
+    resolution.zero3_checkpoints()
     resolution.optimizer_support()
     resolution.sequence_parallel_pipeline()
     check_known_keys({key: value for key, value in resolution.config.items() if key != CURRICULUM_BLOCK},

@@ -1,6 +1,7 @@
 """Steps of DeepSpeed's engine that the trainer completes: the fp32 step's guard, the zero count of
 the gradient, the synchronization of TP-duplicated parameters. Each is a declared replacement
 (replacements.py)."""
+import contextlib
 import math
 
 import torch
@@ -9,6 +10,7 @@ from megatron.core.parallel_state import ParallelGroups
 from megatron.training.dist_utils import broadcast_from_first_rank, gather_objects, max_across_ranks, sum_across_group
 from megatron.training.engine.model_setup import counts_once
 from megatron.training.engine.replacements import replace
+from megatron.training.engine.zero3 import is_partitioned
 
 
 def gradient_norm_share(parameters, tp_rank: int) -> float:
@@ -96,8 +98,10 @@ def tp_duplicated_parameters(module: torch.nn.Module) -> list[tuple[str, torch.n
 def synchronize_tp_duplicates(module: torch.nn.Module, groups: ParallelGroups) -> tuple[float, str | None]:
     """Collective: make every TP rank's copy of each TP-duplicated parameter equal TP rank 0's, bit for
     bit, in the optimizer's fp32 master (ZeRO partitions or bf16 buffers, through DeepSpeed's
-    safe_get/set_full_fp32_param) and in the model; return (largest |difference| found, its name)."""
+    safe_get/set_full_fp32_param) and in the model (a ZeRO-3 parameter gathered, written and partitioned
+    again); return (largest |difference| found, its name)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+    from deepspeed.runtime.zero import GatheredParameters
 
     worst, worst_name = 0.0, None
     for name, param in tp_duplicated_parameters(module):
@@ -109,7 +113,9 @@ def synchronize_tp_duplicates(module: torch.nn.Module, groups: ParallelGroups) -
             worst, worst_name = difference, name
         if master is not None:
             safe_set_full_fp32_param(param, reference)
-        param.data.copy_(reference.to(param.dtype))
+        gathered = GatheredParameters([param], modifier_rank=0) if is_partitioned(param) else contextlib.nullcontext()
+        with gathered:
+            param.data.copy_(reference.to(param.dtype))
     if max_across_ranks(worst) == 0.0:
         return 0.0, None
     return max(gather_objects((worst, worst_name)), key=lambda found: found[0])  # rare: name where it was

@@ -6,6 +6,8 @@ Which module DeepSpeed gets:
     PP = 1, ZeRO 0/1     GPTModelPipe too, as Megatron-DeepSpeed always did: same checkpoint layout
                          (layer_XX-model_YY-model_states.pt) whatever the pipeline degree
     PP = 1, ZeRO 2       GPTModel, a plain module: DeepSpeed's PipelineEngine refuses ZeRO >= 2
+    PP = 1, ZeRO 3       GPTModel built partitioned under DeepSpeed's zero.Init (zero3.py): no rank
+                         ever holds the whole model
 
 The pipeline module is built on DeepSpeed's ``PipeModelDataParallelTopology(num_pp, num_mp=TP,
 num_dp)``, whose rank grid is ours (parallel_state.py); the engine checks that rank by rank.
@@ -32,6 +34,7 @@ from megatron.core.parallel_state import ParallelGroups
 from megatron.core.tensor_parallel import VocabParallelEmbedding
 from megatron.training.config import OptimizerConfig, ScheduleConfig, TrainConfig
 from megatron.training.dist_utils import print_rank_0
+from megatron.training.engine import zero3
 from megatron.training.lr_schedule import AnnealingLR
 
 
@@ -47,6 +50,11 @@ def current_device() -> torch.device:
 def build_model(config: TrainConfig, groups: ParallelGroups) -> torch.nn.Module:
     """GPTModelPipe on DeepSpeed's topology of our grid, or GPTModel (see the module docstring)."""
     device = current_device() if torch.cuda.is_available() else None
+    if config.parallel.zero_stage == 3:
+        with zero3.partitioned_construction(config.deepspeed.config_for_initialize(), groups):
+            model = GPTModel(config.model, groups, device=device)
+        zero3.register_tied_embedding(model)
+        return model
     if not uses_pipeline_engine(groups.pp_size, config.parallel.zero_stage):
         return GPTModel(config.model, groups, device=device)
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
@@ -138,7 +146,8 @@ def parameter_counts(model: torch.nn.Module, distinct_for: ParallelGroups | None
             split = bool(getattr(param, "tensor_model_parallel", False))
             if not (split or distinct_for.tp_rank == 0) or not counts_once(name, distinct_for):
                 continue
-        total += param.numel()
+        numel = zero3.full_numel(param)  # a ZeRO-3 parameter counts whole: the rank's share of the model
+        total += numel
         if re.search(r"(word|position)_embeddings", name):
-            embeddings += param.numel()
+            embeddings += numel
     return total, total - embeddings

@@ -1,0 +1,80 @@
+"""ZeRO stage 3 at PP = 1: the model built partitioned, and what reads its partitioned parameters.
+
+Under ZeRO-3 every parameter P of a data-parallel group of size d lives as d flat slices, rank r
+holding elements [r * ceil(n / d), (r + 1) * ceil(n / d)) of P flattened (DeepSpeed's ``ds_tensor``;
+``param.data`` is empty between uses, ``param.ds_shape`` / ``ds_numel`` give the full shape). A
+tensor-parallel slice is partitioned the same way over its own data-parallel group: TP and ZeRO-3
+compose, each rank holding 1 / (TP * d) of a split weight.
+
+``partitioned_construction`` builds the model under DeepSpeed's ``zero.Init`` so that no rank ever
+holds the whole model, with three differences from DeepSpeed's defaults, each for identical weights
+to ZeRO 0-2's for the same seed:
+
+    - a module's own parameters are partitioned when its PARENT's constructor returns, not its own:
+      a parent may still initialise its children's weights (the learned position table is drawn
+      by the embedding that holds it); at most one module's children are whole at a time;
+    - no tensor-creation overrides: the model already creates each parameter on its device in its
+      dtype, and the fp32 master weights of CPU initialisation must stay fp32 on the CPU;
+    - ``torch.nn.functional.linear`` stays torch's (``zero_optimization.memory_efficient_linear``
+      is false unless the ds_config sets it, ds_config.py): the TP layers run their own autograd
+      functions and the rest of the process keeps torch's linear.
+
+The tied output head reads the word embeddings outside their module's forward: the table is
+registered as an external parameter of the model, so DeepSpeed gathers it for the whole forward
+and backward.
+"""
+import contextlib
+
+import deepspeed
+import torch
+
+from megatron.core.parallel_state import ParallelGroups
+from megatron.training.engine.mpu import DeepSpeedMPU
+
+
+class _PartitionAfterParent(deepspeed.zero.Init):
+    """zero.Init that partitions a module's own parameters once its parent is constructed (module docstring)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._waiting = []  # constructed modules whose parent is still being constructed
+
+    def _post_init_method(self, module):
+        descendants = {id(child) for child in module.modules() if child is not module}
+        ready = [child for child in self._waiting if id(child) in descendants]
+        self._waiting = [child for child in self._waiting if id(child) not in descendants]
+        for child in ready:
+            super()._post_init_method(child)
+        self._waiting.append(module)
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        waiting, self._waiting = self._waiting, []
+        if exc_type is None:
+            for module in waiting:
+                super()._post_init_method(module)
+        return super().__exit__(exc_type, exc_value, traceback)
+
+
+@contextlib.contextmanager
+def partitioned_construction(ds_config: dict, groups: ParallelGroups):
+    """Modules constructed inside are partitioned over ``groups``' data-parallel group (module docstring)."""
+    with _PartitionAfterParent(data_parallel_group=groups.process_groups["dp"], config_dict_or_path=ds_config,
+                               mpu=DeepSpeedMPU(groups), tensor_overrides=[]):
+        yield
+
+
+def register_tied_embedding(model: torch.nn.Module) -> None:
+    """The word-embedding table, read by the tied output head, gathered for the model's whole forward."""
+    embedding = getattr(model, "embedding", None)
+    if embedding is not None and getattr(model, "output_layer", None) is None:
+        deepspeed.zero.register_external_parameter(model, embedding.word_embeddings.weight)
+
+
+def is_partitioned(param: torch.Tensor) -> bool:
+    """A ZeRO-3 parameter (its data lives in DeepSpeed's partitions)."""
+    return hasattr(param, "ds_id")
+
+
+def full_numel(param: torch.Tensor) -> int:
+    """The number of elements of ``param`` whole, partitioned or not."""
+    return param.ds_numel if is_partitioned(param) else param.numel()
