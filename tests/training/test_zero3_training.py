@@ -1,6 +1,7 @@
 """ZeRO-3 end to end (fp32, gloo, pretrain_gpt.py on the tiny GPT): the model built partitioned under
 zero.Init trains to ZeRO-1's losses at DP = 2 and at TP = 2 x DP = 2 (tied embeddings, sequence
-parallelism and activation checkpointing in the second). The ds_config sets DeepSpeed's persistence
+parallelism and activation checkpointing in the second), and so it does with its parameters and
+optimizer offloaded to the CPU (DeepSpeed's CPU Adam). The ds_config sets DeepSpeed's persistence
 thresholds to 0, so that every parameter of the tiny model is partitioned and gathered around each
 use (by default DeepSpeed keeps parameters under 100k elements whole on every rank).
 
@@ -55,3 +56,10 @@ def test_zero_3_gives_the_losses_of_zero_1(zero_1_losses, e2e_data, tmp_path, la
     reference = zero_1_losses[layout]
     assert sorted(reference) == list(range(1, TRAIN_ITERS + 1))
     assert losses(result) == pytest.approx(reference, rel=1e-5)
+
+
+def test_zero_3_with_cpu_offload_gives_the_losses_of_zero_1(zero_1_losses, e2e_data, tmp_path):
+    offload = {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}
+    config = ds_config(tmp_path, 3, **PARTITION_EVERYTHING, **offload)
+    result = run_pretrain(run_flags(e2e_data) + ["--deepspeed_config", config], nproc=2)
+    assert losses(result) == pytest.approx(zero_1_losses["dp2"], rel=1e-5)
