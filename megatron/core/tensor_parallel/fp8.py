@@ -1,0 +1,197 @@
+"""FP8 matrix products for the parallel linear layers: formats, scaling recipes and the three GEMMs.
+
+An operand x of a linear layer (its input X, weight W or output gradient dY) is quantized with a
+scale s that maps its largest magnitude near the top of an FP8 format f:
+
+    q = sat_f(round_f(x s)),   x ~ q / s,   s = f_max / (amax 2^margin)
+
+round_f rounds to f (e4m3: f_max = 448, 3 mantissa bits; e5m2: f_max = 57344, 2 bits) and sat_f
+clamps to +-f_max, so a value above the amax the scale was made for saturates instead of becoming
+inf. An amax of 0 (or not finite) gives s = 1. Formats (Megatron-LM's --fp8-format): "e4m3" for all
+three operands; "hybrid" e5m2 for the gradient dY (range) and e4m3 for X and W (precision).
+
+Recipes (--fp8-recipe) choose amax:
+    tensorwise  one scale per tensor, from its current amax = max |x|
+    rowwise     one scale per row of each GEMM operand as the GEMM reads it: a token of X or dY, an
+                output row of W in Y = X W^T; the columns for the operands that dX = dY W and
+                dW = dY^T X read transposed (``Fp8Operand.transposed``)
+    delayed     one scale per tensor and role from the amaxes of earlier steps (``DelayedScaling``)
+
+The three GEMMs of a linear layer, for X [m, k] (a micro-batch's tokens), W [n, k], dY [m, n]:
+
+    Y  = X W^T    ~  (q_X q_W^T) / (s_X s_W)
+    dX = dY W     ~  (q_dY q_W) / (s_dY s_W)
+    dW = dY^T X   ~  (q_dY^T q_X) / (s_dY s_X)
+
+``scaled_mm`` computes a b^T from two quantized operands [m, k] and [n, k] with fp32 accumulation
+and returns it in the layer's dtype: torch._scaled_mm on CUDA, or, with ``emulate``, the same
+quantized values dequantized to fp32 around a plain matmul (the CPU mode of the tests).
+"""
+from dataclasses import dataclass
+
+import torch
+
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("delayed", "tensorwise", "rowwise")
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+ROLES = ("input", "weight", "grad_output")  # the operand roles, in DelayedScaling's order
+
+
+class Fp8ConfigError(ValueError):
+    """FP8 settings that cannot work; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """--fp8-format, --fp8-recipe, --fp8-amax-history-len, --fp8-amax-compute-algo, --fp8-margin
+    (Megatron-LM's defaults), and ``emulate``: quantize and dequantize around plain matmuls
+    instead of FP8 GEMMs (CPU tests)."""
+
+    format: str = "hybrid"
+    recipe: str = "delayed"
+    amax_history_len: int = 1
+    amax_compute_algo: str = "most_recent"
+    margin: int = 0
+    emulate: bool = False
+
+    def __post_init__(self):
+        for flag, value, choices in (("--fp8-format", self.format, FP8_FORMATS),
+                                     ("--fp8-recipe", self.recipe, FP8_RECIPES),
+                                     ("--fp8-amax-compute-algo", self.amax_compute_algo, AMAX_COMPUTE_ALGOS)):
+            if value not in choices:
+                raise Fp8ConfigError(f"{flag} {value}: choose one of {', '.join(choices)}")
+        if self.amax_history_len < 1:
+            raise Fp8ConfigError(f"--fp8-amax-history-len {self.amax_history_len}: must be >= 1")
+        if self.margin < 0:
+            raise Fp8ConfigError(f"--fp8-margin {self.margin}: must be >= 0")
+
+    def dtype(self, role: str) -> torch.dtype:
+        """The FP8 dtype of an operand role ("input", "weight", "grad_output")."""
+        return torch.float8_e5m2 if self.format == "hybrid" and role == "grad_output" else torch.float8_e4m3fn
+
+
+def format_max(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).max
+
+
+def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, margin: int) -> torch.Tensor:
+    """s = f_max / (amax 2^margin) in fp32, elementwise; 1 where amax is 0 or not finite."""
+    amax = amax.float()
+    usable = torch.isfinite(amax) & (amax > 0)
+    scale = format_max(dtype) / (torch.where(usable, amax, 1.0) * 2.0 ** margin)
+    return torch.where(usable, scale, torch.ones_like(scale))
+
+
+def absolute_max(x: torch.Tensor, rowwise: bool) -> torch.Tensor:
+    """max |x| in fp32: a scalar, or per row of the 2-d x [r, c] -> [r, 1]."""
+    if rowwise:
+        return x.abs().amax(dim=-1, keepdim=True).float()
+    return x.abs().amax().float()
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """sat(round(x s)) in ``dtype``; scale a scalar or [rows, 1] of the 2-d x."""
+    limit = format_max(dtype)
+    return (x.float() * scale).clamp(-limit, limit).to(dtype)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q / s in fp32."""
+    return q.float() / scale
+
+
+@dataclass
+class Fp8Operand:
+    """A 2-d operand [r, c] quantized for ``scaled_mm``: data q (row-major) and its scale s (a
+    scalar, or [r, 1] per row), x ~ q / s."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def rowwise(self) -> bool:
+        return self.scale.dim() > 0
+
+
+def quantize_operand(x: torch.Tensor, dtype: torch.dtype, margin: int, rowwise: bool,
+                     amax: torch.Tensor | None = None) -> Fp8Operand:
+    """x [r, c] quantized with the scale of ``amax`` (default: x's own, per row when ``rowwise``)."""
+    if amax is None:
+        amax = absolute_max(x, rowwise)
+    scale = scale_from_amax(amax, dtype, margin)
+    return Fp8Operand(quantize(x, scale, dtype).contiguous(), scale)
+
+
+def transposed(operand: Fp8Operand) -> Fp8Operand:
+    """The tensorwise operand of x^T: the same values and scale, the data transposed row-major."""
+    if operand.rowwise:
+        raise ValueError("a rowwise operand's transpose needs the columns' scales: quantize x^T instead")
+    return Fp8Operand(operand.data.t().contiguous(), operand.scale)
+
+
+def scaled_mm(a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype, emulate: bool) -> torch.Tensor:
+    """a b^T ~ (q_a / s_a)(q_b / s_b)^T for a [m, k], b [n, k] -> [m, n] in ``out_dtype``, with
+    fp32 accumulation: torch._scaled_mm (q_b^T is column-major as it wants), or with ``emulate``
+    the dequantized operands' fp32 matmul."""
+    if emulate:
+        return dequantize(a.data, a.scale).matmul(dequantize(b.data, b.scale).t()).to(out_dtype)
+    scale_a = a.scale.reciprocal()
+    scale_b = b.scale.reciprocal().reshape(1, -1) if b.rowwise else b.scale.reciprocal()
+    return torch._scaled_mm(a.data, b.data.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+
+class DelayedScaling(torch.nn.Module):
+    """Delayed scaling of one linear layer: for each role r (input, weight, grad_output) the amax
+    history H_r [len] (row 0: the amaxes recorded during this step, rows 1..: earlier steps) and the
+    scale s_r used during this step:
+
+        during a step   a GEMM quantizes its operand of role r with s_r and records max |x| into H_r[0]
+                        (the maximum over the step's micro-batches and recomputations)
+        at its end      H[0] is reduced over the ranks sharing the layer (``end_step``'s reduce), then
+                        s_r = f_max / (a_r 2^margin) with a_r = max_i H_r[i] ("max") or H_r[0]
+                        ("most_recent"); the history shifts by one and H[0] restarts at 0
+
+    So every use of the layer within a step (forward, its recomputation, backward) has the same
+    scales, and the buffers (saved with the model) restore a run exactly. Before the first step ends
+    the scales are 1 (no amax yet).
+    """
+
+    def __init__(self, config: Fp8Config, device: torch.device | str | None = None):
+        super().__init__()
+        self.config = config
+        self.register_buffer("amax_history", torch.zeros(config.amax_history_len, len(ROLES), device=device))
+        self.register_buffer("scale", torch.ones(len(ROLES), device=device))
+
+    def record(self, role: str, amax: torch.Tensor) -> None:
+        """Fold this step's amax of ``role`` into H[0]."""
+        index = ROLES.index(role)
+        self.amax_history[0, index] = torch.maximum(self.amax_history[0, index], amax.detach().float())
+
+    def role_scale(self, role: str) -> torch.Tensor:
+        return self.scale[ROLES.index(role)]
+
+    def end_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """New scales from the history (its row 0 already reduced over the ranks); returns the step's
+        amaxes and the scales they were quantized with, [3] each, for overflow counts."""
+        recorded, used = self.amax_history[0].clone(), self.scale.clone()
+        if self.config.amax_compute_algo == "max":
+            amax = self.amax_history.amax(dim=0)
+        else:
+            amax = self.amax_history[0]
+        dtypes = [self.config.dtype(role) for role in ROLES]
+        self.scale.copy_(torch.stack([scale_from_amax(amax[i], dtype, self.config.margin)
+                                      for i, dtype in enumerate(dtypes)]))
+        self.amax_history.copy_(torch.roll(self.amax_history, shifts=1, dims=0))
+        self.amax_history[0].zero_()
+        return recorded, used
+
+
+def saturated(amax: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Whether amax s exceeds f_max: values of that tensor were clamped (an overflowing amax)."""
+    return amax * scale > format_max(dtype)
+
+
+def underflowed(amax: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Whether amax s falls below f's smallest normal: the whole tensor sat in the subnormals (or was
+    0), an amax far below the one its scale was made for."""
+    return amax * scale < torch.finfo(dtype).smallest_normal
