@@ -89,10 +89,6 @@ _FP8_FLAGS = (
     "--no-fp8-wgrad", "--num-layers-at-end-in-bf16", "--num-layers-at-start-in-bf16",
     "--reuse-grad-buf-for-mxfp8-param-ag", "--te-precision-config-file",
 )
-_RECOMPUTE_FLAGS = (
-    "--recompute-activations", "--recompute-granularity", "--recompute-method", "--recompute-modules",
-    "--recompute-num-layers",
-)
 _ULYSSES_FLAGS = (
     "--ds-sequence-parallel-fpdt", "--ds-sequence-parallel-fpdt-chunk-size",
     "--ds-sequence-parallel-fpdt-offloading", "--ds-sequence-parallel-size", "--force-ds-sequence-parallel",
@@ -100,9 +96,6 @@ _ULYSSES_FLAGS = (
 _PLANNED = {
     **{flag: _ROPE_VARIANT for flag in _ROPE_VARIANT_FLAGS},
     **dict.fromkeys(_FP8_FLAGS, _planned("FP8 and FP4 training", "train with --bf16 or --fp16")),
-    **dict.fromkeys(_RECOMPUTE_FLAGS, _planned(
-        "selective recompute and its options", "full recompute is --checkpoint-activations "
-        "[--checkpoint-num-layers N]")),
     **dict.fromkeys(_ULYSSES_FLAGS, _planned(
         "DeepSpeed-Ulysses sequence parallelism and its options", "--sequence-parallel splits the "
         "activations outside the TP regions over the TP ranks")),

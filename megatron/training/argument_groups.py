@@ -147,6 +147,24 @@ def add_regularization_args(parser):
     group.add_argument("--sgd-momentum", type=parse_float, default=0.9, help="SGD momentum")
 
 
+def add_recompute_args(group):
+    """Megatron-LM's activation recompute flags (megatron.training.config.recompute_settings combines
+    them with --checkpoint-activations / --checkpoint-num-layers)."""
+    group.add_argument("--recompute-activations", action="store_true",
+                       help="selective recompute (same as --recompute-granularity selective)")
+    group.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                       help="full: whole layers (--recompute-method, --recompute-num-layers); selective: "
+                            "--recompute-modules inside every layer")
+    group.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                       help="full recompute: uniform = chunks of N layers checkpointed as a unit (default); "
+                            "block = the first N layers of each pipeline stage, one by one, the rest not")
+    group.add_argument("--recompute-num-layers", type=parse_int, default=None,
+                       help="N of --recompute-method (default 1; same as --checkpoint-num-layers)")
+    group.add_argument("--recompute-modules", nargs="+", default=None, metavar="MODULE",
+                       help="selective recompute's modules: core_attn, layernorm, mlp_act, mlp "
+                            "(default layernorm mlp_act)")
+
+
 def add_training_args(parser):
     """Add Megatron-DeepSpeed's "training" flags to ``parser``."""
     group = parser.add_argument_group("training")
@@ -160,6 +178,7 @@ def add_training_args(parser):
     group.add_argument("--distribute-checkpointed-activations", action="store_true",
                        help="keep 1/TP of each checkpointed activation per rank (same as --partition-activations)")
     group.add_argument("--checkpoint-num-layers", type=parse_int, default=1, help="layers per checkpointed chunk")
+    add_recompute_args(group)
     group.add_argument("--train-iters", type=parse_int, default=None, help="total iterations")
     group.add_argument("--train-samples", type=parse_int, default=None, help="total samples")
     group.add_argument("--train-tokens", type=parse_int, default=None,

@@ -42,6 +42,12 @@
 #      counters and rates (tolerance 0); the 1.3B GPT in bf16 at micro batch 4 (the materialized
 #      attention of --deterministic holds s^2 scores per head) with and without --deterministic (the
 #      cost of determinism); the 1.3B GPT in bf16 at ZeRO-2 with the optimizer offloaded to the CPU
+#   12. selective recompute (RUNS="1p3b_bf16 1p3b_mbs16_selective recompute_compare"): the 1.3B GPT at
+#      micro-batch 16 with --recompute-activations (the default modules, layernorm and mlp_act) against
+#      1p3b_bf16 (micro-batch 8, no recompute), global batch 32 both; recompute_compare prints each run's
+#      mean model TFLOP/s (iterations after the first log line), max allocated MB and the ratio to the
+#      first run. Variants: 1p3b_mbs16_mlp_act (--recompute-modules mlp_act), 1p3b_mbs16_core_attn
+#      (core_attn layernorm mlp_act), 1p3b_mbs16 (no recompute: expected out of memory)
 # Run from the repository root on the GPU machine with .whl carried; logs go to $OUT.
 #   RUNS="350m_bf16 overflow" bash tests/gpu/run_trainer.sh    (a subset)
 #   EXTRA_ARGS="--no-gradient-accumulation-fusion" RUNS=scale_1gpu OUT=... bash tests/gpu/run_trainer.sh
@@ -193,6 +199,17 @@ reliability_runs() {  # precision: save at 10 of 20 deterministic iterations, re
         "rel_${precision}_resumed") | tee "$OUT/resume_rel_${precision}.txt" || status=1
 }
 
+recompute_table() {  # run... : mean model TFLOP/s after the first log line, max allocated MB, ratio to the first run
+    local run first=
+    for run in "$@"; do
+        local log=$OUT/$run.log tflops peak
+        tflops=$(grep -so "model TFLOP/s: [0-9.]*" "$log" | tail -n +2 | awk '{s += $3; n++} END {if (n) printf "%.2f", s / n}')
+        peak=$(grep -so "max allocated: [0-9.]*" "$log" | head -n 1 | awk '{printf "%.0f", $3}')
+        [ -z "$first" ] && first=$tflops
+        echo "$run | model TFLOP/s: ${tflops:-none} | max allocated MB: ${peak:-none} | vs $1: $(awk -v a="$tflops" -v b="$first" 'BEGIN {if (a && b) printf "%.1f%%", 100 * a / b; else print "n/a"}')"
+    done
+}
+
 prepare_data || exit 1
 for run in $RUNS; do
     case $run in
@@ -202,6 +219,14 @@ for run in $RUNS; do
         350m_fp16) gpt_run 350m_fp16 24 1024 16 fp16 8 64 ;;
         1p3b_bf16) gpt_run 1p3b_bf16 24 2048 16 bf16 8 32 ;;
         1p3b_fp16) gpt_run 1p3b_fp16 24 2048 16 fp16 8 32 ;;
+        1p3b_mbs16) gpt_run 1p3b_mbs16 24 2048 16 bf16 16 32 ;;
+        1p3b_mbs16_selective) gpt_run 1p3b_mbs16_selective 24 2048 16 bf16 16 32 --recompute-activations ;;
+        1p3b_mbs16_mlp_act) gpt_run 1p3b_mbs16_mlp_act 24 2048 16 bf16 16 32 --recompute-granularity selective \
+                                --recompute-modules mlp_act ;;
+        1p3b_mbs16_core_attn) gpt_run 1p3b_mbs16_core_attn 24 2048 16 bf16 16 32 --recompute-granularity selective \
+                                  --recompute-modules core_attn layernorm mlp_act ;;
+        recompute_compare) recompute_table 1p3b_bf16 1p3b_mbs16_selective 1p3b_mbs16_mlp_act 1p3b_mbs16_core_attn \
+                               1p3b_mbs16 | tee "$OUT/recompute.txt" ;;
         peer_1p3b) LOG_INTERVAL=1 ITERS=12 gpt_run peer_1p3b 24 2048 16 bf16 8 32 ;;
         1p3b_checkpoint) rm -rf "$WORK/checkpoint_1p3b"
                          ITERS=3 LOG_INTERVAL=1 gpt_run 1p3b_checkpoint 24 2048 16 bf16 8 8 \

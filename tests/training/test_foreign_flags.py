@@ -122,7 +122,6 @@ def test_normalization_takes_both_spellings(parser):
     ("--rotary-interleaved", ["two halves", "--use-rope-scaling"]),
     ("--rope-type", ["Llama 3's scaling"]),
     ("--fp8-format", ["FP8", "planned", "--bf16"]),
-    ("--recompute-granularity", ["selective recompute", "--checkpoint-activations"]),
     ("--ds-sequence-parallel-size", ["Ulysses", "planned"]),
     ("--use-distributed-optimizer", ["DeepSpeed", "zero_optimization.stage"]),
     ("--moe-router-topk", ["mixture-of-experts"]),

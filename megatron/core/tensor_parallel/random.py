@@ -11,6 +11,8 @@ CPU generator and, when CUDA is available, of the current CUDA device's generato
 
 ``checkpoint`` drops the activations of a function in forward and recomputes them in backward,
 restoring both streams first, so the recomputation draws the same dropout masks (bit-exact).
+``CheckpointWithoutOutput`` also frees the function's output once its consumer has saved it, and
+refills it when the consumer's backward is about to run (selective recompute).
 """
 import contextlib
 from collections.abc import Callable, Iterator
@@ -181,3 +183,97 @@ def checkpoint(function: Callable[..., Any], distribute_saved_activations: bool,
                          "checkpointed function would get no gradient; pass the activations that require grad")
     partition_group = tp_group if distribute_saved_activations else None
     return _CheckpointFunction.apply(function, partition_group, *args)
+
+
+class _OutputRecomputedFunction(torch.autograd.Function):
+    """y = f(*args) saving only the tensor arguments; backward takes the recomputation that
+    ``CheckpointWithoutOutput`` made (when the consumer's gradient arrived) and differentiates it."""
+
+    @staticmethod
+    def forward(ctx, owner, *args):
+        ctx.owner = owner
+        with torch.no_grad():
+            output = owner.function(*args)
+        ctx.args = [_TENSOR_ARG if torch.is_tensor(arg) else arg for arg in args]
+        ctx.save_for_backward(*[arg for arg in args if torch.is_tensor(arg)])
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        owner, ctx.owner = ctx.owner, None
+        inputs, output = owner.recomputed(ctx)
+        if output.requires_grad:
+            torch.autograd.backward(output, grad)
+        input_grads = iter(t.grad if t.requires_grad else None for t in inputs)
+        return (None,) + tuple(next(input_grads) if arg is _TENSOR_ARG else None for arg in ctx.args)
+
+
+class CheckpointWithoutOutput:
+    """y = f(*args) that keeps neither f's activations nor, after ``discard_output``, y itself.
+
+    The consumer of y (a linear layer, say) saves y for its own backward. Then::
+
+        recompute = CheckpointWithoutOutput()
+        y = recompute.checkpoint(f, x)      # runs f without autograd, saves x
+        z = consumer(y)                     # saves y
+        recompute.discard_output(z)         # frees y's storage
+
+    When z's gradient is computed, before the consumer's backward runs, f is run again on x under
+    the forward's RNG states (dropout masks repeat bit-exactly) and the result is copied into y's
+    storage; f's backward then differentiates that recomputation. ``f`` must return one fresh
+    contiguous tensor (its own storage). Without grad mode everything runs plainly.
+    """
+
+    def __init__(self):
+        self.function = None
+        self.output = None
+        self._rng_states = None
+        self._recomputation = None
+
+    def checkpoint(self, function: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+        """``function(*args)``, its output kept until ``discard_output``."""
+        if not torch.is_grad_enabled():
+            return function(*args)
+        self.function = function
+        self._rng_states = (_current_states(), get_rng_tracker().get_states())
+        self.output = _OutputRecomputedFunction.apply(self, *args)
+        return self.output
+
+    def discard_output(self, consumer_output: torch.Tensor) -> None:
+        """Free the output's storage; refill it when ``consumer_output``'s gradient is computed."""
+        if self.output is None or not consumer_output.requires_grad:
+            return
+        self.output.untyped_storage().resize_(0)
+        consumer_output.register_hook(self._refill)
+
+    def _refill(self, grad: torch.Tensor) -> None:
+        ctx = self.output.grad_fn
+        inputs, recomputed = self._recompute(ctx)
+        storage = self.output.untyped_storage()
+        storage.resize_(recomputed.untyped_storage().size())
+        with torch.no_grad():
+            storage.copy_(recomputed.untyped_storage())
+        self._recomputation = (inputs, recomputed)
+        self.output = None
+
+    def _recompute(self, ctx) -> tuple[list[torch.Tensor], torch.Tensor]:
+        inputs = [saved.detach().requires_grad_(saved.requires_grad) for saved in ctx.saved_tensors]
+        remaining = iter(inputs)
+        args = [next(remaining) if arg is _TENSOR_ARG else arg for arg in ctx.args]
+        backward_states = (_current_states(), get_rng_tracker().get_states())
+        _restore_states(self._rng_states[0])
+        get_rng_tracker().set_states(self._rng_states[1])
+        try:
+            with torch.enable_grad():
+                output = self.function(*args)
+        finally:
+            _restore_states(backward_states[0])
+            get_rng_tracker().set_states(backward_states[1])
+        return inputs, output
+
+    def recomputed(self, ctx) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """(inputs, output) of the recomputation made for backward (made now if the output was never
+        discarded), then forgotten."""
+        recomputation = self._recomputation if self._recomputation is not None else self._recompute(ctx)
+        self._recomputation = self.function = self.output = self._rng_states = None
+        return recomputation

@@ -88,10 +88,19 @@ class OutputLayerPipe(OutputLayer):
 
 class ParallelTransformerLayerPipe(ParallelTransformerLayer):
     """Transformer layer with the pipeline's tuple interface:
-    (hidden [s, b, h], position_ids[, mask]) -> (hidden', position_ids[, mask])."""
+    (hidden [s, b, h], position_ids[, mask]) -> (hidden', position_ids[, mask]).
+
+    ``block_recompute`` (a TransformerChunkCheckpoint, set by GPTModelPipe under --recompute-method
+    block on the first --recompute-num-layers layers of its stage) checkpoints this layer alone."""
+
+    block_recompute = None
 
     def forward(self, inputs):
-        hidden_states, position_ids, *mask = inputs
+        if self.block_recompute is not None:
+            return self.block_recompute(self._layer, *inputs)
+        return self._layer(*inputs)
+
+    def _layer(self, hidden_states, position_ids, *mask):
         attention_mask = mask[0] if mask else None
         return (super().forward(hidden_states, position_ids, attention_mask), position_ids, *mask)
 
@@ -284,21 +293,28 @@ class GPTModelPipe(PipelineModule):
 
     ``topology`` is DeepSpeed's PipeModelDataParallelTopology(num_pp, num_mp, num_dp) matching
     ``groups``. ``device`` is where the stage's layers are built: the GPU on a GPU machine, as
-    drawing billions of initial values on the CPU takes minutes. With --checkpoint-activations,
-    chunks of --checkpoint-num-layers consecutive layers of a stage are recomputed in backward
-    (DeepSpeed checkpoints only chunks made of transformer layers). The class name matters:
-    DeepSpeed recognises "GPTModelPipe" for that rule.
+    drawing billions of initial values on the CPU takes minutes. Under full recompute with
+    --recompute-method uniform (--checkpoint-activations), chunks of --checkpoint-num-layers consecutive
+    layers of a stage are recomputed in backward (DeepSpeed checkpoints only chunks made of
+    transformer layers; the class name matters: DeepSpeed recognises "GPTModelPipe" for that rule).
+    With --recompute-method block the first --recompute-num-layers transformer layers of each stage
+    are checkpointed one by one and the rest are not.
     """
 
     def __init__(self, config: GPTModelConfig, groups: ParallelGroups, topology,
                  partition_method: str = "type:transformer", device=None):
         check_partition_method(partition_method)
         specs = gpt_layer_specs(config, groups, device)
-        interval = config.checkpoint_num_layers if config.checkpoint_activations else 0
+        uniform = config.checkpoint_activations and config.recompute_method == "uniform"
+        interval = config.checkpoint_num_layers if uniform else 0
         super().__init__(layers=specs, topology=topology, loss_fn=LanguageModelLoss(groups.tp),
                          partition_method=partition_method, activation_checkpoint_interval=interval,
                          activation_checkpoint_func=TransformerChunkCheckpoint(
                              config.distribute_checkpointed_activations, groups.tp))
+        if config.checkpoint_activations and config.recompute_method == "block":
+            stage_layers = [f for f in self.forward_funcs if isinstance(f, ParallelTransformerLayerPipe)]
+            for layer in stage_layers[:config.checkpoint_num_layers]:
+                layer.block_recompute = self.activation_checkpoint_func
         self.config = config
         self._sequence_parallel_group = groups.tp
         self._sequence_parallel_hooks = allreduce_sequence_parallel_gradients(self, groups.tp) \

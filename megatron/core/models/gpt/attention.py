@@ -29,7 +29,7 @@ from megatron.core.models.gpt.positional import (Llama3RopeScaling, alibi_bias, 
                                                  rotary_inverse_frequencies)
 from megatron.core.parallel_state import ParallelGroups
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.tensor_parallel.random import MODEL_PARALLEL_RNG, get_rng_tracker
+from megatron.core.tensor_parallel.random import MODEL_PARALLEL_RNG, CheckpointWithoutOutput, get_rng_tracker
 from megatron.core.tensor_parallel.utils import divide
 
 
@@ -86,7 +86,20 @@ class ParallelSelfAttention(nn.Module):
         causality included) or None for plain causal attention -> (output [s, b, h], bias [h])."""
         # [s, b, np * 3 * hn], whole s under sequence parallelism; the bias gradient is summed by the split
         mixed, _ = self.query_key_value(hidden_states, bias_grad_by_caller=True)
+        if "core_attn" in self.config.recompute_modules:
+            return self._dense_of_recomputed_core(mixed, position_ids, attention_mask)
         return self.dense(self.attend(mixed, position_ids, attention_mask, self.query_key_value.bias))
+
+    def _dense_of_recomputed_core(self, mixed: torch.Tensor, position_ids: torch.Tensor,
+                                  attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Selective recompute of the core: ``attend`` keeps nothing but the projection's output
+        ``mixed``; its result (dense's input) is freed after dense and recomputed, dropout replayed,
+        just before dense's backward."""
+        recompute = CheckpointWithoutOutput()
+        context = recompute.checkpoint(self.attend, mixed, position_ids, attention_mask, self.query_key_value.bias)
+        output, bias = self.dense(context)
+        recompute.discard_output(output)
+        return output, bias
 
     def attend(self, mixed: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                mixed_bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -19,6 +19,12 @@ POSITION_EMBEDDING_TYPES = ("absolute", "rotary", "alibi")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 GLU_ACTIVATIONS = ("geglu", "liglu", "reglu", "swiglu")
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "materialized")
+RECOMPUTE_METHODS = ("uniform", "block")
+# selective recompute's modules: Megatron-LM's names, and mlp_act (the MLP's activation alone)
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp_act", "mlp")
+# selective recompute without a module list: the most memory for the least recompute time, measured
+# (docs/memory.md, "Activation recompute"): elementwise work only, no GEMM and no attention again
+SELECTIVE_RECOMPUTE_DEFAULT = ("layernorm", "mlp_act")
 PARAMS_DTYPES = tuple(DTYPES.values())
 
 
@@ -65,6 +71,14 @@ class GPTModelConfig:
     "sdpa" (default) runs torch's scaled_dot_product_attention (flash / cuDNN / memory-efficient on
     GPU); "materialized" forms the [b, n, s, s] scores as Megatron-DeepSpeed does (query-key layer scaling,
     fused scale-mask-softmax, dropout, matmul with the values). Both compute the same function.
+
+    Activation recompute, Megatron-LM's granularities: ``checkpoint_activations`` is full recompute,
+    with ``recompute_method`` "uniform" (chunks of ``checkpoint_num_layers`` layers, each checkpointed
+    as a unit) or "block" (the first ``checkpoint_num_layers`` layers of each pipeline stage, one by
+    one; the rest keep their activations). A non-empty ``recompute_modules`` is selective recompute
+    inside every layer: "core_attn" (the attention between the two projections), "layernorm" (the
+    two norms' outputs), "mlp_act" (the MLP's activation output), "mlp" (the whole MLP). Dropout masks
+    are replayed exactly (``tensor_parallel.random``).
     """
 
     num_layers: int
@@ -109,6 +123,8 @@ class GPTModelConfig:
     checkpoint_activations: bool = False
     checkpoint_num_layers: int = 1
     distribute_checkpointed_activations: bool = False
+    recompute_method: str = "uniform"
+    recompute_modules: tuple[str, ...] = ()
     sequence_parallel: bool = False
     tp_comm_overlap: bool = False
     attention_impl: str = "sdpa"
@@ -196,11 +212,7 @@ class GPTModelConfig:
         if self.params_dtype not in PARAMS_DTYPES:
             raise GPTConfigError(f"params dtype must be one of {PARAMS_DTYPES} (--fp16 / --bf16 / neither), "
                                  f"got {self.params_dtype}")
-        if self.checkpoint_num_layers < 1:
-            raise GPTConfigError(f"--checkpoint-num-layers must be >= 1, got {self.checkpoint_num_layers}")
-        if self.distribute_checkpointed_activations and not self.checkpoint_activations:
-            raise GPTConfigError("--distribute-checkpointed-activations / --partition-activations require "
-                                 "--checkpoint-activations")
+        self._check_recompute()
         if self.sequence_parallel and self.distribute_checkpointed_activations:
             raise GPTConfigError("--sequence-parallel already splits the checkpointed activations over the TP "
                                  "ranks: drop --distribute-checkpointed-activations / --partition-activations")
@@ -213,6 +225,37 @@ class GPTModelConfig:
         if self.attention_impl not in ATTENTION_IMPLEMENTATIONS:
             raise GPTConfigError(f"attention implementation must be one of {ATTENTION_IMPLEMENTATIONS}, "
                                  f"got {self.attention_impl!r}")
+
+    def _check_recompute(self):
+        if self.checkpoint_num_layers < 1:
+            raise GPTConfigError(f"--checkpoint-num-layers / --recompute-num-layers must be >= 1, "
+                                 f"got {self.checkpoint_num_layers}")
+        if self.distribute_checkpointed_activations and not self.checkpoint_activations:
+            raise GPTConfigError("--distribute-checkpointed-activations / --partition-activations require "
+                                 "full recompute (--checkpoint-activations or --recompute-granularity full)")
+        if self.recompute_method not in RECOMPUTE_METHODS:
+            raise GPTConfigError(f"--recompute-method must be one of {RECOMPUTE_METHODS}, got {self.recompute_method!r}")
+        if self.recompute_method == "block" and self.checkpoint_num_layers > self.num_layers:
+            raise GPTConfigError(f"--recompute-method block recomputes the first --recompute-num-layers "
+                                 f"({self.checkpoint_num_layers}) layers: at most --num-layers ({self.num_layers})")
+        unknown = sorted(set(self.recompute_modules) - set(RECOMPUTE_MODULES))
+        if unknown:
+            raise GPTConfigError(f"--recompute-modules {' '.join(unknown)}: selective recompute knows "
+                                 f"{' '.join(RECOMPUTE_MODULES)}")
+        if self.recompute_modules and self.checkpoint_activations:
+            raise GPTConfigError("selective recompute (--recompute-granularity selective) and full recompute "
+                                 "(--checkpoint-activations) exclude each other: keep one")
+        if "layernorm" in self.recompute_modules and self.apply_residual_connection_post_layernorm:
+            raise GPTConfigError("--recompute-modules layernorm frees the norms' outputs, which "
+                                 "--apply-residual-connection-post-layernorm keeps as the residual: drop one")
+
+    @property
+    def recompute_granularity(self) -> str | None:
+        """Megatron-LM's name of the mode: "full" (whole layers, --checkpoint-activations),
+        "selective" (``recompute_modules`` inside each layer) or None."""
+        if self.checkpoint_activations:
+            return "full"
+        return "selective" if self.recompute_modules else None
 
     @property
     def projection_size(self) -> int:

@@ -37,9 +37,10 @@ class GPTModel(nn.Module):
     The output head is tied to the word embeddings W_word (one parameter, vocabulary-split over TP),
     or, with --untie-embeddings-and-output-weights, its own ``output_layer``. LN_f is --normalization.
     With labels the model returns the loss: the mean over tokens of the cross entropy, weighted by
-    the loss mask (padded vocabulary rows are ordinary classes that targets never hit). With
-    --checkpoint-activations the layers run in chunks of --checkpoint-num-layers whose activations
-    are recomputed in backward (RNG replayed, so dropout masks repeat exactly). With
+    the loss mask (padded vocabulary rows are ordinary classes that targets never hit). Under full
+    recompute (--checkpoint-activations, --recompute-granularity full) the layers run in the chunks of
+    ``recompute_chunks`` whose activations are recomputed in backward (RNG replayed, so dropout masks
+    repeat exactly); selective recompute happens inside each layer. With
     --sequence-parallel the layers and the final norm see this rank's [s / tp, b, h] block (scattered
     after the embedding, gathered again by the output head).
 
@@ -93,7 +94,7 @@ class GPTModel(nn.Module):
         return self.embedding.logits(hidden_states)
 
     def _run_layers(self, hidden_states, position_ids, attention_mask):
-        """The transformer layers, in checkpointed chunks under --checkpoint-activations. [s, b, h]."""
+        """The transformer layers, in the chunks of ``recompute_chunks``. [s, b, h]."""
 
         def run_chunk(start, end):
             def forward_chunk(hidden):
@@ -102,10 +103,23 @@ class GPTModel(nn.Module):
                 return hidden
             return forward_chunk
 
-        if not self.config.checkpoint_activations:
-            return run_chunk(0, len(self.layers))(hidden_states)
-        chunk = self.config.checkpoint_num_layers
-        for start in range(0, len(self.layers), chunk):
-            hidden_states = checkpoint(run_chunk(start, start + chunk), self.config.distribute_checkpointed_activations,
-                                       hidden_states, tp_group=self.groups.tp)
+        for start, end, recomputed in recompute_chunks(self.config, len(self.layers)):
+            if recomputed:
+                hidden_states = checkpoint(run_chunk(start, end), self.config.distribute_checkpointed_activations,
+                                           hidden_states, tp_group=self.groups.tp)
+            else:
+                hidden_states = run_chunk(start, end)(hidden_states)
         return hidden_states
+
+
+def recompute_chunks(config: GPTModelConfig, num_layers: int) -> list[tuple[int, int, bool]]:
+    """(start, end, recomputed) runs of a stage's ``num_layers`` layers under full recompute:
+    uniform: chunks of N = --recompute-num-layers layers, each checkpointed as a unit; block: the first
+    N layers checkpointed one by one, the rest in one plain run. Without full recompute: one plain run."""
+    n = config.checkpoint_num_layers
+    if not config.checkpoint_activations:
+        return [(0, num_layers, False)]
+    if config.recompute_method == "uniform":
+        return [(start, min(start + n, num_layers), True) for start in range(0, num_layers, n)]
+    blocks = [(index, index + 1, True) for index in range(min(n, num_layers))]
+    return blocks + ([(n, num_layers, False)] if n < num_layers else [])

@@ -8,6 +8,7 @@ from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.models.gpt.init import weight_init_method
 from megatron.core.parallel_state import ParallelGroups
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.random import CheckpointWithoutOutput, checkpoint
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -58,10 +59,34 @@ class ParallelMLP(nn.Module):
             **common)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[s, b, h] -> (output [s, b, h], bias [h])."""
+        """[s, b, h] -> (output [s, b, h], bias [h]).
+
+        Selective recompute (``config.recompute_modules``): "mlp" keeps only the input and recomputes
+        the whole MLP in backward; "mlp_act" frees the activation's output [s, b, ffn / tp] once
+        dense_4h_to_h has consumed it and recomputes it (elementwise, from the kept first-layer output)
+        just before dense_4h_to_h's backward."""
+        if "mlp" in self.config.recompute_modules and torch.is_grad_enabled():
+            output = checkpoint(self._output, False, hidden_states)
+            return output, self.dense_4h_to_h.bias
+        return self._projections(hidden_states)
+
+    def _output(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self._projections(hidden_states)[0]
+
+    def _projections(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         intermediate, bias = self.dense_h_to_4h(hidden_states)  # [s, b, (2) ffn / tp]
+        if "mlp_act" not in self.config.recompute_modules:
+            return self.dense_4h_to_h(self.activation(intermediate, bias))
+        recompute = CheckpointWithoutOutput()
+        activated = recompute.checkpoint(self.activation, intermediate, bias)
+        output, output_bias = self.dense_4h_to_h(activated)
+        recompute.discard_output(output)
+        return output, output_bias
+
+    def activation(self, intermediate: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The first layer's output and bias [s, b, (2) ffn / tp] -> the activation [s, b, ffn / tp]."""
         if self.config.bias_gelu_fusion and bias is not None and self.config.glu_activation is None:
-            return self.dense_4h_to_h(fused_kernels.bias_gelu(bias, intermediate))
+            return fused_kernels.bias_gelu(bias, intermediate)
         if bias is not None:
             intermediate = intermediate + bias
         if self.config.glu_activation == "swiglu":
@@ -71,4 +96,4 @@ class ParallelMLP(nn.Module):
             intermediate = linear * GLU_GATE_FUNCTIONS[self.config.glu_activation](gate)
         else:
             intermediate = F.gelu(intermediate, approximate="tanh" if self.gelu_form == "gelu_tanh" else "none")
-        return self.dense_4h_to_h(intermediate)
+        return intermediate

@@ -8,7 +8,7 @@ from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.models.gpt.layer_norm import LayerNorm, RMSNorm, build_norm
 from megatron.core.models.gpt.mlp import ParallelMLP
 from megatron.core.parallel_state import ParallelGroups
-from megatron.core.tensor_parallel.random import MODEL_PARALLEL_RNG, get_rng_tracker
+from megatron.core.tensor_parallel.random import MODEL_PARALLEL_RNG, CheckpointWithoutOutput, get_rng_tracker
 
 
 class ParallelTransformerLayer(nn.Module):
@@ -38,18 +38,33 @@ class ParallelTransformerLayer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """hidden_states [s, b, h], position_ids [b, s], attention_mask bool [b, 1, s, s] or None -> [s, b, h]."""
-        normed, residual = self.norm_and_residual(self.input_layernorm, hidden_states)
+        recompute = self._norm_recompute()
+        normed, residual = self.norm_and_residual(self.input_layernorm, hidden_states, recompute)
         attention_output, attention_bias = self.self_attention(normed, position_ids, attention_mask)
+        if recompute is not None:
+            recompute.discard_output(attention_output)
         return self.mlp_block(self.bias_dropout_add(attention_output, attention_bias, residual))
 
     def mlp_block(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The layer's second half: x' [s, b, h] -> y = r_2 + dropout(MLP(LN_2(x')))."""
-        normed, residual = self.norm_and_residual(self.post_attention_layernorm, hidden_states)
+        recompute = self._norm_recompute()
+        normed, residual = self.norm_and_residual(self.post_attention_layernorm, hidden_states, recompute)
         mlp_output, mlp_bias = self.mlp(normed)
+        if recompute is not None:
+            recompute.discard_output(mlp_output)
         return self.bias_dropout_add(mlp_output, mlp_bias, residual)
 
-    def norm_and_residual(self, norm: LayerNorm | RMSNorm, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x) in the params dtype, the residual branch: norm(x) or x)."""
+    def _norm_recompute(self) -> CheckpointWithoutOutput | None:
+        """Selective recompute "layernorm": the norm's output (the projection's input) is freed after
+        the attention (MLP) block's forward and recomputed from x when that block's backward begins."""
+        return CheckpointWithoutOutput() if "layernorm" in self.config.recompute_modules else None
+
+    def norm_and_residual(self, norm: LayerNorm | RMSNorm, x: torch.Tensor,
+                          recompute: CheckpointWithoutOutput | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x) in the params dtype, the residual branch: norm(x) or x); with ``recompute`` the
+        norm runs through it (pre-LN only: its output must not be the residual)."""
+        if recompute is not None:
+            return recompute.checkpoint(lambda x_: norm(x_).to(self.config.params_dtype), x), x
         if self.config.apply_residual_connection_post_layernorm:
             normed = norm(x).to(self.config.params_dtype)
             return normed, normed
