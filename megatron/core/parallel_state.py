@@ -13,11 +13,21 @@ Each group is a line of the grid along one axis:
     model-parallel group of d (TP x PP, DeepSpeed's "model parallel")   grid[:, d, :]
     embedding group of (d, t)   {grid[0, d, t], grid[pp - 1, d, t]}   (tied input/output embedding)
 
+DeepSpeed-Ulysses sequence parallelism (--ds-sequence-parallel-size S) splits the DP axis further: its
+dp = S * D indices form D runs of S consecutive ones, d = data_rank * S + sp_rank. The S ranks of a run
+(the sequence-parallel, SP, group) read the same samples and each holds 1 / S of every sequence; the
+weights are replicated over them like over DP, so the whole DP line (S * D ranks) is still the group
+that averages gradients and partitions ZeRO states, and DeepSpeed's topology keeps num_dp = S * D:
+
+    SP group of (p, r, t)   grid[p, r * S : (r + 1) * S, t]   (r = data_rank < D)
+
 Example, W = 16, tp = 2, pp = 4 (dp = 2):
     TP groups  [0, 1] [2, 3] ... [14, 15]
     DP groups  [0, 2] [1, 3] [4, 6] [5, 7] ...
     PP groups  [0, 4, 8, 12] [1, 5, 9, 13] [2, 6, 10, 14] [3, 7, 11, 15]
     embedding  [0, 12] [1, 13] [2, 14] [3, 15]
+Example, W = 8, tp = 2, pp = 1, S = 2 (dp = 4, D = 2):
+    DP groups  [0, 2, 4, 6] [1, 3, 5, 7]      SP groups  [0, 2] [1, 3] [4, 6] [5, 7]
 
 Groups are values handed to layers explicitly (``ParallelGroups``); nothing here is global.
 """
@@ -30,6 +40,7 @@ from torch.distributed import ProcessGroup
 
 TP_FLAG = "--tensor-model-parallel-size"
 PP_FLAG = "--pipeline-model-parallel-size"
+SP_FLAG = "--ds-sequence-parallel-size"
 
 
 class ParallelConfigError(ValueError):
@@ -57,12 +68,19 @@ def check_divisible(value: int, divisor: int, what_flag: str, by_flag: str) -> N
 
 
 def validate_parallel_sizes(world_size: int, tensor_model_parallel_size: int,
-                            pipeline_model_parallel_size: int) -> int:
-    """Check that W = tp * dp * pp has an integer solution dp >= 1; return dp."""
-    for flag, size in ((TP_FLAG, tensor_model_parallel_size), (PP_FLAG, pipeline_model_parallel_size)):
+                            pipeline_model_parallel_size: int, sequence_parallel_size: int = 1) -> int:
+    """Check that W = tp * dp * pp has an integer solution dp >= 1 with dp a multiple of the
+    sequence-parallel size S; return dp (= S * D, the gradient-averaging DP degree)."""
+    for flag, size in ((TP_FLAG, tensor_model_parallel_size), (PP_FLAG, pipeline_model_parallel_size),
+                       (SP_FLAG, sequence_parallel_size)):
         if size < 1:
             raise ParallelConfigError(f"{flag} must be >= 1, got {size}")
     model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size
+    if sequence_parallel_size > 1 and world_size % (model_parallel * sequence_parallel_size) != 0:
+        raise ParallelConfigError(
+            f"world size {world_size} is not a multiple of {TP_FLAG} ({tensor_model_parallel_size}) x "
+            f"{PP_FLAG} ({pipeline_model_parallel_size}) x {SP_FLAG} ({sequence_parallel_size}): launch a "
+            f"multiple of {model_parallel * sequence_parallel_size} processes")
     if world_size % model_parallel != 0:
         fitting = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise ParallelConfigError(
@@ -80,20 +98,25 @@ def rank_grid(world_size: int, tensor_model_parallel_size: int,
     return np.arange(world_size).reshape(pipeline_model_parallel_size, dp, tensor_model_parallel_size)
 
 
-def group_rank_lists(grid: np.ndarray) -> dict[str, list[list[int]]]:
+def group_rank_lists(grid: np.ndarray, sequence_parallel_size: int = 1) -> dict[str, list[list[int]]]:
     """Every group of every axis as sorted global-rank lists, in the creation order all ranks share.
 
-    Keys: "tp", "dp", "pp", "model_parallel" (TP x PP, one per DP index) and "embedding" (first and
-    last stage of each pipeline; a single rank when pp == 1).
+    Keys: "tp", "dp", "pp", "model_parallel" (TP x PP, one per DP index), "embedding" (first and
+    last stage of each pipeline; a single rank when pp == 1); with S > 1 also "sp" (runs of S
+    consecutive DP indices, see the module docstring).
     """
     pp, dp, tp = grid.shape
+    sp = sequence_parallel_size
     pipelines = grid.transpose(1, 2, 0).reshape(-1, pp)  # [dp * tp, pp]
+    sequence_parallel = {} if sp == 1 else {
+        "sp": grid.reshape(pp, dp // sp, sp, tp).transpose(0, 1, 3, 2).reshape(-1, sp).tolist()}
     return {
         "tp": grid.reshape(-1, tp).tolist(),
         "dp": grid.transpose(0, 2, 1).reshape(-1, dp).tolist(),  # [pp * tp, dp]
         "pp": pipelines.tolist(),
         "model_parallel": grid.transpose(1, 0, 2).reshape(dp, pp * tp).tolist(),  # [dp, pp * tp]
         "embedding": [sorted({int(line[0]), int(line[-1])}) for line in pipelines],
+        **sequence_parallel,
     }
 
 
@@ -110,6 +133,10 @@ def group_rank(group: ProcessGroup | None) -> int:
 @dataclass(frozen=True)
 class ParallelGroups:
     """The process groups of one rank of the TP x DP x PP grid (Megatron order: TP fastest, then DP, then PP).
+
+    ``sp`` (DeepSpeed-Ulysses, None when S = 1) is the group of the S ranks inside this rank's DP line
+    that share its samples; ``dp`` is the whole DP line, S * D ranks (gradients, ZeRO). The D sample
+    streams (data shards) of the DP line are counted by ``data_shard_size`` and indexed by ``data_shard_rank``.
 
     ``tp``, ``dp``, ``pp`` are None when that axis has size 1 (or torch.distributed is not
     initialised): every collective helper treats None as the identity. ``embedding`` is the group of
@@ -134,7 +161,21 @@ class ParallelGroups:
     pp_ranks: tuple[int, ...] = (0,)
     model_parallel_ranks: tuple[int, ...] = (0,)
     embedding_ranks: tuple[int, ...] = (0,)
+    sp: ProcessGroup | None = None
+    sp_rank: int = 0
+    sp_size: int = 1
+    sp_ranks: tuple[int, ...] = (0,)
     process_groups: Mapping[str, ProcessGroup] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def data_shard_size(self) -> int:
+        """D = dp / S: the number of distinct sample streams, what batch arithmetic divides by."""
+        return self.dp_size // self.sp_size
+
+    @property
+    def data_shard_rank(self) -> int:
+        """This rank's sample stream, < D; the same on the S ranks of an SP group."""
+        return self.dp_rank // self.sp_size
 
     @property
     def is_first_stage(self) -> bool:
@@ -170,9 +211,9 @@ def _new_groups(rank_lists: list[list[int]], my_rank: int) -> tuple[ProcessGroup
     return mine
 
 
-def initialize_model_parallel(tensor_model_parallel_size: int = 1,
-                              pipeline_model_parallel_size: int = 1) -> ParallelGroups:
-    """Build this rank's TP, DP, PP, model-parallel and embedding groups; see the module docstring.
+def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                              sequence_parallel_size: int = 1) -> ParallelGroups:
+    """Build this rank's TP, DP, PP, model-parallel, embedding and SP groups; see the module docstring.
 
     Collective: every rank of the world must call it with the same sizes, since torch.distributed
     requires each new group to be created by all ranks in the same order.
@@ -181,10 +222,12 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         raise ParallelConfigError("initialize_model_parallel needs torch.distributed: call "
                                   "torch.distributed.init_process_group (or deepspeed.init_distributed) first")
     world_size, my_rank = dist.get_world_size(), dist.get_rank()
+    validate_parallel_sizes(world_size, tensor_model_parallel_size, pipeline_model_parallel_size,
+                            sequence_parallel_size)
     grid = rank_grid(world_size, tensor_model_parallel_size, pipeline_model_parallel_size)
     pp_rank, dp_rank, tp_rank = (int(i) for i in np.unravel_index(my_rank, grid.shape))
     handles, ranks = {}, {}
-    for axis, lists in group_rank_lists(grid).items():
+    for axis, lists in group_rank_lists(grid, sequence_parallel_size).items():
         handles[axis], ranks[axis] = _new_groups(lists, my_rank)
     if handles["embedding"] is None:  # a middle pipeline stage
         del handles["embedding"]
@@ -199,5 +242,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         global_rank=my_rank,
         tp_ranks=tuple(ranks["tp"]), dp_ranks=tuple(ranks["dp"]), pp_ranks=tuple(ranks["pp"]),
         model_parallel_ranks=tuple(ranks["model_parallel"]), embedding_ranks=tuple(ranks["embedding"]),
+        sp=handles.get("sp"), sp_rank=dp_rank % sequence_parallel_size, sp_size=sequence_parallel_size,
+        sp_ranks=tuple(ranks.get("sp", [my_rank])),
         process_groups=handles,
     )

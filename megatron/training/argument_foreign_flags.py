@@ -91,14 +91,14 @@ _FP8_FLAGS = (
 )
 _ULYSSES_FLAGS = (
     "--ds-sequence-parallel-fpdt", "--ds-sequence-parallel-fpdt-chunk-size",
-    "--ds-sequence-parallel-fpdt-offloading", "--ds-sequence-parallel-size", "--force-ds-sequence-parallel",
+    "--ds-sequence-parallel-fpdt-offloading", "--force-ds-sequence-parallel",
 )
 _PLANNED = {
     **{flag: _ROPE_VARIANT for flag in _ROPE_VARIANT_FLAGS},
     **dict.fromkeys(_FP8_FLAGS, _planned("FP8 and FP4 training", "train with --bf16 or --fp16")),
     **dict.fromkeys(_ULYSSES_FLAGS, _planned(
-        "DeepSpeed-Ulysses sequence parallelism and its options", "--sequence-parallel splits the "
-        "activations outside the TP regions over the TP ranks")),
+        "FPDT (chunked, offloaded Ulysses attention) and its options", "--ds-sequence-parallel-size S runs "
+        "DeepSpeed-Ulysses")),
 }
 
 # ---- refused: other models and model variants ------------------------------------------------------

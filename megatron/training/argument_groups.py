@@ -323,6 +323,10 @@ def add_distributed_args(parser):
                        help="with --sequence-parallel, pipeline each all-gather and reduce-scatter of the TP "
                             "group with its GEMM through symmetric GPU memory (NVLink peer copies while the GEMM "
                             "runs; the TP group must sit on one node); keeps the gathered GEMM inputs for backward")
+    group.add_argument("--ds-sequence-parallel-size", type=parse_int, default=1,
+                       help="DeepSpeed-Ulysses sequence parallelism: S ranks of each data-parallel line read the "
+                            "same samples, each holding 1 / S of the positions; attention all-to-alls to the "
+                            "whole sequence on 1 / S of the heads. World = TP x PP x S x DP")
     group.add_argument("--distributed-backend", choices=("nccl", "gloo"), default="nccl",
                        help="collective backend (gloo is used automatically without CUDA)")
     group.add_argument("--local_rank", "--local-rank", dest="local_rank", type=parse_int, default=None,

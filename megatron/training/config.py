@@ -76,11 +76,20 @@ class ParallelConfig(ProcessLayout):
         pp_partition_method: PipelineModule partition method (--pp-partition-method).
         sync_tp_duplicated_parameters: after every step, copy TP rank 0's values of the parameters
             every TP rank holds whole to the others and report any drift (--sync-tp-duplicated-parameters).
+        sequence_parallel_size: S of DeepSpeed-Ulysses (--ds-sequence-parallel-size): S ranks of each DP
+            line share their samples, each holding 1 / S of the positions; data_parallel_size (the
+            ranks averaging gradients, ZeRO's partitions) counts them, ``data_shard_size`` does not.
     """
 
     zero_stage: int
     pp_partition_method: str
     sync_tp_duplicated_parameters: bool
+    sequence_parallel_size: int = 1
+
+    @property
+    def data_shard_size(self) -> int:
+        """The sample streams, data_parallel_size / S: what the global batch is divided by."""
+        return self.data_parallel_size // self.sequence_parallel_size
 
 
 @dataclass(frozen=True)
@@ -459,6 +468,7 @@ def model_config_from_args(flags, derived: DerivedValues, padded_vocab_size: int
     try:
         model = GPTModelConfig(**values, **renamed)
         model.validate_for_tensor_parallel(flags.tensor_model_parallel_size)
+        model.validate_for_ulysses(flags.tensor_model_parallel_size, flags.ds_sequence_parallel_size)
     except ValueError as exc:
         raise ArgumentError(str(exc)) from None
     return model
@@ -620,7 +630,8 @@ def _parallel_config(flags, derived: DerivedValues) -> ParallelConfig:
         local_rank=launch.local_rank, master_addr=launch.master_addr, master_port=launch.master_port,
         launcher=launch.source, distributed_backend=derived.distributed_backend, zero_stage=derived.zero_stage,
         pp_partition_method=flags.pp_partition_method or DEFAULT_PP_PARTITION_METHOD,
-        sync_tp_duplicated_parameters=flags.sync_tp_duplicated_parameters, deterministic=flags.deterministic)
+        sync_tp_duplicated_parameters=flags.sync_tp_duplicated_parameters, deterministic=flags.deterministic,
+        sequence_parallel_size=flags.ds_sequence_parallel_size)
 
 
 def _data_config(flags, derived: DerivedValues, tokenizer_vocab_size: int) -> DataConfig:

@@ -5,7 +5,10 @@ rank 0, and memory-mapped by all), since their samples are a pure function of --
 the counts. The ranks that consume tokens then read them themselves: with the pipeline engine the
 first stage (inputs) and the last stage (labels), with the plain engine every rank; middle pipeline
 stages build no loader and read nothing. All TP ranks of a stage share the DP rank, hence the
-sampler, hence the batch: the same batch without a broadcast.
+sampler, hence the batch: the same batch without a broadcast. So do the S ranks of a DeepSpeed-Ulysses
+group (--ds-sequence-parallel-size): their samplers use the data-parallel rank and size of the sample
+streams (ParallelGroups.data_shard_rank / data_shard_size), and each rank keeps its 1 / S of
+the positions (``sequence_slice``).
 
 Samplers (megatron.core.data.samplers) start at the consumed samples, so a resumed run reads
 exactly the batches the uninterrupted run would have read next. ``--dataloader-type single`` reads
@@ -90,6 +93,21 @@ def truncate_batch(batch: LMBatch, seq_length: int) -> LMBatch:
     mask = batch.attention_mask
     return LMBatch(*(tensor[:, :seq_length].contiguous() for tensor in batch[:4]),
                    None if mask is None else mask[:, :, :seq_length, :seq_length].contiguous())
+
+
+def sequence_slice(batch: LMBatch, rank: int, size: int) -> LMBatch:
+    """DeepSpeed-Ulysses: rank r of ``size`` S keeps positions [r s / S, (r + 1) s / S) of tokens,
+    labels, loss mask and position ids (which keep their values: the global positions); the
+    attention mask, read after attention's all-to-all over the whole sequence, stays whole."""
+    if size == 1:
+        return batch
+    seq_length = batch.tokens.shape[1]
+    if seq_length % size != 0:
+        raise ValueError(f"a batch of {seq_length} positions cannot be split over --ds-sequence-parallel-size "
+                         f"{size}: the sequence length must be a multiple of it")
+    block = seq_length // size
+    return LMBatch(*(tensor[:, rank * block:(rank + 1) * block].contiguous() for tensor in batch[:4]),
+                   batch.attention_mask)
 
 
 def pipeline_batch(batch: LMBatch) -> tuple[tuple, tuple]:

@@ -125,7 +125,12 @@ def initialize_distributed(parallel: "ProcessLayout") -> ParallelGroups:
     init_process_group(parallel.distributed_backend, parallel.rank, parallel.world_size)
     print_rank_0(f"> initializing tensor model parallel with size {parallel.tensor_model_parallel_size}")
     print_rank_0(f"> initializing pipeline model parallel with size {parallel.pipeline_model_parallel_size}")
-    return initialize_model_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size)
+    # inference's ProcessLayout has no DeepSpeed-Ulysses degree
+    sequence_parallel_size = getattr(parallel, "sequence_parallel_size", 1)
+    if sequence_parallel_size > 1:
+        print_rank_0(f"> initializing DeepSpeed-Ulysses sequence parallel with size {sequence_parallel_size}")
+    return initialize_model_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                                     sequence_parallel_size)
 
 
 def set_random_seeds(seed: int, groups: ParallelGroups) -> None:

@@ -46,7 +46,7 @@ from megatron.training.checkpointing import TrainingProgress, load_checkpoint, s
 from megatron.training.config import TrainConfig, flat_config
 from megatron.training.engine.curriculum_scheduler import SequenceLengthCurriculum
 from megatron.training.data_loading import (DataLoadingError, LMBatch, LoaderSettings, batch_function, build_datasets,
-                                            build_iterators, train_valid_test_num_samples,
+                                            build_iterators, sequence_slice, train_valid_test_num_samples,
                                             truncate_batch)
 from megatron.training.engine.deepspeed_engine import start_engine
 from megatron.training.engine.model_setup import (build_lr_scheduler, build_model, build_optimizer, counts_once,
@@ -107,7 +107,7 @@ def total_train_iters(config: TrainConfig) -> int:
     if schedule.train_iters is not None:
         return schedule.train_iters
     return train_iters_for_samples(schedule.train_samples, schedule.global_batch_size, schedule.micro_batch_size,
-                                   config.parallel.data_parallel_size, schedule.rampup_batch_size)
+                                   config.parallel.data_shard_size, schedule.rampup_batch_size)
 
 
 def exit_label(iteration: int, elapsed_minutes: float | None, schedule) -> str | None:
@@ -163,7 +163,7 @@ class Trainer:
         self.train_iters = total_train_iters(config)
         self.dp_group = groups.process_groups["dp"]
         self.calculator = build_num_microbatches_calculator(
-            self.schedule.global_batch_size, self.schedule.micro_batch_size, groups.dp_size,
+            self.schedule.global_batch_size, self.schedule.micro_batch_size, groups.data_shard_size,
             self.schedule.rampup_batch_size)
         self.device = current_device()
         self.make_batch = batch_function(tokenizer.eod, config.data, self.device, config.model.padded_vocab_size)
@@ -247,8 +247,9 @@ class Trainer:
         if datasets.train is None and not schedule.eval_only:
             raise DataLoadingError("no training samples: the train split holds no documents (see --split or "
                                    "--train-weighted-split-paths)")
-        settings = dict(micro_batch_size=schedule.micro_batch_size, data_parallel_rank=self.groups.dp_rank,
-                        data_parallel_size=self.groups.dp_size, seed=self.config.model.seed,
+        groups = self.groups
+        settings = dict(micro_batch_size=schedule.micro_batch_size, data_parallel_rank=groups.data_shard_rank,
+                        data_parallel_size=groups.data_shard_size, seed=self.config.model.seed,
                         dataloader_type=data.dataloader_type)
         return build_iterators(datasets, self.engine.reads_data, LoaderSettings(num_workers=data.num_workers, **settings),
                                LoaderSettings(num_workers=data.valid_num_workers, **settings),
@@ -318,8 +319,10 @@ class Trainer:
                                     f"tensor-parallel rank 0")
 
     def _batch(self, data: dict) -> LMBatch:
-        """A loader item as a batch on the device, cut to the active length (curriculum.py)."""
-        return truncate_batch(self.make_batch(data), self.active_seq_length)
+        """A loader item as a batch on the device, cut to the active length (curriculum.py), of which a
+        DeepSpeed-Ulysses rank keeps its slice of positions."""
+        batch = truncate_batch(self.make_batch(data), self.active_seq_length)
+        return sequence_slice(batch, self.groups.sp_rank, self.groups.sp_size)
 
     def _use_length(self, seq_length: int) -> None:
         """Cut the next batches to ``seq_length``; the engine is told (a pipeline re-learns its activation shapes)."""
@@ -467,7 +470,7 @@ class Trainer:
         seq_length = self.active_seq_length
         throughput = compute_throughput(self.config.model, global_batch_size=scalars.global_batch_size,
                                         seq_length=seq_length, iteration_time=iteration_time,
-                                        world_size=dist_utils.world_size(), data_parallel_size=self.groups.dp_size,
+                                        world_size=dist_utils.world_size(), data_parallel_size=self.groups.data_shard_size,
                                         peak_tflops=self.peak_tflops)
         p = self.progress
         eta = remaining_seconds(p.iteration, self.train_iters, p.consumed_train_tokens, self.schedule.train_tokens,

@@ -211,9 +211,30 @@ def _check_batch(args, explicit, global_batch_size: int, data_parallel_size: int
     except BatchSizeError as exc:
         source = "" if "global_batch_size" in explicit else \
             f"; the global batch size {global_batch_size} is the ds_config's train_batch_size"
+        ulysses = f" x S {args.ds_sequence_parallel_size}" if args.ds_sequence_parallel_size > 1 else ""
         raise ArgumentError(f"{exc} (data-parallel size {data_parallel_size} = world size "
                             f"{world_size} / (TP {args.tensor_model_parallel_size} x PP "
-                            f"{args.pipeline_model_parallel_size}){source})") from None
+                            f"{args.pipeline_model_parallel_size}{ulysses}){source})") from None
+
+
+def _check_ulysses(args, derived: DerivedValues):
+    """What DeepSpeed-Ulysses (--ds-sequence-parallel-size S > 1) runs with; the model's splits (heads,
+    groups, sequence) are GPTModelConfig.validate_for_ulysses'."""
+    size = args.ds_sequence_parallel_size
+    if size == 1:
+        return
+    flag = f"--ds-sequence-parallel-size {size}"
+    unsupported = (
+        (args.pipeline_model_parallel_size > 1, f"--pipeline-model-parallel-size "
+                                                f"{args.pipeline_model_parallel_size}"),
+        (derived.zero_stage == 3, "ZeRO stage 3"),
+        (bool(args.reset_attention_mask), "--reset-attention-mask"),
+        (derived.curriculum is not None, "a sequence-length curriculum (curriculum_learning)"),
+    )
+    for refused, what in unsupported:
+        if refused:
+            raise ArgumentError(f"{flag} with {what} is not supported: run Ulysses with one pipeline stage, "
+                                f"ZeRO 0-2, whole-sequence causal masks and a fixed --seq-length")
 
 
 def lr_lengths_in_samples(args, global_batch_size: int) -> tuple[int | float, int]:
@@ -424,7 +445,8 @@ def _parallel_layout(args, explicit, launch: LaunchEnv, cuda_available: bool) ->
     """(data-parallel size, backend, notices) of this launch."""
     try:
         data_parallel_size = validate_parallel_sizes(
-            launch.world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+            launch.world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+            args.ds_sequence_parallel_size)
     except ValueError as exc:
         raise ArgumentError(str(exc)) from None
     backend, notice = effective_backend(args.distributed_backend, cuda_available,
@@ -444,10 +466,11 @@ def validate_args(args: argparse.Namespace, explicit: set[str], launch: LaunchEn
     _check_units(args)
     _check_learning_rate_and_saving(args)
     data_parallel_size, backend, notices = _parallel_layout(args, explicit, launch, cuda_available)
-    ds_config, ds_notices = resolve_ds_config(args, explicit, data_parallel_size,
+    data_shards = data_parallel_size // args.ds_sequence_parallel_size  # Ulysses ranks share their samples
+    ds_config, ds_notices = resolve_ds_config(args, explicit, data_shards,
                                               args.pipeline_model_parallel_size, cuda_available)
     global_batch_size = ds_config["train_batch_size"]
-    _check_batch(args, explicit, global_batch_size, data_parallel_size, launch.world_size)
+    _check_batch(args, explicit, global_batch_size, data_shards, launch.world_size)
     warmup, decay = lr_lengths_in_samples(args, global_batch_size)
     _check_lr_schedule(args, warmup, decay)
     derived = DerivedValues(launch=launch, data_parallel_size=data_parallel_size, distributed_backend=backend,
@@ -455,6 +478,7 @@ def validate_args(args: argparse.Namespace, explicit: set[str], launch: LaunchEn
                             lr_warmup_samples=warmup, lr_decay_samples=decay,
                             curriculum=_checked_curriculum(args, ds_config, seq_length))
     _check_run_length(args, derived)
+    _check_ulysses(args, derived)
     _check_bnb_optimizer(args, derived)
     _check_profile(args, explicit, launch.world_size)
     _check_data(args)

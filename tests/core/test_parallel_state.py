@@ -144,3 +144,43 @@ def _groups_world8(rank, world_size):
 @pytest.mark.distributed
 def test_groups_world8():
     run_distributed(_groups_world8, 8)
+
+
+# --- DeepSpeed-Ulysses: S consecutive DP indices share their samples ---------------------------------------
+
+
+def test_sequence_parallel_groups_split_the_data_parallel_lines():
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    grid = rank_grid(8, 2, 1)  # dp = 4 = S 2 x D 2
+    lists = group_rank_lists(grid, sequence_parallel_size=2)
+    assert lists["sp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert lists["dp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]  # gradients and ZeRO over S x D
+    assert lists["dp"] == PipeModelDataParallelTopology(num_pp=1, num_mp=2, num_dp=4).get_axis_comm_lists("data")
+    assert group_rank_lists(rank_grid(16, 1, 2), sequence_parallel_size=4)["sp"] == \
+        [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert "sp" not in group_rank_lists(grid)
+
+
+def test_sequence_parallel_size_must_divide_the_data_parallel_line():
+    assert validate_parallel_sizes(8, 2, 1, 2) == 4
+    with pytest.raises(ParallelConfigError, match=r"world size 6 is not a multiple of .* x "
+                                                  r"--ds-sequence-parallel-size \(4\)"):
+        validate_parallel_sizes(6, 1, 1, 4)
+    with pytest.raises(ParallelConfigError, match="--ds-sequence-parallel-size must be >= 1"):
+        validate_parallel_sizes(4, 1, 1, 0)
+
+
+def _sequence_parallel_groups(rank, world_size):
+    groups = initialize_model_parallel(2, 1, sequence_parallel_size=2)
+    expected_sp = {0: [0, 2], 2: [0, 2], 1: [1, 3], 3: [1, 3]}[rank]
+    assert list(groups.sp_ranks) == expected_sp and _ranks(groups.sp) == expected_sp
+    assert (groups.sp_rank, groups.sp_size, groups.dp_size) == (rank // 2, 2, 2)
+    assert (groups.data_shard_rank, groups.data_shard_size) == (0, 1)
+    single = initialize_model_parallel(1, 1)
+    assert single.sp is None and single.sp_ranks == (rank,) and single.data_shard_size == 4
+
+
+@pytest.mark.distributed
+def test_sequence_parallel_groups_world4():
+    run_distributed(_sequence_parallel_groups, 4)

@@ -122,7 +122,7 @@ def test_normalization_takes_both_spellings(parser):
     ("--rotary-interleaved", ["two halves", "--use-rope-scaling"]),
     ("--rope-type", ["Llama 3's scaling"]),
     ("--fp8-format", ["FP8", "planned", "--bf16"]),
-    ("--ds-sequence-parallel-size", ["Ulysses", "planned"]),
+    ("--ds-sequence-parallel-fpdt-chunk-size", ["FPDT", "planned", "--ds-sequence-parallel-size"]),
     ("--use-distributed-optimizer", ["DeepSpeed", "zero_optimization.stage"]),
     ("--moe-router-topk", ["mixture-of-experts"]),
     ("--train-data-path", ["--train-weighted-split-paths"]),

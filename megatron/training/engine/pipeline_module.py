@@ -172,14 +172,15 @@ def logits_for_fp32_loss(logits: torch.Tensor) -> torch.Tensor:
 
 
 class LanguageModelLoss:
-    """loss_fn(logits [b, s, V / tp], (labels [b, s], loss_mask [b, s])) -> masked mean cross entropy."""
+    """loss_fn(logits [b, s, V / tp], (labels [b, s], loss_mask [b, s])) -> masked mean cross entropy
+    (under DeepSpeed-Ulysses, ``sp_group``, this slice's share: gpt_model.language_model_loss)."""
 
-    def __init__(self, tp_group):
-        self.tp_group = tp_group
+    def __init__(self, tp_group, sp_group=None):
+        self.tp_group, self.sp_group = tp_group, sp_group
 
     def __call__(self, logits: torch.Tensor, labels_and_mask) -> torch.Tensor:
         labels, loss_mask = labels_and_mask
-        return language_model_loss(logits, labels, loss_mask, self.tp_group)
+        return language_model_loss(logits, labels, loss_mask, self.tp_group, self.sp_group)
 
 
 class TransformerChunkCheckpoint:
@@ -307,7 +308,7 @@ class GPTModelPipe(PipelineModule):
         specs = gpt_layer_specs(config, groups, device)
         uniform = config.checkpoint_activations and config.recompute_method == "uniform"
         interval = config.checkpoint_num_layers if uniform else 0
-        super().__init__(layers=specs, topology=topology, loss_fn=LanguageModelLoss(groups.tp),
+        super().__init__(layers=specs, topology=topology, loss_fn=LanguageModelLoss(groups.tp, groups.sp),
                          partition_method=partition_method, activation_checkpoint_interval=interval,
                          activation_checkpoint_func=TransformerChunkCheckpoint(
                              config.distribute_checkpointed_activations, groups.tp))

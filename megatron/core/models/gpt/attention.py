@@ -15,6 +15,12 @@ Two ways to compute the same function, chosen by ``GPTModelConfig.attention_impl
   norm_factor = sqrt(hn) * layer_number under query-key layer scaling (sqrt(hn) otherwise), in the
   params dtype; probs = scale_mask_softmax(scores, scale=layer_number) in fp32; dropout; probs v.
   ALiBi enters the scores as B / layer_number so the softmax sees q k^T / sqrt(hn) + B again.
+
+DeepSpeed-Ulysses (``groups.sp``, --ds-sequence-parallel-size S): the layer sees this rank's slice of
+s / S positions. Its query, key and value [b, heads, s / S, hn] (rotary already applied at the
+slice's global positions) are all-to-all'ed to [b, heads / S, s, hn], the whole sequence of 1 / S of
+this TP rank's heads and key/value groups; either path above attends over the full length, and the
+output goes back to [b, heads, s / S, hn] (``ulysses_attention``).
 """
 import math
 
@@ -29,6 +35,7 @@ from megatron.core.models.gpt.positional import (Llama3RopeScaling, alibi_bias, 
                                                  rotary_inverse_frequencies)
 from megatron.core.parallel_state import ParallelGroups
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import all_to_all
 from megatron.core.tensor_parallel.random import MODEL_PARALLEL_RNG, CheckpointWithoutOutput, get_rng_tracker
 from megatron.core.tensor_parallel.utils import divide
 
@@ -54,6 +61,7 @@ class ParallelSelfAttention(nn.Module):
         self.heads_per_partition = divide(config.num_attention_heads, groups.tp_size)
         self.groups_per_partition = divide(config.num_query_groups, groups.tp_size)
         self.head_dim = config.kv_channels
+        self.sequence_parallel_group, self.sequence_parallel_rank = groups.sp, groups.sp_rank
         common = dict(tp_group=groups.tp, use_cpu_initialization=config.use_cpu_initialization,
                       params_dtype=config.params_dtype, device=device,
                       sequence_parallel=config.sequence_parallel,
@@ -108,6 +116,8 @@ class ParallelSelfAttention(nn.Module):
         the projection's bias when it is in ``mixed`` without its gradient (``split_query_key_value``)."""
         seq_length = mixed.shape[0]
         query, key, value = self.heads(mixed, position_ids, mixed_bias)
+        if self.sequence_parallel_group is not None:
+            return merge_heads(self.ulysses_attention(query, key, value, attention_mask))
         alibi = None
         if self.config.position_embedding_type == "alibi":
             alibi = alibi_bias(self.alibi_slopes, seq_length, seq_length).to(query.dtype)
@@ -116,6 +126,25 @@ class ParallelSelfAttention(nn.Module):
         else:
             context = self._materialized(query, key, value, alibi, attention_mask)
         return merge_heads(context)
+
+    def ulysses_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """DeepSpeed-Ulysses (module docstring): query [b, np, s / S, hn], key, value [b, ng, s / S, hn]
+        of this rank's slice -> the heads' outputs [b, np, s / S, hn]. SP rank r attends with heads
+        [r np / S, (r + 1) np / S) of this TP rank, hence their ALiBi slopes; ``attention_mask`` is the
+        whole sequence's [b, 1, s, s] or None."""
+        group = self.sequence_parallel_group
+        query, key, value = (all_to_all(t, group, scatter_dim=1, gather_dim=2) for t in (query, key, value))
+        heads, seq_length = query.shape[1], query.shape[2]
+        alibi = None
+        if self.config.position_embedding_type == "alibi":
+            first = self.sequence_parallel_rank * heads
+            alibi = alibi_bias(self.alibi_slopes[first:first + heads], seq_length, seq_length).to(query.dtype)
+        if self.config.attention_impl == "sdpa":
+            context = self.sdpa(query, key, value, alibi, attention_mask)
+        else:
+            context = self._materialized(query, key, value, alibi, attention_mask)
+        return all_to_all(context, group, scatter_dim=2, gather_dim=1)
 
     def heads(self, mixed: torch.Tensor, position_ids: torch.Tensor,
               mixed_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

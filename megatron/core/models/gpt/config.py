@@ -309,3 +309,25 @@ class GPTModelConfig:
                             TP_FLAG)
         check_divisible(self.padded_vocab_size, tp,
                         "the padded vocabulary size (--make-vocab-size-divisible-by, --pad-vocab-size-to)", TP_FLAG)
+
+    def validate_for_ulysses(self, tensor_model_parallel_size: int, sequence_parallel_size: int) -> None:
+        """Raise GPTConfigError unless DeepSpeed-Ulysses over S = ``sequence_parallel_size`` ranks can
+        split this model: the sequence into S slices, and each TP rank's heads and key/value groups
+        into S shares (attention's all-to-all). Called once by the trainer, with the TP checks."""
+        if sequence_parallel_size == 1:
+            return
+        tp, sp = tensor_model_parallel_size, sequence_parallel_size
+        flag = f"--ds-sequence-parallel-size ({sp})"
+        shares = ((self.num_attention_heads // tp, "--num-attention-heads", self.num_attention_heads),
+                  (self.num_query_groups // tp, "--num-query-groups", self.num_query_groups))
+        for per_rank, name, total in shares:
+            if per_rank % sp != 0:
+                raise GPTConfigError(f"{name} ({total}) / {TP_FLAG} ({tp}) = {per_rank} per TP rank is not "
+                                     f"divisible by {flag}: attention's all-to-all hands each sequence-parallel "
+                                     f"rank 1 / S of them; choose S dividing {per_rank}")
+        if self.seq_length % sp != 0:
+            raise GPTConfigError(f"--seq-length ({self.seq_length}) is not divisible by {flag}: each "
+                                 f"sequence-parallel rank holds 1 / S of the positions")
+        if self.sequence_parallel:
+            raise GPTConfigError(f"--sequence-parallel with {flag} is not supported: use one of the two "
+                                 f"sequence splits")

@@ -6,10 +6,10 @@ from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.models.gpt.embedding import Embedding, OutputLayer
 from megatron.core.models.gpt.layer_norm import build_norm
 from megatron.core.models.gpt.transformer_layer import ParallelTransformerLayer
-from megatron.core.parallel_state import ParallelConfigError, ParallelGroups
+from megatron.core.parallel_state import ParallelConfigError, ParallelGroups, group_size
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.mappings import (allreduce_sequence_parallel_gradients,
-                                                    scatter_to_sequence_parallel_region)
+                                                    scatter_to_sequence_parallel_region, sum_over_group)
 from megatron.core.tensor_parallel.random import checkpoint
 
 
@@ -19,10 +19,26 @@ def masked_token_mean(losses: torch.Tensor, loss_mask: torch.Tensor) -> torch.Te
     return (losses.float() * loss_mask).sum() / loss_mask.sum()
 
 
+def sequence_slice_token_mean(losses: torch.Tensor, loss_mask: torch.Tensor, sp_group) -> torch.Tensor:
+    """S * sum(loss * mask) / N on each of the S ranks of a DeepSpeed-Ulysses group, each holding one
+    slice of the sequences, N the tokens that count in the whole sequences (summed over the group).
+
+    The engine averages losses and gradients over the S ranks as over data-parallel ones, so the
+    factor S makes that average the sum of the slices' shares: the whole sequences' masked mean, the
+    value and gradient one rank holding them would compute."""
+    loss_mask = loss_mask.to(torch.float32)
+    tokens = sum_over_group(loss_mask.sum(), sp_group)
+    return (losses.float() * loss_mask).sum() * group_size(sp_group) / tokens
+
+
 def language_model_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
-                        tp_group) -> torch.Tensor:
-    """Masked mean cross entropy of vocabulary-parallel logits [..., V / tp] against labels [...]."""
-    return masked_token_mean(vocab_parallel_cross_entropy(logits, labels, tp_group), loss_mask)
+                        tp_group, sp_group=None) -> torch.Tensor:
+    """Masked mean cross entropy of vocabulary-parallel logits [..., V / tp] against labels [...];
+    with a DeepSpeed-Ulysses group ``sp_group``, this slice's share (``sequence_slice_token_mean``)."""
+    losses = vocab_parallel_cross_entropy(logits, labels, tp_group)
+    if group_size(sp_group) > 1:
+        return sequence_slice_token_mean(losses, loss_mask, sp_group)
+    return masked_token_mean(losses, loss_mask)
 
 
 def default_position_ids(tokens: torch.Tensor) -> torch.Tensor:
@@ -85,7 +101,7 @@ class GPTModel(nn.Module):
             return logits.transpose(0, 1)  # [b, s, V / tp]
         if loss_mask is None:
             loss_mask = torch.ones_like(labels, dtype=torch.float32)
-        return language_model_loss(logits, labels.t(), loss_mask.t(), self.groups.tp)
+        return language_model_loss(logits, labels.t(), loss_mask.t(), self.groups.tp, self.groups.sp)
 
     def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The output head, tied or untied: [s, b, h] -> [s, b, V / tp]."""

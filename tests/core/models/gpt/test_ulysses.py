@@ -1,0 +1,92 @@
+"""DeepSpeed-Ulysses (ParallelGroups.sp) in GPTModel against the one-process model, on 4 gloo ranks.
+
+Layouts: S = 2 with two sample streams (TP = 1, D = 2), and S = 2 x TP = 2. Every SP rank feeds its
+slice of the positions (tokens, labels, loss mask, position ids keep their global values); the loss
+each returns is S x its slice's share of the whole sequence's masked mean (gpt_model.sequence_slice_token_mean),
+so the mean over the SP group is the reference loss and the mean of the gradients (what the engine's
+data-parallel average computes) is the reference gradient. The loss mask drops the tokens after each
+EOD, which fall unevenly on the two halves, so a per-slice normalisation would show.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.models.gpt.masks import get_ltor_masks_and_position_ids
+from megatron.core.parallel_state import initialize_model_parallel
+from tests.core.models.gpt.gpt_test_utils import (copy_full_weights, full_grads, random_tokens, randomize_parameters,
+                                                  relative_error, tiny_config)
+from tests.core.models.gpt.test_gpt_model import LLAMA, build
+from tests.dist_utils import run_distributed
+
+EOD, SEQ_LENGTH = 0, 16
+CONFIGS = [
+    dict(),
+    dict(position_embedding_type="rotary", checkpoint_activations=True),
+    dict(position_embedding_type="alibi", attention_impl="materialized"),
+    dict(position_embedding_type="alibi"),
+    dict(LLAMA),  # 8 heads over 4 key/value groups: grouped-query attention
+]
+
+
+def _batch():
+    tokens = random_tokens(2, SEQ_LENGTH + 1, 64, seed=13)
+    tokens[0, 3] = tokens[1, 6] = EOD
+    masks = get_ltor_masks_and_position_ids(tokens[:, :-1], EOD, eod_mask_loss=True)
+    return tokens, masks
+
+
+def _check_parity(config, groups):
+    reference = build(config, seed=12)
+    model = GPTModel(config, groups)
+    copy_full_weights(model, {n: p.detach() for n, p in reference.named_parameters()}, groups.tp_rank,
+                      groups.tp_size)
+    tokens, masks = _batch()
+    expected = reference(tokens[:, :-1], labels=tokens[:, 1:], loss_mask=masks.loss_mask)
+    expected.backward()
+    block = SEQ_LENGTH // groups.sp_size
+    mine = slice(groups.sp_rank * block, (groups.sp_rank + 1) * block)
+    loss = model(tokens[:, :-1][:, mine], position_ids=masks.position_ids[:, mine], labels=tokens[:, 1:][:, mine],
+                 loss_mask=masks.loss_mask[:, mine])
+    loss.backward()
+    mean_loss = loss.detach().clone()
+    dist.all_reduce(mean_loss, group=groups.sp)
+    assert relative_error(mean_loss / groups.sp_size, expected.detach()) <= 1e-5, config
+    grads = full_grads(model.named_parameters(), groups.tp)
+    for name, param in reference.named_parameters():
+        dist.all_reduce(grads[name], group=groups.sp)
+        error = relative_error(grads[name] / groups.sp_size, param.grad)
+        assert error <= 1e-5, f"tp={groups.tp_size} sp={groups.sp_size} {name}: gradient error {error:.2e}"
+
+
+def _ulysses_worker(rank, world_size):
+    for tp in (1, 2):
+        groups = initialize_model_parallel(tensor_model_parallel_size=tp, sequence_parallel_size=2)
+        assert groups.sp_size == 2 and groups.data_shard_size == 2 // tp
+        for overrides in CONFIGS:
+            config = tiny_config(seq_length=SEQ_LENGTH, **overrides)
+            randomize_parameters(torch.nn.Linear(1, 1), seed=0)  # the same default RNG state on every rank
+            _check_parity(config, groups)
+
+
+@pytest.mark.distributed
+def test_ulysses_matches_the_one_process_model():
+    run_distributed(_ulysses_worker, 4)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(num_attention_heads=6, hidden_size=48, tensor_model_parallel_size=2), "3 per TP rank is not divisible by "
+                                                                "--ds-sequence-parallel-size"),
+    (dict(LLAMA, num_query_groups=2, tensor_model_parallel_size=2), "--num-query-groups (2) / "
+                                                                   "--tensor-model-parallel-size (2) = 1 per TP rank"),
+    (dict(seq_length=15), "--seq-length (15) is not divisible by --ds-sequence-parallel-size (2)"),
+    (dict(sequence_parallel=True), "--sequence-parallel with --ds-sequence-parallel-size (2) is not supported"),
+])
+def test_splits_ulysses_cannot_make_are_refused(overrides, message):
+    overrides = dict(overrides)
+    tp = overrides.pop("tensor_model_parallel_size", 1)
+    config = tiny_config(**overrides)
+    with pytest.raises(ValueError) as info:
+        config.validate_for_ulysses(tp, 2)
+    assert message in str(info.value)
+    config.validate_for_ulysses(tp, 1)

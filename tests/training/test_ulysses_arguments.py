@@ -1,0 +1,66 @@
+"""--ds-sequence-parallel-size: the layout and batch it implies, and the combinations refused with one
+line before any process group (in-process parsing; one real launch shows the line and the exit)."""
+import pytest
+
+from megatron.training.arguments import ArgumentError
+from megatron.training.config import build_config
+from tests.training.e2e_utils import run_pretrain, tiny_gpt_flags
+from tests.training.test_arguments import error, parse, world
+
+S2 = ["--ds-sequence-parallel-size", "2"]
+
+
+def config_of(extra, processes):
+    return build_config(parse(extra, env=world(processes)), tokenizer_vocab_size=1000)
+
+
+def test_layout_and_batch_count_sample_streams_not_sequence_parallel_ranks():
+    config = config_of(S2 + ["--tensor-model-parallel-size", "2", "--global-batch-size", "4"], 8)
+    parallel = config.parallel
+    assert (parallel.sequence_parallel_size, parallel.data_parallel_size, parallel.data_shard_size) == (2, 4, 2)
+    assert config.schedule.global_batch_size == 4  # 2 sample streams x micro batch 2
+    assert config.deepspeed.config["train_batch_size"] == 4
+
+
+@pytest.mark.parametrize("extra, processes, words", [
+    (S2, 3, ["world size 3 is not a multiple of", "--ds-sequence-parallel-size (2)"]),
+    (["--ds-sequence-parallel-size", "0"], 1, ["--ds-sequence-parallel-size must be >= 1"]),
+    (S2 + ["--pipeline-model-parallel-size", "2"], 4,
+     ["--ds-sequence-parallel-size 2 with --pipeline-model-parallel-size 2 is not supported"]),
+    (S2 + ["--zero-stage", "3"], 2, ["--ds-sequence-parallel-size 2 with ZeRO stage 3 is not supported"]),
+    (S2 + ["--reset-attention-mask"], 2, ["with --reset-attention-mask is not supported"]),
+    (S2 + ["--global-batch-size", "2"], 4, ["data-parallel size 2 = world size 4 / (TP 1 x PP 1 x S 2)"]),
+])
+def test_refused_at_parse(extra, processes, words):
+    message = error(extra, env=world(processes))
+    assert all(word in message for word in words), message
+
+
+@pytest.mark.parametrize("extra, processes, words", [
+    (S2 + ["--num-attention-heads", "6", "--hidden-size", "96", "--tensor-model-parallel-size", "2"], 4,
+     ["--num-attention-heads (6) / --tensor-model-parallel-size (2) = 3 per TP rank is not divisible by "
+      "--ds-sequence-parallel-size (2)"]),
+    (S2 + ["--seq-length", "31"], 2, ["--seq-length (31) is not divisible by --ds-sequence-parallel-size (2)"]),
+    (S2 + ["--sequence-parallel", "--tensor-model-parallel-size", "2"], 4,
+     ["--sequence-parallel with --ds-sequence-parallel-size (2) is not supported"]),
+    (S2 + ["--group-query-attention", "--num-query-groups", "1"], 2,
+     ["--num-query-groups (1) / --tensor-model-parallel-size (1) = 1 per TP rank is not divisible"]),
+])
+def test_refused_with_the_model_config(extra, processes, words):
+    with pytest.raises(ArgumentError) as info:
+        config_of(extra, processes)
+    assert all(word in str(info.value) for word in words), str(info.value)
+
+
+@pytest.mark.distributed
+def test_a_refused_launch_prints_one_line_and_starts_no_process_group(e2e_data):
+    flags = tiny_gpt_flags(e2e_data) + S2 + ["--micro-batch-size", "1", "--train-iters", "2", "--lr", "1e-3",
+                                             "--num-attention-heads", "2", "--hidden-size", "64",
+                                             "--pipeline-model-parallel-size", "2", "--num-layers", "2"]
+    result = run_pretrain(flags, nproc=4)
+    assert result.returncode == 2, result.output[-3000:]
+    errors = [line for line in result.output.splitlines() if "error:" in line]
+    assert errors == ["pretrain_gpt.py: error: --ds-sequence-parallel-size 2 with --pipeline-model-parallel-size 2 "
+                      "is not supported: run Ulysses with one pipeline stage, ZeRO 0-2, whole-sequence causal masks "
+                      "and a fixed --seq-length"]
+    assert "initializing torch distributed" not in result.output and "Traceback" not in result.output
