@@ -48,6 +48,11 @@
 #      mean model TFLOP/s (iterations after the first log line), max allocated MB and the ratio to the
 #      first run. Variants: 1p3b_mbs16_mlp_act (--recompute-modules mlp_act), 1p3b_mbs16_core_attn
 #      (core_attn layernorm mlp_act), 1p3b_mbs16 (no recompute: expected out of memory)
+#   13. DeepSpeed-Ulysses (RUNS="ulysses_1gpu_16k ulysses_1gpu_24k ulysses_1gpu_32k ulysses_s2_32k ulysses_compare"):
+#      the 1.3B GPT, bf16, ZeRO-1, micro-batch 1, global batch 8, log interval 1, on one GPU at sequences
+#      16384, 24576 and 32768 (expected out of memory: the longest that fits is the reference) and on two
+#      GPUs at 32768 with --ds-sequence-parallel-size 2; ulysses_compare prints each run's mean per-GPU
+#      model TFLOP/s, max allocated MB and the ratio to the first run. With 4 GPUs: ulysses_s4_64k (65536, S = 4)
 # Run from the repository root on the GPU machine with .whl carried; logs go to $OUT.
 #   RUNS="350m_bf16 overflow" bash tests/gpu/run_trainer.sh    (a subset)
 #   EXTRA_ARGS="--no-gradient-accumulation-fusion" RUNS=scale_1gpu OUT=... bash tests/gpu/run_trainer.sh
@@ -210,6 +215,13 @@ recompute_table() {  # run... : mean model TFLOP/s after the first log line, max
     done
 }
 
+ulysses_run() {  # name ngpus seq [flags...]: the 1.3B GPT at sequence seq, micro-batch 1, global batch 8
+    local name=$1 ngpus=$2 seq=$3
+    shift 3
+    NGPUS=$ngpus SEQ=$seq ITERS=${ITERS_ULYSSES:-10} LOG_INTERVAL=1 gpt_run "$name" 24 2048 16 bf16 1 8 \
+        --max-position-embeddings "$seq" "$@"
+}
+
 prepare_data || exit 1
 for run in $RUNS; do
     case $run in
@@ -227,6 +239,13 @@ for run in $RUNS; do
                                   --recompute-modules core_attn layernorm mlp_act ;;
         recompute_compare) recompute_table 1p3b_bf16 1p3b_mbs16_selective 1p3b_mbs16_mlp_act 1p3b_mbs16_core_attn \
                                1p3b_mbs16 | tee "$OUT/recompute.txt" ;;
+        ulysses_1gpu_16k) ulysses_run ulysses_1gpu_16k 1 16384 ;;
+        ulysses_1gpu_24k) ulysses_run ulysses_1gpu_24k 1 24576 ;;
+        ulysses_1gpu_32k) ulysses_run ulysses_1gpu_32k 1 32768 ;;
+        ulysses_s2_32k) ulysses_run ulysses_s2_32k 2 32768 --ds-sequence-parallel-size 2 ;;
+        ulysses_s4_64k) ulysses_run ulysses_s4_64k 4 65536 --ds-sequence-parallel-size 4 ;;
+        ulysses_compare) recompute_table ulysses_1gpu_16k ulysses_1gpu_24k ulysses_1gpu_32k ulysses_s2_32k \
+                             ulysses_s4_64k | tee "$OUT/ulysses.txt" ;;
         peer_1p3b) LOG_INTERVAL=1 ITERS=12 gpt_run peer_1p3b 24 2048 16 bf16 8 32 ;;
         1p3b_checkpoint) rm -rf "$WORK/checkpoint_1p3b"
                          ITERS=3 LOG_INTERVAL=1 gpt_run 1p3b_checkpoint 24 2048 16 bf16 8 8 \
