@@ -133,17 +133,23 @@ def initialize_distributed(parallel: "ProcessLayout") -> ParallelGroups:
                                      sequence_parallel_size)
 
 
+SEQUENCE_PARALLEL_SEED_STRIDE = 7919  # a prime, away from the stride of 100 per pipeline stage
+
+
 def set_random_seeds(seed: int, groups: ParallelGroups) -> None:
     """python, numpy and torch seeded with seed + 100 * pp_rank; the TP tracker's stream as well
     (megatron.core.tensor_parallel.model_parallel_seed). DeepSpeed's activation checkpointing is
-    pointed at our tracker, so any recomputation it runs replays the model-parallel dropout masks."""
+    pointed at our tracker, so any recomputation it runs replays the model-parallel dropout masks.
+    The ranks of a DeepSpeed-Ulysses group hold other positions (and, in attention, other heads) of
+    the same samples: torch's streams start SEQUENCE_PARALLEL_SEED_STRIDE x sp_rank further, so their
+    dropout masks are independent (their initial weights are SP rank 0's, which DeepSpeed broadcasts)."""
     stage_seed = seed + 100 * groups.pp_rank
     print_rank_0(f"> setting random seeds to {seed} ...")
     random.seed(stage_seed)
     np.random.seed(stage_seed)
     from megatron.training.engine.activation_checkpointing import share_rng_tracker
 
-    model_parallel_seed(seed, groups.tp_rank, groups.pp_rank)
+    model_parallel_seed(seed + SEQUENCE_PARALLEL_SEED_STRIDE * groups.sp_rank, groups.tp_rank, groups.pp_rank)
     share_rng_tracker()
 
 

@@ -1,5 +1,7 @@
 """--ds-sequence-parallel-size: the layout and batch it implies, and the combinations refused with one
 line before any process group (in-process parsing; one real launch shows the line and the exit)."""
+import dataclasses
+
 import pytest
 
 from megatron.training.arguments import ArgumentError
@@ -64,3 +66,24 @@ def test_a_refused_launch_prints_one_line_and_starts_no_process_group(e2e_data):
                       "is not supported: run Ulysses with one pipeline stage, ZeRO 0-2, whole-sequence causal masks "
                       "and a fixed --seq-length"]
     assert "initializing torch distributed" not in result.output and "Traceback" not in result.output
+
+
+def test_sequence_parallel_ranks_draw_their_own_dropout_masks():
+    import torch
+
+    from megatron.core.parallel_state import single_rank_groups
+    from megatron.core.tensor_parallel.random import MODEL_PARALLEL_RNG, get_rng_tracker
+    from megatron.training.initialize import set_random_seeds
+
+    def masks(sp_rank):
+        groups = dataclasses.replace(single_rank_groups(), sp_rank=sp_rank, sp_size=2)
+        set_random_seeds(1234, groups)
+        hidden = torch.nn.functional.dropout(torch.ones(64), 0.5)
+        with get_rng_tracker().fork(MODEL_PARALLEL_RNG):
+            attention = torch.nn.functional.dropout(torch.ones(64), 0.5)
+        return hidden, attention
+
+    first, second = masks(0), masks(1)
+    assert not torch.equal(first[0], second[0]) and not torch.equal(first[1], second[1])
+    set_random_seeds(1234, single_rank_groups())
+    assert torch.equal(torch.nn.functional.dropout(torch.ones(64), 0.5), first[0])  # SP rank 0 is the S = 1 run
