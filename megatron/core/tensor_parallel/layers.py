@@ -19,7 +19,11 @@ from torch.distributed import ProcessGroup
 
 from megatron.core import fused_kernels
 from megatron.core.parallel_state import group_rank, group_size
+from megatron.core.tensor_parallel.fp8 import Fp8Config
+from megatron.core.tensor_parallel.fp8_linear import Fp8Gemms, fp8_linear
 from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
@@ -42,10 +46,18 @@ def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool
     tensor.partition_stride = stride
 
 
-def _check_comm_overlap(layer: str, sequence_parallel: bool, comm_overlap: bool) -> None:
+def _check_comm_overlap(layer: str, sequence_parallel: bool, comm_overlap: bool, fp8: Fp8Config | None) -> None:
     if comm_overlap and not sequence_parallel:
         raise ValueError(f"{layer}: comm_overlap pipelines the collectives of sequence parallelism; "
                          "it needs sequence_parallel=True")
+    if comm_overlap and fp8 is not None:
+        raise ValueError(f"{layer}: FP8 GEMMs are not pipelined with the collectives of --tp-comm-overlap; "
+                         "drop one of the two")
+
+
+def _fp8_gemms(fp8: Fp8Config | None, parallel_dim: str, tp_group: ProcessGroup | None,
+               device: torch.device | str | None) -> Fp8Gemms | None:
+    return None if fp8 is None else Fp8Gemms(fp8, parallel_dim, tp_group, device)
 
 
 def _slice_of_master(master: torch.Tensor, partition_dim: int, stride: int, rank: int, world_size: int) -> torch.Tensor:
@@ -218,7 +230,9 @@ class ColumnParallelLinear(nn.Module):
     ``_slice_of_master``. With ``skip_bias_add`` the bias is returned instead of added, so that a
     following fused kernel can add it. ``forward(x, bias_grad_by_caller=True)`` adds the bias but
     leaves its gradient to the caller, which sums it while reading dY anyway
-    (``fused_kernels.split_query_key_value``) instead of a separate pass over dY here.
+    (``fused_kernels.split_query_key_value``) instead of a separate pass over dY here. With ``fp8``
+    the three GEMMs run in FP8 (``fp8_linear``): the input is gathered (or its gradient all-reduced)
+    by the mappings' collectives around them, without the overlaps above.
 
     forward(x [.., input_size]) -> (y, bias or None).
     """
@@ -226,10 +240,10 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, *, tp_group: ProcessGroup | None, bias: bool = True,
                  gather_output: bool = False, init_method: InitMethod, use_cpu_initialization: bool = False,
                  params_dtype: torch.dtype = torch.float32, skip_bias_add: bool = False, stride: int = 1,
-                 sequence_parallel: bool = False, comm_overlap: bool = False,
+                 sequence_parallel: bool = False, comm_overlap: bool = False, fp8: Fp8Config | None = None,
                  device: torch.device | str | None = None):
         super().__init__()
-        _check_comm_overlap(type(self).__name__, sequence_parallel, comm_overlap)
+        _check_comm_overlap(type(self).__name__, sequence_parallel, comm_overlap, fp8)
         if gather_output and stride > 1:
             raise ValueError("ColumnParallelLinear: gather_output with stride > 1 would interleave the strided "
                              "blocks of the output; keep the output split (gather_output=False)")
@@ -249,12 +263,15 @@ class ColumnParallelLinear(nn.Module):
             set_tensor_model_parallel_attributes(self.bias, is_parallel=True, dim=0, stride=stride)
         else:
             self.register_parameter("bias", None)
+        self.fp8_gemms = _fp8_gemms(fp8, "output", tp_group, device)
 
     def forward(self, x: torch.Tensor, bias_grad_by_caller: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         bias = None if self.skip_bias_add else self.bias
         if bias is not None and bias_grad_by_caller:
             bias = bias.detach()
-        if group_size(self.tp_group) == 1:
+        if self.fp8_gemms is not None:
+            y = fp8_linear(self._fp8_input(x), self.weight, bias, self.fp8_gemms)
+        elif group_size(self.tp_group) == 1:
             y = _local_linear(x, self.weight, bias)
         else:  # [s / k or s, .., input_size] -> [s, .., output_size / k]
             y = _ColumnParallelMatmul.apply(x, self.weight, bias, self.tp_group, self.sequence_parallel,
@@ -262,6 +279,13 @@ class ColumnParallelLinear(nn.Module):
         if self.gather_output:
             y = gather_from_tensor_model_parallel_region(y, self.tp_group)  # [.., output_size]
         return y, (self.bias if self.skip_bias_add else None)
+
+    def _fp8_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole input of the FP8 GEMMs: gathered along the sequence under sequence parallelism
+        (backward: reduce-scatter), else X itself with its gradient all-reduced over the group."""
+        if self.sequence_parallel:
+            return gather_from_sequence_parallel_region(x, self.tp_group)  # [s, .., input_size]
+        return copy_to_tensor_model_parallel_region(x, self.tp_group)
 
     def extra_repr(self) -> str:
         return (f"input_size={self.input_size}, output_size={self.output_size}, "
@@ -280,7 +304,8 @@ class RowParallelLinear(nn.Module):
     [s / k, ..] block); b then meets only that block, so its gradient is partial and the bias is
     marked ``sequence_parallel`` for the TP all-reduce of such gradients (``allreduce_sequence_parallel_grads``).
     With ``comm_overlap`` that reduce-scatter, and backward's all-gather of dY, are pipelined with
-    their GEMMs (``_RowParallelOverlappedMatmul``).
+    their GEMMs (``_RowParallelOverlappedMatmul``). With ``fp8`` the local product's three GEMMs run
+    in FP8 (``fp8_linear``).
 
     forward(x) -> (y [.., output_size], bias or None).
     """
@@ -288,10 +313,10 @@ class RowParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, *, tp_group: ProcessGroup | None, bias: bool = True,
                  input_is_parallel: bool = True, init_method: InitMethod, use_cpu_initialization: bool = False,
                  params_dtype: torch.dtype = torch.float32, skip_bias_add: bool = False,
-                 sequence_parallel: bool = False, comm_overlap: bool = False,
+                 sequence_parallel: bool = False, comm_overlap: bool = False, fp8: Fp8Config | None = None,
                  device: torch.device | str | None = None):
         super().__init__()
-        _check_comm_overlap(type(self).__name__, sequence_parallel, comm_overlap)
+        _check_comm_overlap(type(self).__name__, sequence_parallel, comm_overlap, fp8)
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True (the input "
                              "comes from a column-parallel layer)")
@@ -309,6 +334,7 @@ class RowParallelLinear(nn.Module):
             self.bias.sequence_parallel = sequence_parallel
         else:
             self.register_parameter("bias", None)
+        self.fp8_gemms = _fp8_gemms(fp8, "input", tp_group, device)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.input_is_parallel:
@@ -316,7 +342,10 @@ class RowParallelLinear(nn.Module):
         if self.comm_overlap and group_size(self.tp_group) > 1:
             y = _RowParallelOverlappedMatmul.apply(x, self.weight, self.tp_group)  # [s / k, .., output_size]
             return self._add_bias(y)
-        partial = _local_linear(x, self.weight)  # [.., output_size], this rank's X_r A_r
+        if self.fp8_gemms is not None:
+            partial = fp8_linear(x, self.weight, None, self.fp8_gemms)
+        else:
+            partial = _local_linear(x, self.weight)  # [.., output_size], this rank's X_r A_r
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # [s / k, .., output_size]
         else:

@@ -1,5 +1,6 @@
 """Small helpers of tensor parallelism: exact division, splits, vocabulary ranges, 1-D partitions, and
-the plain (not autograd-aware) collectives of the TP group along the first dimension."""
+the plain (not autograd-aware) collectives of the TP group along the first dimension, and its
+elementwise maximum (FP8's amaxes)."""
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -51,6 +52,15 @@ def reduce_scatter_along_first_dim(tensor: torch.Tensor, group: ProcessGroup) ->
 def start_all_reduce(tensor: torch.Tensor, group: ProcessGroup) -> object:
     """Sum ``tensor`` over the group in place, asynchronously: the work to wait on."""
     return dist.all_reduce(tensor, group=group, async_op=True)
+
+
+def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """The elementwise maximum over the ranks of ``group``, in a new tensor (not autograd-aware)."""
+    if group_size(group) == 1:
+        return tensor
+    result = tensor.clone()
+    dist.all_reduce(result, op=dist.ReduceOp.MAX, group=group)
+    return result
 
 
 def divide(numerator: int, denominator: int) -> int:

@@ -1,0 +1,128 @@
+"""The parallel linear layers with FP8 GEMMs (fp8_linear.py) in the CPU emulation: each GEMM against
+the float64 product of the dequantized operands, the main_grad path, and TP = 2 against TP = 1."""
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core.tensor_parallel import fp8
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from tests.core.tensor_parallel.test_layers import _chunk, _gather, _master_weight, _randn
+from tests.dist_utils import run_distributed
+
+IN, OUT, SEQ, BATCH, SEED = 32, 48, 8, 2, 1234
+init_normal = functools.partial(torch.nn.init.normal_, mean=0.0, std=0.5)
+RECIPES = ["tensorwise", "rowwise", "delayed"]
+
+
+def _config(recipe, **settings):
+    return fp8.Fp8Config(format="hybrid", recipe=recipe, emulate=True, **settings)
+
+
+def _dequantized(x, dtype, rowwise, scale=None):
+    """float64 q / s of x [r, c] quantized with ``scale`` or its own (per row when ``rowwise``) amax's."""
+    if scale is None:
+        scale = fp8.scale_from_amax(fp8.absolute_max(x, rowwise), dtype, 0)
+    return fp8.quantize(x, scale, dtype).double() / scale.double()
+
+
+def _expected(recipe, x, weight, grad_y, scales=None):
+    """float64 Y = X W^T, dX = dY W, dW = dY^T X of the quantized operands, as the recipe quantizes
+    them (delayed: with the given per-role scales)."""
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    rows = recipe == "rowwise"
+    if recipe == "delayed":
+        x_q, w_q, g_q = (_dequantized(t, dtype, False, scale)
+                         for t, dtype, scale in zip((x, weight, grad_y), (e4m3, e4m3, e5m2), scales))
+        return x_q @ w_q.t(), g_q @ w_q, g_q.t() @ x_q
+    y = _dequantized(x, e4m3, rows) @ _dequantized(weight, e4m3, rows).t()
+    if rows:  # each backward GEMM's operands scaled per row over its own contraction
+        grad_x = _dequantized(grad_y, e5m2, True) @ _dequantized(weight.t(), e4m3, True).t()
+        grad_w = _dequantized(grad_y.t(), e5m2, True) @ _dequantized(x.t(), e4m3, True).t()
+    else:
+        g_q, x_q, w_q = _dequantized(grad_y, e5m2, False), _dequantized(x, e4m3, False), _dequantized(weight, e4m3, False)
+        grad_x, grad_w = g_q @ w_q, g_q.t() @ x_q
+    return y, grad_x, grad_w
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_linear_is_the_product_of_the_quantized_operands(recipe):
+    torch.manual_seed(SEED)
+    layer = ColumnParallelLinear(IN, OUT, tp_group=None, init_method=init_normal, use_cpu_initialization=True,
+                                 fp8=_config(recipe))
+    scales = torch.tensor([100.0, 300.0, 9000.0])
+    if recipe == "delayed":
+        layer.fp8_gemms.delayed.scale.copy_(scales)
+    x, grad_y = _randn(SEQ, BATCH, IN, seed=1) * 2.0, _randn(SEQ, BATCH, OUT, seed=2) * 0.01
+    leaf = x.clone().requires_grad_(True)
+    y, _ = layer(leaf)
+    y.backward(grad_y)
+    expected = _expected(recipe, x.reshape(-1, IN), layer.weight.detach(), grad_y.reshape(-1, OUT), scales)
+    for found, wanted in zip((y.detach(), leaf.grad, layer.weight.grad), expected):
+        wanted = wanted.reshape(found.shape)
+        torch.testing.assert_close(found.double(), wanted, rtol=1e-5, atol=1e-5 * wanted.abs().max().item())
+    torch.testing.assert_close(layer.bias.grad, grad_y.sum(dim=(0, 1)))
+    exact = F.linear(x, layer.weight.detach(), layer.bias.detach())
+    assert 0 < (y.detach() - exact).norm() < 0.1 * exact.norm()  # quantized, not the fp32 product
+    if recipe == "delayed":  # this step's amaxes recorded for the scales of the next
+        history = layer.fp8_gemms.delayed.amax_history[0]
+        assert history.tolist() == pytest.approx([x.abs().max().item(), layer.weight.abs().max().item(),
+                                                  grad_y.abs().max().item()])
+
+
+def test_fp8_weight_gradient_goes_into_main_grad():
+    torch.manual_seed(SEED)
+    layers = [RowParallelLinear(IN, OUT, tp_group=None, init_method=init_normal, use_cpu_initialization=True,
+                                fp8=_config("tensorwise"))
+              for _ in range(2)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    layers[1].weight.main_grad = torch.full(layers[1].weight.shape, 0.5)
+    x, grad_y = _randn(SEQ, BATCH, IN, seed=3), _randn(SEQ, BATCH, OUT, seed=4)
+    for layer in layers:
+        layer(x)[0].backward(grad_y)
+    assert layers[1].weight.grad is None
+    torch.testing.assert_close(layers[1].weight.main_grad - 0.5, layers[0].weight.grad)
+
+
+def test_fp8_refuses_tp_comm_overlap():
+    with pytest.raises(ValueError, match="--tp-comm-overlap"):
+        ColumnParallelLinear(IN, OUT, tp_group=None, init_method=init_normal, sequence_parallel=True,
+                             comm_overlap=True, fp8=_config("tensorwise"))
+
+
+def _fp8_pair(group, recipe, sequence_parallel):
+    torch.manual_seed(SEED)
+    column = ColumnParallelLinear(IN, OUT, tp_group=group, init_method=init_normal, use_cpu_initialization=True,
+                                  sequence_parallel=sequence_parallel, fp8=_config(recipe))
+    torch.manual_seed(SEED)
+    row = RowParallelLinear(OUT, IN, tp_group=group, init_method=init_normal, use_cpu_initialization=True,
+                            sequence_parallel=sequence_parallel, fp8=_config(recipe))
+    return column, row
+
+
+def _check_tp2_equals_tp1(rank, world_size, recipe, sequence_parallel):
+    """Column- then row-parallel FP8 layers at TP = 2 give TP = 1's output and gradients: the amaxes
+    of split tensors are reduced over the group, so both quantize with the same scales."""
+    import torch.distributed as dist
+    group = dist.new_group([0, 1])
+    x, grad_y = _randn(SEQ, BATCH, IN, seed=5), _randn(SEQ, BATCH, IN, seed=6) * 0.01
+    results = []
+    for tp_group, k in ((None, 1), (group, 2)):
+        column, row = _fp8_pair(tp_group, recipe, sequence_parallel and k > 1)
+        assert torch.equal(_gather(column.weight.detach(), 0, tp_group), _master_weight((OUT, IN)))
+        split = sequence_parallel and k > 1
+        leaf = (_chunk(x, 0, k, rank) if split else x).clone().requires_grad_(True)
+        y = row(F.gelu(column(leaf)[0]))[0]
+        y.backward(_chunk(grad_y, 0, k, rank) if split else grad_y)
+        grad_x = _gather(leaf.grad, 0, tp_group) if split else leaf.grad
+        y = _gather(y.detach(), 0, tp_group) if split else y.detach()
+        results.append((y, grad_x, _gather(column.weight.grad, 0, tp_group), _gather(row.weight.grad, 1, tp_group)))
+    for one, two in zip(*results):
+        torch.testing.assert_close(two, one, rtol=1e-5, atol=1e-5 * one.abs().max().item())
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp-sp"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_tp2_equals_tp1_under_fp8(recipe, sequence_parallel):
+    run_distributed(_check_tp2_equals_tp1, 2, recipe, sequence_parallel)
