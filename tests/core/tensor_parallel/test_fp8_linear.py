@@ -101,28 +101,69 @@ def _fp8_pair(group, recipe, sequence_parallel):
     return column, row
 
 
+def _pair_step(column, row, x, grad_y, group, k, rank, split):
+    """One forward and backward of column -> GeLU -> row: (Y, dX, dW_column, dW_row) gathered whole."""
+    leaf = (_chunk(x, 0, k, rank) if split else x).clone().requires_grad_(True)
+    y = row(F.gelu(column(leaf)[0]))[0]
+    y.backward(_chunk(grad_y, 0, k, rank) if split else grad_y)
+    grad_x = _gather(leaf.grad, 0, group) if split else leaf.grad
+    y = _gather(y.detach(), 0, group) if split else y.detach()
+    return y, grad_x, _gather(column.weight.grad, 0, group), _gather(row.weight.grad, 1, group)
+
+
 def _check_tp2_equals_tp1(rank, world_size, recipe, sequence_parallel):
-    """Column- then row-parallel FP8 layers at TP = 2 give TP = 1's output and gradients: the amaxes
-    of split tensors are reduced over the group, so both quantize with the same scales."""
+    """Column- then row-parallel FP8 layers at TP = 2 give TP = 1's output and gradients, step after
+    step: the amaxes of split tensors are reduced over the group (delayed scaling: when the step
+    ends), so both quantize with the same scales."""
     import torch.distributed as dist
     group = dist.new_group([0, 1])
-    x, grad_y = _randn(SEQ, BATCH, IN, seed=5), _randn(SEQ, BATCH, IN, seed=6) * 0.01
+    steps = 3 if recipe == "delayed" else 1
+    inputs = [(_randn(SEQ, BATCH, IN, seed=5 + step) * (step + 1), _randn(SEQ, BATCH, IN, seed=50 + step) * 0.01)
+              for step in range(steps)]
     results = []
     for tp_group, k in ((None, 1), (group, 2)):
-        column, row = _fp8_pair(tp_group, recipe, sequence_parallel and k > 1)
-        assert torch.equal(_gather(column.weight.detach(), 0, tp_group), _master_weight((OUT, IN)))
         split = sequence_parallel and k > 1
-        leaf = (_chunk(x, 0, k, rank) if split else x).clone().requires_grad_(True)
-        y = row(F.gelu(column(leaf)[0]))[0]
-        y.backward(_chunk(grad_y, 0, k, rank) if split else grad_y)
-        grad_x = _gather(leaf.grad, 0, tp_group) if split else leaf.grad
-        y = _gather(y.detach(), 0, tp_group) if split else y.detach()
-        results.append((y, grad_x, _gather(column.weight.grad, 0, tp_group), _gather(row.weight.grad, 1, tp_group)))
-    for one, two in zip(*results):
-        torch.testing.assert_close(two, one, rtol=1e-5, atol=1e-5 * one.abs().max().item())
+        column, row = _fp8_pair(tp_group, recipe, split)
+        assert torch.equal(_gather(column.weight.detach(), 0, tp_group), _master_weight((OUT, IN)))
+        for x, grad_y in inputs:
+            column.zero_grad()
+            row.zero_grad()
+            results.append(_pair_step(column, row, x, grad_y, tp_group, k, rank, split))
+            fp8.end_fp8_step(torch.nn.ModuleList([column, row]), [tp_group])
+    for one, two in zip(results[:steps], results[steps:]):
+        for expected, found in zip(one, two):
+            torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp-sp"])
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_tp2_equals_tp1_under_fp8(recipe, sequence_parallel):
     run_distributed(_check_tp2_equals_tp1, 2, recipe, sequence_parallel)
+
+
+def test_delayed_scaling_resumes_exactly_from_the_saved_state():
+    """Three steps straight, or two, the layers' state saved and loaded into fresh layers, then the
+    third: the same outputs and gradients bit for bit (the scales and histories are in the state dict)."""
+    inputs = [(_randn(SEQ, BATCH, IN, seed=60 + step) * (step + 1), _randn(SEQ, BATCH, IN, seed=70 + step) * 0.01)
+              for step in range(3)]
+
+    def run(pair, steps):
+        out = []
+        for x, grad_y in steps:
+            for layer in pair:
+                layer.zero_grad()
+            out.append(_pair_step(*pair, x, grad_y, None, 1, 0, False))
+            counts = fp8.end_fp8_step(torch.nn.ModuleList(pair), [None])
+        return out, counts
+
+    straight, _ = run(_fp8_pair(None, "delayed", False), inputs)
+    first = _fp8_pair(None, "delayed", False)
+    run(first, inputs[:2])
+    resumed = _fp8_pair(None, "delayed", False)
+    for source, target in zip(first, resumed):
+        assert "fp8_gemms.delayed.amax_history" in source.state_dict()
+        target.load_state_dict(source.state_dict())
+    last, counts = run(resumed, inputs[2:])
+    for expected, found in zip(straight[2], last[0]):
+        assert torch.equal(found, expected)
+    assert counts.overflows.item() >= 1  # the input grew 3x over the step before: its amax saturated
