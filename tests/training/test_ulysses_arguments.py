@@ -57,14 +57,12 @@ def test_refused_with_the_model_config(extra, processes, words):
 @pytest.mark.distributed
 def test_a_refused_launch_prints_one_line_and_starts_no_process_group(e2e_data):
     flags = tiny_gpt_flags(e2e_data) + S2 + ["--micro-batch-size", "1", "--train-iters", "2", "--lr", "1e-3",
-                                             "--num-attention-heads", "2", "--hidden-size", "64",
-                                             "--pipeline-model-parallel-size", "2", "--num-layers", "2"]
-    result = run_pretrain(flags, nproc=4)
+                                             "--zero-stage", "3"]
+    result = run_pretrain(flags, nproc=2)
     assert result.returncode == 2, result.output[-3000:]
     errors = [line for line in result.output.splitlines() if "error:" in line]
-    assert errors == ["pretrain_gpt.py: error: --ds-sequence-parallel-size 2 with --pipeline-model-parallel-size 2 "
-                      "is not supported: run Ulysses with one pipeline stage, ZeRO 0-2, whole-sequence causal masks "
-                      "and a fixed --seq-length"]
+    assert errors == ["pretrain_gpt.py: error: --ds-sequence-parallel-size 2 with ZeRO stage 3 is not supported: run "
+                      "Ulysses with one pipeline stage, ZeRO 0-2, whole-sequence causal masks and a fixed --seq-length"]
     assert "initializing torch distributed" not in result.output and "Traceback" not in result.output
 
 
