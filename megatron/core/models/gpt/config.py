@@ -227,6 +227,7 @@ class GPTModelConfig:
                                  f"got {self.attention_impl!r}")
 
     def _check_recompute(self):
+        object.__setattr__(self, "recompute_modules", tuple(self.recompute_modules))  # a list from saved args
         if self.checkpoint_num_layers < 1:
             raise GPTConfigError(f"--checkpoint-num-layers / --recompute-num-layers must be >= 1, "
                                  f"got {self.checkpoint_num_layers}")

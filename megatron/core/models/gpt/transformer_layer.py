@@ -23,6 +23,8 @@ class ParallelTransformerLayer(nn.Module):
     it drives query-key layer scaling and the layout-independent init. With sequence parallelism
     x is this rank's [s / tp, b, h] block; the norms, dropouts and adds run on it, the dropouts
     under the model-parallel RNG stream (each rank holds other positions, so other masks).
+    Selective recompute "layernorm" (``config.recompute_modules``) frees LN_1's and LN_2's outputs
+    after their blocks' forward and recomputes them from x, x' when those blocks' backward begins.
     """
 
     def __init__(self, config: GPTModelConfig, layer_number: int, groups: ParallelGroups, device=None):
