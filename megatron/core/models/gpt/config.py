@@ -235,7 +235,8 @@ class GPTModelConfig:
             raise GPTConfigError("--distribute-checkpointed-activations / --partition-activations require "
                                  "full recompute (--checkpoint-activations or --recompute-granularity full)")
         if self.recompute_method not in RECOMPUTE_METHODS:
-            raise GPTConfigError(f"--recompute-method must be one of {RECOMPUTE_METHODS}, got {self.recompute_method!r}")
+            raise GPTConfigError(f"--recompute-method must be one of {RECOMPUTE_METHODS}, "
+                                 f"got {self.recompute_method!r}")
         if self.recompute_method == "block" and self.checkpoint_num_layers > self.num_layers:
             raise GPTConfigError(f"--recompute-method block recomputes the first --recompute-num-layers "
                                  f"({self.checkpoint_num_layers}) layers: at most --num-layers ({self.num_layers})")

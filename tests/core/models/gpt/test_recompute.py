@@ -1,7 +1,8 @@
 """Activation recompute in the GPT model: every mode gives the loss of no recompute bit for bit with
-dropout on and its gradients to 1e-6 (bit for bit but where a sum's terms come in another order), full recompute runs the chunks its method names, selective recompute really frees what it
-recomputes (the bytes autograd keeps drop by those tensors' sizes), and CheckpointWithoutOutput frees
-and refills its output around the consumer's backward."""
+dropout on and its gradients to 1e-6 (bit for bit but where a sum's terms come in another order), also
+under TP and sequence parallelism; full recompute runs the chunks its method names; selective recompute
+really frees what it recomputes (the bytes autograd keeps drop by those tensors' sizes); and
+CheckpointWithoutOutput frees and refills its output around the consumer's backward."""
 import dataclasses
 
 import pytest
@@ -9,10 +10,12 @@ import torch
 
 from megatron.core.models.gpt.config import GPTConfigError
 from megatron.core.models.gpt.gpt_model import recompute_chunks
+from megatron.core.parallel_state import initialize_model_parallel
 from megatron.core.tensor_parallel.random import (MODEL_PARALLEL_RNG, CheckpointWithoutOutput, get_rng_tracker,
                                                   model_parallel_seed)
 from tests.core.models.gpt.gpt_test_utils import random_tokens, tiny_config
-from tests.core.models.gpt.test_gpt_model import build, loss_and_grads
+from tests.core.models.gpt.test_gpt_model import LLAMA, _check_parity, _parity_batches, build, loss_and_grads
+from tests.dist_utils import run_distributed
 from tools.benchmarks.recompute_saved_bytes import measure
 
 MODES = {
@@ -147,3 +150,28 @@ def test_config_refuses_what_cannot_work(overrides, words):
     with pytest.raises(GPTConfigError) as info:
         tiny_config(**overrides)
     assert all(word in str(info.value) for word in words), str(info.value)
+
+
+# ---- tensor parallelism: the recomputation's collectives (gloo processes) ---------------------------------
+
+TP_CONFIGS = [  # sequence 15: TP alone; 16: with sequence parallelism
+    (15, dict(checkpoint_activations=True, recompute_method="block", checkpoint_num_layers=1,
+              distribute_checkpointed_activations=True)),
+    (15, dict(recompute_modules=("core_attn", "layernorm", "mlp_act", "mlp"))),
+    (16, dict(LLAMA, sequence_parallel=True, tp_comm_overlap=True, recompute_modules=("core_attn", "layernorm",
+                                                                                       "mlp_act"))),
+    (16, dict(sequence_parallel=True, recompute_modules=("mlp",))),
+]
+
+
+def _tensor_parallel_worker(rank, world_size):
+    groups = initialize_model_parallel(tensor_model_parallel_size=world_size)
+    for seq_length, overrides in TP_CONFIGS:
+        tokens, plain, _ = _parity_batches(seq_length)
+        _check_parity(tiny_config(seq_length=seq_length, **overrides), groups, tokens, plain)
+
+
+def test_recompute_under_tensor_and_sequence_parallelism_matches_one_process():
+    """At TP = 2 (with --sequence-parallel and --tp-comm-overlap for the 16-position runs) block recompute with
+    distributed checkpoints and selective recompute give the one-process model's loss and gradients (1e-5)."""
+    run_distributed(_tensor_parallel_worker, 2)
