@@ -6,9 +6,9 @@ For each layer and each of its three GEMMs (Y = X W^T, dX = dY W, dW = dY^T X):
 
     bf16            cuBLAS on bf16 operands (dW into an fp32 accumulator, the trainer's fusion)
     _scaled_mm      torch._scaled_mm on operands already in FP8 (e4m3; e5m2 dY with --fp8-format hybrid)
-    fp8_linear      the layer's FP8 forward and backward (``Fp8Gemms``): amaxes, quantization,
-                    transposes and the GEMMs, from bf16 tensors, per tensor (--recipe tensorwise) or
-                    per row (rowwise)
+    fp8_linear      the layer's FP8 forward and backward (``Fp8Gemms``): amaxes, the quantization of
+                    each tensor and its transpose (one fused pass each on a GPU) and the GEMMs, from
+                    bf16 tensors, per tensor (--recipe tensorwise or delayed) or per row (rowwise)
 
 in ms and TFLOP/s, then the quantization overhead (fp8_linear - _scaled_mm) per layer and per
 micro-batch of the model.
@@ -54,12 +54,12 @@ def _fp8_linear_passes(x, weight, grad_y, config):
     """The layer's forward (Y) and backward (dX and dW from one quantization of dY) from bf16
     tensors, quantization and transposes included."""
     gemms = Fp8Gemms(config, None, None, device="cuda")
-    _, state = gemms.output(x, weight)
+    _, saved = gemms.output(x, weight)
 
     def backward():
-        q_grad, q_grad_t = gemms.grad_operands(grad_y)
-        gemms.grad_input(q_grad, state, torch.bfloat16)
-        gemms.grad_weight(q_grad_t, state, torch.float32)
+        grad = gemms.grad_operands(grad_y)
+        gemms.grad_input(grad, saved, torch.bfloat16)
+        gemms.grad_weight(grad, saved, torch.float32)
 
     return {"forward": lambda: gemms.output(x, weight), "backward": backward}
 
@@ -99,7 +99,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--recipe", choices=("tensorwise", "rowwise"), default="tensorwise")
+    parser.add_argument("--recipe", choices=fp8.FP8_RECIPES, default="tensorwise")
     parser.add_argument("--fp8-format", choices=fp8.FP8_FORMATS, default="hybrid")
     args = parser.parse_args(argv)
     refuse_non_positive(parser, args, "tokens", "repeats")

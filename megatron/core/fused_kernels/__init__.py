@@ -9,7 +9,9 @@ a Llama-style layer's gated activation, and the rotation of its queries and keys
 follow the same rules. ``linear``, ``layer_norm_linear`` (one row of input, with a
 LayerNorm or RMSNorm, a GeLU or SwiGLU activation, or a residual folded in) and
 ``decode_attention`` (over a key/value cache of g groups) (``decode_ops``) are the forward-only
-kernels of a one-token decoding step. ``adamw_step`` is the optimizer's: one pass over a flat fp32 tensor that also writes the weights' bf16 copy. The
+kernels of a one-token decoding step. ``adamw_step`` is the optimizer's: one pass over a flat fp32 tensor that also writes the weights' bf16 copy.
+``fp8_ops`` holds FP8 quantization's two passes (a matrix's absolute maxima; its FP8 copy and FP8
+transpose from one read). The
 environment variable ``MEGATRON_FUSED_KERNELS=0`` or ``set_fused_kernels_enabled(False)`` forces
 the references.
 """

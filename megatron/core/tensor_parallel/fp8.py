@@ -14,7 +14,7 @@ Recipes (--fp8-recipe) choose amax:
     tensorwise  one scale per tensor, from its current amax = max |x|
     rowwise     one scale per row of each GEMM operand as the GEMM reads it: a token of X or dY, an
                 output row of W in Y = X W^T; the columns for the operands that dX = dY W and
-                dW = dY^T X read transposed (``Fp8Operand.transposed``)
+                dW = dY^T X read transposed
     delayed     one scale per tensor and role from the amaxes of earlier steps (``DelayedScaling``)
 
 The three GEMMs of a linear layer, for X [m, k] (a micro-batch's tokens), W [n, k], dY [m, n]:
@@ -125,13 +125,6 @@ def quantize_operand(x: torch.Tensor, dtype: torch.dtype, margin: int, rowwise: 
     return Fp8Operand(quantize(x, scale, dtype).contiguous(), scale)
 
 
-def transposed(operand: Fp8Operand) -> Fp8Operand:
-    """The tensorwise operand of x^T: the same values and scale, the data transposed row-major."""
-    if operand.rowwise:
-        raise ValueError("a rowwise operand's transpose needs the columns' scales: quantize x^T instead")
-    return Fp8Operand(operand.data.t().contiguous(), operand.scale)
-
-
 def scaled_mm(a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype, emulate: bool) -> torch.Tensor:
     """a b^T ~ (q_a / s_a)(q_b / s_b)^T for a [m, k], b [n, k] -> [m, n] in ``out_dtype``, with
     fp32 accumulation: torch._scaled_mm (q_b^T is column-major as it wants), or with ``emulate``
@@ -148,8 +141,9 @@ class DelayedScaling(torch.nn.Module):
     history H_r [len] (row 0: the amaxes recorded during this step, rows 1..: earlier steps) and the
     scale s_r used during this step:
 
-        during a step   a GEMM quantizes its operand of role r with s_r and records max |x| into H_r[0]
-                        (the maximum over the step's micro-batches and recomputations)
+        during a step   a GEMM quantizes its operand of role r with s_r and folds max |x| into H_r[0]
+                        (``fused_kernels.quantize_pair``'s record: the maximum over the step's
+                        micro-batches and recomputations)
         at its end      H[0] is reduced over the ranks sharing the layer (``end_step``'s reduce), then
                         s_r = f_max / (a_r 2^margin) with a_r = max_i H_r[i] ("max") or H_r[0]
                         ("most_recent"); the history shifts by one and H[0] restarts at 0
@@ -164,11 +158,6 @@ class DelayedScaling(torch.nn.Module):
         self.config = config
         self.register_buffer("amax_history", torch.zeros(config.amax_history_len, len(ROLES), device=device))
         self.register_buffer("scale", torch.ones(len(ROLES), device=device))
-
-    def record(self, role: str, amax: torch.Tensor) -> None:
-        """Fold this step's amax of ``role`` into H[0]."""
-        index = ROLES.index(role)
-        self.amax_history[0, index] = torch.maximum(self.amax_history[0, index], amax.detach().float())
 
     def role_scale(self, role: str) -> torch.Tensor:
         return self.scale[ROLES.index(role)]

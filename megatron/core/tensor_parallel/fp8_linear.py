@@ -7,46 +7,46 @@ weight W [n, k] and the output gradient dY [m, n]:
     backward     dX = dY W      a = q(dY),    b = q(W^T)
                  dW = dY^T X    a = q(dY^T),  b = q(X^T)
 
-(``fp8.scaled_mm`` computes a b^T). Per tensor (tensorwise, delayed) each operand is quantized once
-and the backward operands are the transposed FP8 data, so forward keeps q(X) and q(W) for the
-backward (one byte per element) instead of X and W; per row (rowwise) the transposed operands are
-quantized from X^T and W^T themselves (each row's scale is over the GEMM's contraction), so X and W
-are kept.
+(``fp8.scaled_mm`` computes a b^T). Each tensor is read once for its two operands: q(x) and q(x^T)
+come out of one pass (``fused_kernels.quantize_pair``): per tensor (tensorwise, delayed) with one
+scale, per row (rowwise) with x's rows' scales for q(x) and its columns' for q(x^T), the rows of
+the transposed operand (each row's scale is taken over the GEMM's contraction). Forward keeps
+q(X^T) and q(W^T) for the backward, one byte per element, instead of X and W.
 
-Tensor parallelism: an amax taken over a tensor that the TP group splits is max-reduced over the
-group before its scale is made, so every rank quantizes with the scale of the whole tensor and TP = t
-computes what TP = 1 does. ``parallel_dim`` says what the group splits: "output" (column-parallel:
-W's rows and dY's columns), "input" (row-parallel: W's and X's columns) or None (one rank). Per
-tensor: W's amax always, X's under "input", dY's under "output". Per row: the amaxes of the GEMM
-whose contraction is split (the forward's over k under "input", dX's over n under "output"); dW's
-contraction (the tokens) is never split. Delayed scaling takes its scales from the layer's history
-(``fp8.DelayedScaling``), whose amaxes the trainer reduces over every rank when the step ends, and
-records each operand's amax here.
+Tensor parallelism: an amax taken over a dimension that the TP group splits is max-reduced over the
+group before its scale is made, so every rank quantizes with the scale of the whole tensor and
+TP = t computes what TP = 1 does. ``parallel_dim`` says what the group splits: "output"
+(column-parallel: W's rows and dY's columns), "input" (row-parallel: W's and X's columns) or None
+(one rank); the tokens are never split here. A tensor's amax is reduced when any of its dimensions
+is split, a row's when the columns are, a column's when the rows are. Delayed scaling takes its
+scales from the layer's history (``fp8.DelayedScaling``), into whose current row the quantization
+records each tensor's amax; the trainer reduces those over every rank when the step ends.
 """
 from dataclasses import dataclass
 
 import torch
 from torch.distributed import ProcessGroup
 
+from megatron.core.fused_kernels.fp8_ops import absolute_maxima, quantize_pair
 from megatron.core.parallel_state import group_size
-from megatron.core.tensor_parallel.fp8 import (DelayedScaling, Fp8Config, Fp8Operand, absolute_max, quantize,
-                                               quantize_operand, scaled_mm, transposed)
+from megatron.core.tensor_parallel.fp8 import ROLES, DelayedScaling, Fp8Config, Fp8Operand, scale_from_amax, scaled_mm
 from megatron.core.tensor_parallel.utils import all_reduce_max
 
 PARALLEL_DIMS = (None, "input", "output")
 
 
 @dataclass
-class Fp8ForwardState:
-    """What forward keeps for the backward GEMMs: q(X) and q(W) per tensor, or X and W per row."""
+class Fp8Pair:
+    """A tensor x [r, c] quantized both ways: ``direct`` for a GEMM reading x, ``transposed`` for one
+    reading x^T (row-major [c, r])."""
 
-    x: torch.Tensor | Fp8Operand
-    weight: torch.Tensor | Fp8Operand
+    direct: Fp8Operand
+    transposed: Fp8Operand
 
 
 class Fp8Gemms(torch.nn.Module):
-    """A linear layer's FP8 GEMMs and scaling state (module docstring); the layer calls ``output``
-    in its autograd forward and ``grad_input`` / ``grad_weight`` in its backward, with 2-d views."""
+    """A linear layer's FP8 GEMMs and scaling state (module docstring). The layer calls ``output``
+    in its autograd forward, ``grad_input`` and ``grad_weight`` in its backward, with 2-d views."""
 
     def __init__(self, config: Fp8Config, parallel_dim: str | None, tp_group: ProcessGroup | None,
                  device: torch.device | str | None = None):
@@ -58,63 +58,50 @@ class Fp8Gemms(torch.nn.Module):
         self.tp_group = tp_group
         self.delayed = DelayedScaling(config, device) if config.recipe == "delayed" else None
 
-    @property
-    def rowwise(self) -> bool:
-        return self.config.recipe == "rowwise"
+    def output(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, tuple[Fp8Operand, Fp8Operand]]:
+        """Y = X W^T for x [m, k], weight [n, k] -> (Y [m, n] in x's dtype, (q(X^T), q(W^T)) for backward)."""
+        split = self.parallel_dim
+        x_pair = self._quantize(x, "input", rows_split=False, columns_split=split == "input")
+        weight_pair = self._quantize(weight, "weight", rows_split=split == "output", columns_split=split == "input")
+        y = scaled_mm(x_pair.direct, weight_pair.direct, x.dtype, self.config.emulate)
+        return y, (x_pair.transposed, weight_pair.transposed)
 
-    def output(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, Fp8ForwardState]:
-        """Y = X W^T for x [m, k], weight [n, k] -> (Y [m, n] in x's dtype, what backward needs)."""
-        if self.rowwise:
-            split = self.parallel_dim == "input"
-            y = scaled_mm(self._rows(x, "input", split), self._rows(weight, "weight", split), x.dtype,
-                          self.config.emulate)
-            return y, Fp8ForwardState(x, weight)
-        q_x = self._tensor(x, "input", split=self.parallel_dim == "input")
-        q_weight = self._tensor(weight, "weight", split=self.parallel_dim is not None)
-        return scaled_mm(q_x, q_weight, x.dtype, self.config.emulate), Fp8ForwardState(q_x, q_weight)
+    def grad_operands(self, grad_output: torch.Tensor) -> Fp8Pair:
+        """dY [m, n] quantized for both backward GEMMs, in one pass."""
+        return self._quantize(grad_output, "grad_output", rows_split=False,
+                              columns_split=self.parallel_dim == "output")
 
-    def grad_operands(self, grad_output: torch.Tensor) -> tuple[Fp8Operand, Fp8Operand]:
-        """dY [m, n] quantized for the two backward GEMMs: (q(dY) for dX, q(dY^T) for dW); per tensor
-        one quantization, per row one over n and one over the tokens."""
-        if self.rowwise:
-            return (self._rows(grad_output, "grad_output", split=self.parallel_dim == "output"),
-                    self._rows(grad_output.t(), "grad_output", split=False))
-        q_grad = self._tensor(grad_output, "grad_output", split=self.parallel_dim == "output")
-        return q_grad, transposed(q_grad)
+    def grad_input(self, grad: Fp8Pair, saved: tuple[Fp8Operand, Fp8Operand], dtype: torch.dtype) -> torch.Tensor:
+        """dX = dY W [m, k] in ``dtype``."""
+        return scaled_mm(grad.direct, saved[1], dtype, self.config.emulate)
 
-    def grad_input(self, q_grad: Fp8Operand, state: Fp8ForwardState, dtype: torch.dtype) -> torch.Tensor:
-        """dX = dY W [m, k] in ``dtype``, from ``grad_operands``' first."""
-        if self.rowwise:
-            q_weight_t = self._rows(state.weight.t(), "weight", split=self.parallel_dim == "output")
-        else:
-            q_weight_t = transposed(state.weight)
-        return scaled_mm(q_grad, q_weight_t, dtype, self.config.emulate)
+    def grad_weight(self, grad: Fp8Pair, saved: tuple[Fp8Operand, Fp8Operand], dtype: torch.dtype) -> torch.Tensor:
+        """dW = dY^T X [n, k] in ``dtype`` (fp32 to add into a main_grad)."""
+        return scaled_mm(grad.transposed, saved[0], dtype, self.config.emulate)
 
-    def grad_weight(self, q_grad_t: Fp8Operand, state: Fp8ForwardState, dtype: torch.dtype) -> torch.Tensor:
-        """dW = dY^T X [n, k] in ``dtype`` (fp32 to add into a main_grad), from ``grad_operands``' second."""
-        q_x_t = self._rows(state.x.t(), "input", split=False) if self.rowwise else transposed(state.x)
-        return scaled_mm(q_grad_t, q_x_t, dtype, self.config.emulate)
-
-    def _tensor(self, x: torch.Tensor, role: str, split: bool) -> Fp8Operand:
-        """x quantized per tensor: with the current amax (reduced over the group when ``split``), or
-        with the delayed scale while its amax is recorded."""
-        dtype = self.config.dtype(role)
-        amax = absolute_max(x, rowwise=False)
+    def _quantize(self, x: torch.Tensor, role: str, rows_split: bool, columns_split: bool) -> Fp8Pair:
+        """x [r, c] -> q(x) and q(x^T) with the recipe's scales (module docstring)."""
+        dtype, margin = self.config.dtype(role), self.config.margin
         if self.delayed is not None:
-            self.delayed.record(role, amax)
             scale = self.delayed.role_scale(role)
-            return Fp8Operand(quantize(x, scale, dtype).contiguous(), scale)
-        if split:
+            record = self.delayed.amax_history[0, ROLES.index(role)]
+            direct, transposed = quantize_pair(x, dtype, scale, scale, record)
+            return Fp8Pair(Fp8Operand(direct, scale), Fp8Operand(transposed, scale))
+        if self.config.recipe == "rowwise":
+            _, row_amax, column_amax = absolute_maxima(x, tensor=False, rows=True, columns=True)
+            if columns_split:
+                row_amax = all_reduce_max(row_amax, self.tp_group)
+            if rows_split:
+                column_amax = all_reduce_max(column_amax, self.tp_group)
+            row_scale, column_scale = scale_from_amax(row_amax, dtype, margin), scale_from_amax(column_amax, dtype, margin)
+            direct, transposed = quantize_pair(x, dtype, row_scale, column_scale)
+            return Fp8Pair(Fp8Operand(direct, row_scale), Fp8Operand(transposed, column_scale.reshape(-1, 1)))
+        amax, _, _ = absolute_maxima(x)
+        if rows_split or columns_split:
             amax = all_reduce_max(amax, self.tp_group)
-        return quantize_operand(x, dtype, self.config.margin, rowwise=False, amax=amax)
-
-    def _rows(self, x: torch.Tensor, role: str, split: bool) -> Fp8Operand:
-        """x [r, c] quantized per row, the row amaxes reduced over the group when ``split`` (the
-        contraction runs over the ranks' columns)."""
-        amax = absolute_max(x, rowwise=True)
-        if split:
-            amax = all_reduce_max(amax, self.tp_group)
-        return quantize_operand(x, self.config.dtype(role), self.config.margin, rowwise=True, amax=amax)
+        scale = scale_from_amax(amax, dtype, margin)
+        direct, transposed = quantize_pair(x, dtype, scale, scale)
+        return Fp8Pair(Fp8Operand(direct, scale), Fp8Operand(transposed, scale))
 
 
 class _Fp8Matmul(torch.autograd.Function):
@@ -122,22 +109,22 @@ class _Fp8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, gemms):
-        y, ctx.state = gemms.output(x, weight)
+        y, ctx.saved = gemms.output(x, weight)
         ctx.gemms, ctx.weight = gemms, weight
         return y if bias is None else y + bias
 
     @staticmethod
     def backward(ctx, grad_output):
         gemms, weight = ctx.gemms, ctx.weight
-        q_grad, q_grad_t = gemms.grad_operands(grad_output)
-        grad_input = gemms.grad_input(q_grad, ctx.state, grad_output.dtype)
+        grad = gemms.grad_operands(grad_output)
+        grad_input = gemms.grad_input(grad, ctx.saved, grad_output.dtype)
         main_grad = getattr(weight, "main_grad", None)
-        grad_weight = gemms.grad_weight(q_grad_t, ctx.state, weight.dtype if main_grad is None else main_grad.dtype)
+        grad_weight = gemms.grad_weight(grad, ctx.saved, weight.dtype if main_grad is None else main_grad.dtype)
         if main_grad is not None:
             main_grad.add_(grad_weight)
             grad_weight = None
         grad_bias = grad_output.sum(dim=0) if ctx.needs_input_grad[2] else None
-        ctx.state = None
+        ctx.saved = None
         return grad_input, grad_weight, grad_bias, None
 
 

@@ -3,6 +3,7 @@ against float64 computations of the same definitions."""
 import pytest
 import torch
 
+from megatron.core.fused_kernels.fp8_ops import quantize_pair
 from megatron.core.tensor_parallel import fp8
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -68,12 +69,11 @@ def test_scaled_mm_is_the_product_of_the_dequantized_operands(rowwise, dtypes):
     assert 0 < quantization_error < 0.1 * expected.abs().max()  # FP8 moved the result, a little
 
 
-def test_transposed_operand_keeps_the_scale_and_refuses_rows():
-    operand = fp8.quantize_operand(torch.randn(8, 16), E4M3, 0, rowwise=False)
-    flipped = fp8.transposed(operand)
-    assert flipped.data.is_contiguous() and torch.equal(flipped.data.float(), operand.data.float().t())
-    with pytest.raises(ValueError, match="columns' scales"):
-        fp8.transposed(fp8.quantize_operand(torch.randn(8, 16), E4M3, 0, rowwise=True))
+def _record(state, role, amax):
+    """What a delayed-scaling quantization of a tensor with this amax records."""
+    scale = state.role_scale(role)
+    quantize_pair(torch.tensor([[amax, -amax / 2]]), state.config.dtype(role), scale, scale,
+                  record=state.amax_history[0, fp8.ROLES.index(role)])
 
 
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
@@ -84,9 +84,8 @@ def test_delayed_scaling_history_scales_and_restore(algo):
     steps = [(2.0, 0.5, 1e-3), (8.0, 0.25, 4e-3), (1.0, 0.125, 2e-3), (0.5, 0.0625, 1e-3)]
     for step, (x_amax, w_amax, g_amax) in enumerate(steps):
         for micro_batch in (0.5, 1.0):  # the step's maximum counts
-            state.record("input", torch.tensor(x_amax * micro_batch))
-            state.record("weight", torch.tensor(w_amax))
-            state.record("grad_output", torch.tensor(g_amax * micro_batch))
+            for role, amax in zip(fp8.ROLES, (x_amax * micro_batch, w_amax, g_amax * micro_batch)):
+                _record(state, role, amax)
         recorded, used = state.end_step()
         assert recorded.tolist() == pytest.approx([x_amax, w_amax, g_amax])
         window = steps[max(0, step - 2):step + 1] if algo == "max" else [steps[step]]
