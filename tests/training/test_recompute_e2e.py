@@ -3,7 +3,7 @@ attention and on the hidden states) give the losses and gradient norms of the ru
 under selective recompute (the default modules, and all four), full recompute by uniform chunks
 (--checkpoint-activations --checkpoint-num-layers 2) and by block (--recompute-method block
 --recompute-num-layers 2), and, on the pipeline engine at PP = 2, under block recompute of the first
-layer of each stage.
+layer of each stage and under selective recompute.
 
 Set-up: test_layout_equivalence's flags (fp32, CPU initialization, padded vocabulary 1152, clipping
 at 1.0 that every step triggers) with 4 layers, 3 iterations of 4 micro-batches. The recomputation
@@ -33,6 +33,8 @@ RUNS = {
     "pp2-none": (2, PP2),
     "pp2-block": (2, PP2 + ["--recompute-granularity", "full", "--recompute-method", "block",
                             "--recompute-num-layers", "1"]),
+    "pp2-selective": (2, PP2 + ["--recompute-granularity", "selective", "--recompute-modules", "core_attn",
+                                "layernorm", "mlp_act"]),
 }
 
 
@@ -45,7 +47,7 @@ def runs(e2e_data, tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("name, baseline", [("selective", "none"), ("selective-all", "none"),
                                             ("full-uniform", "none"), ("full-block", "none"),
-                                            ("pp2-block", "pp2-none")])
+                                            ("pp2-block", "pp2-none"), ("pp2-selective", "pp2-none")])
 def test_recompute_gives_the_losses_of_no_recompute(runs, name, baseline):
     assert runs[name]["loss"] == pytest.approx(runs[baseline]["loss"], rel=RTOL)
     assert runs[name]["grad_norm"] == pytest.approx(runs[baseline]["grad_norm"], rel=RTOL)
