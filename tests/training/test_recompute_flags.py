@@ -90,6 +90,7 @@ def test_distributed_activations_keep_working_with_full_recompute():
     assert config.distribute_checkpointed_activations and config.recompute_method == "block"
 
 
+@pytest.mark.distributed
 def test_a_contradiction_stops_pretrain_before_any_process_group(e2e_data):
     result = run_pretrain(tiny_gpt_flags(e2e_data) + ["--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
                                                       "--checkpoint-activations", "--recompute-activations"],

@@ -2,6 +2,7 @@
 the first --recompute-num-layers transformer layers of each stage, one by one, and no other layer."""
 import dataclasses
 
+import pytest
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from megatron.core.parallel_state import initialize_model_parallel
@@ -37,5 +38,6 @@ def _worker(rank, world_size):
     assert all(layer.block_recompute is None for layer in _stage_layers(plain))
 
 
+@pytest.mark.distributed
 def test_block_recompute_marks_the_first_layers_of_each_stage():
     run_distributed(_worker, 2)

@@ -171,6 +171,7 @@ def _tensor_parallel_worker(rank, world_size):
         _check_parity(tiny_config(seq_length=seq_length, **overrides), groups, tokens, plain)
 
 
+@pytest.mark.distributed
 def test_recompute_under_tensor_and_sequence_parallelism_matches_one_process():
     """At TP = 2 (with --sequence-parallel and --tp-comm-overlap for the 16-position runs) block recompute with
     distributed checkpoints and selective recompute give the one-process model's loss and gradients (1e-5)."""
