@@ -30,9 +30,6 @@ quantized values dequantized to fp32 around a plain matmul (the CPU mode of the 
 from dataclasses import dataclass
 
 import torch
-from torch.distributed import ProcessGroup
-
-from megatron.core.tensor_parallel.utils import all_reduce_max
 
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "rowwise")
@@ -187,33 +184,3 @@ def underflowed(amax: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     """Whether amax s falls below f's smallest normal: the whole tensor sat in the subnormals (or was
     0), an amax far below the one its scale was made for."""
     return amax * scale < torch.finfo(dtype).smallest_normal
-
-
-@dataclass
-class Fp8StepCounts:
-    """Of one step's delayed-scaling amaxes (tensors and roles, over every layer): how many saturated
-    their scale (``saturated``) and how many underflowed it (``underflowed``); 0-d tensors."""
-
-    overflows: torch.Tensor
-    underflows: torch.Tensor
-
-
-def end_fp8_step(module: torch.nn.Module, groups: list[ProcessGroup | None]) -> Fp8StepCounts | None:
-    """Ends the step of every ``DelayedScaling`` in ``module``: this step's amaxes (row 0 of the
-    histories, one [layers, 3] tensor) max-reduced over each of ``groups`` in turn (the ranks that
-    hold the same layers: TP, then DP), then each layer's new scales. None without delayed scaling."""
-    states = [child for child in module.modules() if isinstance(child, DelayedScaling)]
-    if not states:
-        return None
-    recorded = torch.stack([state.amax_history[0] for state in states])
-    for group in groups:
-        recorded = all_reduce_max(recorded, group)
-    overflows, underflows = [], []
-    for state, amax in zip(states, recorded):
-        state.amax_history[0].copy_(amax)
-        amaxes, scales = state.end_step()
-        for index, role in enumerate(ROLES):
-            dtype = state.config.dtype(role)
-            overflows.append(saturated(amaxes[index], scales[index], dtype))
-            underflows.append(underflowed(amaxes[index], scales[index], dtype))
-    return Fp8StepCounts(torch.stack(overflows).sum(), torch.stack(underflows).sum())

@@ -11,7 +11,10 @@ weight W [n, k] and the output gradient dY [m, n]:
 come out of one pass (``fused_kernels.quantize_pair``): per tensor (tensorwise, delayed) with one
 scale, per row (rowwise) with x's rows' scales for q(x) and its columns' for q(x^T), the rows of
 the transposed operand (each row's scale is taken over the GEMM's contraction). Forward keeps
-q(X^T) and q(W^T) for the backward, one byte per element, instead of X and W.
+q(X^T) and q(W^T) for the backward, one byte per element, instead of X and W. The weight changes
+only at the optimizer step: its two FP8 copies are made at the step's first forward and serve every
+micro-batch and recomputation until ``fp8.end_fp8_step`` (after the optimizer step) or a load of the
+layer's state forgets them.
 
 Tensor parallelism: an amax taken over a dimension that the TP group splits is max-reduced over the
 group before its scale is made, so every rank quantizes with the scale of the whole tensor and
@@ -29,7 +32,8 @@ from torch.distributed import ProcessGroup
 
 from megatron.core.fused_kernels.fp8_ops import absolute_maxima, quantize_pair
 from megatron.core.parallel_state import group_size
-from megatron.core.tensor_parallel.fp8 import ROLES, DelayedScaling, Fp8Config, Fp8Operand, scale_from_amax, scaled_mm
+from megatron.core.tensor_parallel.fp8 import (ROLES, DelayedScaling, Fp8Config, Fp8Operand, saturated, scale_from_amax,
+                                               scaled_mm, underflowed)
 from megatron.core.tensor_parallel.utils import all_reduce_max
 
 PARALLEL_DIMS = (None, "input", "output")
@@ -57,14 +61,25 @@ class Fp8Gemms(torch.nn.Module):
         self.parallel_dim = parallel_dim if group_size(tp_group) > 1 else None
         self.tp_group = tp_group
         self.delayed = DelayedScaling(config, device) if config.recipe == "delayed" else None
+        self._weight_pair = None
+
+    def forget_weight(self) -> None:
+        """Drop the FP8 copies of the weight: it (or its scale) changes at the optimizer step."""
+        self._weight_pair = None
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self.forget_weight()
+        super()._load_from_state_dict(*args, **kwargs)
 
     def output(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, tuple[Fp8Operand, Fp8Operand]]:
         """Y = X W^T for x [m, k], weight [n, k] -> (Y [m, n] in x's dtype, (q(X^T), q(W^T)) for backward)."""
         split = self.parallel_dim
         x_pair = self._quantize(x, "input", rows_split=False, columns_split=split == "input")
-        weight_pair = self._quantize(weight, "weight", rows_split=split == "output", columns_split=split == "input")
-        y = scaled_mm(x_pair.direct, weight_pair.direct, x.dtype, self.config.emulate)
-        return y, (x_pair.transposed, weight_pair.transposed)
+        if self._weight_pair is None:  # the step's first use: kept for its other micro-batches and recomputations
+            self._weight_pair = self._quantize(weight, "weight", rows_split=split == "output",
+                                               columns_split=split == "input")
+        y = scaled_mm(x_pair.direct, self._weight_pair.direct, x.dtype, self.config.emulate)
+        return y, (x_pair.transposed, self._weight_pair.transposed)
 
     def grad_operands(self, grad_output: torch.Tensor) -> Fp8Pair:
         """dY [m, n] quantized for both backward GEMMs, in one pass."""
@@ -134,3 +149,38 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     fp32) and no .grad, as ``layers._weight_and_bias_grads`` does."""
     y = _Fp8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, bias, gemms)
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+@dataclass
+class Fp8StepCounts:
+    """Of one step's delayed-scaling amaxes (tensors and roles, over every layer): how many saturated
+    their scale (``saturated``) and how many underflowed it (``underflowed``); 0-d tensors."""
+
+    overflows: torch.Tensor
+    underflows: torch.Tensor
+
+
+def end_fp8_step(module: torch.nn.Module, groups: list[ProcessGroup | None]) -> Fp8StepCounts | None:
+    """Ends the step of every FP8 layer in ``module`` (after the optimizer step): their FP8 weight
+    copies are forgotten, and for delayed scaling this step's amaxes (row 0 of the histories, one
+    [layers, 3] tensor) are max-reduced over each of ``groups`` in turn (the ranks that hold the
+    same layers: TP, then DP) before each layer's new scales. Returns the delayed amaxes' counts,
+    None without delayed scaling."""
+    layers = [child for child in module.modules() if isinstance(child, Fp8Gemms)]
+    for layer in layers:
+        layer.forget_weight()
+    states = [layer.delayed for layer in layers if layer.delayed is not None]
+    if not states:
+        return None
+    recorded = torch.stack([state.amax_history[0] for state in states])
+    for group in groups:
+        recorded = all_reduce_max(recorded, group)
+    overflows, underflows = [], []
+    for state, amax in zip(states, recorded):
+        state.amax_history[0].copy_(amax)
+        amaxes, scales = state.end_step()
+        for index, role in enumerate(ROLES):
+            dtype = state.config.dtype(role)
+            overflows.append(saturated(amaxes[index], scales[index], dtype))
+            underflows.append(underflowed(amaxes[index], scales[index], dtype))
+    return Fp8StepCounts(torch.stack(overflows).sum(), torch.stack(underflows).sum())

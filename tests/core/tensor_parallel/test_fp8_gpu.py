@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatron.core.tensor_parallel import fp8
+from megatron.core.tensor_parallel.fp8_linear import end_fp8_step
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 pytestmark = [pytest.mark.gpu,
@@ -32,7 +33,7 @@ def test_scaled_mm_layer_equals_the_emulation(recipe, fp8_format):
             leaf = x.clone().requires_grad_(True)
             y, _ = layer(leaf)
             y.backward(grad_y)
-            fp8.end_fp8_step(layer, [None])
+            end_fp8_step(layer, [None])
         results[emulate] = (y.detach(), leaf.grad, layer.weight.grad)
     for found, expected in zip(results[False], results[True]):
         assert found.dtype == expected.dtype == torch.bfloat16

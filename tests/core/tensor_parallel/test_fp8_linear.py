@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.tensor_parallel import fp8
+from megatron.core.tensor_parallel.fp8_linear import end_fp8_step
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from tests.core.tensor_parallel.test_layers import _chunk, _gather, _master_weight, _randn
 from tests.dist_utils import run_distributed
@@ -129,7 +130,7 @@ def _check_tp2_equals_tp1(rank, world_size, recipe, sequence_parallel):
             column.zero_grad()
             row.zero_grad()
             results.append(_pair_step(column, row, x, grad_y, tp_group, k, rank, split))
-            fp8.end_fp8_step(torch.nn.ModuleList([column, row]), [tp_group])
+            end_fp8_step(torch.nn.ModuleList([column, row]), [tp_group])
     for one, two in zip(results[:steps], results[steps:]):
         for expected, found in zip(one, two):
             torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
@@ -153,7 +154,7 @@ def test_delayed_scaling_resumes_exactly_from_the_saved_state():
             for layer in pair:
                 layer.zero_grad()
             out.append(_pair_step(*pair, x, grad_y, None, 1, 0, False))
-            counts = fp8.end_fp8_step(torch.nn.ModuleList(pair), [None])
+            counts = end_fp8_step(torch.nn.ModuleList(pair), [None])
         return out, counts
 
     straight, _ = run(_fp8_pair(None, "delayed", False), inputs)
@@ -167,3 +168,33 @@ def test_delayed_scaling_resumes_exactly_from_the_saved_state():
     for expected, found in zip(straight[2], last[0]):
         assert torch.equal(found, expected)
     assert counts.overflows.item() >= 1  # the input grew 3x over the step before: its amax saturated
+
+
+def test_weight_is_quantized_once_per_step(monkeypatch):
+    """The micro-batches of a step share the weight's FP8 copies; end_fp8_step (after the optimizer
+    step) and a load of the layer's state make the next forward quantize the new weight."""
+    from megatron.core.tensor_parallel import fp8_linear
+    quantized = []
+    original = fp8_linear.quantize_pair
+    monkeypatch.setattr(fp8_linear, "quantize_pair", lambda x, *rest: quantized.append(x) or original(x, *rest))
+    column = _fp8_pair(None, "tensorwise", False)[0]
+    x, grad_y = _randn(SEQ, BATCH, IN, seed=80), _randn(SEQ, BATCH, OUT, seed=81)
+
+    def weight_quantizations():
+        return sum(t is column.weight for t in quantized)
+
+    for _ in range(2):
+        column(x)[0].backward(grad_y)
+    assert weight_quantizations() == 1
+    with torch.no_grad():
+        column.weight.mul_(2.0)
+    end_fp8_step(column, [None])
+    doubled = column(x)[0].detach()
+    assert weight_quantizations() == 2
+    fresh = _fp8_pair(None, "tensorwise", False)[0]
+    fresh.load_state_dict(column.state_dict())
+    assert torch.equal(fresh(x)[0].detach(), doubled)
+    fresh(x)
+    column.load_state_dict(fresh.state_dict())
+    column(x)
+    assert weight_quantizations() == 3
