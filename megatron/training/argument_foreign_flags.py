@@ -81,12 +81,11 @@ _ROPE_VARIANT_FLAGS = (
     "--yarn-beta-fast", "--yarn-beta-slow", "--yarn-correction-range-round-to-int",
     "--yarn-original-max-position-embeddings",
 )
+# the rest of Megatron-LM's FP8 and FP4 flags (--fp8-format and its recipe flags are accepted)
 _FP8_FLAGS = (
-    "--disable-fp8-wgrad", "--first-last-layers-bf16", "--fp4-format", "--fp4-param-gather",
-    "--fp4-quantizer-factory", "--fp4-recipe", "--fp8-amax-compute-algo", "--fp8-amax-history-len",
-    "--fp8-e4m3", "--fp8-format", "--fp8-hybrid", "--fp8-interval", "--fp8-margin", "--fp8-output-proj",
-    "--fp8-param-gather", "--fp8-quantizer-factory", "--fp8-recipe", "--keep-fp8-transpose-cache",
-    "--no-fp8-wgrad", "--num-layers-at-end-in-bf16", "--num-layers-at-start-in-bf16",
+    "--disable-fp8-wgrad", "--fp4-format", "--fp4-param-gather", "--fp4-quantizer-factory", "--fp4-recipe",
+    "--fp8-interval", "--fp8-output-proj", "--fp8-param-gather",
+    "--fp8-quantizer-factory", "--keep-fp8-transpose-cache", "--no-fp8-wgrad",
     "--reuse-grad-buf-for-mxfp8-param-ag", "--te-precision-config-file",
 )
 _ULYSSES_FLAGS = (
@@ -95,7 +94,10 @@ _ULYSSES_FLAGS = (
 )
 _PLANNED = {
     **{flag: _ROPE_VARIANT for flag in _ROPE_VARIANT_FLAGS},
-    **dict.fromkeys(_FP8_FLAGS, _planned("FP8 and FP4 training", "train with --bf16 or --fp16")),
+    **dict.fromkeys(_FP8_FLAGS, _planned("FP4 training and these FP8 options",
+                                         "--fp8-format with --fp8-recipe runs the FP8 GEMMs")),
+    "--fp8-e4m3": "is Megatron-LM's older spelling of --fp8-format e4m3: use that",
+    "--fp8-hybrid": "is Megatron-LM's older spelling of --fp8-format hybrid: use that",
     **dict.fromkeys(_ULYSSES_FLAGS, _planned(
         "FPDT (chunked, offloaded Ulysses attention) and its options", "--ds-sequence-parallel-size S runs "
         "DeepSpeed-Ulysses")),

@@ -6,7 +6,8 @@ stage is the ds_config's), ``--tokenizer-type`` defaults to GPT2BPETokenizer (pr
 default there), ``--use-cpu-initialization`` is a plain store_true, integer flags accept "6_000_000"
 and "10e6", and the ``type=bool`` flags read true/false. New flags: ``--lr-warmup-tokens``,
 ``--data-cache-path``, the ``inverse-square-root`` decay style and Megatron-LM's
-``--wandb-project``, ``--wandb-exp-name``, ``--wandb-save-dir``; ``--train-tokens`` and
+``--wandb-project``, ``--wandb-exp-name``, ``--wandb-save-dir``, the FP8 flags (Megatron-LM's, and
+the tests' ``--fp8-cpu-emulation``); ``--train-tokens`` and
 ``--codecarbon-dir`` work (no-ops in Megatron-DeepSpeed). ``--local_rank`` is also spelled
 ``--local-rank``. The two misplaced flags of Megatron-DeepSpeed's ``--help`` are in their groups here:
 ``--kill-switch-path`` under "training", ``--log-level``/``--log-level-replica`` under "logging".
@@ -14,6 +15,7 @@ and "10e6", and the ``type=bool`` flags read true/false. New flags: ``--lr-warmu
 import argparse
 
 from megatron.core.models.gpt.config import GLU_ACTIVATIONS, NORMALIZATIONS, POSITION_EMBEDDING_TYPES
+from megatron.core.tensor_parallel.fp8 import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES
 from megatron.core.tokenizer import REJECTED_TOKENIZER_TYPES, SUPPORTED_TOKENIZER_TYPES
 from megatron.training.argument_types import parse_bool, parse_float, parse_int
 
@@ -435,7 +437,35 @@ def add_activation_checkpointing_args(parser):
                        help="keep 1/TP of each checkpointed activation per rank")
 
 
+def add_fp8_args(parser):
+    """Add Megatron-LM's FP8 flags to ``parser`` (megatron/core/tensor_parallel/fp8.py has the math)."""
+    group = parser.add_argument_group("FP8")
+    group.add_argument("--fp8-format", choices=FP8_FORMATS, default=None,
+                       help="run the GEMMs of the transformer layers' linear layers in FP8 (forward and both "
+                            "backward GEMMs; master weights and optimizer unchanged): e4m3 for every operand, or "
+                            "hybrid (e4m3 inputs and weights, e5m2 gradients). Absent: no FP8")
+    group.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="delayed",
+                       help="scales: delayed (from the amax history of earlier steps), tensorwise (each tensor's "
+                            "current amax) or rowwise (each GEMM row's current amax)")
+    group.add_argument("--fp8-amax-history-len", type=parse_int, default=1,
+                       help="delayed scaling: steps of amax history kept per tensor")
+    group.add_argument("--fp8-amax-compute-algo", choices=AMAX_COMPUTE_ALGOS, default="most_recent",
+                       help="delayed scaling: the amax a scale is made from, the history's max or its most recent")
+    group.add_argument("--fp8-margin", type=parse_int, default=0,
+                       help="scales leave 2^margin of headroom: s = fp8_max / (amax 2^margin)")
+    group.add_argument("--first-last-layers-bf16", action="store_true",
+                       help="with --fp8-format, keep the GEMMs of the first and last transformer layers in the "
+                            "model's precision (counts: --num-layers-at-start-in-bf16, --num-layers-at-end-in-bf16)")
+    group.add_argument("--num-layers-at-start-in-bf16", type=parse_int, default=1,
+                       help="with --first-last-layers-bf16: the first transformer layers kept out of FP8")
+    group.add_argument("--num-layers-at-end-in-bf16", type=parse_int, default=1,
+                       help="with --first-last-layers-bf16: the last transformer layers kept out of FP8")
+    group.add_argument("--fp8-cpu-emulation", action="store_true",
+                       help="for tests: FP8 without FP8 GEMMs, each operand quantized with the recipe's scales and "
+                            "dequantized around a plain fp32 matmul (runs on CPU; no speed-up)")
+
+
 ARGUMENT_GROUPS = (add_network_size_args, add_regularization_args, add_training_args,
                    add_initialization_args, add_learning_rate_args, add_checkpointing_args,
                    add_mixed_precision_args, add_distributed_args, add_validation_args, add_data_args,
-                   add_logging_args, add_zero_args, add_activation_checkpointing_args)
+                   add_logging_args, add_zero_args, add_activation_checkpointing_args, add_fp8_args)

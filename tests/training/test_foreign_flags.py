@@ -121,7 +121,8 @@ def test_normalization_takes_both_spellings(parser):
 @pytest.mark.parametrize("flag, words", [
     ("--rotary-interleaved", ["two halves", "--use-rope-scaling"]),
     ("--rope-type", ["Llama 3's scaling"]),
-    ("--fp8-format", ["FP8", "planned", "--bf16"]),
+    ("--fp8-param-gather", ["FP8", "planned", "--fp8-format"]),
+    ("--fp8-hybrid", ["--fp8-format hybrid"]),
     ("--ds-sequence-parallel-fpdt-chunk-size", ["FPDT", "planned", "--ds-sequence-parallel-size"]),
     ("--use-distributed-optimizer", ["DeepSpeed", "zero_optimization.stage"]),
     ("--moe-router-topk", ["mixture-of-experts"]),
