@@ -2,9 +2,8 @@
 
 Runs one ParallelTransformerLayer forward under ``torch.autograd.graph.saved_tensors_hooks``, records
 every tensor autograd saves with the component running at the time (the innermost submodule, or the
-layer itself for the fused bias-dropout-adds), and, once the forward is over, sums the bytes of
-each distinct storage still alive (a storage freed by selective recompute counts 0; parameters are
-excluded). Dividing by s·b·h gives bytes per element of the [s, b, h] hidden states, which does not
+layer itself for the fused bias-dropout-adds), and sums the bytes of each distinct storage
+(parameters excluded). What selective recompute keeps as a recipe never reaches these hooks. Dividing by s·b·h gives bytes per element of the [s, b, h] hidden states, which does not
 depend on the micro-batch and, with flash/sdpa attention (no s x s scores kept), barely on s: the
 per-layer bytes of any shape of the same ratios are that figure times s·b·h.
 

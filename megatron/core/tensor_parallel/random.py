@@ -11,8 +11,8 @@ CPU generator and, when CUDA is available, of the current CUDA device's generato
 
 ``checkpoint`` drops the activations of a function in forward and recomputes them in backward,
 restoring both streams first, so the recomputation draws the same dropout masks (bit-exact).
-``CheckpointWithoutOutput`` also frees the function's output once its consumer has saved it, and
-refills it when the consumer's backward is about to run (selective recompute).
+``CheckpointWithoutOutput`` also keeps no copy of the function's output: its consumers save a recipe
+instead, which their backward turns into the recomputed output (selective recompute).
 """
 import contextlib
 from collections.abc import Callable, Iterator
@@ -186,12 +186,12 @@ def checkpoint(function: Callable[..., Any], distribute_saved_activations: bool,
 
 
 class _OutputRecomputedFunction(torch.autograd.Function):
-    """y = f(*args) saving only the tensor arguments; backward takes the recomputation that
-    ``CheckpointWithoutOutput`` made (when the consumer's gradient arrived) and differentiates it."""
+    """y = f(*args) saving only the tensor arguments; backward differentiates the recomputation that
+    ``CheckpointWithoutOutput`` made when a consumer unpacked y (or makes it now)."""
 
     @staticmethod
     def forward(ctx, owner, *args):
-        ctx.owner = owner
+        ctx.owner, owner.ctx = owner, ctx
         with torch.no_grad():
             output = owner.function(*args)
         ctx.args = [_TENSOR_ARG if torch.is_tensor(arg) else arg for arg in args]
@@ -201,62 +201,97 @@ class _OutputRecomputedFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         owner, ctx.owner = ctx.owner, None
-        inputs, output = owner.recomputed(ctx)
+        inputs, output = owner.recomputed()
         if output.requires_grad:
             torch.autograd.backward(output, grad)
         input_grads = iter(t.grad if t.requires_grad else None for t in inputs)
         return (None,) + tuple(next(input_grads) if arg is _TENSOR_ARG else None for arg in ctx.args)
 
 
-class CheckpointWithoutOutput:
-    """y = f(*args) that keeps neither f's activations nor, after ``discard_output``, y itself.
+class _SavedView(NamedTuple):
+    """What a consumer saved of a CheckpointWithoutOutput's output: where its view lies in the output."""
 
-    The consumer of y (a linear layer, say) saves y for its own backward. Then::
+    owner: "CheckpointWithoutOutput"
+    offset: int
+    size: torch.Size
+    stride: tuple[int, ...]
+
+
+class _PackedOutside(NamedTuple):
+    """A tensor packed by the saved-tensor hooks that were active around ``consumers()``."""
+
+    unpack: Callable[[Any], torch.Tensor]
+    packed: Any
+
+
+def _enclosing_saved_tensor_hooks():
+    """The (pack, unpack) hooks active now, or None."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
+
+
+class CheckpointWithoutOutput:
+    """y = f(*args) of which autograd keeps neither f's activations nor y.
+
+    y's consumers (a linear layer keeps its input for the weight gradient) run in ``consumers()``::
 
         recompute = CheckpointWithoutOutput()
-        y = recompute.checkpoint(f, x)      # runs f without autograd, saves x
-        z = consumer(y)                     # saves y
-        recompute.discard_output(z)         # frees y's storage
+        y = recompute.checkpoint(f, x)      # runs f without autograd, keeps x
+        with recompute.consumers():
+            z = consumer(y)                 # keeps how to make y again instead of y
 
-    When z's gradient is computed, before the consumer's backward runs, f is run again on x under
-    the forward's RNG states (dropout masks repeat bit-exactly) and the result is copied into y's
-    storage; f's backward then differentiates that recomputation. ``f`` must return one fresh
-    contiguous tensor (its own storage). Without grad mode everything runs plainly.
+    so y's memory is free once the forward has moved on. When the consumer's backward needs y, f runs
+    again on x under the forward's RNG states (dropout masks repeat bit-exactly), with autograd, and
+    the consumer gets the result (or its view of it) without a copy; f's backward then differentiates
+    that recomputation. Without grad mode everything runs plainly.
     """
 
     def __init__(self):
         self.function = None
-        self.output = None
+        self.ctx = None
         self._rng_states = None
+        self._where = None  # (storage address, storage offset) of the output
         self._recomputation = None
 
     def checkpoint(self, function: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
-        """``function(*args)``, its output kept until ``discard_output``."""
+        """``function(*args)`` (one tensor), kept only by consumers that run outside ``consumers()``."""
         if not torch.is_grad_enabled():
             return function(*args)
         self.function = function
         self._rng_states = (_current_states(), get_rng_tracker().get_states())
-        self.output = _OutputRecomputedFunction.apply(self, *args)
-        return self.output
+        output = _OutputRecomputedFunction.apply(self, *args)
+        self._where = (output.untyped_storage().data_ptr(), output.storage_offset())
+        return output
 
-    def discard_output(self, consumer_output: torch.Tensor) -> None:
-        """Free the output's storage; refill it when ``consumer_output``'s gradient is computed."""
-        if self.output is None or not consumer_output.requires_grad:
+    @contextlib.contextmanager
+    def consumers(self) -> Iterator[None]:
+        """Run the output's consumers: what they save of it becomes a recipe for recomputing it.
+        Other saved tensors go to the hooks active outside, if any, unchanged otherwise."""
+        if self._where is None:
+            yield
             return
-        self.output.untyped_storage().resize_(0)
-        consumer_output.register_hook(self._refill)
+        outside = _enclosing_saved_tensor_hooks()
+        address, base_offset = self._where
 
-    def _refill(self, grad: torch.Tensor) -> None:
-        ctx = self.output.grad_fn
-        inputs, recomputed = self._recompute(ctx)
-        storage = self.output.untyped_storage()
-        storage.resize_(recomputed.untyped_storage().size())
-        with torch.no_grad():
-            storage.copy_(recomputed.untyped_storage())
-        self._recomputation = (inputs, recomputed)
-        self.output = None
+        def pack(tensor):
+            if tensor.layout is torch.strided and tensor.untyped_storage().data_ptr() == address:
+                return _SavedView(self, tensor.storage_offset() - base_offset, tensor.size(), tensor.stride())
+            if outside is not None:
+                return _PackedOutside(outside[1], outside[0](tensor))
+            return tensor.detach()
 
-    def _recompute(self, ctx) -> tuple[list[torch.Tensor], torch.Tensor]:
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+            yield
+
+    def view(self, saved: _SavedView) -> torch.Tensor:
+        """The consumer's saved view of the output, made again (once for all the consumers)."""
+        if self._recomputation is None:
+            self._recomputation = self._recompute()
+        output = self._recomputation[1].detach()
+        return output.as_strided(saved.size, saved.stride, output.storage_offset() + saved.offset)
+
+    def _recompute(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        ctx = self.ctx
         inputs = [saved.detach().requires_grad_(saved.requires_grad) for saved in ctx.saved_tensors]
         remaining = iter(inputs)
         args = [next(remaining) if arg is _TENSOR_ARG else arg for arg in ctx.args]
@@ -271,9 +306,17 @@ class CheckpointWithoutOutput:
             get_rng_tracker().set_states(backward_states[1])
         return inputs, output
 
-    def recomputed(self, ctx) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """(inputs, output) of the recomputation made for backward (made now if the output was never
-        discarded), then forgotten."""
-        recomputation = self._recomputation if self._recomputation is not None else self._recompute(ctx)
-        self._recomputation = self.function = self.output = self._rng_states = None
+    def recomputed(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """(inputs, output) of the recomputation for f's backward (made now if no consumer unpacked
+        the output), then forgotten."""
+        recomputation = self._recomputation if self._recomputation is not None else self._recompute()
+        self._recomputation = self.ctx = None
         return recomputation
+
+
+def _unpack(saved: Any) -> torch.Tensor:
+    if isinstance(saved, _SavedView):
+        return saved.owner.view(saved)
+    if isinstance(saved, _PackedOutside):
+        return saved.unpack(saved.packed)
+    return saved

@@ -101,13 +101,11 @@ class ParallelSelfAttention(nn.Module):
     def _dense_of_recomputed_core(self, mixed: torch.Tensor, position_ids: torch.Tensor,
                                   attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Selective recompute of the core: ``attend`` keeps nothing but the projection's output
-        ``mixed``; its result (dense's input) is freed after dense and recomputed, dropout replayed,
-        just before dense's backward."""
+        ``mixed``, and dense no copy of its result: dense's backward recomputes it, dropout replayed."""
         recompute = CheckpointWithoutOutput()
         context = recompute.checkpoint(self.attend, mixed, position_ids, attention_mask, self.query_key_value.bias)
-        output, bias = self.dense(context)
-        recompute.discard_output(output)
-        return output, bias
+        with recompute.consumers():
+            return self.dense(context)
 
     def attend(self, mixed: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                mixed_bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -62,9 +62,8 @@ class ParallelMLP(nn.Module):
         """[s, b, h] -> (output [s, b, h], bias [h]).
 
         Selective recompute (``config.recompute_modules``): "mlp" keeps only the input and recomputes
-        the whole MLP in backward; "mlp_act" frees the activation's output [s, b, ffn / tp] once
-        dense_4h_to_h has consumed it and recomputes it (elementwise, from the kept first-layer output)
-        just before dense_4h_to_h's backward."""
+        the whole MLP in backward; "mlp_act" keeps no copy of the activation's output [s, b, ffn / tp]:
+        dense_4h_to_h's backward recomputes it (elementwise, from the kept first-layer output)."""
         if "mlp" in self.config.recompute_modules and torch.is_grad_enabled():
             output = checkpoint(self._output, False, hidden_states)
             return output, self.dense_4h_to_h.bias
@@ -79,9 +78,8 @@ class ParallelMLP(nn.Module):
             return self.dense_4h_to_h(self.activation(intermediate, bias))
         recompute = CheckpointWithoutOutput()
         activated = recompute.checkpoint(self.activation, intermediate, bias)
-        output, output_bias = self.dense_4h_to_h(activated)
-        recompute.discard_output(output)
-        return output, output_bias
+        with recompute.consumers():
+            return self.dense_4h_to_h(activated)
 
     def activation(self, intermediate: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The first layer's output and bias [s, b, (2) ffn / tp] -> the activation [s, b, ffn / tp]."""

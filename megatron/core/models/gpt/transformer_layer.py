@@ -23,8 +23,8 @@ class ParallelTransformerLayer(nn.Module):
     it drives query-key layer scaling and the layout-independent init. With sequence parallelism
     x is this rank's [s / tp, b, h] block; the norms, dropouts and adds run on it, the dropouts
     under the model-parallel RNG stream (each rank holds other positions, so other masks).
-    Selective recompute "layernorm" (``config.recompute_modules``) frees LN_1's and LN_2's outputs
-    after their blocks' forward and recomputes them from x, x' when those blocks' backward begins.
+    Selective recompute "layernorm" (``config.recompute_modules``) keeps no copy of LN_1's and LN_2's
+    outputs: the projections' backward recomputes them from x and x'.
     """
 
     def __init__(self, config: GPTModelConfig, layer_number: int, groups: ParallelGroups, device=None):
@@ -40,32 +40,26 @@ class ParallelTransformerLayer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """hidden_states [s, b, h], position_ids [b, s], attention_mask bool [b, 1, s, s] or None -> [s, b, h]."""
-        recompute = self._norm_recompute()
+        recompute = CheckpointWithoutOutput()  # of selective recompute's "layernorm"; unused otherwise
         normed, residual = self.norm_and_residual(self.input_layernorm, hidden_states, recompute)
-        attention_output, attention_bias = self.self_attention(normed, position_ids, attention_mask)
-        if recompute is not None:
-            recompute.discard_output(attention_output)
+        with recompute.consumers():
+            attention_output, attention_bias = self.self_attention(normed, position_ids, attention_mask)
         return self.mlp_block(self.bias_dropout_add(attention_output, attention_bias, residual))
 
     def mlp_block(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The layer's second half: x' [s, b, h] -> y = r_2 + dropout(MLP(LN_2(x')))."""
-        recompute = self._norm_recompute()
+        recompute = CheckpointWithoutOutput()
         normed, residual = self.norm_and_residual(self.post_attention_layernorm, hidden_states, recompute)
-        mlp_output, mlp_bias = self.mlp(normed)
-        if recompute is not None:
-            recompute.discard_output(mlp_output)
+        with recompute.consumers():
+            mlp_output, mlp_bias = self.mlp(normed)
         return self.bias_dropout_add(mlp_output, mlp_bias, residual)
-
-    def _norm_recompute(self) -> CheckpointWithoutOutput | None:
-        """Selective recompute "layernorm": the norm's output (the projection's input) is freed after
-        the attention (MLP) block's forward and recomputed from x when that block's backward begins."""
-        return CheckpointWithoutOutput() if "layernorm" in self.config.recompute_modules else None
 
     def norm_and_residual(self, norm: LayerNorm | RMSNorm, x: torch.Tensor,
                           recompute: CheckpointWithoutOutput | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x) in the params dtype, the residual branch: norm(x) or x); with ``recompute`` the
-        norm runs through it (pre-LN only: its output must not be the residual)."""
-        if recompute is not None:
+        """(norm(x) in the params dtype, the residual branch: norm(x) or x). Under selective recompute
+        "layernorm" the norm runs through ``recompute``, whose ``consumers()`` then keep no copy of
+        its output (pre-LN only: the output must not be the residual)."""
+        if recompute is not None and "layernorm" in self.config.recompute_modules:
             return recompute.checkpoint(lambda x_: norm(x_).to(self.config.params_dtype), x), x
         if self.config.apply_residual_connection_post_layernorm:
             normed = norm(x).to(self.config.params_dtype)
