@@ -250,7 +250,7 @@ class CheckpointWithoutOutput:
         self.function = None
         self.ctx = None
         self._rng_states = None
-        self._where = None  # (storage address, storage offset) of the output
+        self._where = None  # the output's storage address, its offset in it, the storage's bytes
         self._recomputation = None
 
     def checkpoint(self, function: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
@@ -260,7 +260,8 @@ class CheckpointWithoutOutput:
         self.function = function
         self._rng_states = (_current_states(), get_rng_tracker().get_states())
         output = _OutputRecomputedFunction.apply(self, *args)
-        self._where = (output.untyped_storage().data_ptr(), output.storage_offset())
+        storage = output.untyped_storage()
+        self._where = (storage.data_ptr(), output.storage_offset(), storage.nbytes())
         return output
 
     @contextlib.contextmanager
@@ -271,10 +272,11 @@ class CheckpointWithoutOutput:
             yield
             return
         outside = _enclosing_saved_tensor_hooks()
-        address, base_offset = self._where
+        address, base_offset, nbytes = self._where
 
         def pack(tensor):
-            if tensor.layout is torch.strided and tensor.untyped_storage().data_ptr() == address:
+            if address <= tensor.data_ptr() < address + nbytes and tensor.layout is torch.strided \
+                    and tensor.untyped_storage().data_ptr() == address:
                 return _SavedView(self, tensor.storage_offset() - base_offset, tensor.size(), tensor.stride())
             if outside is not None:
                 return _PackedOutside(outside[1], outside[0](tensor))
