@@ -30,14 +30,25 @@ tied layers do).
 Model states per GPU, for P parameters on the GPU (ZeRO, Rajbhandari et al. 2020): weights 2P (4P
 in fp32), gradients 2P (4P in fp32; + 4P with fp32 gradient accumulation, or that 4P alone with
 bf16's immediate_grad_update, the trainer's default), Adam 12P (fp32 master copy and two moments; 8P
-in fp32). ZeRO 1 divides the optimizer states by d, 2 the gradients too, 3 the weights too.
+in fp32). ZeRO 1 divides the optimizer states by d S (S: Ulysses' sequence-parallel size, 1
+without), 2 the gradients too, 3 the weights too, and ZeRO 3 adds the weights of two modules
+gathered at once (the one running, the one prefetched; the largest module counts: a layer, the
+embedding or the output layer). Offload: --offload-optimizer puts Adam's states and an fp32 gradient
+partition, 16P/(d S), in host memory (and at ZeRO 2 and 3 no gradient partition stays on the GPU);
+--offload-param (ZeRO 3) the 2P/(d S) weight partition, leaving only the gathered weights.
 
 Activations of one layer and micro-batch (estimate, Korthikanti et al. 2022), with e = 2, f = 4h:
 s b h (10 + 24/t) bytes, s b h (34/t) with --sequence-parallel, + 2 e s b h (1 - 1/t) with
 --tp-comm-overlap (the QKV and first MLP inputs kept gathered); + 5 a s^2 b / t when the attention
 scores are materialized (the trainer's --deterministic; its default fused attention keeps none).
 With full checkpointing a layer keeps only its input (e s b h, / t with sequence parallelism) and
-one chunk is recomputed at a time. 1F1B keeps min(p - stage, micro-batches per step) micro-batches
+one chunk is recomputed at a time; --recompute-method block checkpoints the first N layers of a
+stage only, the others keep everything. Selective recompute frees what its modules recompute: per
+s b h, layernorm the two norms' outputs (2e; e when mlp keeps the second), mlp_act the
+activation's output (e f/h / t), mlp its input and output (e (u + 1) f/h / t), core_attn the
+attention output (e / t; with rotary embeddings also the rotated query and key, e (h + k)/h / t;
+and the scores when materialized). Ulysses (--ds-sequence-parallel-size S) holds s/S positions per
+GPU: every term above with s/S, the scores with a/S heads at full length. 1F1B keeps min(p - stage, micro-batches per step) micro-batches
 in flight. The last stage adds 2 e s b V_p / t at the loss (the logits, which the fused cross
 entropy keeps for the backward, and their gradient).
 
@@ -47,6 +58,8 @@ a GLU, megatron.core.flops), matmuls only, l = 4h^2 + 4hk + 4sh + 2(u + 1)hf per
     model     F = 3 B s [L l + 2hV_p]                    = 72 B s L h^2 (1 + s/6h + V_p/12Lh) at f = 4h
     hardware  with full recomputation the layers run a second forward:
               4 B s L l + 6 B s h V_p                    = 96 B s L h^2 (1 + s/6h + V_p/16Lh) at f = 4h
+              and this run's: B s [(3 + r) L l + 6 h V_p] with r the layers' recomputed share (1 full
+              uniform, N p / L block, the recomputed modules' matmuls selective: the trainer's count)
     days      tokens x (F / B s) / (GPUs x peak x MFU) / 86400
 """
 import argparse
@@ -62,125 +75,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.core.flops import layer_forward_flops_per_token, output_layer_forward_flops_per_token  # noqa: E402
 from megatron.core.flops import model_flops_per_iteration as core_model_flops  # noqa: E402
-from megatron.core.tokenizer.gpt2_bpe import TokenizerError  # noqa: E402
-from megatron.core.tokenizer.vocab_padding import vocab_size_with_padding  # noqa: E402
-from megatron.training.argument_groups import add_llama_args  # noqa: E402
-from megatron.training.argument_types import parse_float, parse_int  # noqa: E402
+from megatron.training.argument_groups import add_llama_args, add_recompute_args  # noqa: E402
+from megatron.training.argument_types import ArgumentError, parse_float, parse_int  # noqa: E402
+from megatron.training.recompute_flags import recompute_settings  # noqa: E402
+from megatron.training.throughput import recomputed_fraction  # noqa: E402
+from tools.model_calculator_inputs import (NORMALIZATIONS, POSITION_EMBEDDING_TYPES, PRECISIONS,  # noqa: E402
+                                           RECOMPUTE_METHODS, ZERO_STAGES, CalculatorError, Layout, ModelShape,
+                                           TrainingBudget, padded_vocab_size)
+from tools.model_calculator_memory import (layer_activation_bytes, model_state_bytes,  # noqa: E402
+                                           stage_activation_bytes)
 from tools.model_calculator_report import format_report  # noqa: E402
 
 SECONDS_PER_DAY = 86400.0
-# learned = Megatron's absolute, rope = Megatron-LM's rotary
-POSITION_EMBEDDING_TYPES = ("absolute", "learned", "rotary", "rope", "alibi")
-NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-PRECISIONS = ("fp32", "fp16", "bf16")
-ZERO_STAGES = (0, 1, 2, 3)
-
-
-class CalculatorError(ValueError):
-    """A model or layout that cannot work; the message names the flag."""
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The network size flags of pretrain_gpt.py."""
-
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    seq_length: int
-    max_position_embeddings: int | None = None  # None: the sequence length
-    vocab_size: int = 50257
-    make_vocab_size_divisible_by: int = 128
-    pad_vocab_size_to: int | None = None
-    ffn_hidden_size: int | None = None  # None: 4h
-    position_embedding_type: str = "absolute"
-    untie_embeddings_and_output_weights: bool = False
-    embed_layernorm: bool = False
-    normalization: str = "LayerNorm"
-    num_query_groups: int | None = None  # None: one per head (multi-head attention)
-    swiglu: bool = False
-    add_bias_linear: bool = True
-    add_qkv_bias: bool = False
-    rotary_base: float = 10000.0
-    rotary_percent: float = 1.0
-
-    @property
-    def ffn(self) -> int:
-        """f: --ffn-hidden-size, else 4h, or with --swiglu 8h/3 rounded down to a multiple of 64 (the trainer's
-        default, Megatron-LM's)."""
-        if self.ffn_hidden_size is not None:
-            return self.ffn_hidden_size
-        return int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
-
-    @property
-    def groups(self) -> int:
-        """g: the key/value groups."""
-        return self.num_attention_heads if self.num_query_groups is None else self.num_query_groups
-
-    @property
-    def key_value_size(self) -> int:
-        """k = g h / a: the width of the keys (and of the values)."""
-        return self.groups * (self.hidden_size // self.num_attention_heads)
-
-    @property
-    def rotary(self) -> bool:
-        return self.position_embedding_type in ("rotary", "rope")
-
-    @property
-    def max_positions(self) -> int:
-        """--max-position-embeddings as the trainer resolves it (the sequence length when not given)."""
-        return self.seq_length if self.max_position_embeddings is None else self.max_position_embeddings
-
-    @property
-    def position_rows(self) -> int:
-        """Rows of the learned position table (0 for rotary and ALiBi, which have none)."""
-        return self.max_positions if self.position_embedding_type in ("absolute", "learned") else 0
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How the run is spread over GPUs, and its precision, ZeRO stage and recomputation."""
-
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
-    num_gpus: int = 1
-    micro_batch_size: int = 1
-    global_batch_size: int | None = None  # None: micro batch x DP (one micro-batch per step)
-    zero_stage: int = 0
-    precision: str = "fp32"
-    fp32_grad_accumulation: bool = False
-    immediate_grad_update: bool = True  # DeepSpeed's bf16.immediate_grad_update (the trainer's default)
-    checkpoint_activations: bool = False
-    checkpoint_num_layers: int = 1
-    pp_partition_method: str | None = None  # None: the trainer's default
-    materialized_attention: bool = False
-    sequence_parallel: bool = False
-    tp_comm_overlap: bool = False
-
-    @property
-    def data_parallel(self) -> int:
-        return self.num_gpus // (self.tensor_parallel * self.pipeline_parallel)
-
-    @property
-    def batch(self) -> int:
-        """The global batch B."""
-        if self.global_batch_size is None:
-            return self.micro_batch_size * self.data_parallel
-        return self.global_batch_size
-
-    @property
-    def micro_batches_per_step(self) -> int:
-        """Gradient accumulation steps m = B / (b d)."""
-        return self.batch // (self.micro_batch_size * self.data_parallel)
-
-
-@dataclass(frozen=True)
-class TrainingBudget:
-    """A token budget and the speed assumed for it."""
-
-    train_tokens: float | None = None
-    mfu: float = 0.4
-    peak_tflops: float = 989.0  # H100 SXM, dense bf16
 
 
 # ------------------------------------------------------------------------------------------ checks
@@ -247,10 +153,43 @@ def _check_sequence_parallel(shape: ModelShape, layout: Layout) -> None:
                               f"{shape.seq_length}: --sequence-parallel splits the sequence over the TP ranks")
 
 
+def _check_ulysses(shape: ModelShape, layout: Layout) -> None:
+    """The trainer's rules for --ds-sequence-parallel-size S."""
+    t, sp = layout.tensor_parallel, layout.ulysses
+    if sp == 1:
+        return
+    for name, count in (("--num-attention-heads", shape.num_attention_heads), ("--num-query-groups", shape.groups)):
+        if (count // t) % sp:
+            raise CalculatorError(f"--ds-sequence-parallel-size {sp} does not divide {name} {count} / TP {t}: each "
+                                  f"sequence-parallel rank attends over 1 / S of a TP rank's heads")
+    if shape.seq_length % sp:
+        raise CalculatorError(f"--ds-sequence-parallel-size {sp} does not divide --seq-length {shape.seq_length}")
+    if layout.num_gpus % (t * layout.pipeline_parallel * sp):
+        raise CalculatorError(f"--num-gpus {layout.num_gpus} is not a multiple of TP {t} x PP "
+                              f"{layout.pipeline_parallel} x --ds-sequence-parallel-size {sp}")
+    refused = (("--pipeline-model-parallel-size > 1", layout.pipeline_parallel > 1),
+               ("--zero-stage 3", layout.zero_stage == 3), ("--sequence-parallel", layout.sequence_parallel))
+    for flag, present in refused:
+        if present:
+            raise CalculatorError(f"--ds-sequence-parallel-size {sp} with {flag}: the trainer refuses the combination")
+
+
+def _check_offload_and_recompute(layout: Layout) -> None:
+    if layout.offload_param and layout.zero_stage != 3:
+        raise CalculatorError("--offload-param moves ZeRO 3's weight partitions to the host: add --zero-stage 3")
+    if layout.offload_optimizer and layout.zero_stage == 0:
+        raise CalculatorError("--offload-optimizer runs ZeRO's optimizer partitions on the host: add --zero-stage "
+                              "1, 2 or 3")
+    if layout.recompute_method not in RECOMPUTE_METHODS:
+        raise CalculatorError(f"--recompute-method {layout.recompute_method!r}: use one of {', '.join(RECOMPUTE_METHODS)}")
+
+
 def check_layout(shape: ModelShape, layout: Layout) -> None:
     """Raise CalculatorError naming the flag if ``layout`` cannot run ``shape``."""
     _check_parallel_sizes(shape, layout)
     _check_sequence_parallel(shape, layout)
+    _check_ulysses(shape, layout)
+    _check_offload_and_recompute(layout)
     per_step = layout.micro_batch_size * layout.data_parallel
     if layout.batch % per_step:
         raise CalculatorError(f"--global-batch-size {layout.batch} is not a multiple of --micro-batch-size "
@@ -277,15 +216,6 @@ def check_budget(budget: TrainingBudget) -> None:
 # ------------------------------------------------------------------------------------------ parameters
 
 
-def padded_vocab_size(shape: ModelShape, tensor_parallel: int) -> int:
-    """V_p: the embedding's row count, padded as the trainer pads it (depends on TP)."""
-    try:
-        return vocab_size_with_padding(shape.vocab_size, shape.make_vocab_size_divisible_by, tensor_parallel,
-                                       shape.pad_vocab_size_to)
-    except TokenizerError as error:
-        raise CalculatorError(str(error)) from None
-
-
 @dataclass(frozen=True)
 class ParameterCounts:
     """Parameter counts; ``per_gpu`` has one entry per pipeline stage (any TP rank of it)."""
@@ -297,6 +227,7 @@ class ParameterCounts:
     output_layer: int
     layers_per_stage: list[int]
     per_gpu: list[int]
+    largest_module_per_gpu: int  # the most one module (a layer, the embedding, the head) holds on a GPU
 
 
 def model_config(shape: ModelShape, tensor_parallel: int):
@@ -426,125 +357,11 @@ def count_parameters(shape: ModelShape, tensor_parallel: int = 1, pipeline_paral
     unique = [build(spec) for spec in specs if not hasattr(spec, "key")] + [embedding]
     total = sum(p.numel() for module in unique for p in module.parameters())
     per_gpu = [_stage_parameters_per_gpu(stage, build, tensor_parallel) for stage in stages]
+    largest = max(_per_gpu(build(spec), tensor_parallel) for spec in specs)
     return ParameterCounts(total=total, without_embeddings=total - word - position - output, word_embeddings=word,
                            position_embeddings=position, output_layer=output,
                            layers_per_stage=[sum(map(_is_transformer_layer, stage)) for stage in stages],
-                           per_gpu=per_gpu)
-
-
-# ------------------------------------------------------------------------------------------ memory
-
-
-@dataclass(frozen=True)
-class StateMemory:
-    """Bytes of model states on one GPU."""
-
-    weights: float
-    gradients: float
-    optimizer: float
-
-    @property
-    def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer
-
-
-def bytes_per_parameter(precision: str, fp32_grad_accumulation: bool = False,
-                        immediate_grad_update: bool = True) -> tuple[int, int, int]:
-    """(weights, gradients, Adam states) bytes per parameter before ZeRO partitioning.
-
-    Mixed precision: 2, 2 (+ 4 for an fp32 accumulation buffer), 12 (fp32 master, two fp32 moments).
-    bf16 with fp32 accumulation and immediate_grad_update: 2, 4, 12; each bf16 gradient is added into
-    its accumulator as backward produces it and dropped (that one parameter's gradient is ignored).
-    fp32: 4, 4, 8 (the two moments; the weights are already the fp32 copy).
-    """
-    if precision == "fp32":
-        return 4, 4, 8
-    if not fp32_grad_accumulation:
-        return 2, 2, 12
-    drops_16_bit_gradients = precision == "bf16" and immediate_grad_update
-    return 2, 4 if drops_16_bit_gradients else 6, 12
-
-
-def model_state_bytes(parameters: int, layout: Layout, zero_stage: int | None = None) -> StateMemory:
-    """Model states of a GPU holding ``parameters``: ZeRO stage z splits over d the optimizer (z >= 1),
-    the gradients (z >= 2) and the weights (z = 3)."""
-    stage = layout.zero_stage if zero_stage is None else zero_stage
-    d = layout.data_parallel
-    weights, gradients, optimizer = bytes_per_parameter(layout.precision, layout.fp32_grad_accumulation,
-                                                        layout.immediate_grad_update)
-    return StateMemory(weights=weights * parameters / (d if stage >= 3 else 1),
-                       gradients=gradients * parameters / (d if stage >= 2 else 1),
-                       optimizer=optimizer * parameters / (d if stage >= 1 else 1))
-
-
-def activation_element_bytes(precision: str) -> int:
-    return 4 if precision == "fp32" else 2
-
-
-def layer_activation_bytes(shape: ModelShape, layout: Layout) -> float:
-    """Bytes one layer keeps for the backward, per micro-batch (Korthikanti et al. 2022): s b h (4e + 2)
-    outside the TP regions (two LayerNorm inputs, the QKV and MLP inputs, two 1-byte dropout masks),
-    replicated over TP, or split (/ t) by sequence parallelism, + s b h (4e + 2ef/h) / t split (Q, K,
-    V, attention output, GeLU input and output; K and V are k wide, not h, and SwiGLU keeps its 2f
-    input and f product, 3ef/h) [+ 2 e s b h (1 - 1/t) with --tp-comm-overlap, which
-    keeps the QKV and MLP inputs gathered] [+ (2e + 1) a s^2 b / t: softmax output, its dropout mask
-    and output, when materialized]. At e = 2, f = 4h: s b h (10 + 24/t + 5as/(ht)), and with sequence
-    parallelism s b h / t (34 + 5as/h)."""
-    s, b, h = shape.seq_length, layout.micro_batch_size, shape.hidden_size
-    e, t = activation_element_bytes(layout.precision), layout.tensor_parallel
-    outside_tp = (4 * e + 2) / (t if layout.sequence_parallel else 1)
-    mlp = (3 if shape.swiglu else 2) * shape.ffn
-    inside_tp = e * (2 * h + 2 * shape.key_value_size + mlp) / h / t
-    gathered_inputs = 2 * e * (1 - 1 / t) if layout.tp_comm_overlap else 0.0
-    scores = (2 * e + 1) * shape.num_attention_heads * s * s * b / t if layout.materialized_attention else 0.0
-    return s * b * h * (outside_tp + inside_tp + gathered_inputs) + scores
-
-
-def layer_input_bytes(shape: ModelShape, layout: Layout) -> float:
-    """e s b h: the input a checkpointed chunk keeps; / t under sequence parallelism (the rank's block)."""
-    sequence = shape.seq_length / (layout.tensor_parallel if layout.sequence_parallel else 1)
-    return activation_element_bytes(layout.precision) * sequence * layout.micro_batch_size * shape.hidden_size
-
-
-def logits_activation_bytes(shape: ModelShape, layout: Layout) -> float:
-    """2 e s b V_p / t at the loss (last stage): the logits, which the GPU's fused cross entropy keeps for
-    the backward (it computes in fp32 without a working copy), and their gradient."""
-    vocab = padded_vocab_size(shape, layout.tensor_parallel)
-    element = activation_element_bytes(layout.precision)
-    return 2 * element * shape.seq_length * layout.micro_batch_size * vocab / layout.tensor_parallel
-
-
-def micro_batches_in_flight(layout: Layout, stage: int) -> int:
-    """1F1B: stage i has run forward on min(p - i, m) micro-batches before its first backward."""
-    return min(layout.pipeline_parallel - stage, layout.micro_batches_per_step)
-
-
-@dataclass(frozen=True)
-class ActivationMemory:
-    """Activation bytes of one GPU of a pipeline stage (estimate)."""
-
-    per_micro_batch: float  # what one micro-batch leaves for the backward
-    in_flight: int  # micro-batches whose activations are held at once
-    recompute: float  # one checkpointed chunk rebuilt in the backward (0 without checkpointing)
-    logits: float  # the last stage's fp32 logits at the loss (0 elsewhere)
-
-    @property
-    def total(self) -> float:
-        return self.in_flight * self.per_micro_batch + self.recompute + self.logits
-
-
-def stage_activation_bytes(shape: ModelShape, layout: Layout, stage: int, layers: int) -> ActivationMemory:
-    """Activations of a stage with ``layers`` layers; with checkpointing each chunk of
-    --checkpoint-num-layers k layers keeps its input, and one chunk is rebuilt at a time."""
-    full_layer = layer_activation_bytes(shape, layout)
-    logits = logits_activation_bytes(shape, layout) if stage == layout.pipeline_parallel - 1 else 0.0
-    in_flight = micro_batches_in_flight(layout, stage)
-    if not layout.checkpoint_activations:
-        return ActivationMemory(per_micro_batch=layers * full_layer, in_flight=in_flight, recompute=0.0,
-                                logits=logits)
-    chunk = min(layout.checkpoint_num_layers, layers)
-    return ActivationMemory(per_micro_batch=math.ceil(layers / chunk) * layer_input_bytes(shape, layout),
-                            in_flight=in_flight, recompute=chunk * full_layer, logits=logits)
+                           per_gpu=per_gpu, largest_module_per_gpu=largest)
 
 
 # ------------------------------------------------------------------------------------------ FLOPs and time
@@ -569,6 +386,30 @@ def hardware_flops_with_recompute(shape: ModelShape, layout: Layout) -> float:
     return tokens * (4.0 * shape.num_layers * layer + 3.0 * logits)
 
 
+def recomputed_share(shape: ModelShape, layout: Layout) -> float:
+    """r: the share of the layers' forward matmul FLOPs that the run's recompute mode runs again (the
+    trainer's ``throughput.recomputed_fraction``: 1 full uniform, N p / L block, the recomputed
+    modules' share selective)."""
+    from megatron.core.models.gpt.config import GPTConfigError
+
+    try:
+        config = replace(model_config(shape, layout.tensor_parallel), checkpoint_activations=layout.checkpoint_activations,
+                         checkpoint_num_layers=layout.checkpoint_num_layers, recompute_method=layout.recompute_method,
+                         recompute_modules=layout.recompute_modules)
+    except GPTConfigError as error:
+        raise CalculatorError(str(error)) from None
+    return recomputed_fraction(config, layout.pipeline_parallel)
+
+
+def this_run_hardware_flops(shape: ModelShape, layout: Layout) -> float:
+    """B s [(3 + r) L l + 3 (2hV_p)]: the layers' recomputed share r runs a fourth pass."""
+    tokens = layout.batch * shape.seq_length
+    logits = output_layer_forward_flops_per_token(shape.hidden_size, padded_vocab_size(shape, layout.tensor_parallel))
+    layer = layer_forward_flops_per_token(shape.hidden_size, shape.seq_length, shape.ffn, glu=shape.swiglu,
+                                          key_value_size=shape.key_value_size)
+    return tokens * ((3.0 + recomputed_share(shape, layout)) * shape.num_layers * layer + 3.0 * logits)
+
+
 def training_days(model_flops_per_token: float, budget: TrainingBudget, num_gpus: int) -> float:
     """tokens x FLOPs per token / (GPUs x peak x MFU), in days."""
     cluster_flops_per_second = num_gpus * budget.peak_tflops * 1e12 * budget.mfu
@@ -579,13 +420,14 @@ def training_days(model_flops_per_token: float, budget: TrainingBudget, num_gpus
 
 
 def _memory_figures(shape: ModelShape, layout: Layout, counts: ParameterCounts) -> list[dict]:
-    """Per pipeline stage: activations and model states at every ZeRO stage, in bytes."""
+    """Per pipeline stage: activations and model states at every ZeRO stage, in bytes (ZeRO 3 gathers
+    two modules at a time: the one running and the one prefetched)."""
     stages = []
     for stage, (layers, parameters) in enumerate(zip(counts.layers_per_stage, counts.per_gpu)):
         activations = stage_activation_bytes(shape, layout, stage, layers)
         by_zero = {}
         for zero in ZERO_STAGES:
-            states = model_state_bytes(parameters, layout, zero)
+            states = model_state_bytes(parameters, layout, zero, gathered_parameters=2 * counts.largest_module_per_gpu)
             by_zero[str(zero)] = {**asdict(states), "activations": activations.total,
                                   "total": states.total + activations.total}
         stages.append({"stage": stage, "layers": layers, "parameters_per_gpu": parameters,
@@ -600,7 +442,7 @@ def _flops_figures(shape: ModelShape, layout: Layout, budget: TrainingBudget) ->
     tokens = layout.batch * shape.seq_length
     figures = {"tokens_per_iteration": tokens, "model_flops_per_iteration": model,
                "hardware_flops_per_iteration_with_recompute": hardware, "model_flops_per_token": model / tokens,
-               "this_run_hardware_flops_per_iteration": hardware if layout.checkpoint_activations else model}
+               "this_run_hardware_flops_per_iteration": this_run_hardware_flops(shape, layout)}
     if budget.train_tokens is not None:
         figures["training"] = {"train_tokens": budget.train_tokens, "mfu": budget.mfu,
                                "peak_tflops": budget.peak_tflops,
@@ -669,8 +511,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="split the activations outside the TP regions along the sequence (no effect at TP 1)")
     layout.add_argument("--tp-comm-overlap", action="store_true",
                         help="with --sequence-parallel, keep each column-parallel GEMM's gathered input")
+    layout.add_argument("--ds-sequence-parallel-size", type=parse_int, default=1,
+                        help="DeepSpeed-Ulysses: S ranks share each sequence (1/S of its positions each)")
+    layout.add_argument("--offload-optimizer", action="store_true",
+                        help="ds_config zero_optimization.offload_optimizer.device cpu: Adam on the host")
+    layout.add_argument("--offload-param", action="store_true",
+                        help="ds_config zero_optimization.offload_param.device cpu (ZeRO 3): weights on the host")
     layout.add_argument("--checkpoint-activations", action="store_true", help="full activation recomputation")
     layout.add_argument("--checkpoint-num-layers", type=parse_int, default=1, help="layers per checkpointed chunk")
+    layout.add_argument("--apply-residual-connection-post-layernorm", action="store_true",
+                        help="as the trainer (selective recompute then keeps the norms' outputs)")
+    add_recompute_args(layout)  # the trainer's Megatron-LM recompute flags
     layout.add_argument("--deterministic", action="store_true",
                         help="the trainer's materialized attention, which keeps the [b, a, s, s] scores")
     budget = parser.add_argument_group("training time")
@@ -711,6 +562,10 @@ def inputs_from_args(args: argparse.Namespace) -> tuple[ModelShape, Layout, Trai
         rotary_base=args.rotary_base, rotary_percent=args.rotary_percent)
     if args.use_rotary_position_embeddings:
         shape = replace(shape, position_embedding_type="rotary")
+    try:
+        recompute = recompute_settings(args)
+    except ArgumentError as error:
+        raise CalculatorError(str(error)) from None
     precision = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     split_over_tp = tp > 1  # the trainer turns --sequence-parallel and --tp-comm-overlap off at TP 1
@@ -720,8 +575,11 @@ def inputs_from_args(args: argparse.Namespace) -> tuple[ModelShape, Layout, Trai
                     zero_stage=args.zero_stage, precision=precision,
                     fp32_grad_accumulation=fp32_grad_accumulation(precision, args.grad_accum_dtype),
                     immediate_grad_update=args.immediate_grad_update,
-                    checkpoint_activations=args.checkpoint_activations,
-                    checkpoint_num_layers=args.checkpoint_num_layers, materialized_attention=args.deterministic,
+                    checkpoint_activations=recompute["checkpoint_activations"],
+                    checkpoint_num_layers=recompute["checkpoint_num_layers"],
+                    recompute_method=recompute["recompute_method"], recompute_modules=recompute["recompute_modules"],
+                    ulysses=args.ds_sequence_parallel_size, offload_optimizer=args.offload_optimizer,
+                    offload_param=args.offload_param, materialized_attention=args.deterministic,
                     sequence_parallel=args.sequence_parallel and split_over_tp,
                     tp_comm_overlap=args.tp_comm_overlap and split_over_tp,
                     pp_partition_method=args.pp_partition_method)

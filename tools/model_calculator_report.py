@@ -29,8 +29,14 @@ def _format_header(figures: dict) -> list[str]:
     m, lay = figures["model"], figures["layout"]
     positions = {"absolute": "learned", "learned": "learned", "rope": "rotary"}.get(m["position_embedding_type"],
                                                                                   m["position_embedding_type"])
-    recompute = (f"full, {_count(lay['checkpoint_num_layers'], 'layer')} per chunk" if lay["checkpoint_activations"]
-                 else "off")
+    recompute = "off"
+    if lay["checkpoint_activations"] and lay["recompute_method"] == "block":
+        recompute = f"full, the first {_count(lay['checkpoint_num_layers'], 'layer')} of each stage"
+    elif lay["checkpoint_activations"]:
+        recompute = f"full, {_count(lay['checkpoint_num_layers'], 'layer')} per chunk"
+    elif lay["recompute_modules"]:
+        recompute = "selective (" + " ".join(lay["recompute_modules"]) + ")"
+    offload = [name for name, key in (("optimizer", "offload_optimizer"), ("weights", "offload_param")) if lay[key]]
     heads = _count(m['num_attention_heads'], 'head')
     if m["num_query_groups"] != m["num_attention_heads"]:
         heads += f" over {_count(m['num_query_groups'], 'key/value group')}"
@@ -42,10 +48,12 @@ def _format_header(figures: dict) -> list[str]:
             f"{', no biases' if not m['add_bias_linear'] else ''}{', QKV bias' if m['add_qkv_bias'] else ''}"
             f"{', embedding LayerNorm' if m['embed_layernorm'] else ''}",
             f"layout: {_count(lay['num_gpus'], 'GPU')} = TP {lay['tensor_parallel']} x PP {lay['pipeline_parallel']} "
+            f"{'x Ulysses ' + str(lay['ulysses']) + ' ' if lay['ulysses'] > 1 else ''}"
             f"x DP {lay['data_parallel']}; micro batch {lay['micro_batch_size']}, global batch "
             f"{lay['global_batch_size']} ({_count(lay['micro_batches_per_step'], 'micro-batch')} per step); "
             f"{lay['precision']}, ZeRO "
-            f"{lay['zero_stage']}, recomputation {recompute}",
+            f"{lay['zero_stage']}{', offloaded to the host: ' + ' and '.join(offload) if offload else ''}, "
+            f"recomputation {recompute}",
             _options(lay)]
 
 
@@ -81,6 +89,9 @@ def _format_memory(figures: dict) -> list[str]:
     for label, key in rows:
         values = "".join(f" {_gib(heaviest['by_zero_stage'][str(z)][key])}" for z in heaviest["by_zero_stage"])
         lines.append(f"  {label:<26}{values}")
+    if lay["offload_optimizer"] or lay["offload_param"]:
+        values = "".join(f" {_gib(heaviest['by_zero_stage'][str(z)]['host'])}" for z in heaviest["by_zero_stage"])
+        lines.append(f"  {'host memory (offload)':<26}{values}")
     if lay["pipeline_parallel"] > 1:
         lines.append("  (ZeRO 2 and 3 columns: DeepSpeed's pipeline engine runs neither with PP > 1)")
     lines.append(f"  activations of one layer and micro-batch without recomputation: "

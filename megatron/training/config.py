@@ -25,12 +25,13 @@ from megatron.core.data.data_paths import (DEFAULT_SPLIT, parse_data_path, parse
                                            parse_weighted_split_paths, read_weighted_split_paths_file)
 from megatron.core.data.gpt_dataset import GPTDatasetConfig
 from megatron.core.dtypes import canonical_dtype_name, dtype_name
-from megatron.core.models.gpt.config import RECOMPUTE_MODULES, SELECTIVE_RECOMPUTE_DEFAULT, GPTModelConfig
+from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.tokenizer import vocab_size_with_padding
 from megatron.training.argument_types import ArgumentError, parse_interval_ranges, parse_iteration_ranges
 from megatron.training.arguments import ParsedArguments
 from megatron.training.curriculum import BLOCK as CURRICULUM_BLOCK
 from megatron.training.curriculum import CurriculumConfig
+from megatron.training.recompute_flags import recompute_settings
 from megatron.training.validation import DerivedValues, wandb_directory
 
 DEFAULT_PP_PARTITION_METHOD = "type:transformer"
@@ -472,55 +473,6 @@ def model_config_from_args(flags, derived: DerivedValues, padded_vocab_size: int
     except ValueError as exc:
         raise ArgumentError(str(exc)) from None
     return model
-
-
-# Megatron-LM's selective-recompute modules of layers this trainer does not build
-_FOREIGN_RECOMPUTE_MODULES = {**dict.fromkeys(("moe", "moe_act", "shared_experts"), "mixture-of-experts layers"),
-                              "mla_up_proj": "multi-latent attention"}
-
-
-def recompute_settings(flags) -> dict:
-    """The model's recompute fields from Megatron-LM's flags and Megatron-DeepSpeed's:
-    --checkpoint-activations = --recompute-granularity full (method uniform), --recompute-activations
-    = selective, --checkpoint-num-layers = --recompute-num-layers. Contradictions raise ArgumentError."""
-    granularity = flags.recompute_granularity
-    if flags.recompute_activations:
-        if granularity == "full":
-            raise ArgumentError("--recompute-activations (selective recompute) contradicts "
-                                "--recompute-granularity full: keep one")
-        granularity = "selective"
-    if flags.checkpoint_activations:
-        if granularity == "selective":
-            chosen = "--recompute-activations" if flags.recompute_activations else "--recompute-granularity selective"
-            raise ArgumentError(f"--checkpoint-activations (full recompute) contradicts {chosen}: keep one")
-        granularity = "full"
-    num_layers = flags.checkpoint_num_layers
-    if flags.recompute_num_layers is not None:
-        if num_layers not in (1, flags.recompute_num_layers):
-            raise ArgumentError(f"--recompute-num-layers {flags.recompute_num_layers} contradicts "
-                                f"--checkpoint-num-layers {num_layers} (the same number): give one")
-        num_layers = flags.recompute_num_layers
-    if granularity != "full" and (flags.recompute_method is not None or flags.recompute_num_layers is not None):
-        raise ArgumentError("--recompute-method and --recompute-num-layers choose the layers of full recompute: "
-                            "add --recompute-granularity full (or --checkpoint-activations)")
-    if granularity != "selective" and flags.recompute_modules is not None:
-        raise ArgumentError("--recompute-modules chooses what selective recompute recomputes: add "
-                            "--recompute-granularity selective (or --recompute-activations)")
-    return {"checkpoint_activations": granularity == "full", "checkpoint_num_layers": num_layers,
-            "recompute_method": flags.recompute_method or "uniform",
-            "recompute_modules": _selective_modules(flags) if granularity == "selective" else ()}
-
-
-def _selective_modules(flags) -> tuple[str, ...]:
-    if flags.recompute_modules is None:
-        post_layernorm = flags.apply_residual_connection_post_layernorm  # the norms' outputs are residuals
-        return tuple(m for m in SELECTIVE_RECOMPUTE_DEFAULT if not (post_layernorm and m == "layernorm"))
-    for module in flags.recompute_modules:
-        if module in _FOREIGN_RECOMPUTE_MODULES:
-            raise ArgumentError(f"--recompute-modules {module}: this trainer builds no "
-                                f"{_FOREIGN_RECOMPUTE_MODULES[module]}; selective recompute here knows "
-                                f"{' '.join(RECOMPUTE_MODULES)}")
-    return tuple(dict.fromkeys(flags.recompute_modules))
 
 
 def _megatron_lm_swiglu_ffn(hidden_size: int) -> int:

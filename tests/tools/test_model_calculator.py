@@ -137,7 +137,52 @@ def test_memory_equals_a_hand_computation():
     expected = {"weights": 2 * parameters, "gradients": 2 * parameters / 4, "optimizer": 12 * parameters / 4,
                 "activations": 2 * layer + logits}  # DP 4, ZeRO 2; one micro-batch in flight without a pipeline
     expected["total"] = sum(expected.values())
+    expected["host"] = 0.0
     assert figures["memory_per_gpu"]["stages"][0]["by_zero_stage"]["2"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_zero3_and_offload_by_hand():
+    """ZeRO 3 partitions the weights too and gathers two modules at a time (the largest on SMALL: the
+    word embedding, 1000 x 64 + the 32 x 64 positions); optimizer offload moves Adam's 12 bytes and
+    an fp32 gradient partition (4) per partitioned parameter to the host (at ZeRO 3 the GPU keeps no
+    gradient partition), parameter offload the 2-byte weight partition."""
+    parameters = 2 * (12 * 64 ** 2 + 13 * 64) + 1000 * 64 + 32 * 64 + 2 * 64
+    gathered = 2 * (1000 * 64 + 32 * 64)
+    base = dict(num_gpus=4, micro_batch_size=2, global_batch_size=16, zero_stage=3, precision="fp16")
+    plain = calculate(SMALL, Layout(**base))["memory_per_gpu"]["stages"][0]["by_zero_stage"]["3"]
+    assert plain["weights"] == pytest.approx(2 * parameters / 4 + 2 * gathered)
+    assert (plain["gradients"], plain["optimizer"], plain["host"]) == pytest.approx((2 * parameters / 4,
+                                                                                     12 * parameters / 4, 0.0))
+    offloaded = calculate(SMALL, Layout(**base, offload_optimizer=True, offload_param=True))
+    states = offloaded["memory_per_gpu"]["stages"][0]["by_zero_stage"]["3"]
+    assert (states["weights"], states["gradients"], states["optimizer"]) == pytest.approx((2 * gathered, 0.0, 0.0))
+    assert states["host"] == pytest.approx((12 + 4 + 2) * parameters / 4)
+    optimizer_only = calculate(SMALL, Layout(**{**base, "zero_stage": 1}, offload_optimizer=True))
+    zero1 = optimizer_only["memory_per_gpu"]["stages"][0]["by_zero_stage"]["1"]
+    assert (zero1["weights"], zero1["optimizer"], zero1["host"]) == pytest.approx(
+        (2 * parameters, 0.0, 16 * parameters / 4))
+
+
+def test_recompute_modes_and_ulysses_by_hand():
+    """Per layer at e = 2, f = 4h, t = 1 the layer keeps s b h x 34 bytes; selective "layernorm mlp_act"
+    frees the two norm outputs (4) and the GeLU output (8); block with N = 1 keeps the first layer's
+    input (e s b h) and the second layer whole; Ulysses S = 2 halves the positions a GPU holds."""
+    sbh = 32 * 2 * 64
+    base = dict(micro_batch_size=2, precision="fp16")
+    stages = {name: calculate(SMALL, Layout(**base, **changes))["memory_per_gpu"]["stages"][0]["activations"]
+              for name, changes in {"none": {}, "selective": {"recompute_modules": ("layernorm", "mlp_act")},
+                                    "block": {"checkpoint_activations": True, "recompute_method": "block"},
+                                    "ulysses": {"ulysses": 2, "num_gpus": 2}}.items()}
+    logits = 4 * 32 * 2 * 1000
+    assert stages["none"]["per_micro_batch"] == 2 * sbh * 34
+    assert stages["selective"]["per_micro_batch"] == 2 * sbh * (34 - 12)
+    assert stages["block"]["per_micro_batch"] == 2 * sbh + sbh * 34 and stages["block"]["recompute"] == sbh * 34
+    assert stages["ulysses"]["per_micro_batch"] == 2 * sbh * 34 / 2 and stages["ulysses"]["logits"] == logits / 2
+    flops = {mode: calculate(SMALL, Layout(**base, **changes))["flops"]["this_run_hardware_flops_per_iteration"]
+             for mode, changes in {"none": {}, "uniform": {"checkpoint_activations": True},
+                                   "block": {"checkpoint_activations": True, "recompute_method": "block"}}.items()}
+    layers = flops["uniform"] - flops["none"]  # one more forward of both layers
+    assert flops["block"] - flops["none"] == pytest.approx(layers / 2)
 
 
 @pytest.mark.parametrize("changes, per_layer, logits", [

@@ -186,7 +186,7 @@ def test_parallel_config_from_slurm():
     env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "n[7-8]"}
     parallel = config_of(["--tensor-model-parallel-size", "2", "--zero-stage", "1"], env=env).parallel
     assert dataclasses.astuple(parallel) == (2, 1, 2, 4, 3, 1, "n7", 6000, "slurm", "gloo", False, 1,
-                                             "type:transformer", False)
+                                             "type:transformer", False, 1)
 
 
 def test_data_config_option_1():
