@@ -31,6 +31,7 @@ from megatron.training.argument_types import ArgumentError, parse_interval_range
 from megatron.training.arguments import ParsedArguments
 from megatron.training.curriculum import BLOCK as CURRICULUM_BLOCK
 from megatron.training.curriculum import CurriculumConfig
+from megatron.training.fp8_flags import fp8_settings
 from megatron.training.recompute_flags import recompute_settings
 from megatron.training.validation import DerivedValues, wandb_directory
 
@@ -464,6 +465,7 @@ def model_config_from_args(flags, derived: DerivedValues, padded_vocab_size: int
                "tp_comm_overlap": bool(flags.tp_comm_overlap and flags.tensor_model_parallel_size > 1)}
     renamed.update(_llama_settings(flags))
     renamed.update(recompute_settings(flags))
+    renamed.update(fp8_settings(flags))
     values = {f.name: getattr(flags, f.name) for f in dataclasses.fields(GPTModelConfig)
               if f.name not in renamed and hasattr(flags, f.name)}
     try:

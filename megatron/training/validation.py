@@ -24,6 +24,7 @@ from megatron.training.engine.ds_config import resolve_ds_config
 from megatron.training.argument_types import ArgumentError
 from megatron.training.bnb_optimizer import INSTALL_HINT
 from megatron.training.curriculum import CurriculumConfig, CurriculumConfigError, curriculum_config
+from megatron.training.fp8_flags import check_fp8
 from megatron.training.launch_env import LaunchEnv, effective_backend
 from megatron.training.microbatches import BatchSizeError, check_batch_sizes
 from megatron.training.lr_schedule import AnnealingLR
@@ -480,6 +481,7 @@ def validate_args(args: argparse.Namespace, explicit: set[str], launch: LaunchEn
     _check_run_length(args, derived)
     _check_ulysses(args, derived)
     _check_bnb_optimizer(args, derived)
+    check_fp8(args, explicit, cuda_available, derived.zero_stage, derived.fp16)
     _check_profile(args, explicit, launch.world_size)
     _check_data(args)
     _check_tokenizer_and_tools(args)

@@ -65,7 +65,7 @@ class ParallelSelfAttention(nn.Module):
         common = dict(tp_group=groups.tp, use_cpu_initialization=config.use_cpu_initialization,
                       params_dtype=config.params_dtype, device=device,
                       sequence_parallel=config.sequence_parallel,
-                      comm_overlap=config.tp_comm_overlap)
+                      comm_overlap=config.tp_comm_overlap, fp8=config.fp8_for_layer(layer_number))
         self.query_key_value = ColumnParallelLinear(
             config.hidden_size, config.query_key_value_size, gather_output=False, bias=config.qkv_bias,
             init_method=weight_init_method(config, layer_number, "self_attention.query_key_value.weight"), **common)

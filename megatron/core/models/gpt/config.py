@@ -14,6 +14,7 @@ import torch
 
 from megatron.core.dtypes import DTYPES
 from megatron.core.parallel_state import TP_FLAG, check_divisible
+from megatron.core.tensor_parallel.fp8 import Fp8Config
 
 POSITION_EMBEDDING_TYPES = ("absolute", "rotary", "alibi")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -58,6 +59,12 @@ class GPTModelConfig:
     with their GEMMs through symmetric GPU memory (``tensor_parallel.async_tp.all_gather_matmul``,
     ``matmul_reduce_scatter``); it keeps each gathered column-parallel input for backward instead
     of gathering it again. On CPU the same arithmetic runs through the plain collectives.
+
+    ``fp8`` (--fp8-format and its recipe flags; None: no FP8) runs the GEMMs of the four linear layers
+    of each transformer layer (query/key/value, attention output, the MLP's two) in FP8, except in the
+    first ``num_layers_at_start_in_bf16`` and the last ``num_layers_at_end_in_bf16`` layers
+    (--first-last-layers-bf16), which keep the model's precision (``fp8_for_layer``); embeddings and
+    the output layer never use FP8. A checkpoint's plain dict of ``fp8`` is taken as its Fp8Config.
 
     Llama-class options: ``normalization`` "RMSNorm" (x / rms(x) * w, no bias) instead of LayerNorm;
     ``num_query_groups`` g < n shares each key/value head among n / g query heads (g = 1: multi-query);
@@ -128,6 +135,9 @@ class GPTModelConfig:
     sequence_parallel: bool = False
     tp_comm_overlap: bool = False
     attention_impl: str = "sdpa"
+    fp8: Fp8Config | None = None
+    num_layers_at_start_in_bf16: int = 0
+    num_layers_at_end_in_bf16: int = 0
 
     def __post_init__(self):
         self._check_sizes()
@@ -153,6 +163,7 @@ class GPTModelConfig:
         self._check_positions()
         self._check_activation()
         self._check_numerics()
+        self._check_fp8()
 
     def _check_sizes(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads", "padded_vocab_size", "seq_length"):
@@ -250,6 +261,33 @@ class GPTModelConfig:
         if "layernorm" in self.recompute_modules and self.apply_residual_connection_post_layernorm:
             raise GPTConfigError("--recompute-modules layernorm frees the norms' outputs, which "
                                  "--apply-residual-connection-post-layernorm keeps as the residual: drop one")
+
+    def _check_fp8(self):
+        if isinstance(self.fp8, dict):  # a checkpoint's args.model
+            object.__setattr__(self, "fp8", Fp8Config(**self.fp8))
+        start, end = self.num_layers_at_start_in_bf16, self.num_layers_at_end_in_bf16
+        if start < 0 or end < 0:
+            raise GPTConfigError(f"--num-layers-at-start-in-bf16 ({start}) and --num-layers-at-end-in-bf16 ({end}) "
+                                 "must be >= 0")
+        if self.fp8 is None:
+            if start or end:
+                raise GPTConfigError("--first-last-layers-bf16 keeps layers out of FP8: it needs --fp8-format")
+            return
+        if start + end >= self.num_layers:
+            raise GPTConfigError(f"--num-layers-at-start-in-bf16 ({start}) + --num-layers-at-end-in-bf16 ({end}) "
+                                 f"leave none of the --num-layers ({self.num_layers}) in FP8: lower them, or "
+                                 "drop --fp8-format")
+        if self.tp_comm_overlap:
+            raise GPTConfigError("--fp8-format runs its GEMMs without --tp-comm-overlap's pipelined collectives: "
+                                 "drop one")
+
+    def fp8_for_layer(self, layer_number: int) -> Fp8Config | None:
+        """The FP8 settings of transformer layer ``layer_number`` (1-based, over the whole model), None
+        for the layers kept in the model's precision."""
+        if self.fp8 is None:
+            return None
+        in_fp8 = self.num_layers_at_start_in_bf16 < layer_number <= self.num_layers - self.num_layers_at_end_in_bf16
+        return self.fp8 if in_fp8 else None
 
     @property
     def recompute_granularity(self) -> str | None:

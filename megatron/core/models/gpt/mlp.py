@@ -45,7 +45,8 @@ class ParallelMLP(nn.Module):
         common = dict(tp_group=groups.tp, use_cpu_initialization=config.use_cpu_initialization,
                       params_dtype=config.params_dtype, device=device,
                       sequence_parallel=config.sequence_parallel,
-                      comm_overlap=config.tp_comm_overlap, skip_bias_add=True, bias=config.add_bias_linear)
+                      comm_overlap=config.tp_comm_overlap, fp8=config.fp8_for_layer(layer_number),
+                      skip_bias_add=True, bias=config.add_bias_linear)
         self.dense_h_to_4h = ColumnParallelLinear(
             config.hidden_size, (2 if gated else 1) * config.ffn_hidden_size, gather_output=False,
             stride=2 if gated else 1,
