@@ -1,8 +1,9 @@
 """Forward + backward time of a GPT on one GPU, with model TFLOP/s and MFU (defined in docs/architecture.md).
 
 Default: the 1.3B GPT (24 layers, hidden 2048, 16 heads, seq 2048, micro-batch 8,
-padded vocab 50304, bf16), timed in three settings: no dropout, dropout 0.1, and dropout 0.1
-with activation checkpointing of every layer. MFU divides model TFLOP/s (recomputation earns no
+padded vocab 50304, bf16), timed in five settings: no dropout, dropout 0.1, dropout 0.1
+with activation checkpointing of every layer, and without dropout under selective recompute (the
+default modules, then with core_attn too; ``--micro-batch-size 16`` is the case they are for). MFU divides model TFLOP/s (recomputation earns no
 credit) by the bf16 peak of an 8192³ matmul measured in the same run. The optimizer step is not
 included: this times the model's forward and backward only.
 
@@ -18,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from megatron.core.dtypes import torch_dtype  # noqa: E402
 from megatron.core.models.gpt import GPTModel, GPTModelConfig  # noqa: E402
+from megatron.core.models.gpt.config import SELECTIVE_RECOMPUTE_DEFAULT  # noqa: E402
 from megatron.core.parallel_state import single_rank_groups  # noqa: E402
 from megatron.core.tensor_parallel.random import model_parallel_seed  # noqa: E402
 from megatron.training.matmul_peak import measure_matmul_peak_tflops  # noqa: E402
@@ -28,6 +30,10 @@ SETTINGS = (
     ("dropout 0.1", dict(hidden_dropout=0.1, attention_dropout=0.1)),
     ("dropout 0.1 + activation checkpointing",
      dict(hidden_dropout=0.1, attention_dropout=0.1, checkpoint_activations=True)),
+    ("no dropout + selective recompute", dict(hidden_dropout=0.0, attention_dropout=0.0,
+                                              recompute_modules=SELECTIVE_RECOMPUTE_DEFAULT)),
+    ("no dropout + selective, core_attn too", dict(hidden_dropout=0.0, attention_dropout=0.0,
+                                                   recompute_modules=("core_attn", *SELECTIVE_RECOMPUTE_DEFAULT))),
 )
 
 
@@ -103,7 +109,15 @@ def main():
           f"vocab {args.padded_vocab_size}, {args.dtype}, attention {args.attention_impl}")
     print(f"{'setting':<42}{'fwd+bwd (ms)':>14}{'model TFLOP/s':>15}{'MFU':>8}{'peak mem (GiB)':>16}")
     for name, overrides in SETTINGS:
-        seconds, throughput, memory_gib = run_setting(args, overrides, peak)
+        try:
+            result = run_setting(args, overrides, peak)
+        except torch.cuda.OutOfMemoryError:
+            result = None
+        if result is None:  # the failed setting's tensors are released once the exception is gone
+            torch.cuda.empty_cache()
+            print(f"{name:<42}{'out of memory':>14}")
+            continue
+        seconds, throughput, memory_gib = result
         print(f"{name:<42}{seconds * 1e3:>14.1f}{throughput.model_tflops:>15.1f}"
               f"{throughput.mfu:>8.1%}{memory_gib:>16.1f}")
 
