@@ -10,6 +10,7 @@ DeepSpeed's rank grid and precision against ours, applies the declared replaceme
     PlainEngine        DeepSpeed's engine on GPTModel (ZeRO 2 and 3): forward, backward and step per
                        micro batch, the optimizer stepping at the last
 """
+import contextlib
 
 import deepspeed
 import torch
@@ -101,12 +102,21 @@ def start_engine(config: TrainConfig, groups: ParallelGroups, model: torch.nn.Mo
     pipeline = isinstance(model, PipelineModule)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch_optimizer, lr_scheduler=lr_scheduler,
                                            mpu=None if pipeline else DeepSpeedMPU(groups),
-                                           config=config.deepspeed.config_for_initialize())
+                                           config=engine_ds_config(config))
     check_engine_grid(engine, groups)
     check_engine_precision(engine, config)
     apply_replacements(engine, config, groups)
     adapter = PipelineEngine if pipeline else PlainEngine
     return adapter(engine, config, groups, make_batch)
+
+
+def engine_ds_config(config: TrainConfig) -> dict:
+    """The ds_config ``deepspeed.initialize`` gets. Under DeepSpeed-Ulysses DeepSpeed's data-parallel
+    world is the S x D ranks averaging gradients, which count each sample once per sequence-parallel
+    rank: its train_batch_size is S x the global batch (the micro batches per step are the same)."""
+    ds_config = config.deepspeed.config_for_initialize()
+    ds_config["train_batch_size"] *= config.parallel.sequence_parallel_size
+    return ds_config
 
 
 class DeepSpeedAdapter:
@@ -119,7 +129,7 @@ class DeepSpeedAdapter:
         self.config, self.groups, self.make_batch = config, groups, make_batch
 
     def set_global_batch(self, samples: int) -> None:
-        self.engine.set_train_batch_size(samples)
+        self.engine.set_train_batch_size(samples * self.groups.sp_size)  # engine_ds_config
 
     @property
     def skipped_steps(self) -> int:
@@ -142,7 +152,9 @@ class DeepSpeedAdapter:
         if self.config.parallel.zero_stage == 0:
             client_state = {**client_state,
                             OPTIMIZER_PARAMETER_NAMES: checkpoint_io.optimizer_parameter_names(self.engine)}
-        with checkpoint_io.recorded_writes(self.engine, file_written):
+        whole_module = (checkpoint_io.zero3_model_states(self.engine, self.groups.dp_rank)
+                        if self.config.parallel.zero_stage == 3 else contextlib.nullcontext())
+        with checkpoint_io.recorded_writes(self.engine, file_written), whole_module:
             self.engine.save_checkpoint(directory, tag=tag, client_state=client_state, save_latest=False)
         if self.pipeline_layout and dist_utils.is_rank_0():
             checkpoint_io.remove_recovery_scripts(directory)
@@ -154,10 +166,16 @@ class DeepSpeedAdapter:
         if megatron_deepspeed:
             read_filters = [*read_filters, translating_filter(load_optimizer)]
         renaming = universal and not self.pipeline_layout
-        with checkpoint_io.filtered_reads(self.engine, read_filters), \
+        zero3 = self.config.parallel.zero_stage == 3
+        whole_module = checkpoint_io.zero3_module_reads(self.engine, load_optimizer) if zero3 else contextlib.nullcontext()
+        zero3_universal = (checkpoint_io.zero3_universal_reads(self.engine, self.groups.tp_rank, self.groups.tp_size,
+                                                               tag_directory)
+                           if zero3 and universal else contextlib.nullcontext())
+        with checkpoint_io.filtered_reads(self.engine, read_filters), whole_module, zero3_universal, \
                 checkpoint_io.universal_parameter_names(self.engine, self.config.model.num_layers, renaming):
             _, state = self.engine.load_checkpoint(directory, load_optimizer_states=load_optimizer and not by_name,
-                                                   load_lr_scheduler_states=load_lr_scheduler)
+                                                   load_lr_scheduler_states=load_lr_scheduler,
+                                                   custom_load_fn=checkpoint_io.load_zero3_module if zero3 else None)
         if by_name and load_optimizer:
             restore_optimizer_states(self.engine, tag_directory)
         if universal:
