@@ -42,9 +42,13 @@ def recompute_settings(flags) -> dict:
 
 
 def _selective_modules(flags) -> tuple[str, ...]:
+    """--recompute-modules, or the default: the norms' and the MLP activation's outputs (elementwise
+    work), and the attention core where it keeps the s x s scores (--deterministic's materialized
+    attention; flash/sdpa keeps none, so recomputing it would free next to nothing)."""
     if flags.recompute_modules is None:
         post_layernorm = flags.apply_residual_connection_post_layernorm  # the norms' outputs are residuals
-        return tuple(m for m in SELECTIVE_RECOMPUTE_DEFAULT if not (post_layernorm and m == "layernorm"))
+        default = (("core_attn",) if flags.deterministic else ()) + SELECTIVE_RECOMPUTE_DEFAULT
+        return tuple(m for m in default if not (post_layernorm and m == "layernorm"))
     for module in flags.recompute_modules:
         if module in _FOREIGN_RECOMPUTE_MODULES:
             raise ArgumentError(f"--recompute-modules {module}: this trainer builds no "

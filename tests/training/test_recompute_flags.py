@@ -43,6 +43,8 @@ def refusal(extra):
     (["--recompute-granularity", "selective"], (False, "uniform", 1, SELECTIVE_RECOMPUTE_DEFAULT)),
     (["--recompute-activations", "--recompute-modules", "core_attn", "mlp", "core_attn"],
      (False, "uniform", 1, ("core_attn", "mlp"))),
+    (["--recompute-activations", "--deterministic"],
+     (False, "uniform", 1, ("core_attn",) + SELECTIVE_RECOMPUTE_DEFAULT)),
     (["--recompute-activations", "--apply-residual-connection-post-layernorm"],
      (False, "uniform", 1, tuple(m for m in SELECTIVE_RECOMPUTE_DEFAULT if m != "layernorm"))),
 ])
