@@ -53,6 +53,13 @@
 #      16384, 24576 and 32768 (expected out of memory: the longest that fits is the reference) and on two
 #      GPUs at 32768 with --ds-sequence-parallel-size 2; ulysses_compare prints each run's mean per-GPU
 #      model TFLOP/s, max allocated MB and the ratio to the first run. With 4 GPUs: ulysses_s4_64k (65536, S = 4)
+#   14. ZeRO-3 (RUNS="zero1_1p3b_dp2 zero3_1p3b_dp2 zero3_compare" on 2 GPUs): the 1.3B GPT, bf16, micro-batch 8,
+#      global batch 32, 12 iterations, log interval 1, at ZeRO-1 and at ZeRO-3 on two GPUs; zero3_compare prints
+#      each run's mean per-GPU model TFLOP/s, max allocated MB and the ratio to ZeRO-1. On one GPU, ZeRO-3 with
+#      the parameters and the optimizer offloaded to the CPU (RUNS="zero3_offload_2p7b zero3_offload_6p7b
+#      zero3_offload_13b zero3_offload_compare"): the 2.7B, 6.7B and 13B GPTs of the GPT-3 table, bf16,
+#      micro-batch 1, global batch 8, 6 iterations; zero3_offload_compare prints the same table for them (a run
+#      that did not fit shows "none"); zero3_optoffload_6p7b offloads the optimizer only
 # Run from the repository root on the GPU machine with .whl carried; logs go to $OUT.
 #   RUNS="350m_bf16 overflow" bash tests/gpu/run_trainer.sh    (a subset)
 #   EXTRA_ARGS="--no-gradient-accumulation-fusion" RUNS=scale_1gpu OUT=... bash tests/gpu/run_trainer.sh
@@ -92,7 +99,8 @@ ds_config() {  # precision initial_scale_power hysteresis -> path of a ds_config
     fi
     local zero="\"stage\": ${ZERO_STAGE:-1}"
     [ -n "${OFFLOAD:-}" ] && zero="$zero, \"offload_optimizer\": {\"device\": \"cpu\"}"
-    path=${path%.json}_zero${ZERO_STAGE:-1}${OFFLOAD:+_offload}.json
+    [ -n "${OFFLOAD_PARAM:-}" ] && zero="$zero, \"offload_param\": {\"device\": \"cpu\"}"
+    path=${path%.json}_zero${ZERO_STAGE:-1}${OFFLOAD:+_offload}${OFFLOAD_PARAM:+_offload_param}.json
     echo "{\"train_micro_batch_size_per_gpu\": \"auto\", \"train_batch_size\": \"auto\", \"gradient_clipping\": 1.0,
   \"zero_optimization\": {$zero}, $precision, \"steps_per_print\": 100000}" > "$path"
     echo "$path"
@@ -222,6 +230,13 @@ ulysses_run() {  # name ngpus seq [flags...]: the 1.3B GPT at sequence seq, micr
         --max-position-embeddings "$seq" "$@"
 }
 
+zero3_offload_run() {  # name layers hidden heads [flags...]: one GPU, ZeRO-3, parameters and optimizer on the CPU
+    local name=$1 layers=$2 hidden=$3 heads=$4
+    shift 4
+    ZERO_STAGE=3 OFFLOAD=1 OFFLOAD_PARAM=${OFFLOAD_PARAM-1} ITERS=${ITERS_OFFLOAD:-6} LOG_INTERVAL=1 \
+        gpt_run "$name" "$layers" "$hidden" "$heads" bf16 1 8 "$@"
+}
+
 prepare_data || exit 1
 for run in $RUNS; do
     case $run in
@@ -246,6 +261,15 @@ for run in $RUNS; do
         ulysses_s4_64k) ulysses_run ulysses_s4_64k 4 65536 --ds-sequence-parallel-size 4 ;;
         ulysses_compare) recompute_table ulysses_1gpu_16k ulysses_1gpu_24k ulysses_1gpu_32k ulysses_s2_32k \
                              ulysses_s4_64k | tee "$OUT/ulysses.txt" ;;
+        zero1_1p3b_dp2) NGPUS=2 ZERO_STAGE=1 LOG_INTERVAL=1 ITERS=12 gpt_run zero1_1p3b_dp2 24 2048 16 bf16 8 32 ;;
+        zero3_1p3b_dp2) NGPUS=2 ZERO_STAGE=3 LOG_INTERVAL=1 ITERS=12 gpt_run zero3_1p3b_dp2 24 2048 16 bf16 8 32 ;;
+        zero3_compare) recompute_table zero1_1p3b_dp2 zero3_1p3b_dp2 | tee "$OUT/zero3.txt" ;;
+        zero3_offload_2p7b) zero3_offload_run zero3_offload_2p7b 32 2560 32 ;;
+        zero3_offload_6p7b) zero3_offload_run zero3_offload_6p7b 32 4096 32 ;;
+        zero3_offload_13b) zero3_offload_run zero3_offload_13b 40 5120 40 ;;
+        zero3_optoffload_6p7b) OFFLOAD_PARAM= zero3_offload_run zero3_optoffload_6p7b 32 4096 32 ;;
+        zero3_offload_compare) recompute_table zero3_offload_2p7b zero3_offload_6p7b zero3_offload_13b \
+                                   zero3_optoffload_6p7b | tee "$OUT/zero3_offload.txt" ;;
         peer_1p3b) LOG_INTERVAL=1 ITERS=12 gpt_run peer_1p3b 24 2048 16 bf16 8 32 ;;
         1p3b_checkpoint) rm -rf "$WORK/checkpoint_1p3b"
                          ITERS=3 LOG_INTERVAL=1 gpt_run 1p3b_checkpoint 24 2048 16 bf16 8 8 \

@@ -87,6 +87,7 @@ def take_in_megatron_deepspeed(output: str) -> None:
     path = os.path.join(output, "zero", "optimizer_state.pt")
     state = torch.load(path, map_location="cpu", weights_only=False)
     state["param_groups"] = megatron_deepspeed.merge_parameter_groups(state["param_groups"])
+    state["optimizer_state_dict"]["param_groups"] = state["param_groups"]  # where ZeRO-3's load reads them
     torch.save(state, path)
 
 

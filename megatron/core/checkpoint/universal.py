@@ -26,6 +26,8 @@ one per other parameter, its name exact (the final norm's ``L+4.weight`` and the
 """
 import re
 
+import torch
+
 from megatron.core.checkpoint.names import PIPELINE_EMBEDDING_PREFIX, pipeline_name
 from megatron.core.checkpoint.sharding import ModelSharding
 
@@ -72,3 +74,18 @@ def universal_info(sharding: ModelSharding, pipeline: bool, padded_vocab_size: i
         "parameter_with_row_parallelism_patterns": _patterns(sharding, pipeline, lambda split: split.dim == 1),
         "parameter_with_2_sub_params_cat_dim_0": _patterns(sharding, pipeline, lambda split: split.stride == 2),
     }
+
+
+def tp_share_of_universal(entry: dict, tp_rank: int, tp_size: int, vocab_rows: int | None = None) -> torch.Tensor:
+    """TP rank ``tp_rank``'s slice of a universal ``{fp32,exp_avg,exp_avg_sq}.pt`` entry, cut as DeepSpeed's
+    universal load cuts it: whole when it has no ``cat_dim`` (replicated); else each of its
+    ``param_n_sub_params`` parts split in ``tp_size`` along ``cat_dim`` and this rank's pieces joined;
+    a ``vocab_tensor`` first zero-padded to ``vocab_rows`` (the target's padded vocabulary)."""
+    full = entry["param"]
+    if "cat_dim" not in entry:
+        return full
+    dim = entry["cat_dim"]
+    if entry.get("vocab_tensor") and vocab_rows is not None and vocab_rows > full.shape[0]:
+        full = torch.nn.functional.pad(full, (0, 0, 0, vocab_rows - full.shape[0]))
+    parts = full.chunk(entry.get("param_n_sub_params", 1), dim=dim)
+    return torch.cat([part.chunk(tp_size, dim=dim)[tp_rank] for part in parts], dim=dim)

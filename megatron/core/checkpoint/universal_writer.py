@@ -28,14 +28,22 @@ optimizer state, which numbers the parameters in group order, and the trainer's
 Partition files: ``[bf16_]zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt``, mp = pp * TP + tp;
 their ``param_slice_mappings`` give each parameter's fragment (start, numel) in the partition's flat
 group, and the model-states file ``mp_rank_{mp:02d}_model_states.pt`` its shape on that TP rank
-(``param_shapes``).
+(``param_shapes``). A ZeRO-3 partition file has no mappings: its flat group g (``fp32_flat_groups``,
+the moments in the torch state's entry g) holds, for each parameter of ``param_shapes[g]`` in order,
+the ceil(n / DP) elements of rank d's share (elements [d * ceil(n / DP), ...) of the TP slice
+flattened, the last share zero-padded), which ``zero3_partition_view`` turns into the same fragments.
+
+``zero/optimizer_state.pt`` also carries, under ``optimizer_state_dict``, the step and the parameter
+groups where DeepSpeed's ZeRO-3 universal load reads them, so that either stage loads it.
 """
+import math
 import multiprocessing
 import os
 import re
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -100,15 +108,53 @@ class PartitionFiles:
                                        f"optim_states.pt)")
 
     def optimizer_state(self, stage: int, tp: int, dp: int) -> dict:
-        """The ``optimizer_state_dict`` of one partition, memory-mapped (tensors are read when touched)."""
+        """The ``optimizer_state_dict`` of one partition, memory-mapped (tensors are read when touched);
+        a ZeRO-3 partition as ZeRO 1/2's (``zero3_partition_view``)."""
         path = self.paths[(stage, tp, dp)]
         state = _load_mapped(path)
-        if "optimizer_state_dict" not in state or "param_slice_mappings" not in state["optimizer_state_dict"]:
+        optimizer = state.get("optimizer_state_dict")
+        if isinstance(optimizer, dict) and "fp32_flat_groups" in optimizer:
+            shapes = _load_mapped(self.model_states(stage, tp)).get("param_shapes")
+            return zero3_partition_view(optimizer, shapes, dp, self.dp, state.get("ds_version"), path)
+        if not isinstance(optimizer, dict) or "param_slice_mappings" not in optimizer:
             raise CheckpointInputError(f"{path} holds no ZeRO optimizer state with param_slice_mappings")
-        return state["optimizer_state_dict"]
+        return optimizer
 
     def model_states(self, stage: int, tp: int) -> str:
         return os.path.join(self.directory, f"mp_rank_{stage * self.tp + tp:02d}_model_states.pt")
+
+
+class Fragment(NamedTuple):
+    """Where one parameter's share lies in a partition's flat group (DeepSpeed's fragment address)."""
+
+    start: int
+    numel: int
+
+
+def zero3_partition_view(optimizer: dict, shapes: list | None, dp_rank: int, dp: int, ds_version, path: str) -> dict:
+    """ZeRO-3's partition of DP rank ``dp_rank`` (of ``dp``) as a ZeRO 1/2 partition: its flat groups
+    as ``single_partition_of_fp32_groups``, the torch state as ``base_optimizer_state``, and the
+    ``param_slice_mappings`` of the layout in the module docstring (a parameter's share without its
+    padding); ``shapes`` are the model-states file's ``param_shapes``, one group per flat group."""
+    flats = optimizer["fp32_flat_groups"]
+    if not shapes or len(shapes) != len(flats):
+        raise CheckpointInputError(f"{path}: {len(flats)} ZeRO-3 flat groups but the model-states file's "
+                                   f"param_shapes has {len(shapes or [])} groups")
+    mappings = []
+    for group, names in enumerate(shapes):
+        offset, fragments = 0, {}
+        for name, shape in names.items():
+            numel = math.prod(shape)
+            share = math.ceil(numel / dp)
+            fragments[name] = Fragment(offset, max(0, min(share, numel - dp_rank * share)))
+            offset += share
+        if offset != flats[group].numel():
+            raise CheckpointInputError(f"{path}: flat group {group} holds {flats[group].numel()} elements, its "
+                                       f"parameters' shares {offset}")
+        mappings.append(fragments)
+    common = {key: value for key, value in optimizer.items() if key not in ("fp32_flat_groups", "optimizer_state_dict")}
+    return {**common, "ds_version": ds_version, "param_slice_mappings": mappings,
+            "single_partition_of_fp32_groups": flats, "base_optimizer_state": optimizer["optimizer_state_dict"]}
 
 
 def stage_parameters(files: PartitionFiles, stage: int) -> list[Parameter]:
@@ -184,8 +230,17 @@ def write_optimizer_state(files: PartitionFiles, zero_directory: str) -> None:
     with the base optimizer's param_groups."""
     optimizer = files.optimizer_state(0, 0, 0)
     common = {key: value for key, value in optimizer.items() if key not in SHARDED_KEYS}
-    common["param_groups"] = optimizer["base_optimizer_state"]["param_groups"]
-    save_torch_file(common, os.path.join(zero_directory, "optimizer_state.pt"))
+    base = optimizer["base_optimizer_state"]
+    first = next(iter(base["state"].values()), {})
+    save_torch_file({**common, **_global_settings(base["param_groups"], first.get("step"))},
+                    os.path.join(zero_directory, "optimizer_state.pt"))
+
+
+def _global_settings(param_groups: list[dict], step) -> dict:
+    """The parameter groups where the ZeRO 1/2 universal load reads them (``param_groups``) and where the
+    ZeRO-3 one does (``optimizer_state_dict``: step and groups)."""
+    return {"param_groups": param_groups,
+            "optimizer_state_dict": {"state": {0: {"step": step}}, "param_groups": param_groups}}
 
 
 def _stage0_optimizer(path: str) -> tuple[dict, dict[str, int]]:
@@ -256,11 +311,13 @@ def _write_parameter(zero_directory: str, name: str, split: TensorSplit, full: d
 def write_stage0_optimizer_state(checkpoint: SavedCheckpoint, zero_directory: str) -> None:
     """zero/optimizer_state.pt of a stage 0 checkpoint: the settings the ZeRO optimizer restores."""
     state = _load_mapped(os.path.join(checkpoint.directory, "mp_rank_00_model_states.pt"))
-    groups = [{key: value for key, value in group.items() if key != "params"}
-              for group in state["optimizer"]["param_groups"]]
+    optimizer = state["optimizer"]
+    first = next(iter(optimizer["state"].values()), {})
     clip_grad = (state.get("ds_config") or {}).get("gradient_clipping", 0.0)
-    save_torch_file({"ds_version": state.get("ds_version"), "clip_grad": clip_grad, "param_groups": groups},
-               os.path.join(zero_directory, "optimizer_state.pt"))
+    groups = [{key: value for key, value in group.items() if key != "params"} for group in optimizer["param_groups"]]
+    save_torch_file({"ds_version": state.get("ds_version"), "clip_grad": clip_grad,
+                     **_global_settings(groups, first.get("step"))},
+                    os.path.join(zero_directory, "optimizer_state.pt"))
 
 
 def write_universal_zero(checkpoint: SavedCheckpoint, output: str, workers: int = 1,

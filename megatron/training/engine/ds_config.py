@@ -331,16 +331,6 @@ class _Resolution:
             raise ArgumentError(f"zero_optimization.offload_param in {self.where} is a ZeRO-3 feature: set "
                                 f"zero_optimization.stage to 3 (--zero-stage 3), or remove it")
 
-    def zero3_checkpoints(self):
-        """Checkpoints at ZeRO-3 are not written nor read yet: refused rather than saved in a layout the
-        trainer and the checkpoint tools cannot read."""
-        if self.config["zero_optimization"]["stage"] != 3:
-            return
-        given = [name for name, value in (("--save", self.args.save), ("--load", self.args.load)) if value]
-        if given:
-            raise ArgumentError(f"{' and '.join(given)} at ZeRO stage 3: checkpoints are not supported at stage 3 "
-                                f"yet; train without them, or use stage 0, 1 or 2")
-
     def sequence_parallel_pipeline(self):
         """DeepSpeed's pipeline engine sends 1/TP of each activation per TP rank and all-gathers it on the
         next stage (``pipeline.pipe_partitioned``, ``grad_partitioned``, on by default), which presumes
@@ -547,7 +537,6 @@ def resolve_ds_config(args, explicit, data_parallel_size, pipeline_parallel_size
     resolution.fp16_stage()
     resolution.universal_checkpoint()
     resolution.offload()
-    resolution.zero3_checkpoints()
     resolution.optimizer_support()
     resolution.sequence_parallel_pipeline()
     check_known_keys({key: value for key, value in resolution.config.items() if key != CURRICULUM_BLOCK},

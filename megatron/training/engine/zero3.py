@@ -78,3 +78,37 @@ def is_partitioned(param: torch.Tensor) -> bool:
 def full_numel(param: torch.Tensor) -> int:
     """The number of elements of ``param`` whole, partitioned or not."""
     return param.ds_numel if is_partitioned(param) else param.numel()
+
+
+def gathered_state_dict(module: torch.nn.Module, keep: bool) -> dict:
+    """Collective over the data-parallel group: ``module.state_dict()`` with every parameter whole,
+    copied to the CPU, gathered one module at a time (so at most one module's parameters are whole
+    at once); on a rank where ``keep`` is false the copies are not made and {} is returned."""
+    from deepspeed.runtime.zero import GatheredParameters
+
+    state = {}
+    for prefix, submodule in module.named_modules():
+        with GatheredParameters(list(submodule.parameters(recurse=False))):
+            if keep:
+                own = {}
+                submodule._save_to_state_dict(own, f"{prefix}." if prefix else "", keep_vars=False)
+                state.update((name, value.detach().cpu().clone()) for name, value in own.items())
+    return state
+
+
+def load_gathered_state_dict(module: torch.nn.Module, state: dict) -> None:
+    """Collective over the data-parallel group: ``module.load_state_dict(state)`` (strict) for a state
+    of whole tensors, written one module at a time into the gathered parameters and partitioned again."""
+    from deepspeed.runtime.zero import GatheredParameters
+
+    expected = set(module.state_dict())
+    if set(state) != expected:
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        raise RuntimeError(f"the checkpoint's module does not match the model: missing {missing}, "
+                           f"unexpected {unexpected}")
+    for prefix, submodule in module.named_modules():
+        prefix = f"{prefix}." if prefix else ""
+        with GatheredParameters(list(submodule.parameters(recurse=False)), modifier_rank=0), torch.no_grad():
+            for name, tensor in [*submodule.named_parameters(recurse=False), *submodule.named_buffers(recurse=False)]:
+                if prefix + name in state:
+                    tensor.data.copy_(state[prefix + name])
