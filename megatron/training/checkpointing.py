@@ -58,6 +58,7 @@ from megatron.training.config import CheckpointConfig, TrainConfig
 from megatron.training.dist_utils import barrier, gather_objects, is_rank_0, print_rank_0, rank
 from megatron.training.engine.interface import TrainingEngine
 from megatron.training.engine.megatron_deepspeed_resume import own_rng_states
+from megatron.training.fp8_steps import fp8_checkpoint_notice
 from megatron.training.metrics import loaded_checkpoint_line, saved_checkpoint_line, saving_checkpoint_line
 
 __all__ = ["CHECKPOINT_VERSION", "CheckpointError", "SaveError", "TrainingProgress", "load_checkpoint",
@@ -271,6 +272,9 @@ def load_checkpoint(engine: TrainingEngine, config: TrainConfig) -> TrainingProg
                      f"training starts from scratch")
         return None
     tag_directory, manifest, saved = checked
+    fp8_notice = fp8_checkpoint_notice(saved.get("args"), config.model)
+    if fp8_notice:
+        print_rank_0(fp8_notice)
     universal = settings.universal_checkpoint
     foreign = not universal and megatron_deepspeed.is_translated(saved)
     verified = VerifiedReads()

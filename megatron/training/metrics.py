@@ -70,7 +70,8 @@ class TrainingLogFields:
 
     ``losses``: interval averages (a loss is printed only when > 0, as in Megatron-DeepSpeed). ``loss_scale``:
     pass it only with --fp16. ``params_norm``: only with --log-params-norm. ``curriculum_seqlen``:
-    only with curriculum learning. ``mfu``: only when a matmul peak was measured.
+    only with curriculum learning. ``mfu``: only when a matmul peak was measured. ``quantization``: only
+    with FP8 ("FP8 hybrid delayed"), ``amax_overflows`` / ``amax_underflows`` only with delayed scaling.
     """
 
     iteration: int
@@ -93,6 +94,9 @@ class TrainingLogFields:
     model_tflops: float | None = None
     mfu: float | None = None
     eta_seconds: float | None = None
+    quantization: str | None = None
+    amax_overflows: int | None = None
+    amax_underflows: int | None = None
 
 
 def format_duration(seconds: float) -> str:
@@ -115,7 +119,9 @@ def training_log_line(fields: TrainingLogFields) -> str:
 
     After `` TFLOPs: x.xx |`` come `` model TFLOP/s: x.xx |`` (per GPU, the model FLOPs of the module
     docstring), `` MFU: xx.xx% |`` (model TFLOP/s over the measured matmul peak, as a percentage with
-    two decimals) and `` ETA: H:MM:SS |`` (the time left at this interval's speed), each when given.
+    two decimals) and `` ETA: H:MM:SS |`` (the time left at this interval's speed), each when given;
+    with FP8, `` quantization: FP8 {format} {recipe} |`` and, under delayed scaling, `` amax overflows: n |
+    amax underflows: m |`` (the interval's delayed-scaling amaxes that saturated / underflowed their scales).
     """
     f = fields
     line = f" iteration {f.iteration:8d}/{f.train_iters:8d} |"
@@ -147,6 +153,10 @@ def training_log_line(fields: TrainingLogFields) -> str:
         line += f" MFU: {f.mfu:.2%} |"
     if f.eta_seconds is not None:
         line += f" ETA: {format_duration(f.eta_seconds)} |"
+    if f.quantization is not None:
+        line += f" quantization: {f.quantization} |"
+    if f.amax_overflows is not None:
+        line += f" amax overflows: {f.amax_overflows:d} | amax underflows: {f.amax_underflows:d} |"
     return line
 
 

@@ -63,7 +63,9 @@ class IterationScalars:
     """The per-iteration values (this iteration's loss, not the interval average).
 
     Optional values are written only when not None: ``loss_scale`` only with --fp16,
-    ``params_norm`` only with --log-params-norm, ``curriculum_seqlen`` only with curriculum learning.
+    ``params_norm`` only with --log-params-norm, ``curriculum_seqlen`` only with curriculum learning,
+    ``fp8_amax_overflows`` / ``fp8_amax_underflows`` only with FP8 delayed scaling (the step's counts of
+    amaxes that saturated / underflowed their scales; the recipe is in the run's config text).
     """
 
     learning_rate: float
@@ -74,6 +76,8 @@ class IterationScalars:
     num_zeros: float | None = None
     params_norm: float | None = None
     curriculum_seqlen: int | None = None
+    fp8_amax_overflows: int | None = None
+    fp8_amax_underflows: int | None = None
 
 
 def logger_settings(logging) -> tuple[TensorBoardSettings | None, WandbSettings | None]:
@@ -170,6 +174,9 @@ class TensorBoardLogger:
                 self._add_with_axes(tag, value, progress, ("samples", "tokens"))
         if scalars.curriculum_seqlen is not None:
             self._add("curriculum_seqlen", scalars.curriculum_seqlen, it)
+        if scalars.fp8_amax_overflows is not None:
+            self._add("fp8/amax-overflows", scalars.fp8_amax_overflows, it)
+            self._add("fp8/amax-underflows", scalars.fp8_amax_underflows, it)
 
     def write_timers(self, iteration: int, seconds_by_name: Mapping[str, float]):
         """``time/{name}-time`` for each timer, with --log-timers-to-tensorboard."""

@@ -49,6 +49,7 @@ from megatron.training.data_loading import (DataLoadingError, LMBatch, LoaderSet
                                             build_iterators, sequence_slice, train_valid_test_num_samples,
                                             truncate_batch)
 from megatron.training.engine.deepspeed_engine import start_engine
+from megatron.training.fp8_steps import Fp8Counts, Fp8Steps
 from megatron.training.engine.model_setup import (build_lr_scheduler, build_model, build_optimizer, counts_once,
                                                   current_device, parameter_counts)
 from megatron.training.initialize import check_fused_kernel_constraints, initialize_megatron
@@ -81,12 +82,13 @@ class StepResult:
     """One iteration: the loss (mean over micro batches and data-parallel ranks; None when the
     iteration was skipped by --skip-train-iteration-range), whether no update was applied (an fp16
     overflow, a NaN/Inf gradient, a skip range), and DeepSpeed's global gradient norm (None when not
-    computed)."""
+    computed); with FP8 delayed scaling, the step's amax overflow / underflow counts."""
 
     loss: float | None
     skipped: bool
     grad_norm: float | None
     num_zeros: int | None = None
+    fp8: Fp8Counts | None = None
 
     def is_nan(self, fp16: bool) -> bool:
         """A skipped step with a NaN/Inf loss, or (outside fp16, whose loss scaling overflows on
@@ -162,6 +164,8 @@ class Trainer:
         self.timers = Timers()
         self.train_iters = total_train_iters(config)
         self.dp_group = groups.process_groups["dp"]
+        self.fp8_steps = None if config.model.fp8 is None else Fp8Steps(
+            config.model.fp8, [groups.process_groups["tp"], self.dp_group])
         self.calculator = build_num_microbatches_calculator(
             self.schedule.global_batch_size, self.schedule.micro_batch_size, groups.data_shard_size,
             self.schedule.rampup_batch_size)
@@ -307,9 +311,10 @@ class Trainer:
     def train_step(self) -> StepResult:
         skipped_before = self.engine.skipped_steps
         loss = self.engine.train_step(self.iterators.train, self.calculator.get())
+        fp8 = None if self.fp8_steps is None else self.fp8_steps.end_step(self.engine.module)
         num_zeros, (drift, name) = self.engine.last_step_extras()
         self._report_tp_drift(drift, name)
-        return StepResult(loss, self.engine.skipped_steps > skipped_before, self.engine.grad_norm(), num_zeros)
+        return StepResult(loss, self.engine.skipped_steps > skipped_before, self.engine.grad_norm(), num_zeros, fp8)
 
     def _report_tp_drift(self, drift: float, name: str | None):
         """--sync-tp-duplicated-parameters: name the drift the step's synchronization found, if any."""
@@ -453,7 +458,9 @@ class Trainer:
                                    global_batch_size=self.calculator.get_current_global_batch_size(),
                                    losses=losses, loss_scale=loss_scale, grad_norm=result.grad_norm,
                                    num_zeros=result.num_zeros, params_norm=params_norm,
-                                   curriculum_seqlen=self.active_seq_length if self.curriculum else None)
+                                   curriculum_seqlen=self.active_seq_length if self.curriculum else None,
+                                   fp8_amax_overflows=None if result.fp8 is None else result.fp8.overflows,
+                                   fp8_amax_underflows=None if result.fp8 is None else result.fp8.underflows)
         self.tensorboard.write_iteration(self._tensorboard_progress(), scalars)
         if self.progress.iteration % self.schedule.log_interval == 0:
             self._log_interval(scalars)
@@ -476,6 +483,7 @@ class Trainer:
         eta = remaining_seconds(p.iteration, self.train_iters, p.consumed_train_tokens, self.schedule.train_tokens,
                                 scalars.global_batch_size * seq_length, iteration_time)
         losses = self.accumulator.averages()
+        quantization, fp8 = self.fp8_steps.interval_fields() if self.fp8_steps else (None, None)
         self.summary_losses.update({f"train {key}": value for key, value in losses.items()})
         fields = TrainingLogFields(
             iteration=p.iteration, train_iters=self.train_iters, consumed_samples=p.consumed_train_samples,
@@ -485,7 +493,9 @@ class Trainer:
             samples_per_second=throughput.samples_per_second, tflops=throughput.tflops, losses=losses,
             loss_scale=scalars.loss_scale, grad_norm=scalars.grad_norm, num_zeros=scalars.num_zeros,
             params_norm=scalars.params_norm, curriculum_seqlen=scalars.curriculum_seqlen,
-            model_tflops=throughput.model_tflops, mfu=throughput.mfu, eta_seconds=eta)
+            model_tflops=throughput.model_tflops, mfu=throughput.mfu, eta_seconds=eta, quantization=quantization,
+            amax_overflows=None if fp8 is None else fp8.overflows,
+            amax_underflows=None if fp8 is None else fp8.underflows)
         dist_utils.print_rank_last(training_log_line(fields))
         self.tensorboard.write_throughput(self._tensorboard_progress(), throughput)
         self.timers.write(self.timers.existing(("train-step", "save-checkpoint", "evaluate")), self.tensorboard,

@@ -60,6 +60,23 @@ def _fp8_gemms(fp8: Fp8Config | None, parallel_dim: str, tp_group: ProcessGroup 
     return None if fp8 is None else Fp8Gemms(fp8, parallel_dim, tp_group, device)
 
 
+def _fp8_state_for_load(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """A load_state_dict pre-hook of the linear layers: a state whose FP8 entries (``fp8_gemms.*``,
+    delayed scaling's amax history and scales) are not the ones this layer has (a checkpoint with or
+    without FP8, another recipe or history length) loads the weights and leaves the layer's own FP8
+    state as it is: the saved FP8 entries are dropped, the missing ones start fresh. The trainer
+    prints the notice (megatron/training/fp8_steps.py)."""
+    fp8_prefix = prefix + "fp8_gemms."
+    saved = {key: value for key, value in state_dict.items() if key.startswith(fp8_prefix)}
+    own = {} if module.fp8_gemms is None else {fp8_prefix + key: value
+                                               for key, value in module.fp8_gemms.state_dict().items()}
+    if saved.keys() == own.keys() and all(saved[key].shape == own[key].shape for key in own):
+        return
+    for key in saved:
+        del state_dict[key]
+    state_dict.update({key: value.clone() for key, value in own.items()})
+
+
 def _slice_of_master(master: torch.Tensor, partition_dim: int, stride: int, rank: int, world_size: int) -> torch.Tensor:
     """This rank's slice of a full weight split along ``partition_dim``.
 
@@ -264,6 +281,7 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.fp8_gemms = _fp8_gemms(fp8, "output", tp_group, device)
+        self._register_load_state_dict_pre_hook(_fp8_state_for_load, with_module=True)
 
     def forward(self, x: torch.Tensor, bias_grad_by_caller: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         bias = None if self.skip_bias_add else self.bias
@@ -335,6 +353,7 @@ class RowParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.fp8_gemms = _fp8_gemms(fp8, "input", tp_group, device)
+        self._register_load_state_dict_pre_hook(_fp8_state_for_load, with_module=True)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.input_is_parallel:

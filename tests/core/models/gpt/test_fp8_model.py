@@ -57,3 +57,38 @@ def test_config_refusals(overrides, words):
     with pytest.raises(GPTConfigError) as info:
         tiny_config(**overrides)
     assert all(word in str(info.value) for word in words)
+
+
+def _filled_delayed_model(**overrides):
+    model = GPTModel(tiny_config(fp8=Fp8Config(recipe="delayed", emulate=True), **overrides), single_rank_groups())
+    for name, buffer in model.named_buffers():
+        if "fp8_gemms" in name:
+            buffer.fill_(3.0)
+    return model
+
+
+def test_delayed_scaling_state_round_trips_through_the_state_dict():
+    saved = _filled_delayed_model()
+    loaded = GPTModel(tiny_config(fp8=Fp8Config(recipe="delayed", emulate=True)), single_rank_groups())
+    loaded.load_state_dict(saved.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(saved.buffers(), loaded.buffers()))
+
+
+@pytest.mark.parametrize("fp8", [None, Fp8Config(recipe="tensorwise", emulate=True),
+                                 Fp8Config(recipe="delayed", amax_history_len=4, emulate=True)])
+def test_fp8_state_that_does_not_fit_is_dropped_and_the_weights_load(fp8):
+    saved = _filled_delayed_model()
+    loaded = GPTModel(tiny_config(fp8=fp8), single_rank_groups())
+    fresh = {name: buffer.clone() for name, buffer in loaded.named_buffers() if "fp8_gemms" in name}
+    loaded.load_state_dict(saved.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(saved.parameters(), loaded.parameters()))
+    assert all(torch.equal(buffer, fresh[name]) for name, buffer in loaded.named_buffers() if "fp8_gemms" in name)
+
+
+def test_a_state_without_fp8_loads_into_a_delayed_scaling_model_keeping_its_own_scales():
+    plain = GPTModel(tiny_config(), single_rank_groups())
+    loaded = _filled_delayed_model()
+    loaded.load_state_dict(plain.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), loaded.parameters()))
+    assert all(torch.equal(buffer, torch.full_like(buffer, 3.0))
+               for name, buffer in loaded.named_buffers() if "fp8_gemms" in name)
