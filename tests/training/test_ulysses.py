@@ -3,20 +3,21 @@ one-process run trains, and its checkpoints resume at another S.
 
 Set-up: test_layout_equivalence's flags (fp32, dropout 0, CPU initialization, weight decay 1.0,
 clipping that triggers, 6 iterations of global batch 4, sequence 64, 4 heads), so the losses agree
-to 1e-5 relative and the gradient norms to 1e-4 (that file explains both). Pairs, each one process
-against S = 2:
+to 1e-5 relative and the gradient norms to 1e-4 (that file explains both). Each model runs on one
+process and in one Ulysses layout (4 processes each):
 
     learned     learned absolute positions, --eod-mask-loss (loss masks uneven over the two halves),
-                ZeRO 0 on the pipeline engine; saved at iteration 2
+                ZeRO 0, PP = 2 x S = 2; saved at iteration 2
     rope-gqa    rotary positions, 4 query heads over 2 key/value groups, ZeRO 2 (the plain engine),
-                S = 2 x D = 2 (4 processes: two sample streams); saved at iteration 2
-    alibi-tp2   ALiBi at TP = 2 x S = 2 (4 processes): each rank's slopes are those of its heads
+                S = 2 x D = 2 (two sample streams); saved at iteration 2
+    alibi       ALiBi at TP = 2 x S = 2 with --sequence-parallel (the pipeline engine at PP = 1): each
+                rank's slopes are those of its heads, and each SP rank's positions split over TP
 
-Resumes, compared with iterations 3-6 of the one-process run of the pair: learned's S = 2
-checkpoint loads as it is at S = 1 (ZeRO 0: the optimizer state sits in the model-states file,
-whatever the data-parallel size); rope-gqa's ZeRO-2 partitions (S x D = 4 of them) are refused as
-they are at S = 1, as for any other change of the data-parallel size, and go through the universal
-checkpoint (tools/convert_checkpoint/ds_to_universal.py) to a ZeRO-1 run at S = 1.
+Resumes, compared with iterations 3-6 of the one-process run: learned's checkpoint loads as it is
+at PP = 2 x S = 1 (ZeRO 0: the optimizer state sits in the model-states files, whatever the
+data-parallel size); rope-gqa's ZeRO-2 partitions (S x D = 4 of them) are refused as they are at
+S = 1, as for any other change of the data-parallel size, and go through the universal checkpoint
+(tools/convert_checkpoint/ds_to_universal.py) to a ZeRO-1 run on one process.
 """
 import os
 import re
@@ -35,14 +36,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 LOSS_RTOL, GRAD_NORM_RTOL, SAVE_ITERATION = 1e-5, 1e-4, 2
 LOSS, GRAD_NORM, LR = "lm-loss-training/lm loss", "grad-norm/grad-norm", "learning-rate/learning-rate"
 S2 = ["--ds-sequence-parallel-size", "2"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
 SUMMARY_SPEED = re.compile(r"tokens per second: ([\d.]+) \| model TFLOP/s per GPU: ([\d.e+-]+) \|")
 ROPE_GQA = ["--position-embedding-type", "rotary", "--group-query-attention", "--num-query-groups", "2"]
-# name -> (model flags, flags and processes of the Ulysses run, whether that run saves)
-PAIRS = {
-    "learned": (["--eod-mask-loss"], (2, S2), True),
-    "rope-gqa": (ROPE_GQA + ["--zero-stage", "2"], (4, S2), True),
-    "alibi-tp2": (["--position-embedding-type", "alibi"], (4, S2 + ["--tensor-model-parallel-size", "2"]), False),
-}
+MODELS = {"learned": ["--eod-mask-loss"], "rope-gqa": ROPE_GQA + ["--zero-stage", "2"],
+          "alibi": ["--position-embedding-type", "alibi"]}
+# model -> (processes, layout flags, whether the run saves) of its Ulysses run
+ULYSSES = {"learned": (4, S2 + PP2, True), "rope-gqa": (4, S2, True),
+           "alibi": (4, S2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], False)}
 
 
 def train(data, directory, processes: int, flags: list[str]) -> dict:
@@ -61,34 +62,35 @@ def model_flops_per_token(run: dict) -> float:
 
 @pytest.fixture(scope="module")
 def runs(e2e_data, tmp_path_factory):
-    """(pair name, "single" or "ulysses") -> the run's TensorBoard scalars, log lines and output, run once;
+    """(model, "single" or "ulysses") -> the run's TensorBoard scalars, log lines and output, run once;
     a saving Ulysses run also gives "save", its --save directory."""
     found = {}
 
-    def run(name, kind):
-        if (name, kind) not in found:
-            model, (processes, layout), saves = PAIRS[name]
-            directory = str(tmp_path_factory.mktemp(f"{name}_{kind}"))
+    def run(model, kind):
+        if (model, kind) not in found:
+            directory = str(tmp_path_factory.mktemp(f"{model}_{kind}"))
             if kind == "single":
-                found[name, kind] = train(e2e_data, directory, 1, model)
+                found[model, kind] = train(e2e_data, directory, 1, MODELS[model])
             else:
+                processes, layout, saves = ULYSSES[model]
                 save = os.path.join(directory, "checkpoints")
                 extra = ["--save", save, "--save-interval", str(SAVE_ITERATION)] if saves else []
-                found[name, kind] = dict(train(e2e_data, directory, processes, model + layout + extra), save=save)
-        return found[name, kind]
+                found[model, kind] = dict(train(e2e_data, directory, processes, MODELS[model] + layout + extra),
+                                          save=save)
+        return found[model, kind]
 
     return run
 
 
-@pytest.mark.parametrize("name", list(PAIRS))
-def test_ulysses_matches_the_one_process_run(runs, name):
-    single, ulysses = runs(name, "single"), runs(name, "ulysses")
+@pytest.mark.parametrize("model", list(MODELS))
+def test_ulysses_matches_the_one_process_run(runs, model):
+    single, ulysses = runs(model, "single"), runs(model, "ulysses")
     assert series(ulysses["scalars"], LOSS) == pytest.approx(series(single["scalars"], LOSS), rel=LOSS_RTOL)
     assert series(ulysses["scalars"], GRAD_NORM) == pytest.approx(series(single["scalars"], GRAD_NORM),
                                                                   rel=GRAD_NORM_RTOL)
     assert series(ulysses["scalars"], LR) == series(single["scalars"], LR)
     # whole sequences: the samples and tokens of the one-process run, and the printed loss is the whole one
-    assert_counters_of_every_iteration(ulysses["lines"], name)
+    assert_counters_of_every_iteration(ulysses["lines"], model)
     assert [line.number("lm loss") for line in ulysses["lines"]] == \
         pytest.approx(series(single["scalars"], LOSS), rel=LOSS_RTOL)
     assert "initializing DeepSpeed-Ulysses sequence parallel with size 2" in ulysses["output"]
@@ -107,8 +109,8 @@ def test_flops_count_attention_at_the_full_length(runs):
 
 def test_the_pairs_differ(runs):
     """Guard against a vacuous comparison: positions and masks change the losses."""
-    first = [round(series(runs(name, "single")["scalars"], LOSS)[-1], 5) for name in PAIRS]
-    assert len(set(first)) == len(PAIRS)
+    last = [round(series(runs(model, "single")["scalars"], LOSS)[-1], 5) for model in MODELS]
+    assert len(set(last)) == len(MODELS)
 
 
 def checkpoint_at(save: str, destination: str) -> str:
@@ -134,14 +136,14 @@ def assert_continues(resumed: dict, single: dict):
 
 def test_a_zero0_checkpoint_of_s2_resumes_at_s1(runs, e2e_data, tmp_path):
     load = checkpoint_at(runs("learned", "ulysses")["save"], str(tmp_path / "load"))
-    resumed = train(e2e_data, str(tmp_path), 1, PAIRS["learned"][0] + ["--load", load])
+    resumed = train(e2e_data, str(tmp_path), 2, MODELS["learned"] + PP2 + ["--load", load])
     assert f"successfully loaded checkpoint from {load} at iteration {SAVE_ITERATION}" in resumed["output"]
     assert_continues(resumed, runs("learned", "single"))
 
 
 def test_zero_partitions_of_s2_go_through_the_universal_checkpoint_to_s1(runs, e2e_data, tmp_path, capsys):
     load = checkpoint_at(runs("rope-gqa", "ulysses")["save"], str(tmp_path / "load"))
-    refused = run_pretrain(common_flags(e2e_data) + PAIRS["rope-gqa"][0] + ["--load", load], nproc=1)
+    refused = run_pretrain(common_flags(e2e_data) + MODELS["rope-gqa"] + ["--load", load], nproc=1)
     assert refused.returncode == 1 and "Traceback" not in refused.output
     assert "was saved with data-parallel size 4 and ZeRO-partitioned optimizer states; this run has data-parallel " \
            "size 1" in refused.output

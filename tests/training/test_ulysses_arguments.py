@@ -22,13 +22,14 @@ def test_layout_and_batch_count_sample_streams_not_sequence_parallel_ranks():
     assert (parallel.sequence_parallel_size, parallel.data_parallel_size, parallel.data_shard_size) == (2, 4, 2)
     assert config.schedule.global_batch_size == 4  # 2 sample streams x micro batch 2
     assert config.deepspeed.config["train_batch_size"] == 4
+    config = config_of(S2 + ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                             "--sequence-parallel"], 16)
+    assert (config.parallel.data_parallel_size, config.parallel.data_shard_size) == (4, 2)
 
 
 @pytest.mark.parametrize("extra, processes, words", [
     (S2, 3, ["world size 3 is not a multiple of", "--ds-sequence-parallel-size (2)"]),
     (["--ds-sequence-parallel-size", "0"], 1, ["--ds-sequence-parallel-size must be >= 1"]),
-    (S2 + ["--pipeline-model-parallel-size", "2"], 4,
-     ["--ds-sequence-parallel-size 2 with --pipeline-model-parallel-size 2 is not supported"]),
     (S2 + ["--zero-stage", "3"], 2, ["--ds-sequence-parallel-size 2 with ZeRO stage 3 is not supported"]),
     (S2 + ["--reset-attention-mask"], 2, ["with --reset-attention-mask is not supported"]),
     (S2 + ["--global-batch-size", "2"], 4, ["data-parallel size 2 = world size 4 / (TP 1 x PP 1 x S 2)"]),
@@ -43,8 +44,8 @@ def test_refused_at_parse(extra, processes, words):
      ["--num-attention-heads (6) / --tensor-model-parallel-size (2) = 3 per TP rank is not divisible by "
       "--ds-sequence-parallel-size (2)"]),
     (S2 + ["--seq-length", "31"], 2, ["--seq-length (31) is not divisible by --ds-sequence-parallel-size (2)"]),
-    (S2 + ["--sequence-parallel", "--tensor-model-parallel-size", "2"], 4,
-     ["--sequence-parallel with --ds-sequence-parallel-size (2) is not supported"]),
+    (S2 + ["--sequence-parallel", "--tensor-model-parallel-size", "2", "--seq-length", "30"], 4,
+     ["--seq-length (30) is not divisible by --ds-sequence-parallel-size (2) x --tensor-model-parallel-size (2)"]),
     (S2 + ["--group-query-attention", "--num-query-groups", "1"], 2,
      ["--num-query-groups (1) / --tensor-model-parallel-size (1) = 1 per TP rank is not divisible"]),
 ])
@@ -62,7 +63,7 @@ def test_a_refused_launch_prints_one_line_and_starts_no_process_group(e2e_data):
     assert result.returncode == 2, result.output[-3000:]
     errors = [line for line in result.output.splitlines() if "error:" in line]
     assert errors == ["pretrain_gpt.py: error: --ds-sequence-parallel-size 2 with ZeRO stage 3 is not supported: run "
-                      "Ulysses with one pipeline stage, ZeRO 0-2, whole-sequence causal masks and a fixed --seq-length"]
+                      "Ulysses with ZeRO 0-2, whole-sequence causal masks and a fixed --seq-length"]
     assert "initializing torch distributed" not in result.output and "Traceback" not in result.output
 
 

@@ -368,6 +368,7 @@ class GPTModelConfig:
         if self.seq_length % sp != 0:
             raise GPTConfigError(f"--seq-length ({self.seq_length}) is not divisible by {flag}: each "
                                  f"sequence-parallel rank holds 1 / S of the positions")
-        if self.sequence_parallel:
-            raise GPTConfigError(f"--sequence-parallel with {flag} is not supported: use one of the two "
-                                 f"sequence splits")
+        if self.sequence_parallel and self.seq_length % (sp * tp) != 0:
+            raise GPTConfigError(f"--seq-length ({self.seq_length}) is not divisible by {flag} x {TP_FLAG} "
+                                 f"({tp}): --sequence-parallel splits each sequence-parallel rank's "
+                                 f"{self.seq_length // sp} positions over the TP ranks")

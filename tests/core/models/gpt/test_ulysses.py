@@ -1,6 +1,7 @@
 """DeepSpeed-Ulysses (ParallelGroups.sp) in GPTModel against the one-process model, on 4 gloo ranks.
 
-Layouts: S = 2 with two sample streams (TP = 1, D = 2), and S = 2 x TP = 2. Every SP rank feeds its
+Layouts: S = 2 with two sample streams (TP = 1, D = 2), and S = 2 x TP = 2 (also with
+--sequence-parallel, which splits each SP rank's positions over the TP ranks). Every SP rank feeds its
 slice of the positions (tokens, labels, loss mask, position ids keep their global values); the loss
 each returns is S x its slice's share of the whole sequence's masked mean (gpt_model.sequence_slice_token_mean),
 so the mean over the SP group is the reference loss and the mean of the gradients (what the engine's
@@ -26,6 +27,7 @@ CONFIGS = [
     dict(position_embedding_type="alibi", attention_impl="materialized"),
     dict(position_embedding_type="alibi"),
     dict(LLAMA),  # 8 heads over 4 key/value groups: grouped-query attention
+    dict(position_embedding_type="rotary", sequence_parallel=True),  # and Megatron's split over TP (at TP = 2)
 ]
 
 
@@ -80,7 +82,8 @@ def test_ulysses_matches_the_one_process_model():
     (dict(LLAMA, num_query_groups=2, tensor_model_parallel_size=2), "--num-query-groups (2) / "
                                                                    "--tensor-model-parallel-size (2) = 1 per TP rank"),
     (dict(seq_length=15), "--seq-length (15) is not divisible by --ds-sequence-parallel-size (2)"),
-    (dict(sequence_parallel=True), "--sequence-parallel with --ds-sequence-parallel-size (2) is not supported"),
+    (dict(sequence_parallel=True, seq_length=18, max_position_embeddings=18, tensor_model_parallel_size=2),
+     "--seq-length (18) is not divisible by --ds-sequence-parallel-size (2) x --tensor-model-parallel-size (2)"),
 ])
 def test_splits_ulysses_cannot_make_are_refused(overrides, message):
     overrides = dict(overrides)
