@@ -272,7 +272,7 @@ def load_checkpoint(engine: TrainingEngine, config: TrainConfig) -> TrainingProg
                      f"training starts from scratch")
         return None
     tag_directory, manifest, saved = checked
-    fp8_notice = fp8_checkpoint_notice(saved.get("args"), config.model)
+    fp8_notice = fp8_checkpoint_notice(saved.get("args"), config.model, settings.universal_checkpoint)
     if fp8_notice:
         print_rank_0(fp8_notice)
     universal = settings.universal_checkpoint

@@ -58,10 +58,10 @@ def _delayed(fp8: Fp8Config | None) -> Fp8Config | None:
     return fp8 if fp8 is not None and fp8.recipe == "delayed" else None
 
 
-def fp8_checkpoint_notice(saved_args, configured: GPTModelConfig) -> str | None:
+def fp8_checkpoint_notice(saved_args, configured: GPTModelConfig, universal: bool = False) -> str | None:
     """The line to print when a checkpoint's FP8 state (delayed scaling's amax histories and scales,
     ``saved_args``: its ``args`` entry) does not carry over to this run's, None when it does or
-    neither has one. The layers themselves drop what they cannot take and keep their fresh state
+    neither has one. A universal checkpoint (``universal``) holds weights and optimizer states only. The layers themselves drop what they cannot take and keep their fresh state
     (``tensor_parallel.layers``)."""
     saved_model = saved_args.get("model") if isinstance(saved_args, dict) else None
     saved_fp8 = saved_model.get("fp8") if isinstance(saved_model, dict) else None
@@ -72,6 +72,9 @@ def fp8_checkpoint_notice(saved_args, configured: GPTModelConfig) -> str | None:
     if ours is None:
         run = "has no FP8" if configured.fp8 is None else f"uses the {configured.fp8.recipe} recipe"
         return f"notice: the checkpoint's FP8 delayed-scaling state (amax histories, scales) is dropped: this run {run}"
+    if universal:
+        return ("notice: a universal checkpoint holds no FP8 delayed-scaling state: the amax histories and scales "
+                "start fresh (scales 1 until the first step ends)")
     if saved is None:
         return ("notice: the checkpoint has no FP8 delayed-scaling state: the amax histories and scales start fresh "
                 "(scales 1 until the first step ends)")

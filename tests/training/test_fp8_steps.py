@@ -44,3 +44,9 @@ def test_notice_when_the_fp8_state_does_not_carry_over(saved, configured, words)
                                                (Fp8Config(recipe="tensorwise"), None)])
 def test_no_notice_when_it_does(saved, configured):
     assert fp8_checkpoint_notice(saved_args(saved), tiny_config(fp8=configured)) is None
+
+
+def test_notice_of_a_universal_checkpoint_under_delayed_scaling():
+    notice = fp8_checkpoint_notice(saved_args(DELAYED), tiny_config(fp8=DELAYED), universal=True)
+    assert notice.startswith("notice: a universal checkpoint holds no FP8 delayed-scaling state")
+    assert fp8_checkpoint_notice(saved_args(None), tiny_config(), universal=True) is None

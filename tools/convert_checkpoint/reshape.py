@@ -27,10 +27,12 @@ def layout_parser(description: str, input_help: str, output_help: str) -> argpar
 
 def open_input(path: str, allow_missing_manifest: bool, flag: str = "--input_folder",
                read_optimizer: bool = False) -> SavedCheckpoint:
-    """open_checkpoint, with its warning or notice on stderr when no manifest verified the input."""
+    """open_checkpoint, with its warning or notice on stderr when no manifest verified the input, and
+    a notice when the FP8 state it holds is dropped."""
     checkpoint = open_checkpoint(path, flag, read_optimizer, allow_missing_manifest)
-    if checkpoint.unverified:
-        print(checkpoint.unverified, file=sys.stderr)
+    for line in (checkpoint.unverified, checkpoint.fp8_notice):
+        if line:
+            print(line, file=sys.stderr)
     return checkpoint
 
 

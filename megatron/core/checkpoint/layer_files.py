@@ -17,7 +17,7 @@ import torch
 from megatron.core.checkpoint.names import ParameterNameError
 from megatron.core.checkpoint.output import save_torch_file
 from megatron.core.checkpoint.partitions import merge_partitions, split_partitions
-from megatron.core.checkpoint.sharding import ModelSharding
+from megatron.core.checkpoint.sharding import ModelSharding, is_fp8_state
 
 LAYER_FILE = re.compile(r"^layer_(?P<layer>\d+)-model_(?P<rank>\d+)-model_states\.pt$")
 
@@ -65,8 +65,9 @@ def find_layer_files(directory: str) -> LayerFiles:
 
 def read_full_layer(files: LayerFiles, layer: int, sharding: ModelSharding) -> dict[str, torch.Tensor]:
     """Layer ``layer``'s state dict with every parameter merged over the TP ranks as ``sharding``
-    splits it. Only this layer's files are in memory."""
-    states = [torch.load(path, map_location="cpu", weights_only=True) for path in files.paths[layer]]
+    splits it, without FP8 scaling state (``sharding.is_fp8_state``). Only this layer's files are in memory."""
+    states = [{name: value for name, value in torch.load(path, map_location="cpu", weights_only=True).items()
+               if not is_fp8_state(name)} for path in files.paths[layer]]
     names = list(states[0])
     for path, state in zip(files.paths[layer][1:], states[1:]):
         if list(state) != names:

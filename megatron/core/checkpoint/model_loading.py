@@ -5,15 +5,16 @@ import torch
 
 from megatron.core.checkpoint.names import EMBEDDING_LAYER, PIPELINE_EMBEDDING_PREFIX, plain_name
 from megatron.core.checkpoint.reader import SavedCheckpoint, iter_full_layers
-from megatron.core.checkpoint.sharding import saved_model_config
+from megatron.core.checkpoint.sharding import NO_FP8, saved_model_config
 from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.parallel_state import single_rank_groups
 
 
 def gpt_model_config(checkpoint: SavedCheckpoint, **overrides) -> GPTModelConfig:
-    """The saved model configuration (``args.model``) as a GPTModelConfig, with ``overrides``."""
-    return saved_model_config(checkpoint.model, **overrides)
+    """The saved model configuration (``args.model``) as a GPTModelConfig, with ``overrides``; without
+    FP8 (a training setting: the weights run in the model's precision here)."""
+    return saved_model_config(checkpoint.model, **{**NO_FP8, **overrides})
 
 
 def full_model_state(checkpoint: SavedCheckpoint) -> dict[str, torch.Tensor]:

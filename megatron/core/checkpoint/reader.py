@@ -31,7 +31,7 @@ from megatron.core.checkpoint.manifest import MANIFEST_NAME, SAVING_MARKER, Mani
 from megatron.core.checkpoint.names import EMBEDDING_LAYER, pipeline_name
 from megatron.core.checkpoint.origin import UnverifiedCheckpointError, unverified_reading_line
 from megatron.core.checkpoint.partitions import merge_partitions
-from megatron.core.checkpoint.sharding import ModelSharding
+from megatron.core.checkpoint.sharding import ModelSharding, is_fp8_state
 
 MODEL_STATES = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 OPTIMIZER_FILES = "*zero_pp_rank_*_mp_rank_*_optim_states.pt"
@@ -77,6 +77,15 @@ class SavedCheckpoint:
             return ModelSharding.of_saved(self.model)
         except ValueError as error:
             raise CheckpointInputError(f"{self.directory}: the model it records cannot be built ({error})") from None
+
+    @property
+    def fp8_notice(self) -> str | None:
+        """The line a tool prints for a checkpoint with FP8 delayed-scaling state, which it does not carry."""
+        fp8 = self.model.get("fp8")
+        if not isinstance(fp8, dict) or fp8.get("recipe") != "delayed":
+            return None
+        return (f"notice: {self.directory} was trained in FP8: its delayed-scaling state (amax histories, scales) "
+                f"is dropped, the weights are carried")
 
     @property
     def original_vocab_size(self) -> int:
@@ -193,7 +202,7 @@ def _plain_engine_layers(checkpoint: SavedCheckpoint):
     modules = [load_file(path)["module"] for path in _model_states_files(checkpoint.directory)]
     layers: dict[int, dict[str, torch.Tensor]] = {}
     num_layers = checkpoint.model["num_layers"]
-    for name in modules[0]:
+    for name in (name for name in modules[0] if not is_fp8_state(name)):
         layer, _, local = pipeline_name(name, num_layers).partition(".")
         index = EMBEDDING_LAYER if layer == "tied_modules" else int(layer)
         local = local.removeprefix("embed.")

@@ -32,9 +32,18 @@ from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
 PLAIN_PREFIXES = ("embedding.", "layers.", "final_layernorm.", "output_layer.")
 # Settings that change how the model computes, not which parameters it has or how they are split;
 # under CPU initialization the layers need no RNG tracker stream (the full weights they draw are fake).
-STRUCTURE_ONLY = dict(params_dtype=torch.float32, use_cpu_initialization=True, bias_gelu_fusion=False,
+# FP8 (delayed scaling's amax histories and scales, buffers beside the weights) is no part of a
+# checkpoint's weights: the tools read and write the weights only (``is_fp8_state``).
+NO_FP8 = dict(fp8=None, num_layers_at_start_in_bf16=0, num_layers_at_end_in_bf16=0)
+FP8_STATE_MARKER = "fp8_gemms."
+STRUCTURE_ONLY = dict(**NO_FP8, params_dtype=torch.float32, use_cpu_initialization=True, bias_gelu_fusion=False,
                       sequence_parallel=False, tp_comm_overlap=False, checkpoint_activations=False,
                       distribute_checkpointed_activations=False, hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def is_fp8_state(key: str) -> bool:
+    """Whether a state-dict key is a linear layer's FP8 scaling state (``fp8_gemms.*``), not a weight."""
+    return key.startswith(FP8_STATE_MARKER) or f".{FP8_STATE_MARKER}" in key
 
 
 def parameter_split(parameter: torch.Tensor, vocabulary: bool = False) -> TensorSplit:

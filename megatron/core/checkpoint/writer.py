@@ -26,7 +26,7 @@ from megatron.core.checkpoint.names import EMBEDDING_LAYER, output_layer
 from megatron.core.checkpoint.latest import checkpoint_tag, write_latest
 from megatron.core.checkpoint.output import save_torch_file, staged_directory, write_tree_manifest
 from megatron.core.checkpoint.reader import CheckpointInputError, SavedCheckpoint, iter_full_layers
-from megatron.core.checkpoint.sharding import ModelSharding
+from megatron.core.checkpoint.sharding import NO_FP8, ModelSharding
 from megatron.core.checkpoint.universal import UNIVERSAL_CHECKPOINT_INFO, universal_info
 from megatron.core.checkpoint.universal_writer import OPTIMIZER_PARAMETER_NAMES
 
@@ -74,7 +74,7 @@ def padded_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
 def _trainer_state(checkpoint: SavedCheckpoint, tp: int, pp: int, dp: int, padded: int) -> dict:
     """The source's trainer state with the new layout; without what belongs to the source's ranks."""
     state = {key: value for key, value in checkpoint.state.items() if key not in RANK_STATES}
-    model = {**checkpoint.model, "padded_vocab_size": padded}
+    model = {**checkpoint.model, **NO_FP8, "padded_vocab_size": padded}  # the weights only: no FP8 state
     arguments = {**state["args"], "model": model, "tensor_model_parallel_size": tp,
                  "pipeline_model_parallel_size": pp, "data_parallel_size": dp}
     state.update(args=arguments, module=None, optimizer=None, mp_world_size=tp * pp, dp_world_size=dp,
