@@ -61,8 +61,8 @@ def _delayed(fp8: Fp8Config | None) -> Fp8Config | None:
 def fp8_checkpoint_notice(saved_args, configured: GPTModelConfig, universal: bool = False) -> str | None:
     """The line to print when a checkpoint's FP8 state (delayed scaling's amax histories and scales,
     ``saved_args``: its ``args`` entry) does not carry over to this run's, None when it does or
-    neither has one. A universal checkpoint (``universal``) holds weights and optimizer states only. The layers themselves drop what they cannot take and keep their fresh state
-    (``tensor_parallel.layers``)."""
+    neither has one. A universal checkpoint (``universal``) holds weights and optimizer states only.
+    The layers themselves drop what they cannot take and keep their fresh state (``tensor_parallel.layers``)."""
     saved_model = saved_args.get("model") if isinstance(saved_args, dict) else None
     saved_fp8 = saved_model.get("fp8") if isinstance(saved_model, dict) else None
     saved = _delayed(Fp8Config(**saved_fp8) if isinstance(saved_fp8, dict) else None)
