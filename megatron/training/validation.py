@@ -226,14 +226,13 @@ def _check_ulysses(args, derived: DerivedValues):
         return
     flag = f"--ds-sequence-parallel-size {size}"
     unsupported = (
-        (derived.zero_stage == 3, "ZeRO stage 3"),
         (bool(args.reset_attention_mask), "--reset-attention-mask"),
         (derived.curriculum is not None, "a sequence-length curriculum (curriculum_learning)"),
     )
     for refused, what in unsupported:
         if refused:
-            raise ArgumentError(f"{flag} with {what} is not supported: run Ulysses with ZeRO 0-2, "
-                                f"whole-sequence causal masks and a fixed --seq-length")
+            raise ArgumentError(f"{flag} with {what} is not supported: run Ulysses with whole-sequence "
+                                f"causal masks and a fixed --seq-length")
 
 
 def lr_lengths_in_samples(args, global_batch_size: int) -> tuple[int | float, int]:

@@ -4,7 +4,7 @@ one-process run trains, and its checkpoints resume at another S.
 Set-up: test_layout_equivalence's flags (fp32, dropout 0, CPU initialization, weight decay 1.0,
 clipping that triggers, 6 iterations of global batch 4, sequence 64, 4 heads), so the losses agree
 to 1e-5 relative and the gradient norms to 1e-4 (that file explains both). Each model runs on one
-process and in one Ulysses layout (4 processes each):
+process and in a Ulysses layout of 4 processes:
 
     learned     learned absolute positions, --eod-mask-loss (loss masks uneven over the two halves),
                 ZeRO 0, PP = 2 x S = 2; saved at iteration 2
@@ -12,6 +12,8 @@ process and in one Ulysses layout (4 processes each):
                 S = 2 x D = 2 (two sample streams); saved at iteration 2
     alibi       ALiBi at TP = 2 x S = 2 with --sequence-parallel (the pipeline engine at PP = 1): each
                 rank's slopes are those of its heads, and each SP rank's positions split over TP
+
+and learned again at ZeRO 3 x S = 2 (2 processes; ZeRO 3 gives ZeRO 0's losses).
 
 Resumes, compared with iterations 3-6 of the one-process run: learned's checkpoint loads as it is
 at PP = 2 x S = 1 (ZeRO 0: the optimizer state sits in the model-states files, whatever the
@@ -41,9 +43,10 @@ SUMMARY_SPEED = re.compile(r"tokens per second: ([\d.]+) \| model TFLOP/s per GP
 ROPE_GQA = ["--position-embedding-type", "rotary", "--group-query-attention", "--num-query-groups", "2"]
 MODELS = {"learned": ["--eod-mask-loss"], "rope-gqa": ROPE_GQA + ["--zero-stage", "2"],
           "alibi": ["--position-embedding-type", "alibi"]}
-# model -> (processes, layout flags, whether the run saves) of its Ulysses run
-ULYSSES = {"learned": (4, S2 + PP2, True), "rope-gqa": (4, S2, True),
-           "alibi": (4, S2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], False)}
+# Ulysses run -> (the model whose one-process run it must match, processes, layout flags, whether it saves)
+ULYSSES = {"learned": ("learned", 4, S2 + PP2, True), "rope-gqa": ("rope-gqa", 4, S2, True),
+           "alibi": ("alibi", 4, S2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], False),
+           "learned-zero3": ("learned", 2, S2 + ["--zero-stage", "3"], False)}
 
 
 def train(data, directory, processes: int, flags: list[str]) -> dict:
@@ -62,7 +65,7 @@ def model_flops_per_token(run: dict) -> float:
 
 @pytest.fixture(scope="module")
 def runs(e2e_data, tmp_path_factory):
-    """(model, "single" or "ulysses") -> the run's TensorBoard scalars, log lines and output, run once;
+    """(model, "single") or (Ulysses run, "ulysses") -> the run's TensorBoard scalars, log lines and output, run once;
     a saving Ulysses run also gives "save", its --save directory."""
     found = {}
 
@@ -72,25 +75,25 @@ def runs(e2e_data, tmp_path_factory):
             if kind == "single":
                 found[model, kind] = train(e2e_data, directory, 1, MODELS[model])
             else:
-                processes, layout, saves = ULYSSES[model]
+                reference, processes, layout, saves = ULYSSES[model]
                 save = os.path.join(directory, "checkpoints")
                 extra = ["--save", save, "--save-interval", str(SAVE_ITERATION)] if saves else []
-                found[model, kind] = dict(train(e2e_data, directory, processes, MODELS[model] + layout + extra),
+                found[model, kind] = dict(train(e2e_data, directory, processes, MODELS[reference] + layout + extra),
                                           save=save)
         return found[model, kind]
 
     return run
 
 
-@pytest.mark.parametrize("model", list(MODELS))
-def test_ulysses_matches_the_one_process_run(runs, model):
-    single, ulysses = runs(model, "single"), runs(model, "ulysses")
+@pytest.mark.parametrize("name", list(ULYSSES))
+def test_ulysses_matches_the_one_process_run(runs, name):
+    single, ulysses = runs(ULYSSES[name][0], "single"), runs(name, "ulysses")
     assert series(ulysses["scalars"], LOSS) == pytest.approx(series(single["scalars"], LOSS), rel=LOSS_RTOL)
     assert series(ulysses["scalars"], GRAD_NORM) == pytest.approx(series(single["scalars"], GRAD_NORM),
                                                                   rel=GRAD_NORM_RTOL)
     assert series(ulysses["scalars"], LR) == series(single["scalars"], LR)
     # whole sequences: the samples and tokens of the one-process run, and the printed loss is the whole one
-    assert_counters_of_every_iteration(ulysses["lines"], model)
+    assert_counters_of_every_iteration(ulysses["lines"], name)
     assert [line.number("lm loss") for line in ulysses["lines"]] == \
         pytest.approx(series(single["scalars"], LOSS), rel=LOSS_RTOL)
     assert "initializing DeepSpeed-Ulysses sequence parallel with size 2" in ulysses["output"]

@@ -1,5 +1,6 @@
-"""--ds-sequence-parallel-size: the layout and batch it implies, and the combinations refused with one
-line before any process group (in-process parsing; one real launch shows the line and the exit)."""
+"""--ds-sequence-parallel-size: the layout and batch it implies, the combinations refused with one line
+before any process group (in-process parsing; one real launch shows the line and the exit), and the
+dropout streams of its ranks."""
 import dataclasses
 
 import pytest
@@ -30,7 +31,6 @@ def test_layout_and_batch_count_sample_streams_not_sequence_parallel_ranks():
 @pytest.mark.parametrize("extra, processes, words", [
     (S2, 3, ["world size 3 is not a multiple of", "--ds-sequence-parallel-size (2)"]),
     (["--ds-sequence-parallel-size", "0"], 1, ["--ds-sequence-parallel-size must be >= 1"]),
-    (S2 + ["--zero-stage", "3"], 2, ["--ds-sequence-parallel-size 2 with ZeRO stage 3 is not supported"]),
     (S2 + ["--reset-attention-mask"], 2, ["with --reset-attention-mask is not supported"]),
     (S2 + ["--global-batch-size", "2"], 4, ["data-parallel size 2 = world size 4 / (TP 1 x PP 1 x S 2)"]),
 ])
@@ -58,12 +58,12 @@ def test_refused_with_the_model_config(extra, processes, words):
 @pytest.mark.distributed
 def test_a_refused_launch_prints_one_line_and_starts_no_process_group(e2e_data):
     flags = tiny_gpt_flags(e2e_data) + S2 + ["--micro-batch-size", "1", "--train-iters", "2", "--lr", "1e-3",
-                                             "--zero-stage", "3"]
+                                             "--reset-attention-mask"]
     result = run_pretrain(flags, nproc=2)
     assert result.returncode == 2, result.output[-3000:]
     errors = [line for line in result.output.splitlines() if "error:" in line]
-    assert errors == ["pretrain_gpt.py: error: --ds-sequence-parallel-size 2 with ZeRO stage 3 is not supported: run "
-                      "Ulysses with ZeRO 0-2, whole-sequence causal masks and a fixed --seq-length"]
+    assert errors == ["pretrain_gpt.py: error: --ds-sequence-parallel-size 2 with --reset-attention-mask is not "
+                      "supported: run Ulysses with whole-sequence causal masks and a fixed --seq-length"]
     assert "initializing torch distributed" not in result.output and "Traceback" not in result.output
 
 
