@@ -9,7 +9,9 @@ and "10e6", and the ``type=bool`` flags read true/false. New flags: ``--lr-warmu
 ``--wandb-project``, ``--wandb-exp-name``, ``--wandb-save-dir``, the FP8 flags (Megatron-LM's, and
 the tests' ``--fp8-cpu-emulation``); ``--train-tokens`` and
 ``--codecarbon-dir`` work (no-ops in Megatron-DeepSpeed). ``--local_rank`` is also spelled
-``--local-rank``. The two misplaced flags of Megatron-DeepSpeed's ``--help`` are in their groups here:
+``--local-rank``. The offload flags ``--remote-device``, ``--use-pin-memory``, ``--cpu-optimizer`` and
+``--cpu_torch_adam`` work as in Microsoft's Megatron-DeepSpeed, as ds_config keys (engine/ds_config.py).
+The two misplaced flags of Megatron-DeepSpeed's ``--help`` are in their groups here:
 ``--kill-switch-path`` under "training", ``--log-level``/``--log-level-replica`` under "logging".
 """
 import argparse
@@ -424,7 +426,20 @@ def add_zero_args(parser):
     """Add Megatron-DeepSpeed's "ZeRO" flags to ``parser``."""
     group = parser.add_argument_group("ZeRO")
     group.add_argument("--zero-stage", type=parse_int, default=None,
-                       help="ZeRO stage 0, 1 or 2; must match the ds_config's zero_optimization.stage")
+                       help="ZeRO stage 0, 1, 2 or 3 (3 needs PP 1); must match the ds_config's "
+                            "zero_optimization.stage")
+    group.add_argument("--remote-device", choices=("none", "cpu", "nvme"), default="none",
+                       help="ZeRO-3: where the parameter partitions live; cpu is the ds_config's "
+                            "zero_optimization.offload_param.device \"cpu\" (nvme is refused)")
+    group.add_argument("--use-pin-memory", action="store_true",
+                       help="with --remote-device cpu: the parameter partitions in pinned CPU memory "
+                            "(offload_param.pin_memory)")
+    group.add_argument("--cpu-optimizer", action="store_true",
+                       help="run the optimizer on the CPU: the ds_config's zero_optimization.offload_optimizer."
+                            "device \"cpu\" (ZeRO 1-3), DeepSpeed's CPU Adam")
+    group.add_argument("--cpu_torch_adam", action="store_true",
+                       help="with the optimizer on the CPU: torch's AdamW instead of DeepSpeed's CPU Adam "
+                            "(zero_force_ds_cpu_optimizer false; slower, needs no compiled op)")
 
 
 def add_activation_checkpointing_args(parser):

@@ -12,9 +12,7 @@ that are accepted.
 | --reset-progress | the feature comes with the long-run work (progress reset) |
 | --inference | builds a model without optimizer for the generation tools; pretraining always trains |
 | --batch-size, --warmup, --model-parallel-size | deprecated in Megatron-DeepSpeed, which asserted with these messages |
-| --cpu-optimizer, --cpu_torch_adam | Megatron-DeepSpeed raised NotImplementedError / ignored it; offload is a ds_config matter |
 | --zero-reduce-scatter, --zero-contigious-gradients, --zero-reduce-bucket-size, --zero-allgather-bucket-size | no-ops in Megatron-DeepSpeed: the ds_config's zero_optimization block decides |
-| --remote-device, --use-pin-memory | ZeRO-3 ``zero.Init`` options; ZeRO stage 3 is not supported |
 | --scattered-embeddings, --memory-centric-tiled-linear, --tile-factor, --split-transformers | no-ops in Megatron-DeepSpeed |
 | --contigious-checkpointing, --checkpoint-in-cpu, --synchronize-each-layer, --profile-backward | DeepSpeed checkpointing options our activation checkpointing does not implement |
 | --fp16-lm-cross-entropy | the loss is always computed in fp32 |
@@ -36,8 +34,6 @@ _NO_OP_IN_MEGATRON_DEEPSPEED = "had no effect in Megatron-DeepSpeed; remove the 
 _CHECKPOINTING = ("is a DeepSpeed activation-checkpointing option that our activation checkpointing "
                   "(RNG-replaying, optionally partitioned with --partition-activations) does not "
                   "implement; remove the flag")
-_ZERO3 = ("is a ZeRO-3 zero.Init option and ZeRO stage 3 is not supported (use stage 0, 1 or 2; "
-          "offload through the ds_config's zero_optimization.offload_optimizer); remove the flag")
 
 
 def _zero_block(key):
@@ -52,15 +48,10 @@ _SPECIFIC_REASONS = {
     "--warmup": "--warmup argument is no longer valid, use --lr-warmup-fraction instead",
     "--model-parallel-size": ("--model-parallel-size is no longer valid, use "
                               "--tensor-model-parallel-size instead"),
-    "--cpu-optimizer": ("CPU optimizers are not supported (Megatron-DeepSpeed raised NotImplementedError); "
-                        "offload through the ds_config's zero_optimization.offload_optimizer"),
-    "--cpu_torch_adam": f"{_NO_OP_IN_MEGATRON_DEEPSPEED} (optimizer offload is set in the ds_config)",
     "--zero-reduce-scatter": _zero_block("reduce_scatter"),
     "--zero-contigious-gradients": _zero_block("contiguous_gradients"),
     "--zero-reduce-bucket-size": _zero_block("reduce_bucket_size"),
     "--zero-allgather-bucket-size": _zero_block("allgather_bucket_size"),
-    "--remote-device": _ZERO3,
-    "--use-pin-memory": _ZERO3,
     "--scattered-embeddings": _NO_OP_IN_MEGATRON_DEEPSPEED,
     "--memory-centric-tiled-linear": _NO_OP_IN_MEGATRON_DEEPSPEED,
     "--tile-factor": _NO_OP_IN_MEGATRON_DEEPSPEED,

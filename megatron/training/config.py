@@ -409,9 +409,12 @@ class DeepSpeedSettings:
 
     @property
     def offloads_optimizer(self) -> bool:
-        """ZeRO keeps the optimizer states and step on the CPU (zero_optimization.offload_optimizer)."""
+        """ZeRO keeps the optimizer states and step on the CPU (zero_optimization.offload_optimizer) and
+        steps them with DeepSpeed's CPU Adam: unless zero_force_ds_cpu_optimizer is false
+        (--cpu_torch_adam), where torch's AdamW runs there."""
         offload = self.config.get("zero_optimization", {}).get("offload_optimizer") or {}
-        return offload.get("device", "none") == "cpu"
+        deepspeed_adam = self.config.get("zero_force_ds_cpu_optimizer") is not False
+        return offload.get("device", "none") == "cpu" and deepspeed_adam
 
     def config_for_initialize(self) -> dict:
         """A private copy for ``deepspeed.initialize(config=...)``, which may modify what it gets; without

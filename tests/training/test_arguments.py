@@ -107,7 +107,7 @@ def test_deprecated_flags_keep_megatron_deepspeed_messages(flag, message):
 
 def test_refused_flags_are_hidden_from_help_and_namespace():
     parser = build_parser()
-    assert "--cpu-optimizer" not in parser.format_help()
+    assert "--inference" not in parser.format_help()
     assert not any(name.startswith("rejected_") for name in vars(parse().flags))
 
 
@@ -721,8 +721,31 @@ def test_cpu_offload_is_accepted_at_zero_1_2_and_3(ds_file):
         parsed = parse(with_ds(ds_file({"zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}}})))
         assert parsed.derived.ds_config["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
     zero = {"stage": 3, "offload_param": {"device": "cpu"}}
-    assert parse(with_ds(ds_file({"zero_optimization": zero}))).derived.ds_config["zero_optimization"]["offload_param"] \
-        == {"device": "cpu"}
+    parsed = parse(with_ds(ds_file({"zero_optimization": zero})))
+    assert parsed.derived.ds_config["zero_optimization"]["offload_param"] == {"device": "cpu"}
+
+
+def test_microsoft_offload_flags_are_ds_config_keys(ds_file):
+    zero = parse(with_ds(ds_file({"zero_optimization": {"stage": 3}}), "--remote-device", "cpu", "--use-pin-memory",
+                         "--cpu-optimizer", "--cpu_torch_adam")).derived.ds_config
+    assert zero["zero_optimization"]["offload_param"] == {"device": "cpu", "pin_memory": True}
+    assert zero["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    assert zero["zero_force_ds_cpu_optimizer"] is False
+    only_optimizer = parse(with_ds(ds_file({"zero_optimization": {"stage": 1}}), "--cpu-optimizer")).derived.ds_config
+    assert only_optimizer["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    assert "zero_force_ds_cpu_optimizer" not in only_optimizer
+
+
+@pytest.mark.parametrize("zero, extra, words", [
+    ({"stage": 3}, ["--remote-device", "nvme"], ["offload_param.device \"nvme\"", "NVMe"]),
+    ({"stage": 2}, ["--remote-device", "cpu"], ["offload_param", "ZeRO-3"]),
+    ({"stage": 3, "offload_param": {"device": "none"}}, ["--remote-device", "cpu"], ["--remote-device", '"none"']),
+    ({"stage": 3}, ["--use-pin-memory"], ["--use-pin-memory", "--remote-device cpu"]),
+    ({"stage": 2}, ["--cpu_torch_adam"], ["--cpu_torch_adam", "--cpu-optimizer"]),
+])
+def test_microsoft_offload_flags_that_cannot_run_are_refused(ds_file, zero, extra, words):
+    message = error(with_ds(ds_file({"zero_optimization": zero}), *extra))
+    assert all(word in message for word in words), message
 
 
 # ---- --sequence-parallel -------------------------------------------------------------------------

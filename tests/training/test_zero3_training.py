@@ -1,9 +1,11 @@
 """ZeRO-3 end to end (fp32, gloo, pretrain_gpt.py on the tiny GPT): the model built partitioned under
 zero.Init trains to ZeRO-1's losses at DP = 2 and at TP = 2 x DP = 2 (tied embeddings, sequence
 parallelism and activation checkpointing in the second), and so it does with its parameters and
-optimizer offloaded to the CPU (DeepSpeed's CPU Adam). The ds_config sets DeepSpeed's persistence
-thresholds to 0, so that every parameter of the tiny model is partitioned and gathered around each
-use (by default DeepSpeed keeps parameters under 100k elements whole on every rank).
+optimizer offloaded to the CPU: by the ds_config (DeepSpeed's CPU Adam), and by Microsoft
+Megatron-DeepSpeed's flags (--remote-device cpu --cpu-optimizer --cpu_torch_adam: torch's AdamW on
+the CPU). The ds_config sets DeepSpeed's persistence thresholds to 0, so that every parameter of
+the tiny model is partitioned and gathered around each use (by default DeepSpeed keeps parameters
+under 100k elements whole on every rank).
 
 The ZeRO-1 reference runs are launched once per layout (a module fixture).
 """
@@ -62,4 +64,11 @@ def test_zero_3_with_cpu_offload_gives_the_losses_of_zero_1(zero_1_losses, e2e_d
     offload = {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}
     config = ds_config(tmp_path, 3, **PARTITION_EVERYTHING, **offload)
     result = run_pretrain(run_flags(e2e_data) + ["--deepspeed_config", config], nproc=2)
+    assert losses(result) == pytest.approx(zero_1_losses["dp2"], rel=1e-5)
+
+
+def test_microsoft_offload_flags_give_the_losses_of_zero_1(zero_1_losses, e2e_data, tmp_path):
+    flags = ["--deepspeed_config", ds_config(tmp_path, 3, **PARTITION_EVERYTHING), "--remote-device", "cpu",
+             "--cpu-optimizer", "--cpu_torch_adam"]
+    result = run_pretrain(run_flags(e2e_data) + flags, nproc=2)
     assert losses(result) == pytest.approx(zero_1_losses["dp2"], rel=1e-5)

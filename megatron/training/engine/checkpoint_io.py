@@ -184,7 +184,8 @@ def zero3_universal_reads(engine, tp_rank: int, tp_size: int, directory: str):
         entry = torch.load(os.path.join(folder, f"{key}.pt"), map_location="cpu", weights_only=False)
         vocab_rows = param.ds_shape[0] * tp_size if entry.get("vocab_tensor") else None
         tp_slice = tp_share_of_universal(entry, tp_rank, tp_size, vocab_rows).reshape(-1)
-        dp_rank, dp_size = comm.get_rank(group=param.ds_process_group), comm.get_world_size(group=param.ds_process_group)
+        group = param.ds_process_group
+        dp_rank, dp_size = comm.get_rank(group=group), comm.get_world_size(group=group)
         share = -(-tp_slice.numel() // dp_size)
         padded = torch.nn.functional.pad(tp_slice, (0, share * dp_size - tp_slice.numel()))
         return padded.narrow(0, dp_rank * share, share)

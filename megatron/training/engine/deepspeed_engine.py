@@ -167,7 +167,8 @@ class DeepSpeedAdapter:
             read_filters = [*read_filters, translating_filter(load_optimizer)]
         renaming = universal and not self.pipeline_layout
         zero3 = self.config.parallel.zero_stage == 3
-        whole_module = checkpoint_io.zero3_module_reads(self.engine, load_optimizer) if zero3 else contextlib.nullcontext()
+        whole_module = (checkpoint_io.zero3_module_reads(self.engine, load_optimizer) if zero3
+                        else contextlib.nullcontext())
         zero3_universal = (checkpoint_io.zero3_universal_reads(self.engine, self.groups.tp_rank, self.groups.tp_size,
                                                                tag_directory)
                            if zero3 and universal else contextlib.nullcontext())

@@ -14,6 +14,8 @@ Rules, applied key by key (a key set to "auto" counts as absent):
 | --fp16, --bf16 | fp16.enabled, bf16.enabled | a given flag must match; a config that enables one without the flag turns it on (notice); filled |
 | --zero-stage | zero_optimization.stage | must match when the flag is given; else the config's, else 0; filled |
 | --clip-grad | gradient_clipping | the config wins (one notice when a given flag differs); else filled from the flag |
+| --remote-device, --use-pin-memory (ZeRO-3) | zero_optimization.offload_param.device, .pin_memory | set from a given flag; a config that says otherwise is an error (nvme refused) |
+| --cpu-optimizer, --cpu_torch_adam | zero_optimization.offload_optimizer.device "cpu", zero_force_ds_cpu_optimizer false | the same |
 | --loss-scale, --initial-loss-scale, --min-loss-scale, --loss-scale-window, --hysteresis | fp16.loss_scale, .initial_scale_power, .min_loss_scale, .loss_scale_window, .hysteresis | with fp16: the config wins (one notice per key where a given flag differs); absent keys come from a given flag, else DeepSpeed's default (all from the flags when the config is built from them) |
 
 With bf16, gradients accumulate in fp32: ``data_types.grad_accum_dtype = "fp32"`` unless the config
@@ -309,9 +311,43 @@ class _Resolution:
             self.notices.append("fp16 at zero_optimization.stage 0 runs at stage 1: DeepSpeed 0.19 does not "
                                 "scale the loss for its stage-0 fp16 optimizer (deepspeedai/DeepSpeed#8393)")
 
+    def offload_flags(self):
+        """Microsoft Megatron-DeepSpeed's offload flags as ds_config keys, which a config that sets them
+        otherwise contradicts: --remote-device cpu|nvme -> offload_param.device, --use-pin-memory ->
+        offload_param.pin_memory, --cpu-optimizer -> offload_optimizer.device "cpu", --cpu_torch_adam
+        -> zero_force_ds_cpu_optimizer false (torch's AdamW steps on the CPU instead of DeepSpeed's CPU
+        Adam, model_setup.build_optimizer)."""
+        args, block = self.args, self.config["zero_optimization"]
+        wanted = []
+        if args.remote_device != "none":
+            wanted.append(("offload_param", "device", args.remote_device, "--remote-device"))
+        if args.use_pin_memory:
+            wanted.append(("offload_param", "pin_memory", True, "--use-pin-memory"))
+        if args.cpu_optimizer:
+            wanted.append(("offload_optimizer", "device", "cpu", "--cpu-optimizer"))
+        for key, setting, value, flag in wanted:
+            settings = block.setdefault(key, {})
+            given = _given(settings, setting)
+            if given is not _MISSING and given != value:
+                raise ArgumentError(f"{flag} asks for zero_optimization.{key}.{setting} = {json.dumps(value)} but "
+                                    f"{self.where} sets {json.dumps(given)}: drop one")
+            settings[setting] = value
+        if args.use_pin_memory and (block.get("offload_param") or {}).get("device", "none") != "cpu":
+            raise ArgumentError("--use-pin-memory pins the parameter partitions offloaded to the CPU: give "
+                                "--remote-device cpu (or offload_param.device \"cpu\" in the ds_config)")
+        if args.cpu_torch_adam:
+            if (block.get("offload_optimizer") or {}).get("device", "none") != "cpu":
+                raise ArgumentError("--cpu_torch_adam runs torch's AdamW on the CPU: give --cpu-optimizer (or "
+                                    "offload_optimizer.device \"cpu\" in the ds_config)")
+            if self.config.get("zero_force_ds_cpu_optimizer", False) is not False:
+                raise ArgumentError(f"--cpu_torch_adam with zero_force_ds_cpu_optimizer true in {self.where}: "
+                                    f"drop one")
+            self.config["zero_force_ds_cpu_optimizer"] = False
+
     def offload(self):
         """ZeRO's offload to the CPU: the optimizer (stage >= 1, with DeepSpeed's CPU Adam,
         engine.build_optimizer) and, at stage 3, the parameters. NVMe offload is refused by name."""
+        self.offload_flags()
         block = self.config["zero_optimization"]
         for key in ("offload_optimizer", "offload_param"):
             device = (block.get(key) or {}).get("device", "none")
