@@ -162,16 +162,13 @@ def _check_ulysses(shape: ModelShape, layout: Layout) -> None:
         if (count // t) % sp:
             raise CalculatorError(f"--ds-sequence-parallel-size {sp} does not divide {name} {count} / TP {t}: each "
                                   f"sequence-parallel rank attends over 1 / S of a TP rank's heads")
-    if shape.seq_length % sp:
-        raise CalculatorError(f"--ds-sequence-parallel-size {sp} does not divide --seq-length {shape.seq_length}")
+    split = sp * (t if layout.sequence_parallel else 1)
+    if shape.seq_length % split:
+        raise CalculatorError(f"--ds-sequence-parallel-size {sp}{' x TP ' + str(t) if layout.sequence_parallel else ''}"
+                              f" does not divide --seq-length {shape.seq_length}")
     if layout.num_gpus % (t * layout.pipeline_parallel * sp):
         raise CalculatorError(f"--num-gpus {layout.num_gpus} is not a multiple of TP {t} x PP "
                               f"{layout.pipeline_parallel} x --ds-sequence-parallel-size {sp}")
-    refused = (("--pipeline-model-parallel-size > 1", layout.pipeline_parallel > 1),
-               ("--zero-stage 3", layout.zero_stage == 3), ("--sequence-parallel", layout.sequence_parallel))
-    for flag, present in refused:
-        if present:
-            raise CalculatorError(f"--ds-sequence-parallel-size {sp} with {flag}: the trainer refuses the combination")
 
 
 def _check_offload_and_recompute(layout: Layout) -> None:
@@ -464,7 +461,8 @@ def calculate(shape: ModelShape, layout: Layout, budget: TrainingBudget = Traini
                       "position_table_rows": shape.position_rows,
                       "padded_vocab_size": padded_vocab_size(shape, layout.tensor_parallel)},
             "layout": {**asdict(layout), "data_parallel": layout.data_parallel, "global_batch_size": layout.batch,
-                       "micro_batches_per_step": layout.micro_batches_per_step},
+                       "micro_batches_per_step": layout.micro_batches_per_step,
+                       "zero_partitions": layout.zero_partitions},
             "parameters": asdict(counts),
             "memory_per_gpu": {"activation_bytes_per_layer": layer_activation_bytes(shape, layout),
                                "stages": _memory_figures(shape, layout, counts)},

@@ -183,6 +183,11 @@ def test_recompute_modes_and_ulysses_by_hand():
                                    "block": {"checkpoint_activations": True, "recompute_method": "block"}}.items()}
     layers = flops["uniform"] - flops["none"]  # one more forward of both layers
     assert flops["block"] - flops["none"] == pytest.approx(layers / 2)
+    with_sp = calculate(SMALL, Layout(**base, ulysses=2, tensor_parallel=2, num_gpus=8, sequence_parallel=True,
+                                      pipeline_parallel=2, global_batch_size=4))
+    assert with_sp["layout"]["data_parallel"] == 1 and with_sp["layout"]["zero_partitions"] == 2
+    with pytest.raises(CalculatorError, match="--ds-sequence-parallel-size 8 does not divide --num-attention-heads"):
+        calculate(SMALL, Layout(**base, ulysses=8, num_gpus=8))
 
 
 @pytest.mark.parametrize("changes, per_layer, logits", [
