@@ -48,9 +48,9 @@ s b h, layernorm the two norms' outputs (2e; e when mlp keeps the second), mlp_a
 activation's output (e f/h / t), mlp its input and output (e (u + 1) f/h / t), core_attn the
 attention output (e / t; with rotary embeddings also the rotated query and key, e (h + k)/h / t;
 and the scores when materialized). Ulysses (--ds-sequence-parallel-size S) holds s/S positions per
-GPU: every term above with s/S, the scores with a/S heads at full length. 1F1B keeps min(p - stage, micro-batches per step) micro-batches
-in flight. The last stage adds 2 e s b V_p / t at the loss (the logits, which the fused cross
-entropy keeps for the backward, and their gradient).
+GPU: every term above with s/S, the scores with a/S heads at full length. 1F1B keeps
+min(p - stage, micro-batches per step) micro-batches in flight. The last stage adds 2 e s b V_p / t
+at the loss (the logits, which the fused cross entropy keeps for the backward, and their gradient).
 
 FLOPs per iteration (Narayanan et al. 2021; Megatron-LM's count with grouped-query attention and
 a GLU, megatron.core.flops), matmuls only, l = 4h^2 + 4hk + 4sh + 2(u + 1)hf per layer and token
@@ -178,7 +178,8 @@ def _check_offload_and_recompute(layout: Layout) -> None:
         raise CalculatorError("--offload-optimizer runs ZeRO's optimizer partitions on the host: add --zero-stage "
                               "1, 2 or 3")
     if layout.recompute_method not in RECOMPUTE_METHODS:
-        raise CalculatorError(f"--recompute-method {layout.recompute_method!r}: use one of {', '.join(RECOMPUTE_METHODS)}")
+        raise CalculatorError(f"--recompute-method {layout.recompute_method!r}: use one of "
+                              f"{', '.join(RECOMPUTE_METHODS)}")
 
 
 def check_layout(shape: ModelShape, layout: Layout) -> None:
@@ -390,7 +391,8 @@ def recomputed_share(shape: ModelShape, layout: Layout) -> float:
     from megatron.core.models.gpt.config import GPTConfigError
 
     try:
-        config = replace(model_config(shape, layout.tensor_parallel), checkpoint_activations=layout.checkpoint_activations,
+        config = replace(model_config(shape, layout.tensor_parallel),
+                         checkpoint_activations=layout.checkpoint_activations,
                          checkpoint_num_layers=layout.checkpoint_num_layers, recompute_method=layout.recompute_method,
                          recompute_modules=layout.recompute_modules)
     except GPTConfigError as error:
