@@ -1,9 +1,10 @@
 """ZeRO-3 checkpoints end to end (fp32, gloo, tiny GPT, every parameter partitioned):
 
 - a ZeRO-3 run at TP = 2 x DP = 2 saved at iteration 2 and resumed continues the uninterrupted run
-  exactly; its model-states files hold the whole (gathered) TP slices, one file per TP rank, so the
-  export to transformers reads it and gives our model's logits; at TP = 1 DeepSpeed's zero_to_fp32.py,
-  left beside the checkpoint, rebuilds the same weights from the optimizer partitions;
+  exactly (with --no-load-optim, the weights read from the model-states files, its first loss); those
+  files hold the whole (gathered) TP slices, one file per TP rank, so the export to transformers
+  reads them and gives our model's logits; at TP = 1 DeepSpeed's zero_to_fp32.py, left beside the
+  checkpoint, rebuilds the same weights from the optimizer partitions;
 - ZeRO-1 -> ZeRO-3 -> ZeRO-1 through universal checkpoints continues the uninterrupted ZeRO-1 run
   within 1e-5 (TP = 2 x DP = 2 both ways).
 """
@@ -59,6 +60,8 @@ def test_zero_3_resumes_exactly_and_its_model_files_are_whole(e2e_data, tmp_path
     (tmp_path / "ckpt" / "latest").write_text("global_step2")
     resumed = run_pretrain(flags + ["--load", save], nproc=4)
     assert losses(resumed) == {3: reference[3], 4: reference[4]}
+    weights_only = losses(run_pretrain(flags + ["--load", save, "--no-load-optim"], nproc=4))
+    assert weights_only[3] == reference[3] and weights_only[4] != reference[4]  # Adam's moments start afresh
 
     directory = os.path.join(save, "global_step2")
     assert sorted(name for name in os.listdir(directory) if "model_states" in name) == \
