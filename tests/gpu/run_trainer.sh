@@ -60,6 +60,18 @@
 #      zero3_offload_13b zero3_offload_compare"): the 2.7B, 6.7B and 13B GPTs of the GPT-3 table, bf16,
 #      micro-batch 1, global batch 8, 6 iterations; zero3_offload_compare prints the same table for them (a run
 #      that did not fit shows "none"); zero3_optoffload_6p7b offloads the optimizer only
+#   15. FP8 (issue 35; hybrid format). Speed on one GPU: fp8_1p3b_<recipe>_mbs<N> is the 1.3B GPT at seq 2048, global
+#      batch 32, ITERS_FP8 iterations (default 12), log interval 1, in bf16 (recipe "bf16") or FP8 (delayed,
+#      tensorwise, rowwise) at micro-batch N, e.g. RUNS="fp8_1p3b_bf16_mbs8 fp8_1p3b_bf16_mbs16 fp8_1p3b_delayed_mbs8
+#      fp8_1p3b_delayed_mbs16 fp8_1p3b_compare"; fp8_1p3b_compare prints the mean model TFLOP/s (the same model
+#      FLOPs for both), max allocated MB and the ratio to the first run of every fp8_1p3b_* log in $OUT. On two
+#      GPUs: fp8_6p7b_tp2_<recipe>_mbs<N> (the 6.7B at TP = 2 with sequence parallelism and selective recompute,
+#      global batch 16) and fp8_6p7b_compare. Loss parity on one GPU: RUNS="fp8_parity_bf16 fp8_parity_delayed
+#      fp8_parity_tensorwise fp8_parity_rowwise fp8_parity_compare": the 350M GPT, PARITY_ITERS iterations
+#      (default 2000), seq 1024, micro-batch 16, global batch PARITY_GBS (default 16), lr 3e-4 (warmup 100, cosine
+#      to 3e-5), validation every 200 iterations, the same data order and seed; fp8_parity_compare checks each FP8
+#      run against bf16 (tests/gpu/fp8_parity.py: final validation loss within 1 %, no loss over +10 %) and draws
+#      the curves with tools/plot_logs.py into $OUT/fp8_parity/
 # Run from the repository root on the GPU machine with .whl carried; logs go to $OUT.
 #   RUNS="350m_bf16 overflow" bash tests/gpu/run_trainer.sh    (a subset)
 #   EXTRA_ARGS="--no-gradient-accumulation-fusion" RUNS=scale_1gpu OUT=... bash tests/gpu/run_trainer.sh
@@ -237,6 +249,43 @@ zero3_offload_run() {  # name layers hidden heads [flags...]: one GPU, ZeRO-3, p
         gpt_run "$name" "$layers" "$hidden" "$heads" bf16 1 8 "$@"
 }
 
+fp8_flags() {  # recipe -> the FP8 flags of that recipe (none for bf16)
+    [ "$1" = bf16 ] || echo "--fp8-format hybrid --fp8-recipe $1"
+}
+
+fp8_speed_run() {  # name ngpus: fp8_1p3b_<recipe>_mbs<N> (one GPU) or fp8_6p7b_tp2_<recipe>_mbs<N> (two GPUs)
+    local name=$1 ngpus=$2 recipe mbs
+    recipe=${name%_mbs*}
+    recipe=${recipe##*_}
+    mbs=${name##*_mbs}
+    if [ "$ngpus" = 1 ]; then
+        NGPUS=1 ITERS=${ITERS_FP8:-12} LOG_INTERVAL=1 gpt_run "$name" 24 2048 16 bf16 "$mbs" 32 $(fp8_flags "$recipe")
+    else
+        NGPUS=2 ITERS=${ITERS_FP8:-12} LOG_INTERVAL=1 gpt_run "$name" 32 4096 32 bf16 "$mbs" 16 \
+            --tensor-model-parallel-size 2 --sequence-parallel --recompute-activations $(fp8_flags "$recipe")
+    fi
+}
+
+fp8_logs() {  # prefix -> the runs in $OUT whose logs start with it (bf16 sorts first)
+    local log
+    for log in "$OUT/$1"*.log; do [ -f "$log" ] && basename "$log" .log; done
+}
+
+fp8_parity_run() {  # recipe: the 350M GPT's loss-parity run in bf16 ("bf16") or FP8 with that recipe
+    SEQ=1024 ITERS=${PARITY_ITERS:-2000} LOG_INTERVAL=1 gpt_run "fp8_parity_$1" 24 1024 16 bf16 16 "${PARITY_GBS:-16}" \
+        --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 100 --eval-interval 200 --eval-iters 10 $(fp8_flags "$1")
+}
+
+fp8_parity() {  # each FP8 parity run against bf16's (tests/gpu/fp8_parity.py), and their curves (tools/plot_logs.py)
+    local logs=() recipe
+    for recipe in delayed tensorwise rowwise; do
+        [ -f "$OUT/fp8_parity_$recipe.log" ] && logs+=("$OUT/fp8_parity_$recipe.log")
+    done
+    $py tests/gpu/fp8_parity.py "$OUT/fp8_parity_bf16.log" "${logs[@]}" | tee "$OUT/fp8_parity.txt" || status=1
+    $py tools/plot_logs.py "$OUT/fp8_parity_bf16.log" "${logs[@]}" --out "$OUT/fp8_parity" --series loss,grad-norm \
+        2>&1 | tee -a "$OUT/fp8_parity.txt"
+}
+
 prepare_data || exit 1
 for run in $RUNS; do
     case $run in
@@ -347,6 +396,12 @@ for run in $RUNS; do
         w4096_tp2) NGPUS=2 ITERS=20 LOG_INTERVAL=1 gpt_run w4096_tp2 16 4096 32 bf16 4 16 --tensor-model-parallel-size 2 ;;
         w4096_tp2_overlap) NGPUS=2 ITERS=20 LOG_INTERVAL=1 gpt_run w4096_tp2_overlap 16 4096 32 bf16 4 16 \
                                --tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap ;;
+        fp8_1p3b_compare) recompute_table $(fp8_logs fp8_1p3b_) | tee "$OUT/fp8_1p3b.txt" ;;
+        fp8_6p7b_compare) recompute_table $(fp8_logs fp8_6p7b_tp2_) | tee "$OUT/fp8_6p7b.txt" ;;
+        fp8_1p3b_*_mbs*) fp8_speed_run "$run" 1 ;;
+        fp8_6p7b_tp2_*_mbs*) fp8_speed_run "$run" 2 ;;
+        fp8_parity_compare) fp8_parity ;;
+        fp8_parity_bf16|fp8_parity_delayed|fp8_parity_tensorwise|fp8_parity_rowwise) fp8_parity_run "${run#fp8_parity_}" ;;
         *) echo "unknown run $run" >&2; status=1 ;;
     esac
 done

@@ -1,16 +1,20 @@
 """pretrain_gpt.py in FP8 (the CPU emulation, --fp8-cpu-emulation): each recipe trains close to the run
 without FP8 and not equal to it, in fp32 and in bf16; TP = 2 with sequence parallelism trains what TP = 1
-does; a delayed-scaling run saved and resumed continues the uninterrupted one exactly; checkpoints
-with and without FP8 state load into runs without and with FP8 with a notice.
+does, and so do DP = 2 under ZeRO-2 (the plain engine) with full recompute (tensorwise) and PP = 2
+with selective recompute; a delayed-scaling run saved and resumed continues the uninterrupted one exactly; an FP8
+checkpoint loads into a run without FP8 with a notice.
 
 Set-up: test_layout_equivalence's flags (fp32, dropout 0, CPU initialization, clipping at 1.0), 2 layers,
 4 iterations of 4 micro-batches, hybrid format. Tolerances: FP8 moves the losses by about 1e-5..1e-4
 relative here (2e-3 bounds it). TP = 2 quantizes with the scales of the whole tensors (amaxes reduced
 over the group), so its first step's loss and gradient norm equal TP = 1's to fp32 rounding (1e-5);
-from then on the weights differ in the last fp32 bits (the row-parallel sums add in another order),
-and a value that lands on the other side of an FP8 rounding boundary moves by up to 1/16 of itself,
-which Adam (normalizing each gradient) turns into whole-step differences of single weights: the later
-losses agree to 1e-3.
+from then on the weights differ in the last fp32 bits (the row-parallel sums, or DP's gradient sums,
+add in another order), and a value that lands on the other side of an FP8 rounding boundary moves by
+up to 1/16 of itself, which Adam (normalizing each gradient) turns into whole-step differences of
+single weights: the later losses agree to 1e-3. DP = 2 runs tensorwise: delayed scaling's first
+step quantizes with scales 1, and the gradients' size depends on the micro-batches per rank (DeepSpeed
+divides the loss by their count), so DP would change which of them underflow; a current scale
+absorbs that power of 2.
 """
 import glob
 import os
@@ -37,6 +41,9 @@ RUNS = {
     "tensorwise": (1, EMULATED + ["--fp8-recipe", "tensorwise"]),
     "rowwise": (1, EMULATED + ["--fp8-recipe", "rowwise"]),
     "delayed-tp2": (2, EMULATED + TP2_SP),
+    "delayed-pp2-selective": (2, EMULATED + ["--pipeline-model-parallel-size", "2", "--recompute-activations"]),
+    "tensorwise-dp2-zero2-full": (2, EMULATED + ["--fp8-recipe", "tensorwise", "--zero-stage", "2",
+                                                 "--checkpoint-activations"]),
     "bf16": (1, BF16),
     "bf16-delayed": (1, BF16 + EMULATED),
 }
@@ -67,11 +74,18 @@ def test_fp8_trains_close_to_the_run_without_it(runs, name, baseline):
     assert max(abs(a - b) for a, b in zip(fp8, plain)) > 1e-6  # FP8 really ran
 
 
-def test_tp2_with_sequence_parallelism_trains_what_tp1_does(runs):
-    tp1, tp2 = runs["delayed"], runs["delayed-tp2"]
-    assert tp2["loss"][0] == pytest.approx(tp1["loss"][0], rel=TP_FIRST_STEP_RTOL)
-    assert tp2["grad_norm"][0] == pytest.approx(tp1["grad_norm"][0], rel=TP_FIRST_STEP_RTOL)
-    assert tp2["loss"] == pytest.approx(tp1["loss"], rel=TP_LATER_RTOL)
+@pytest.mark.parametrize("name, one_process", [("delayed-tp2", "delayed"), ("tensorwise-dp2-zero2-full", "tensorwise")])
+def test_tp2_with_sequence_parallelism_and_dp2_train_what_one_process_does(runs, name, one_process):
+    one, layout = runs[one_process], runs[name]
+    assert layout["loss"][0] == pytest.approx(one["loss"][0], rel=TP_FIRST_STEP_RTOL)
+    assert layout["grad_norm"][0] == pytest.approx(one["grad_norm"][0], rel=TP_FIRST_STEP_RTOL)
+    assert layout["loss"] == pytest.approx(one["loss"], rel=TP_LATER_RTOL)
+
+
+def test_pipeline_stages_and_recompute_change_nothing(runs):
+    """PP = 2 splits the layers, not their sums; recompute reuses the step's scales and weight copies."""
+    assert runs["delayed-pp2-selective"]["loss"] == pytest.approx(runs["delayed"]["loss"], rel=1e-6)
+    assert runs["delayed-pp2-selective"]["grad_norm"] == pytest.approx(runs["delayed"]["grad_norm"], rel=1e-6)
 
 
 def test_log_line_and_tensorboard_report_the_recipe_and_delayed_scalings_counts(runs):
