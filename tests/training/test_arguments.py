@@ -748,6 +748,23 @@ def test_microsoft_offload_flags_that_cannot_run_are_refused(ds_file, zero, extr
     assert all(word in message for word in words), message
 
 
+def test_zero_3_checkpoints_need_the_engines_replacements(ds_file, tmp_path, monkeypatch):
+    import deepspeed
+
+    from megatron.training.engine import replacements
+
+    flags = with_ds(ds_file({"zero_optimization": {"stage": 3}}), "--save", str(tmp_path / "ckpt"),
+                    "--save-interval", "10", "--allow-untested-deepspeed")
+    assert parse(flags).derived.zero_stage == 3
+    try:
+        with monkeypatch.context() as patched:
+            patched.setattr(deepspeed, "__version__", "0.16.4")
+            message = error(flags)
+        assert "--save at ZeRO stage 3" in message and "checkpoint_io.zero3_model_states" in message
+    finally:
+        replacements.check_deepspeed(False)
+
+
 # ---- --sequence-parallel -------------------------------------------------------------------------
 
 def model_config_error(extra, env):

@@ -29,8 +29,9 @@ gradient skips the step at every ZeRO stage.) DeepSpeed 0.19 runs bf16 + fp32 ac
 only allows at ZeRO stage 1 (stage 0 raises "unsupported mix"); Megatron-DeepSpeed's "bf16 needs
 stage 0" was that same optimizer, so stage 0 becomes 1 in that case (said in the notice). At ZeRO
 stage 3 (PP 1 only) ``zero_optimization.memory_efficient_linear`` is false unless the config sets it
-(engine/zero3.py says why). Refused: ZeRO stage 3 with pipeline parallelism (named as such), stage >= 2
-with pipeline parallelism, fp16 without CUDA,
+(engine/zero3.py says why). Refused: ZeRO stage 3 with pipeline parallelism (named as such), --save or
+--load at stage 3 where the engine's checkpoint replacements are off, stage >= 2 with pipeline
+parallelism, fp16 without CUDA,
 a universal checkpoint (--universal-checkpoint, which sets ``checkpoint.load_universal``; the key
 alone counts as the flag) at ZeRO stage 0, and ``optimizer``/``scheduler`` blocks (the optimizer
 and the LR schedule come from the flags). With --optimizer sgd or --use-bnb-optimizer at ZeRO stage >= 1,
@@ -61,7 +62,7 @@ from deepspeed.utils import logger as deepspeed_logger
 from megatron.core.dtypes import canonical_dtype_name
 from megatron.training.argument_types import ArgumentError
 from megatron.training.curriculum import BLOCK as CURRICULUM_BLOCK
-from megatron.training.engine.replacements import ALLOW_FLAG
+from megatron.training.engine.replacements import ALLOW_FLAG, is_enabled
 
 FP16_DEFAULTS = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
                  "hysteresis": 2, "min_loss_scale": 1}  # DeepSpeed 0.19's DeepSpeedFP16Config
@@ -72,6 +73,9 @@ LOSS_SCALE_FLAGS = (("loss_scale", "--loss-scale", "loss_scale"),
                     ("loss_scale_window", "--loss-scale-window", "loss_scale_window"),
                     ("hysteresis", "--hysteresis", "hysteresis"))
 _MISSING = object()
+ZERO3_CHECKPOINT_REPLACEMENTS = ("checkpoint_io.zero3_model_states", "checkpoint_io.zero3_gathered_module",
+                                 "checkpoint_io.zero3_one_writer", "checkpoint_io.zero3_module_reads",
+                                 "checkpoint_io.zero3_universal_reads")
 
 
 def load_ds_config(path: str) -> dict:
@@ -367,6 +371,19 @@ class _Resolution:
             raise ArgumentError(f"zero_optimization.offload_param in {self.where} is a ZeRO-3 feature: set "
                                 f"zero_optimization.stage to 3 (--zero-stage 3), or remove it")
 
+    def zero3_checkpoints(self):
+        """ZeRO-3 checkpoints get the trainer's layout through the engine's replacements of DeepSpeed's
+        checkpoint methods (checkpoint_io.py); where those are off (--allow-untested-deepspeed on another
+        DeepSpeed) --save and --load are refused at stage 3 now rather than at the first save."""
+        given = [flag for flag, value in (("--save", self.args.save), ("--load", self.args.load)) if value]
+        if self.config["zero_optimization"]["stage"] != 3 or not given:
+            return
+        off = [name for name in ZERO3_CHECKPOINT_REPLACEMENTS if not is_enabled(name)]
+        if off:
+            raise ArgumentError(f"{' and '.join(given)} at ZeRO stage 3 need the engine's replacements of DeepSpeed's "
+                                f"checkpoint methods ({', '.join(off)}), which are off on DeepSpeed "
+                                f"{deepspeed.__version__} ({ALLOW_FLAG}): use a supported DeepSpeed, or stage 0-2")
+
     def sequence_parallel_pipeline(self):
         """DeepSpeed's pipeline engine sends 1/TP of each activation per TP rank and all-gathers it on the
         next stage (``pipeline.pipe_partitioned``, ``grad_partitioned``, on by default), which presumes
@@ -573,6 +590,7 @@ def resolve_ds_config(args, explicit, data_parallel_size, pipeline_parallel_size
     resolution.fp16_stage()
     resolution.universal_checkpoint()
     resolution.offload()
+    resolution.zero3_checkpoints()
     resolution.optimizer_support()
     resolution.sequence_parallel_pipeline()
     check_known_keys({key: value for key, value in resolution.config.items() if key != CURRICULUM_BLOCK},
