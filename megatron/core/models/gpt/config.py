@@ -1,10 +1,11 @@
 """GPTModelConfig: the shape and numerics of the GPT model, with Megatron-DeepSpeed's flag names and defaults.
 
 Fields carry the names of Megatron-DeepSpeed's flags (``num_layers`` <- ``--num-layers``, ...), so the
-trainer converts its parsed arguments field by field. Four are derived rather than parsed:
+trainer converts its parsed arguments field by field. Five are derived rather than parsed:
 ``padded_vocab_size`` (tokenizer + --make-vocab-size-divisible-by / --pad-vocab-size-to),
-``params_dtype`` (--fp16 / --bf16), ``attention_impl`` (no Megatron-DeepSpeed flag, see the class docstring)
-and ``stable_embedding`` (--use-bnb-optimizer: bitsandbytes' StableEmbedding, see the class docstring).
+``params_dtype`` (--fp16 / --bf16), ``attention_impl`` (no Megatron-DeepSpeed flag, see the class docstring),
+``stable_embedding`` (--use-bnb-optimizer: bitsandbytes' StableEmbedding, see the class docstring) and
+``fp8`` (Megatron-LM's --fp8-format and recipe flags, see the class docstring).
 Validation happens at construction and names the flags; ``validate_for_tensor_parallel`` adds the
 checks that depend on the TP degree.
 """
