@@ -10,16 +10,18 @@ reports their sum over the interval with the format and recipe:
     ... | quantization: FP8 hybrid delayed | amax overflows: 0 | amax underflows: 2 |
 
 (the counts only under delayed scaling, whose scales come from earlier steps; current scaling
-cannot overflow). ``fp8_checkpoint_notice`` says when a loaded checkpoint's FP8 state does not
+cannot overflow). Evaluation runs inside ``keep_delayed_amaxes``, so its forwards leave the training
+step's recorded amaxes as they were. ``fp8_checkpoint_notice`` says when a loaded checkpoint's FP8 state does not
 carry over (a run with or without FP8, another recipe or history length).
 """
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
 from megatron.core.models.gpt.config import GPTModelConfig
-from megatron.core.tensor_parallel.fp8 import Fp8Config
-from megatron.core.tensor_parallel.fp8_linear import end_fp8_step
+from megatron.core.tensor_parallel.fp8 import DelayedScaling, Fp8Config
+from megatron.core.tensor_parallel.fp8_linear import Fp8Gemms, end_fp8_step
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,22 @@ class Fp8Steps:
         counts = Fp8Counts(self.overflows, self.underflows) if self.fp8.recipe == "delayed" else None
         self.overflows = self.underflows = 0
         return f"FP8 {self.fp8.format} {self.fp8.recipe}", counts
+
+
+@contextlib.contextmanager
+def keep_delayed_amaxes(module: torch.nn.Module):
+    """The amaxes delayed scaling records in the block (evaluation forwards) are forgotten at its end:
+    the next training step's scales depend on training alone. The weights' FP8 copies made in the
+    block are forgotten too, so that the training step quantizes them again and records their amaxes."""
+    states = [child for child in module.modules() if isinstance(child, DelayedScaling)]
+    recorded = [state.amax_history[0].clone() for state in states]
+    try:
+        yield
+    finally:
+        for state, amaxes in zip(states, recorded):
+            state.amax_history[0].copy_(amaxes)
+        for gemms in (child for child in module.modules() if isinstance(child, Fp8Gemms)):
+            gemms.forget_weight()
 
 
 def _delayed(fp8: Fp8Config | None) -> Fp8Config | None:

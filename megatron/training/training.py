@@ -49,7 +49,7 @@ from megatron.training.data_loading import (DataLoadingError, LMBatch, LoaderSet
                                             build_iterators, sequence_slice, train_valid_test_num_samples,
                                             truncate_batch)
 from megatron.training.engine.deepspeed_engine import start_engine
-from megatron.training.fp8_steps import Fp8Counts, Fp8Steps
+from megatron.training.fp8_steps import Fp8Counts, Fp8Steps, keep_delayed_amaxes
 from megatron.training.engine.model_setup import (build_lr_scheduler, build_model, build_optimizer, counts_once,
                                                   current_device, parameter_counts)
 from megatron.training.initialize import check_fused_kernel_constraints, initialize_megatron
@@ -522,7 +522,8 @@ class Trainer:
         length is back for the next training iteration)."""
         training_length = self.active_seq_length
         self._use_length(self.config.model.seq_length)
-        losses = [self._eval_step(iterator) for _ in range(self.schedule.eval_iters)]
+        with keep_delayed_amaxes(self.engine.module) if self.fp8_steps else contextlib.nullcontext():
+            losses = [self._eval_step(iterator) for _ in range(self.schedule.eval_iters)]
         self._use_length(training_length)
         return sum(losses) / len(losses)
 

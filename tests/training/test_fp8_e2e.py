@@ -1,8 +1,9 @@
 """pretrain_gpt.py in FP8 (the CPU emulation, --fp8-cpu-emulation): each recipe trains close to the run
 without FP8 and not equal to it, in fp32 and in bf16; TP = 2 with sequence parallelism trains what TP = 1
 does, and so do DP = 2 under ZeRO-2 (the plain engine) with full recompute (tensorwise) and PP = 2
-with selective recompute; a delayed-scaling run saved and resumed continues the uninterrupted one exactly; an FP8
-checkpoint loads into a run without FP8 with a notice.
+with selective recompute; a delayed-scaling run saved and resumed continues the uninterrupted one exactly, and one
+evaluated after every step trains as one never evaluated; an FP8 checkpoint loads into a run without
+FP8 with a notice.
 
 Set-up: test_layout_equivalence's flags (fp32, dropout 0, CPU initialization, clipping at 1.0), 2 layers,
 4 iterations of 4 micro-batches, hybrid format. Tolerances: FP8 moves the losses by about 1e-5..1e-4
@@ -126,3 +127,13 @@ def test_saved_and_resumed_delayed_scaling_continues_exactly(runs, e2e_data, tmp
     assert "notice: the checkpoint's FP8 delayed-scaling state (amax histories, scales) is dropped: this run has " \
            "no FP8" in without_fp8["output"]
     assert without_fp8["steps"] == STEPS[SAVE_ITERATION:]
+
+
+def test_evaluation_changes_no_training_step_of_delayed_scaling(e2e_data, tmp_path):
+    """Evaluation forwards quantize the weights and record amaxes; the training steps after them must
+    not see either (fp8_steps.keep_delayed_amaxes)."""
+    flags = common_flags(e2e_data, train_iters=3) + RUNS["delayed"][1] + ["--split", "80,10,10"]
+    without = launch(flags, 1, str(tmp_path / "tb_without_eval"))
+    evaluated = launch(flags + ["--eval-iters", "2", "--eval-interval", "1"], 1, str(tmp_path / "tb_eval"))
+    assert "validation loss at iteration 1" in evaluated["output"]
+    assert evaluated["loss"] == without["loss"] and evaluated["grad_norm"] == without["grad_norm"]

@@ -1,13 +1,16 @@
-"""The trainer's FP8 reporting: the log line's fields and the notices of a checkpoint whose FP8 state
-does not carry over."""
+"""The trainer's FP8 side: the log line's fields, the notices of a checkpoint whose FP8 state does not
+carry over, and evaluation leaving delayed scaling's recorded amaxes alone."""
 import pytest
+import torch
 
 from megatron.core.checkpoint.client_state import plain_value
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.parallel_state import single_rank_groups
 from megatron.core.tensor_parallel.fp8 import Fp8Config
-from megatron.training.fp8_steps import fp8_checkpoint_notice
+from megatron.training.fp8_steps import fp8_checkpoint_notice, keep_delayed_amaxes
 from megatron.training.log_reader import read_log
 from megatron.training.metrics import TrainingLogFields, training_log_line
-from tests.core.models.gpt.gpt_test_utils import tiny_config
+from tests.core.models.gpt.gpt_test_utils import random_tokens, tiny_config
 
 DELAYED = Fp8Config(recipe="delayed", emulate=True)
 
@@ -50,3 +53,13 @@ def test_notice_of_a_universal_checkpoint_under_delayed_scaling():
     notice = fp8_checkpoint_notice(saved_args(DELAYED), tiny_config(fp8=DELAYED), universal=True)
     assert notice.startswith("notice: a universal checkpoint holds no FP8 delayed-scaling state")
     assert fp8_checkpoint_notice(saved_args(None), tiny_config(), universal=True) is None
+
+
+def test_evaluation_leaves_the_recorded_amaxes_as_they_were():
+    model = GPTModel(tiny_config(fp8=DELAYED), single_rank_groups())
+    histories = [buffer for name, buffer in model.named_buffers() if name.endswith("amax_history")]
+    before = [history.clone() for history in histories]
+    with torch.no_grad(), keep_delayed_amaxes(model):
+        model(random_tokens(2, 16, 64))
+        assert any(not torch.equal(a, b) for a, b in zip(histories, before))  # recorded during the block
+    assert all(torch.equal(a, b) for a, b in zip(histories, before))
