@@ -4,9 +4,8 @@
 runs on a CUDA GPU of compute capability 9.0 or more (Hopper: FP8 tensor cores) through
 torch._scaled_mm; on CPU only the tests' --fp8-cpu-emulation runs it (each operand quantized and
 dequantized around a plain matmul). ``check_fp8`` refuses the rest with one line before any process
-group: FP8 without a usable GPU, with --tp-comm-overlap (the FP8 GEMMs use the plain collectives),
-with --fp16 (untested: the tests run on CPU, where fp16 training is not available) and with ZeRO
-stage 3 (its partitioned parameters are gathered by hooks that the FP8 weight copies would bypass).
+group: FP8 without a usable GPU, with --tp-comm-overlap (the FP8 GEMMs use the plain collectives)
+and with --fp16 (untested: the tests run on CPU, where fp16 training is not available).
 """
 import torch
 
@@ -45,7 +44,7 @@ def fp8_settings(flags) -> dict:
             "num_layers_at_end_in_bf16": flags.num_layers_at_end_in_bf16 if keep else 0}
 
 
-def check_fp8(args, explicit, cuda_available: bool, zero_stage: int, fp16: bool) -> None:
+def check_fp8(args, explicit, cuda_available: bool, fp16: bool) -> None:
     """Raise ArgumentError (one line naming the flag) where FP8 cannot run (module docstring)."""
     if args.fp8_format is None:
         given = [_flag(dest) for dest in _FP8_OPTION_DESTS if dest in explicit]
@@ -60,9 +59,6 @@ def check_fp8(args, explicit, cuda_available: bool, zero_stage: int, fp16: bool)
     if fp16:
         raise ArgumentError("--fp8-format runs with --bf16 (or fp32) parameters, not --fp16 (fp16 with FP8 is not "
                             "tested); use --bf16")
-    if zero_stage == 3:
-        raise ArgumentError("--fp8-format is not available with ZeRO stage 3 (its partitioned weights are gathered "
-                            "per module, the FP8 weight copies are kept per step); use ZeRO stage 0, 1 or 2")
     if args.fp8_cpu_emulation:
         return
     _check_fp8_gpu(cuda_available)

@@ -478,7 +478,7 @@ def validate_args(args: argparse.Namespace, explicit: set[str], launch: LaunchEn
     _check_run_length(args, derived)
     _check_ulysses(args, derived)
     _check_bnb_optimizer(args, derived)
-    check_fp8(args, explicit, cuda_available, derived.zero_stage, derived.fp16)
+    check_fp8(args, explicit, cuda_available, derived.fp16)
     _check_profile(args, explicit, launch.world_size)
     _check_data(args)
     _check_tokenizer_and_tools(args)

@@ -1,9 +1,9 @@
 """pretrain_gpt.py in FP8 (the CPU emulation, --fp8-cpu-emulation): each recipe trains close to the run
-without FP8 and not equal to it, in fp32 and in bf16; TP = 2 with sequence parallelism trains what TP = 1
-does, and so do DP = 2 under ZeRO-2 (the plain engine) with full recompute (tensorwise) and PP = 2
-with selective recompute; a delayed-scaling run saved and resumed continues the uninterrupted one exactly, and one
-evaluated after every step trains as one never evaluated; an FP8 checkpoint loads into a run without
-FP8 with a notice.
+without FP8 and not equal to it, in fp32 and in bf16, and so does DP = 2 under ZeRO-3; TP = 2 with
+sequence parallelism trains what TP = 1 does, and so do DP = 2 under ZeRO-2 (the plain engine) with
+full recompute (tensorwise) and PP = 2 with selective recompute; a delayed-scaling run saved and
+resumed (also at ZeRO-3) continues the uninterrupted one exactly, and one evaluated after every step
+trains as one never evaluated; an FP8 checkpoint loads into a run without FP8 with a notice.
 
 Set-up: test_layout_equivalence's flags (fp32, dropout 0, CPU initialization, clipping at 1.0), 2 layers,
 4 iterations of 4 micro-batches, hybrid format. Tolerances: FP8 moves the losses by about 1e-5..1e-4
@@ -42,6 +42,7 @@ RUNS = {
     "tensorwise": (1, EMULATED + ["--fp8-recipe", "tensorwise"]),
     "rowwise": (1, EMULATED + ["--fp8-recipe", "rowwise"]),
     "delayed-tp2": (2, EMULATED + TP2_SP),
+    "delayed-dp2-zero3": (2, EMULATED + ["--zero-stage", "3"]),
     "delayed-pp2-selective": (2, EMULATED + ["--pipeline-model-parallel-size", "2", "--recompute-activations"]),
     "tensorwise-dp2-zero2-full": (2, EMULATED + ["--fp8-recipe", "tensorwise", "--zero-stage", "2",
                                                  "--checkpoint-activations"]),
@@ -67,7 +68,7 @@ def runs(e2e_data, tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("name, baseline", [("delayed", "fp32"), ("tensorwise", "fp32"), ("rowwise", "fp32"),
-                                            ("bf16-delayed", "bf16")])
+                                            ("bf16-delayed", "bf16"), ("delayed-dp2-zero3", "fp32")])
 def test_fp8_trains_close_to_the_run_without_it(runs, name, baseline):
     fp8, plain = runs[name]["loss"], runs[baseline]["loss"]
     assert runs[name]["steps"] == STEPS
@@ -106,6 +107,18 @@ def test_log_line_and_tensorboard_report_the_recipe_and_delayed_scalings_counts(
 def _layer_states(checkpoint: str) -> list[dict]:
     files = sorted(glob.glob(os.path.join(checkpoint, f"global_step{SAVE_ITERATION}", "layer_*-model_states.pt")))
     return [torch.load(path, map_location="cpu", weights_only=False) for path in files]
+
+
+def test_saved_and_resumed_delayed_scaling_at_zero3_continues_exactly(runs, e2e_data, tmp_path):
+    """ZeRO-3 gathers the whole module into its mp_rank file, the FP8 buffers with it."""
+    checkpoint = str(tmp_path / "checkpoint")
+    processes, extra = RUNS["delayed-dp2-zero3"]
+    flags = common_flags(e2e_data, train_iters=TRAIN_ITERS) + extra
+    launch(flags + ["--train-iters", str(SAVE_ITERATION), "--save", checkpoint, "--save-interval",
+                    str(SAVE_ITERATION)], processes, str(tmp_path / "tb_saved"))
+    resumed = launch(flags + ["--load", checkpoint], processes, str(tmp_path / "tb_resumed"))
+    assert resumed["loss"] == runs["delayed-dp2-zero3"]["loss"][SAVE_ITERATION:]
+    assert resumed["grad_norm"] == runs["delayed-dp2-zero3"]["grad_norm"][SAVE_ITERATION:]
 
 
 def test_saved_and_resumed_delayed_scaling_continues_exactly(runs, e2e_data, tmp_path):

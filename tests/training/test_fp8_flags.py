@@ -57,7 +57,6 @@ def test_first_last_layers_keep_the_model_precision():
     (EMULATED + ["--fp8-amax-history-len", "0"], ["--fp8-amax-history-len 0"]),
     (EMULATED + ["--fp8-margin", "-1"], ["--fp8-margin -1"]),
     (EMULATED + ["--num-layers", "2", "--first-last-layers-bf16"], ["--num-layers-at-start-in-bf16", "none"]),
-    (EMULATED + ["--zero-stage", "3"], ["ZeRO stage 3"]),
 ])
 def test_refusals_name_the_flag(extra, words):
     message = refusal(extra)
