@@ -478,7 +478,8 @@ class Trainer:
         throughput = compute_throughput(self.config.model, global_batch_size=scalars.global_batch_size,
                                         seq_length=seq_length, iteration_time=iteration_time,
                                         world_size=dist_utils.world_size(),
-                                        data_parallel_size=self.groups.data_shard_size, peak_tflops=self.peak_tflops)
+                                        data_parallel_size=self.groups.data_shard_size, peak_tflops=self.peak_tflops,
+                                        pipeline_model_parallel_size=self.config.parallel.pipeline_model_parallel_size)
         p = self.progress
         eta = remaining_seconds(p.iteration, self.train_iters, p.consumed_train_tokens, self.schedule.train_tokens,
                                 scalars.global_batch_size * seq_length, iteration_time)
