@@ -220,6 +220,11 @@ def llama_class_options(arguments: SavedArguments) -> list[str]:
     return options
 
 
+# fields not taken from Megatron-DeepSpeed's args: the dtype (from the weights), and FP8's, which its
+# fork never trained with (Megatron-LM-style defaults there would ask for layers kept out of FP8)
+_NOT_READ_FIELDS = ("params_dtype", "fp8", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")
+
+
 def model_fields(arguments: SavedArguments, source: str = "the checkpoint") -> dict:
     """Our model configuration's fields that Megatron-DeepSpeed's args hold under the same name
     (num_layers, hidden_size, ..., position_embedding_type as "absolute" / "rotary" / "alibi"); a
@@ -229,8 +234,10 @@ def model_fields(arguments: SavedArguments, source: str = "the checkpoint") -> d
         raise MegatronDeepSpeedError(f"{source}: a Megatron-DeepSpeed model with {', '.join(options)} is not read "
                                      f"here; export it to a Hugging Face Llama directory and import that with "
                                      f"tools/convert_checkpoint/transformers_to_megatron.py")
-    fields = [field.name for field in dataclasses.fields(GPTModelConfig) if field.name != "params_dtype"]
-    values = {name: plain(getattr(arguments, name)) for name in fields if hasattr(arguments, name)}
+    fields = [field.name for field in dataclasses.fields(GPTModelConfig) if field.name not in _NOT_READ_FIELDS]
+    # an option Megatron-DeepSpeed left unset (None, e.g. Megatron-LM's recompute flags in Microsoft's
+    # fork) takes our default
+    values = {name: plain(getattr(arguments, name)) for name in fields if getattr(arguments, name, None) is not None}
     if "normalization" in values:  # Microsoft's fork spells it "layernorm", the only one read
         values["normalization"] = "LayerNorm"
     return values
