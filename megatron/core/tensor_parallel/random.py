@@ -113,6 +113,23 @@ def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int) -> None:
     tracker.add(MODEL_PARALLEL_RNG, stage_seed + 2718 + tp_rank)
 
 
+def _replay(rng_states, function, args, inputs):
+    """function(*args) with grad enabled, the tensor arguments (``_TENSOR_ARG`` places) taken from
+    ``inputs`` in order, under the RNG states of its first run (the default generators' and the
+    tracker's); the current states are restored afterwards."""
+    remaining = iter(inputs)
+    args = [next(remaining) if arg is _TENSOR_ARG else arg for arg in args]
+    current = (_current_states(), get_rng_tracker().get_states())
+    _restore_states(rng_states[0])
+    get_rng_tracker().set_states(rng_states[1])
+    try:
+        with torch.enable_grad():
+            return function(*args)
+    finally:
+        _restore_states(current[0])
+        get_rng_tracker().set_states(current[1])
+
+
 class _CheckpointFunction(torch.autograd.Function):
     """Forward without saving activations; backward recomputes them under the forward's RNG states.
 
@@ -140,18 +157,7 @@ class _CheckpointFunction(torch.autograd.Function):
             if partitioned:
                 saved = gather_split_1d_tensor(saved, ctx.partition_group, shape.numel()).view(shape)
             inputs.append(saved.detach().requires_grad_(requires_grad))
-        remaining = iter(inputs)
-        args = [next(remaining) if arg is _TENSOR_ARG else arg for arg in ctx.args]
-
-        backward_states = (_current_states(), get_rng_tracker().get_states())
-        _restore_states(ctx.rng_states[0])
-        get_rng_tracker().set_states(ctx.rng_states[1])
-        try:
-            with torch.enable_grad():
-                outputs = ctx.run_function(*args)
-        finally:
-            _restore_states(backward_states[0])
-            get_rng_tracker().set_states(backward_states[1])
+        outputs = _replay(ctx.rng_states, ctx.run_function, ctx.args, inputs)
 
         outputs = (outputs,) if torch.is_tensor(outputs) else tuple(outputs)
         pairs = [(out, grad) for out, grad in zip(outputs, grads)
@@ -295,18 +301,7 @@ class CheckpointWithoutOutput:
     def _recompute(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         ctx = self.ctx
         inputs = [saved.detach().requires_grad_(saved.requires_grad) for saved in ctx.saved_tensors]
-        remaining = iter(inputs)
-        args = [next(remaining) if arg is _TENSOR_ARG else arg for arg in ctx.args]
-        backward_states = (_current_states(), get_rng_tracker().get_states())
-        _restore_states(self._rng_states[0])
-        get_rng_tracker().set_states(self._rng_states[1])
-        try:
-            with torch.enable_grad():
-                output = self.function(*args)
-        finally:
-            _restore_states(backward_states[0])
-            get_rng_tracker().set_states(backward_states[1])
-        return inputs, output
+        return inputs, _replay(self._rng_states, self.function, ctx.args, inputs)
 
     def recomputed(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         """(inputs, output) of the recomputation for f's backward (made now if no consumer unpacked
