@@ -42,6 +42,13 @@ def _scales_violation(*scales):
     return None
 
 
+def saturating_cast(x, scale, dtype):
+    """sat(round(x s)) in the FP8 ``dtype``, x s in fp32; scale one value or broadcast over x's rows
+    or columns."""
+    limit = torch.finfo(dtype).max
+    return (x.float() * scale).clamp(-limit, limit).to(dtype)
+
+
 def absolute_maxima_reference(x, tensor=True, rows=False, columns=False):
     magnitude = x.abs().float()
     return (magnitude.amax() if tensor else None, magnitude.amax(dim=1, keepdim=True) if rows else None,
@@ -57,14 +64,10 @@ def absolute_maxima(x, tensor=True, rows=False, columns=False):
 
 
 def quantize_pair_reference(x, dtype, row_scale, column_scale, record=None):
-    limit = torch.finfo(dtype).max
-    x32 = x.float()
     if record is not None:
-        record.copy_(torch.maximum(record, x32.abs().amax()))
+        record.copy_(torch.maximum(record, x.abs().amax().float()))
     column_scale = column_scale if column_scale.dim() == 0 else column_scale.reshape(1, -1)
-    q = (x32 * row_scale).clamp(-limit, limit).to(dtype)
-    q_t = (x32 * column_scale).clamp(-limit, limit).to(dtype).t().contiguous()
-    return q, q_t
+    return saturating_cast(x, row_scale, dtype), saturating_cast(x, column_scale, dtype).t().contiguous()
 
 
 def quantize_pair(x, dtype, row_scale, column_scale, record=None):

@@ -31,6 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron.core.fused_kernels.fp8_ops import absolute_maxima
+from megatron.core.fused_kernels.fp8_ops import saturating_cast as quantize  # sat(round(x s)) above
+
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "rowwise")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
@@ -82,19 +85,6 @@ def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, margin: int) -> torc
     return torch.where(usable, scale, torch.ones_like(scale))
 
 
-def absolute_max(x: torch.Tensor, rowwise: bool) -> torch.Tensor:
-    """max |x| in fp32: a scalar, or per row of the 2-d x [r, c] -> [r, 1]."""
-    if rowwise:
-        return x.abs().amax(dim=-1, keepdim=True).float()
-    return x.abs().amax().float()
-
-
-def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """sat(round(x s)) in ``dtype``; scale a scalar or [rows, 1] of the 2-d x."""
-    limit = format_max(dtype)
-    return (x.float() * scale).clamp(-limit, limit).to(dtype)
-
-
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """q / s in fp32."""
     return q.float() / scale
@@ -117,7 +107,8 @@ def quantize_operand(x: torch.Tensor, dtype: torch.dtype, margin: int, rowwise: 
                      amax: torch.Tensor | None = None) -> Fp8Operand:
     """x [r, c] quantized with the scale of ``amax`` (default: x's own, per row when ``rowwise``)."""
     if amax is None:
-        amax = absolute_max(x, rowwise)
+        tensor_amax, row_amax, _ = absolute_maxima(x, tensor=not rowwise, rows=rowwise)
+        amax = row_amax if rowwise else tensor_amax
     scale = scale_from_amax(amax, dtype, margin)
     return Fp8Operand(quantize(x, scale, dtype).contiguous(), scale)
 

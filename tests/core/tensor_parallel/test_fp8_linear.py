@@ -24,7 +24,8 @@ def _config(recipe, **settings):
 def _dequantized(x, dtype, rowwise, scale=None):
     """float64 q / s of x [r, c] quantized with ``scale`` or its own (per row when ``rowwise``) amax's."""
     if scale is None:
-        scale = fp8.scale_from_amax(fp8.absolute_max(x, rowwise), dtype, 0)
+        amax = x.abs().amax(dim=-1, keepdim=True) if rowwise else x.abs().amax()
+        scale = fp8.scale_from_amax(amax.float(), dtype, 0)
     return fp8.quantize(x, scale, dtype).double() / scale.double()
 
 
