@@ -294,6 +294,11 @@ SMALL_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-head
     (["--pad-vocab-size-to", "1000", "--tensor-model-parallel-size", "16", "--num-attention-heads", "16",
       "--num-gpus", "16"], "the padded vocabulary size (--make-vocab-size-divisible-by, --pad-vocab-size-to)=1000 is "
                            "not divisible by --tensor-model-parallel-size=16"),
+    (["--offload-param", "--zero-stage", "2"], "--offload-param moves ZeRO 3's weight partitions"),
+    (["--offload-optimizer"], "--offload-optimizer runs ZeRO's optimizer partitions on the host"),
+    (["--ds-sequence-parallel-size", "3", "--num-gpus", "3"], "--ds-sequence-parallel-size 3 does not divide"),
+    (["--recompute-method", "block"], "--recompute-method and --recompute-num-layers choose the layers"),
+    (["--checkpoint-activations", "--recompute-activations"], "--checkpoint-activations (full recompute) contradicts"),
 ])
 def test_a_bad_flag_exits_2_naming_it(flags, named, capsys):
     with pytest.raises(SystemExit) as exit_info:
