@@ -130,6 +130,7 @@ def test_evaluation_runs_at_the_full_length_and_gives_the_curriculum_length_back
     trainer.config = SimpleNamespace(model=SimpleNamespace(seq_length=64))
     trainer.schedule = SimpleNamespace(eval_iters=3)
     trainer.active_seq_length = 24
+    trainer.fp8_steps = None
     resets, lengths_seen = [], []
     trainer.engine = SimpleNamespace(sequence_length_changed=lambda: resets.append(trainer.active_seq_length))
     trainer._eval_step = lambda iterator: lengths_seen.append(trainer.active_seq_length) or 2.0
