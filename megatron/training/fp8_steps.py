@@ -92,10 +92,10 @@ def fp8_checkpoint_notice(saved_args, configured: GPTModelConfig, universal: boo
         return f"notice: the checkpoint's FP8 delayed-scaling state (amax histories, scales) is dropped: this run {run}"
     if universal:
         return ("notice: a universal checkpoint holds no FP8 delayed-scaling state: the amax histories and scales "
-                "start fresh (scales 1 until the first step ends)")
+                "start fresh (the first step quantizes with current amaxes)")
     if saved is None:
         return ("notice: the checkpoint has no FP8 delayed-scaling state: the amax histories and scales start fresh "
-                "(scales 1 until the first step ends)")
+                "(the first step quantizes with current amaxes)")
     if saved.amax_history_len != ours.amax_history_len:
         return (f"notice: the checkpoint's FP8 amax history holds {saved.amax_history_len} steps, this run's "
                 f"{ours.amax_history_len} (--fp8-amax-history-len): the histories and scales start fresh")

@@ -12,10 +12,9 @@ over the group), so its first step's loss and gradient norm equal TP = 1's to fp
 from then on the weights differ in the last fp32 bits (the row-parallel sums, or DP's gradient sums,
 add in another order), and a value that lands on the other side of an FP8 rounding boundary moves by
 up to 1/16 of itself, which Adam (normalizing each gradient) turns into whole-step differences of
-single weights: the later losses agree to 1e-3. DP = 2 runs tensorwise: delayed scaling's first
-step quantizes with scales 1, and the gradients' size depends on the micro-batches per rank (DeepSpeed
-divides the loss by their count), so DP would change which of them underflow; a current scale
-absorbs that power of 2.
+single weights: the later losses agree to 1e-3. DP = 2 with ZeRO-2 runs tensorwise: DeepSpeed divides
+the loss by the micro-batches per rank, so the gradients under DP differ by a power of 2, which each
+micro-batch's own scale absorbs exactly.
 """
 import glob
 import os

@@ -138,21 +138,29 @@ class DelayedScaling(torch.nn.Module):
 
     So every use of the layer within a step (forward, its recomputation, backward) has the same
     scales, and the buffers (saved with the model) restore a run exactly. Before the first step ends
-    the scales are 1 (no amax yet).
+    there is no amax yet: the scales are 0 (``has_scales`` False) and ``Fp8Gemms`` quantizes each
+    operand with its own current amax, as the tensorwise recipe does, while recording it. (A scale
+    of 1 instead would let most of the first step's e5m2 gradients, ~1e-6, underflow to 0.)
     """
 
     def __init__(self, config: Fp8Config, device: torch.device | str | None = None):
         super().__init__()
         self.config = config
         self.register_buffer("amax_history", torch.zeros(config.amax_history_len, len(ROLES), device=device))
-        self.register_buffer("scale", torch.ones(len(ROLES), device=device))
+        self.register_buffer("scale", torch.zeros(len(ROLES), device=device))
+        self.has_scales = False  # host-side mirror of scale > 0, so that no GEMM waits on the device to ask
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self.has_scales = bool((self.scale > 0).all())
 
     def role_scale(self, role: str) -> torch.Tensor:
         return self.scale[ROLES.index(role)]
 
     def end_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """New scales from the history (its row 0 already reduced over the ranks); returns the step's
-        amaxes and the scales they were quantized with, [3] each, for overflow counts."""
+        amaxes and the scales they were quantized with, [3] each, for overflow counts. After the
+        first step those are the new scales themselves: each operand had its own amax's, which fit."""
         recorded, used = self.amax_history[0].clone(), self.scale.clone()
         if self.config.amax_compute_algo == "max":
             amax = self.amax_history.amax(dim=0)
@@ -163,6 +171,8 @@ class DelayedScaling(torch.nn.Module):
                                       for i, dtype in enumerate(dtypes)]))
         self.amax_history.copy_(torch.roll(self.amax_history, shifts=1, dims=0))
         self.amax_history[0].zero_()
+        if not self.has_scales:
+            used, self.has_scales = self.scale.clone(), True
         return recorded, used
 
 

@@ -97,11 +97,13 @@ class Fp8Gemms(torch.nn.Module):
     def _quantize(self, x: torch.Tensor, role: str, rows_split: bool, columns_split: bool) -> Fp8Pair:
         """x [r, c] -> q(x) and q(x^T) with the recipe's scales (module docstring)."""
         dtype, margin = self.config.dtype(role), self.config.margin
+        record = None
         if self.delayed is not None:
-            scale = self.delayed.role_scale(role)
             record = self.delayed.amax_history[0, ROLES.index(role)]
-            direct, transposed = quantize_pair(x, dtype, scale, scale, record)
-            return Fp8Pair(Fp8Operand(direct, scale), Fp8Operand(transposed, scale))
+            if self.delayed.has_scales:
+                scale = self.delayed.role_scale(role)
+                direct, transposed = quantize_pair(x, dtype, scale, scale, record)
+                return Fp8Pair(Fp8Operand(direct, scale), Fp8Operand(transposed, scale))
         if self.config.recipe == "rowwise":
             _, row_amax, column_amax = absolute_maxima(x, tensor=False, rows=True, columns=True)
             if columns_split:
@@ -111,11 +113,11 @@ class Fp8Gemms(torch.nn.Module):
             row_scale, column_scale = scale_from_amax(row_amax, dtype, margin), scale_from_amax(column_amax, dtype, margin)
             direct, transposed = quantize_pair(x, dtype, row_scale, column_scale)
             return Fp8Pair(Fp8Operand(direct, row_scale), Fp8Operand(transposed, column_scale.reshape(-1, 1)))
-        amax, _, _ = absolute_maxima(x)
+        amax, _, _ = absolute_maxima(x)  # tensorwise, and delayed scaling's first step (DelayedScaling)
         if rows_split or columns_split:
             amax = all_reduce_max(amax, self.tp_group)
         scale = scale_from_amax(amax, dtype, margin)
-        direct, transposed = quantize_pair(x, dtype, scale, scale)
+        direct, transposed = quantize_pair(x, dtype, scale, scale, record)
         return Fp8Pair(Fp8Operand(direct, scale), Fp8Operand(transposed, scale))
 
 

@@ -28,6 +28,7 @@ import contextlib
 import deepspeed
 import torch
 
+from megatron.core.checkpoint.sharding import is_fp8_state
 from megatron.core.parallel_state import ParallelGroups
 from megatron.training.engine.mpu import DeepSpeedMPU
 
@@ -98,17 +99,20 @@ def gathered_state_dict(module: torch.nn.Module, keep: bool) -> dict:
 
 def load_gathered_state_dict(module: torch.nn.Module, state: dict) -> None:
     """Collective over the data-parallel group: ``module.load_state_dict(state)`` (strict) for a state
-    of whole tensors, written one module at a time into the gathered parameters and partitioned again."""
+    of whole tensors, loaded one module at a time into its gathered parameters (each module's own
+    load hooks run: the FP8 layers' take or leave their scaling state) and partitioned again."""
     from deepspeed.runtime.zero import GatheredParameters
 
-    expected = set(module.state_dict())
-    if set(state) != expected:
-        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    expected = {key for key in module.state_dict() if not is_fp8_state(key)}
+    weights = {key for key in state if not is_fp8_state(key)}
+    if weights != expected:
+        missing, unexpected = sorted(expected - weights), sorted(weights - expected)
         raise RuntimeError(f"the checkpoint's module does not match the model: missing {missing}, "
                            f"unexpected {unexpected}")
+    state, errors = dict(state), []
     for prefix, submodule in module.named_modules():
         prefix = f"{prefix}." if prefix else ""
         with GatheredParameters(list(submodule.parameters(recurse=False)), modifier_rank=0), torch.no_grad():
-            for name, tensor in [*submodule.named_parameters(recurse=False), *submodule.named_buffers(recurse=False)]:
-                if prefix + name in state:
-                    tensor.data.copy_(state[prefix + name])
+            submodule._load_from_state_dict(state, prefix, {}, True, [], [], errors)
+    if errors:
+        raise RuntimeError("the checkpoint's module does not load: " + "; ".join(errors))

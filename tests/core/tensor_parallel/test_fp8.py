@@ -80,14 +80,16 @@ def _record(state, role, amax):
 def test_delayed_scaling_history_scales_and_restore(algo):
     config = fp8.Fp8Config(recipe="delayed", amax_history_len=3, amax_compute_algo=algo, margin=1)
     state = fp8.DelayedScaling(config)
-    assert state.scale.tolist() == [1.0, 1.0, 1.0]
+    assert state.scale.tolist() == [0.0, 0.0, 0.0] and not state.has_scales  # the first step scales itself
     steps = [(2.0, 0.5, 1e-3), (8.0, 0.25, 4e-3), (1.0, 0.125, 2e-3), (0.5, 0.0625, 1e-3)]
     for step, (x_amax, w_amax, g_amax) in enumerate(steps):
         for micro_batch in (0.5, 1.0):  # the step's maximum counts
             for role, amax in zip(fp8.ROLES, (x_amax * micro_batch, w_amax, g_amax * micro_batch)):
                 _record(state, role, amax)
+        before = state.scale.clone()
         recorded, used = state.end_step()
         assert recorded.tolist() == pytest.approx([x_amax, w_amax, g_amax])
+        assert torch.equal(used, state.scale if step == 0 else before)
         window = steps[max(0, step - 2):step + 1] if algo == "max" else [steps[step]]
         amax = [max(values) for values in zip(*window)]
         expected = [448.0 / (amax[0] * 2), 448.0 / (amax[1] * 2), 57344.0 / (amax[2] * 2)]
@@ -96,6 +98,7 @@ def test_delayed_scaling_history_scales_and_restore(algo):
     restored = fp8.DelayedScaling(config)
     restored.load_state_dict(state.state_dict())
     assert torch.equal(restored.amax_history, state.amax_history) and torch.equal(restored.scale, state.scale)
+    assert restored.has_scales
 
 
 def test_overflow_and_underflow_of_an_amax():

@@ -55,7 +55,8 @@ def test_fp8_linear_is_the_product_of_the_quantized_operands(recipe):
                                  fp8=_config(recipe))
     scales = torch.tensor([100.0, 300.0, 9000.0])
     if recipe == "delayed":
-        layer.fp8_gemms.delayed.scale.copy_(scales)
+        state = layer.fp8_gemms.delayed
+        state.load_state_dict({"amax_history": state.amax_history, "scale": scales})
     x, grad_y = _randn(SEQ, BATCH, IN, seed=1) * 2.0, _randn(SEQ, BATCH, OUT, seed=2) * 0.01
     leaf = x.clone().requires_grad_(True)
     y, _ = layer(leaf)
@@ -169,6 +170,35 @@ def test_delayed_scaling_resumes_exactly_from_the_saved_state():
     for expected, found in zip(straight[2], last[0]):
         assert torch.equal(found, expected)
     assert counts.overflows.item() >= 1  # the input grew 3x over the step before: its amax saturated
+
+
+def test_delayed_scaling_first_step_quantizes_with_current_amaxes():
+    """Before a step has ended there are no delayed scales: the layers quantize as tensorwise does
+    (gradients of 1e-7, which scales of 1 would flush to 0 in e5m2, keep their values) while recording
+    the amaxes; that step's end counts nothing overflowed or underflowed. A state loaded from such a
+    layer starts the same way, one loaded after a step uses its scales."""
+    x, grad_y = _randn(SEQ, BATCH, IN, seed=90), _randn(SEQ, BATCH, IN, seed=91) * 1e-7
+    delayed = _fp8_pair(None, "delayed", False)
+    never_stepped = [{key: value.clone() for key, value in layer.state_dict().items()} for layer in delayed]
+    first = _pair_step(*delayed, x, grad_y, None, 1, 0, False)
+    expected = _pair_step(*_fp8_pair(None, "tensorwise", False), x, grad_y, None, 1, 0, False)
+    for found, wanted in zip(first, expected):
+        assert torch.equal(found, wanted)
+    assert first[1].abs().min() > 0
+    recorded = [layer.fp8_gemms.delayed.amax_history[0].clone() for layer in delayed]
+    assert all((amaxes > 0).all() for amaxes in recorded)
+    counts = end_fp8_step(torch.nn.ModuleList(delayed), [None])
+    assert counts.overflows.item() == 0 and counts.underflows.item() == 0
+    for layer, amaxes, saved in zip(delayed, recorded, never_stepped):
+        state = layer.fp8_gemms.delayed
+        dtypes = [state.config.dtype(role) for role in fp8.ROLES]
+        assert state.has_scales and state.scale.tolist() == [fp8.scale_from_amax(a, d, 0).item()
+                                                             for a, d in zip(amaxes, dtypes)]
+        fresh = _fp8_pair(None, "delayed", False)[0 if layer is delayed[0] else 1]
+        fresh.load_state_dict(layer.state_dict())
+        assert fresh.fp8_gemms.delayed.has_scales
+        fresh.load_state_dict(saved)
+        assert not fresh.fp8_gemms.delayed.has_scales
 
 
 def test_weight_is_quantized_once_per_step(monkeypatch):
