@@ -71,7 +71,9 @@
 #      (default 2000), seq 1024, micro-batch 16, global batch PARITY_GBS (default 16), lr 3e-4 (warmup 100, cosine
 #      to 3e-5), validation every 200 iterations, the same data order and seed; fp8_parity_compare checks each FP8
 #      run against bf16 (tests/gpu/fp8_parity.py: final validation loss within 1 %, no loss over +10 %) and draws
-#      the curves with tools/plot_logs.py into $OUT/fp8_parity/
+#      the curves with tools/plot_logs.py into $OUT/fp8_parity/. RUNS="fp8_parity_side_by_side fp8_parity_compare"
+#      runs the four at once, one per GPU (in waves on fewer GPUs). Any run: GPU_IDS=1 (or 0,1) picks the GPUs,
+#      MASTER_PORT its port.
 # Run from the repository root on the GPU machine with .whl carried; logs go to $OUT.
 #   RUNS="350m_bf16 overflow" bash tests/gpu/run_trainer.sh    (a subset)
 #   EXTRA_ARGS="--no-gradient-accumulation-fusion" RUNS=scale_1gpu OUT=... bash tests/gpu/run_trainer.sh
@@ -126,7 +128,9 @@ gpt_run() {  # name layers hidden heads precision mbs gbs [extra flags...]
     echo "== $name" | tee "$OUT/$name.log"
     local precision_flag=--$precision
     [ "$precision" = fp32 ] && precision_flag=
-    deepspeed --num_gpus "${NGPUS:-1}" --master_port 29511 pretrain_gpt.py \
+    local gpus=(--num_gpus "${NGPUS:-1}")
+    [ -n "${GPU_IDS:-}" ] && gpus=(--include "localhost:$GPU_IDS")  # GPU_IDS=1 or 0,1: those GPUs only
+    deepspeed "${gpus[@]}" --master_port "${MASTER_PORT:-29511}" pretrain_gpt.py \
         --num-layers "$layers" --hidden-size "$hidden" --num-attention-heads "$heads" \
         --seq-length "${SEQ:-2048}" --max-position-embeddings 2048 --pad-vocab-size-to 50304 \
         --micro-batch-size "$mbs" --global-batch-size "$gbs" --train-iters "$ITERS" \
@@ -276,6 +280,21 @@ fp8_parity_run() {  # recipe: the 350M GPT's loss-parity run in bf16 ("bf16") or
         --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 100 --eval-interval 200 --eval-iters 10 $(fp8_flags "$1")
 }
 
+fp8_parity_side_by_side() {  # the four parity runs at once, one GPU each (in waves when fewer GPUs)
+    local gpus index=0 recipe pids=()
+    gpus=$(nvidia-smi --list-gpus | wc -l)
+    for recipe in bf16 delayed tensorwise rowwise; do
+        GPU_IDS=$((index % gpus)) MASTER_PORT=$((29600 + index)) fp8_parity_run "$recipe" > /dev/null &
+        pids+=($!)
+        index=$((index + 1))
+        if [ $((index % gpus)) = 0 ]; then
+            wait "${pids[@]}"
+            pids=()
+        fi
+    done
+    wait "${pids[@]}"
+}
+
 fp8_parity() {  # each FP8 parity run against bf16's (tests/gpu/fp8_parity.py), and their curves (tools/plot_logs.py)
     local logs=() recipe
     for recipe in delayed tensorwise rowwise; do
@@ -401,6 +420,7 @@ for run in $RUNS; do
         fp8_1p3b_*_mbs*) fp8_speed_run "$run" 1 ;;
         fp8_6p7b_tp2_*_mbs*) fp8_speed_run "$run" 2 ;;
         fp8_parity_compare) fp8_parity ;;
+        fp8_parity_side_by_side) fp8_parity_side_by_side ;;
         fp8_parity_bf16|fp8_parity_delayed|fp8_parity_tensorwise|fp8_parity_rowwise) fp8_parity_run "${run#fp8_parity_}" ;;
         *) echo "unknown run $run" >&2; status=1 ;;
     esac
