@@ -602,5 +602,7 @@ def pretrain(config: TrainConfig, tokenizer) -> TrainingProgress:
             _run(trainer)
         finally:
             trainer.finish()
+        progress = trainer.progress
+        del trainer  # the engine goes before the process groups (dist_utils.shutdown)
         dist_utils.shutdown()
-    return trainer.progress
+    return progress
