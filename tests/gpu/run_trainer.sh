@@ -49,19 +49,19 @@
 #      first run. Variants: 1p3b_mbs16_mlp_act (--recompute-modules mlp_act), 1p3b_mbs16_core_attn
 #      (core_attn layernorm mlp_act), 1p3b_mbs16 (no recompute: expected out of memory)
 #   13. DeepSpeed-Ulysses (RUNS="ulysses_1gpu_16k ulysses_1gpu_24k ulysses_1gpu_32k ulysses_s2_32k ulysses_compare"):
-#      the 1.3B GPT, bf16, ZeRO-1, micro-batch 1, global batch 8, log interval 1, on one GPU at sequences
+#      the 1.3B GPT, bf16, ZeRO-1, micro-batch 1, global batch 8, log interval 2, on one GPU at sequences
 #      16384, 24576 and 32768 (expected out of memory: the longest that fits is the reference) and on two
 #      GPUs at 32768 with --ds-sequence-parallel-size 2; ulysses_compare prints each run's mean per-GPU
 #      model TFLOP/s, max allocated MB and the ratio to the first run. With 4 GPUs: ulysses_s4_64k (65536, S = 4)
 #   14. ZeRO-3 (RUNS="zero1_1p3b_dp2 zero3_1p3b_dp2 zero3_compare" on 2 GPUs): the 1.3B GPT, bf16, micro-batch 8,
-#      global batch 32, 12 iterations, log interval 1, at ZeRO-1 and at ZeRO-3 on two GPUs; zero3_compare prints
+#      global batch 32, 12 iterations, log interval 2, at ZeRO-1 and at ZeRO-3 on two GPUs; zero3_compare prints
 #      each run's mean per-GPU model TFLOP/s, max allocated MB and the ratio to ZeRO-1. On one GPU, ZeRO-3 with
 #      the parameters and the optimizer offloaded to the CPU (RUNS="zero3_offload_2p7b zero3_offload_6p7b
 #      zero3_offload_13b zero3_offload_compare"): the 2.7B, 6.7B and 13B GPTs of the GPT-3 table, bf16,
 #      micro-batch 1, global batch 8, 6 iterations; zero3_offload_compare prints the same table for them (a run
 #      that did not fit shows "none"); zero3_optoffload_6p7b offloads the optimizer only
 #   15. FP8 (issue 35; hybrid format). Speed on one GPU: fp8_1p3b_<recipe>_mbs<N> is the 1.3B GPT at seq 2048, global
-#      batch 32, ITERS_FP8 iterations (default 12), log interval 1, in bf16 (recipe "bf16") or FP8 (delayed,
+#      batch 32, ITERS_FP8 iterations (default 12), log interval 2, in bf16 (recipe "bf16") or FP8 (delayed,
 #      tensorwise, rowwise) at micro-batch N, e.g. RUNS="fp8_1p3b_bf16_mbs8 fp8_1p3b_bf16_mbs16 fp8_1p3b_delayed_mbs8
 #      fp8_1p3b_delayed_mbs16 fp8_1p3b_compare"; fp8_1p3b_compare prints the mean model TFLOP/s (the same model
 #      FLOPs for both), max allocated MB and the ratio to the first run of every fp8_1p3b_* log in $OUT. On two
@@ -229,6 +229,8 @@ reliability_runs() {  # precision: save at 10 of 20 deterministic iterations, re
 }
 
 recompute_table() {  # run... : mean model TFLOP/s after the first log line, max allocated MB, ratio to the first run
+    # (the memory line comes once, at the first log line: log interval 2 or more puts a whole step with the
+    # optimizer states in its peak, which interval 1 does not)
     local run first=
     for run in "$@"; do
         local log=$OUT/$run.log tflops peak
@@ -242,14 +244,14 @@ recompute_table() {  # run... : mean model TFLOP/s after the first log line, max
 ulysses_run() {  # name ngpus seq [flags...]: the 1.3B GPT at sequence seq, micro-batch 1, global batch 8
     local name=$1 ngpus=$2 seq=$3
     shift 3
-    NGPUS=$ngpus SEQ=$seq ITERS=${ITERS_ULYSSES:-10} LOG_INTERVAL=1 gpt_run "$name" 24 2048 16 bf16 1 8 \
+    NGPUS=$ngpus SEQ=$seq ITERS=${ITERS_ULYSSES:-10} LOG_INTERVAL=2 gpt_run "$name" 24 2048 16 bf16 1 8 \
         --max-position-embeddings "$seq" "$@"
 }
 
 zero3_offload_run() {  # name layers hidden heads [flags...]: one GPU, ZeRO-3, parameters and optimizer on the CPU
     local name=$1 layers=$2 hidden=$3 heads=$4
     shift 4
-    ZERO_STAGE=3 OFFLOAD=1 OFFLOAD_PARAM=${OFFLOAD_PARAM-1} ITERS=${ITERS_OFFLOAD:-6} LOG_INTERVAL=1 \
+    ZERO_STAGE=3 OFFLOAD=1 OFFLOAD_PARAM=${OFFLOAD_PARAM-1} ITERS=${ITERS_OFFLOAD:-6} LOG_INTERVAL=2 \
         gpt_run "$name" "$layers" "$hidden" "$heads" bf16 1 8 "$@"
 }
 
@@ -263,9 +265,9 @@ fp8_speed_run() {  # name ngpus: fp8_1p3b_<recipe>_mbs<N> (one GPU) or fp8_6p7b_
     recipe=${recipe##*_}
     mbs=${name##*_mbs}
     if [ "$ngpus" = 1 ]; then
-        NGPUS=1 ITERS=${ITERS_FP8:-12} LOG_INTERVAL=1 gpt_run "$name" 24 2048 16 bf16 "$mbs" 32 $(fp8_flags "$recipe")
+        NGPUS=1 ITERS=${ITERS_FP8:-12} LOG_INTERVAL=2 gpt_run "$name" 24 2048 16 bf16 "$mbs" 32 $(fp8_flags "$recipe")
     else
-        NGPUS=2 ITERS=${ITERS_FP8:-12} LOG_INTERVAL=1 gpt_run "$name" 32 4096 32 bf16 "$mbs" 16 \
+        NGPUS=2 ITERS=${ITERS_FP8:-12} LOG_INTERVAL=2 gpt_run "$name" 32 4096 32 bf16 "$mbs" 16 \
             --tensor-model-parallel-size 2 --sequence-parallel --recompute-activations $(fp8_flags "$recipe")
     fi
 }
@@ -329,8 +331,8 @@ for run in $RUNS; do
         ulysses_s4_64k) ulysses_run ulysses_s4_64k 4 65536 --ds-sequence-parallel-size 4 ;;
         ulysses_compare) recompute_table ulysses_1gpu_16k ulysses_1gpu_24k ulysses_1gpu_32k ulysses_s2_32k \
                              ulysses_s4_64k | tee "$OUT/ulysses.txt" ;;
-        zero1_1p3b_dp2) NGPUS=2 ZERO_STAGE=1 LOG_INTERVAL=1 ITERS=12 gpt_run zero1_1p3b_dp2 24 2048 16 bf16 8 32 ;;
-        zero3_1p3b_dp2) NGPUS=2 ZERO_STAGE=3 LOG_INTERVAL=1 ITERS=12 gpt_run zero3_1p3b_dp2 24 2048 16 bf16 8 32 ;;
+        zero1_1p3b_dp2) NGPUS=2 ZERO_STAGE=1 LOG_INTERVAL=2 ITERS=12 gpt_run zero1_1p3b_dp2 24 2048 16 bf16 8 32 ;;
+        zero3_1p3b_dp2) NGPUS=2 ZERO_STAGE=3 LOG_INTERVAL=2 ITERS=12 gpt_run zero3_1p3b_dp2 24 2048 16 bf16 8 32 ;;
         zero3_compare) recompute_table zero1_1p3b_dp2 zero3_1p3b_dp2 | tee "$OUT/zero3.txt" ;;
         zero3_offload_2p7b) zero3_offload_run zero3_offload_2p7b 32 2560 32 ;;
         zero3_offload_6p7b) zero3_offload_run zero3_offload_6p7b 32 4096 32 ;;
