@@ -14,6 +14,7 @@ its entry is off, so an untested DeepSpeed never sees a change that was not writ
 """
 import contextlib
 import dataclasses
+import functools
 import importlib
 import inspect
 import re
@@ -135,6 +136,13 @@ def _resolve(dotted: str):
     return None
 
 
+@functools.cache
+def _class_source(owner: type) -> str:
+    """The source of a DeepSpeed class, read once per process (tokenizing the large ones takes ~0.1 s,
+    and every argument parse checks them)."""
+    return inspect.getsource(owner)
+
+
 def missing_targets() -> list[str]:
     """The targets of REPLACEMENTS the installed DeepSpeed lacks: a class or module attribute, or an
     instance attribute its class assigns (``self.<name> =``)."""
@@ -143,7 +151,7 @@ def missing_targets() -> list[str]:
         owner_path, attribute = replacement.owner_and_attribute
         owner = _resolve(owner_path)
         present = owner is not None and (hasattr(owner, attribute) or (
-            inspect.isclass(owner) and f"self.{attribute} =" in inspect.getsource(owner)))
+            inspect.isclass(owner) and f"self.{attribute} =" in _class_source(owner)))
         if not present:
             missing.append(replacement.target)
     return sorted(set(missing))
