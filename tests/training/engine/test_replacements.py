@@ -20,6 +20,32 @@ def test_every_target_exists_in_the_installed_deepspeed():
     assert replacements.missing_targets() == []
 
 
+class _Assigning:
+    def __init__(self):
+        self.plain = 1
+        self.annotated: int = 2
+        self.indexed = {}
+        self.indexed[0] = 3
+
+    def compares(self):
+        return self.compared == 1
+
+
+def _outside():
+    self = _Assigning()
+    self.assigned_outside_the_class = 4
+    return self
+
+
+def test_an_instance_attribute_counts_when_the_class_assigns_it():
+    """``self.<name> =`` or ``self.<name>: T =`` inside the class's lines, not a comparison, an
+    item assignment or an assignment in the code after the class."""
+    assert replacements._assigns(_Assigning, "plain") and replacements._assigns(_Assigning, "annotated")
+    assert replacements._assigns(_Assigning, "indexed")
+    assert not replacements._assigns(_Assigning, "plai") and not replacements._assigns(_Assigning, "compared")
+    assert not replacements._assigns(_Assigning, "assigned_outside_the_class")
+
+
 def test_a_missing_target_is_found_and_refused_unless_allowed(monkeypatch):
     monkeypatch.setitem(replacements.REPLACEMENTS, "test.fake",
                         replacements.Replacement("runtime.engine.DeepSpeedEngine.no_such_method", "test.fake", "x"))
