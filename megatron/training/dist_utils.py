@@ -8,7 +8,6 @@ Reductions run on the device the backend requires: the current CUDA device under
 under gloo. Values travel as float64, so counters up to 2**53 and fp32 losses pass exactly.
 """
 import datetime
-import gc
 import hashlib
 import math
 import os
@@ -142,14 +141,10 @@ def barrier(group=None) -> None:
 
 def shutdown() -> None:
     """Wait for every rank, then tear the process group down, so no rank exits while another still
-    talks to it (gloo aborts a process whose peers vanished mid-collective). Then collect the
-    garbage: objects in reference cycles that hold gloo's groups or work are freed now, not during
-    interpreter shutdown, where a gloo thread dropping the last reference to a tensor must take the
-    GIL, cannot, and aborts the process ("terminate called without an active exception")."""
+    talks to it (gloo aborts a process whose peers vanished mid-collective)."""
     if distributed():
         barrier()
         dist.destroy_process_group()
-        gc.collect()
 
 
 # How gloo reports a peer process that has gone (exited, killed, or stopped by its launcher) mid-collective.
