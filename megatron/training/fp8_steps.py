@@ -72,6 +72,9 @@ def keep_delayed_amaxes(module: torch.nn.Module):
             gemms.forget_weight()
 
 
+_STARTS_FRESH = "the amax histories and scales start fresh (the first step quantizes with current amaxes)"
+
+
 def _delayed(fp8: Fp8Config | None) -> Fp8Config | None:
     return fp8 if fp8 is not None and fp8.recipe == "delayed" else None
 
@@ -91,11 +94,9 @@ def fp8_checkpoint_notice(saved_args, configured: GPTModelConfig, universal: boo
         run = "has no FP8" if configured.fp8 is None else f"uses the {configured.fp8.recipe} recipe"
         return f"notice: the checkpoint's FP8 delayed-scaling state (amax histories, scales) is dropped: this run {run}"
     if universal:
-        return ("notice: a universal checkpoint holds no FP8 delayed-scaling state: the amax histories and scales "
-                "start fresh (the first step quantizes with current amaxes)")
+        return f"notice: a universal checkpoint holds no FP8 delayed-scaling state: {_STARTS_FRESH}"
     if saved is None:
-        return ("notice: the checkpoint has no FP8 delayed-scaling state: the amax histories and scales start fresh "
-                "(the first step quantizes with current amaxes)")
+        return f"notice: the checkpoint has no FP8 delayed-scaling state: {_STARTS_FRESH}"
     if saved.amax_history_len != ours.amax_history_len:
         return (f"notice: the checkpoint's FP8 amax history holds {saved.amax_history_len} steps, this run's "
                 f"{ours.amax_history_len} (--fp8-amax-history-len): the histories and scales start fresh")

@@ -602,7 +602,5 @@ def pretrain(config: TrainConfig, tokenizer) -> TrainingProgress:
             _run(trainer)
         finally:
             trainer.finish()
-        progress = trainer.progress
-        del trainer  # the engine goes before the process groups (dist_utils.shutdown)
         dist_utils.shutdown()
-    return progress
+    return trainer.progress
