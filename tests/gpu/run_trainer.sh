@@ -74,6 +74,13 @@
 #      the curves with tools/plot_logs.py into $OUT/fp8_parity/. RUNS="fp8_parity_side_by_side fp8_parity_compare"
 #      runs the four at once, one per GPU (in waves on fewer GPUs). Any run: GPU_IDS=1 (or 0,1) picks the GPUs,
 #      MASTER_PORT its port.
+#   16. an 80 GB H100 on a larger GPU: a run named NAME@h100 runs NAME with PyTorch's caching allocator capped at
+#      H100_ALLOCATOR_MIB (default 80000: the H100's 81,106 MiB less about 1.1 GiB for the CUDA context and NCCL,
+#      tests/gpu/memory_cap/sitecustomize.py), e.g. RUNS="1p3b_bf16@h100 1p3b_mbs16_selective@h100 1p3b_mbs16@h100".
+#      The ZeRO-3 offload runs also write the largest host memory of their processes into <run>.log.
+#   17. several runs at once on one machine: LANES="0,1=zero1_1p3b_dp2 zero3_1p3b_dp2;2=1p3b_bf16@h100;3=..." runs
+#      each lane's runs in order on its GPUs (its own port and data cache), the lanes side by side, then RUNS
+#      (the comparisons).
 # Run from the repository root on the GPU machine with .whl carried; logs go to $OUT.
 #   RUNS="350m_bf16 overflow" bash tests/gpu/run_trainer.sh    (a subset)
 #   EXTRA_ARGS="--no-gradient-accumulation-fusion" RUNS=scale_1gpu OUT=... bash tests/gpu/run_trainer.sh
@@ -85,7 +92,7 @@ WORK=${WORK:-/tmp/gpu_trainer_work}
 RUNS=${RUNS:-"example 350m_bf16 350m_fp16 1p3b_bf16 1p3b_fp16 overflow"}
 ITERS=${ITERS:-20}
 mkdir -p "$OUT" "$WORK"
-if ls .whl/*.whl >/dev/null 2>&1; then
+if [ -z "${LANE:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then  # a lane has its parent's install
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
 fi
@@ -138,7 +145,7 @@ gpt_run() {  # name layers hidden heads precision mbs gbs [extra flags...]
         --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.02 \
         --hidden-dropout 0 --attention-dropout 0 $precision_flag --seed 1234 \
         --vocab-file "$WORK/tokenizer/vocab.json" --merge-file "$WORK/tokenizer/merges.txt" \
-        --data-path "$WORK/data/python-docs_text_document" --split 98,1,1 --data-cache-path "$WORK/cache" \
+        --data-path "$WORK/data/python-docs_text_document" --split 98,1,1 --data-cache-path "${DATA_CACHE:-$WORK/cache${LANE:-}}" \
         --log-interval "${LOG_INTERVAL:-5}" --eval-interval 1000 --eval-iters 0 \
         --deepspeed --deepspeed_config "$config" --zero-stage "${ZERO_STAGE:-1}" --distributed-backend nccl "$@" \
         ${EXTRA_ARGS:-} \
@@ -249,26 +256,44 @@ ulysses_run() {  # name ngpus seq [flags...]: the 1.3B GPT at sequence seq, micr
 }
 
 zero3_offload_run() {  # name layers hidden heads [flags...]: one GPU, ZeRO-3, parameters and optimizer on the CPU
-    local name=$1 layers=$2 hidden=$3 heads=$4
+    local name=$1 layers=$2 hidden=$3 heads=$4 sampler
     shift 4
+    host_memory_peak "$name" &
+    sampler=$!
     ZERO_STAGE=3 OFFLOAD=1 OFFLOAD_PARAM=${OFFLOAD_PARAM-1} ITERS=${ITERS_OFFLOAD:-6} LOG_INTERVAL=2 \
-        gpt_run "$name" "$layers" "$hidden" "$heads" bf16 1 8 "$@"
+        DATA_CACHE=$WORK/cache_$name gpt_run "$name" "$layers" "$hidden" "$heads" bf16 1 8 "$@"
+    kill "$sampler"
+    cat "$OUT/$name.host" >> "$OUT/$name.log" 2>/dev/null
+}
+
+host_memory_peak() {  # name: every 2 s, the resident memory (MB) of the processes whose command line holds
+    # the run's own data cache path (its ranks and the launcher's two small processes); the largest so far goes to
+    # $OUT/name.host
+    local name=$1 peak=0 now
+    while sleep 2; do
+        now=$(ps -eo rss=,comm=,args= | awk -v marker="$WORK/cache_$name " '$2 != "awk" && index($0, marker) {kb += $1}
+            END {print int(kb / 1024)}')
+        [ "$now" -gt "$peak" ] && peak=$now && echo "host resident peak (MB): $peak" > "$OUT/$name.host"
+    done
 }
 
 fp8_flags() {  # recipe -> the FP8 flags of that recipe (none for bf16)
     [ "$1" = bf16 ] || echo "--fp8-format hybrid --fp8-recipe $1"
 }
 
-fp8_speed_run() {  # name ngpus: fp8_1p3b_<recipe>_mbs<N> (one GPU) or fp8_6p7b_tp2_<recipe>_mbs<N> (two GPUs)
-    local name=$1 ngpus=$2 recipe mbs
+fp8_speed_run() {  # name ngpus: fp8_1p3b_<recipe>_mbs<N> (one GPU) or fp8_6p7b_tp2_<recipe>_mbs<N> (two GPUs);
+    # a recipe ending in -overlap (bf16-overlap, delayed-overlap) adds --tp-comm-overlap
+    local name=$1 ngpus=$2 recipe mbs overlap=()
     recipe=${name%_mbs*}
     recipe=${recipe##*_}
     mbs=${name##*_mbs}
+    [ "${recipe%-overlap}" != "$recipe" ] && overlap=(--tp-comm-overlap) && recipe=${recipe%-overlap}
     if [ "$ngpus" = 1 ]; then
         NGPUS=1 ITERS=${ITERS_FP8:-12} LOG_INTERVAL=2 gpt_run "$name" 24 2048 16 bf16 "$mbs" 32 $(fp8_flags "$recipe")
     else
         NGPUS=2 ITERS=${ITERS_FP8:-12} LOG_INTERVAL=2 gpt_run "$name" 32 4096 32 bf16 "$mbs" 16 \
-            --tensor-model-parallel-size 2 --sequence-parallel --recompute-activations $(fp8_flags "$recipe")
+            --tensor-model-parallel-size 2 --sequence-parallel --recompute-activations "${overlap[@]}" \
+            $(fp8_flags "$recipe")
     fi
 }
 
@@ -307,8 +332,27 @@ fp8_parity() {  # each FP8 parity run against bf16's (tests/gpu/fp8_parity.py), 
         2>&1 | tee -a "$OUT/fp8_parity.txt"
 }
 
+run_lanes() {  # LANES="gpu_ids=run run...;gpu_ids=run...": each lane's runs in order, the lanes side by side
+    local lane index=0 pids=()
+    IFS=';' read -ra lanes <<< "$LANES"
+    for lane in "${lanes[@]}"; do
+        GPU_IDS=${lane%%=*} MASTER_PORT=$((29511 + 10 * index)) LANE=$index RUNS=${lane#*=} LANES= \
+            bash "$0" > "$OUT/lane$index.log" 2>&1 &
+        pids+=($!)
+        index=$((index + 1))
+    done
+    for index in "${pids[@]}"; do wait "$index" || status=1; done
+}
+
 prepare_data || exit 1
+[ -n "${LANES:-}" ] && run_lanes
 for run in $RUNS; do
+    if [ "${run%@h100}" != "$run" ]; then  # an 80 GB H100: the allocator capped (tests/gpu/memory_cap)
+        run=${run%@h100}
+        export GPU_MEMORY_MIB=${H100_ALLOCATOR_MIB:-80000} PYTHONPATH=$PWD/tests/gpu/memory_cap:$PYTHONPATH
+    else
+        unset GPU_MEMORY_MIB
+    fi
     case $run in
         example) (N_GPUS=1 RUN_DIR=$WORK OUTPUT_DIR=$WORK/example bash examples/pretrain_gpt_deepspeed_single_node.sh) \
                      2>&1 | tee "$OUT/example.log" || status=1 ;;
@@ -320,16 +364,19 @@ for run in $RUNS; do
         1p3b_mbs16_selective) gpt_run 1p3b_mbs16_selective 24 2048 16 bf16 16 32 --recompute-activations ;;
         1p3b_mbs16_mlp_act) gpt_run 1p3b_mbs16_mlp_act 24 2048 16 bf16 16 32 --recompute-granularity selective \
                                 --recompute-modules mlp_act ;;
+        1p3b_mbs16_layernorm) gpt_run 1p3b_mbs16_layernorm 24 2048 16 bf16 16 32 --recompute-granularity selective \
+                                  --recompute-modules layernorm ;;
         1p3b_mbs16_core_attn) gpt_run 1p3b_mbs16_core_attn 24 2048 16 bf16 16 32 --recompute-granularity selective \
                                   --recompute-modules core_attn layernorm mlp_act ;;
-        recompute_compare) recompute_table 1p3b_bf16 1p3b_mbs16_selective 1p3b_mbs16_mlp_act 1p3b_mbs16_core_attn \
-                               1p3b_mbs16 | tee "$OUT/recompute.txt" ;;
+        recompute_compare) recompute_table 1p3b_bf16 1p3b_mbs16_selective 1p3b_mbs16_mlp_act 1p3b_mbs16_layernorm \
+                               1p3b_mbs16_core_attn 1p3b_mbs16 | tee "$OUT/recompute.txt" ;;
         ulysses_1gpu_16k) ulysses_run ulysses_1gpu_16k 1 16384 ;;
         ulysses_1gpu_24k) ulysses_run ulysses_1gpu_24k 1 24576 ;;
         ulysses_1gpu_32k) ulysses_run ulysses_1gpu_32k 1 32768 ;;
+        ulysses_1gpu_48k) ulysses_run ulysses_1gpu_48k 1 49152 ;;
         ulysses_s2_32k) ulysses_run ulysses_s2_32k 2 32768 --ds-sequence-parallel-size 2 ;;
         ulysses_s4_64k) ulysses_run ulysses_s4_64k 4 65536 --ds-sequence-parallel-size 4 ;;
-        ulysses_compare) recompute_table ulysses_1gpu_16k ulysses_1gpu_24k ulysses_1gpu_32k ulysses_s2_32k \
+        ulysses_compare) recompute_table ulysses_1gpu_16k ulysses_1gpu_24k ulysses_1gpu_32k ulysses_1gpu_48k ulysses_s2_32k \
                              ulysses_s4_64k | tee "$OUT/ulysses.txt" ;;
         zero1_1p3b_dp2) NGPUS=2 ZERO_STAGE=1 LOG_INTERVAL=2 ITERS=12 gpt_run zero1_1p3b_dp2 24 2048 16 bf16 8 32 ;;
         zero3_1p3b_dp2) NGPUS=2 ZERO_STAGE=3 LOG_INTERVAL=2 ITERS=12 gpt_run zero3_1p3b_dp2 24 2048 16 bf16 8 32 ;;
@@ -402,6 +449,8 @@ for run in $RUNS; do
         scale_pp4) scale_run scale_pp4 4 --pipeline-model-parallel-size 4 ;;
         scale_pp4_flops) scale_run scale_pp4_flops 4 --pipeline-model-parallel-size 4 --pp-partition-method flops ;;
         profile_1gpu) profile_run profile_1gpu 1 ;;
+        profile_bf16_1p3b) MBS_SCALE=16 profile_run profile_bf16_1p3b 1 ;;
+        profile_fp8_1p3b) MBS_SCALE=16 profile_run profile_fp8_1p3b 1 $(fp8_flags delayed) ;;
         profile_tp2) profile_run profile_tp2 2 --tensor-model-parallel-size 2 ;;
         profile_tp2_sp) profile_run profile_tp2_sp 2 --tensor-model-parallel-size 2 --sequence-parallel ;;
         profile_tp2_overlap) profile_run profile_tp2_overlap 2 --tensor-model-parallel-size 2 --sequence-parallel \
