@@ -4,8 +4,8 @@
 runs on a CUDA GPU of compute capability 9.0 or more (Hopper: FP8 tensor cores) through
 torch._scaled_mm; on CPU only the tests' --fp8-cpu-emulation runs it (each operand quantized and
 dequantized around a plain matmul). ``check_fp8`` refuses the rest with one line before any process
-group: FP8 without a usable GPU, with --tp-comm-overlap (the FP8 GEMMs use the plain collectives)
-and with --fp16 (untested: the tests run on CPU, where fp16 training is not available).
+group: FP8 without a usable GPU, and with --fp16 (untested: the tests run on CPU, where fp16 training
+is not available).
 """
 import torch
 
@@ -53,9 +53,6 @@ def check_fp8(args, explicit, cuda_available: bool, fp16: bool) -> None:
                                 "--fp8-format e4m3 or hybrid, or drop it")
         return
     fp8_config(args)
-    if args.tp_comm_overlap and args.tensor_model_parallel_size > 1:
-        raise ArgumentError("--fp8-format and --tp-comm-overlap exclude each other: the FP8 GEMMs run with the "
-                            "plain collectives; drop --tp-comm-overlap")
     if fp16:
         raise ArgumentError("--fp8-format runs with --bf16 (or fp32) parameters, not --fp16 (fp16 with FP8 is not "
                             "tested); use --bf16")

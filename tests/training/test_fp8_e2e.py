@@ -1,6 +1,6 @@
 """pretrain_gpt.py in FP8 (the CPU emulation, --fp8-cpu-emulation): each recipe trains close to the run
 without FP8 and not equal to it, in fp32 and in bf16, and so does DP = 2 under ZeRO-3; TP = 2 with
-sequence parallelism trains what TP = 1 does, and so do DP = 2 under ZeRO-2 (the plain engine) with
+sequence parallelism (also with --tp-comm-overlap) trains what TP = 1 does, and so do DP = 2 under ZeRO-2 (the plain engine) with
 full recompute (tensorwise) and PP = 2 with selective recompute; a delayed-scaling run saved and
 resumed (also at ZeRO-3) continues the uninterrupted one exactly, and one evaluated after every step
 trains as one never evaluated; an FP8 checkpoint loads into a run without FP8 with a notice.
@@ -41,6 +41,7 @@ RUNS = {
     "tensorwise": (1, EMULATED + ["--fp8-recipe", "tensorwise"]),
     "rowwise": (1, EMULATED + ["--fp8-recipe", "rowwise"]),
     "delayed-tp2": (2, EMULATED + TP2_SP),
+    "delayed-tp2-overlap": (2, EMULATED + TP2_SP + ["--tp-comm-overlap"]),
     "delayed-dp2-zero3": (2, EMULATED + ["--zero-stage", "3"]),
     "delayed-pp2-selective": (2, EMULATED + ["--pipeline-model-parallel-size", "2", "--recompute-activations"]),
     "tensorwise-dp2-zero2-full": (2, EMULATED + ["--fp8-recipe", "tensorwise", "--zero-stage", "2",
@@ -75,7 +76,8 @@ def test_fp8_trains_close_to_the_run_without_it(runs, name, baseline):
     assert max(abs(a - b) for a, b in zip(fp8, plain)) > 1e-6  # FP8 really ran
 
 
-@pytest.mark.parametrize("name, one_process", [("delayed-tp2", "delayed"), ("tensorwise-dp2-zero2-full", "tensorwise")])
+@pytest.mark.parametrize("name, one_process", [("delayed-tp2", "delayed"), ("delayed-tp2-overlap", "delayed"),
+                                               ("tensorwise-dp2-zero2-full", "tensorwise")])
 def test_tp2_with_sequence_parallelism_and_dp2_train_what_one_process_does(runs, name, one_process):
     one, layout = runs[one_process], runs[name]
     assert layout["loss"][0] == pytest.approx(one["loss"][0], rel=TP_FIRST_STEP_RTOL)

@@ -63,10 +63,10 @@ def test_refusals_name_the_flag(extra, words):
     assert all(word in message for word in words), message
 
 
-def test_refused_with_tp_comm_overlap():
-    message = refusal(EMULATED + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"],
-                      env=world(2))
-    assert "--tp-comm-overlap" in message and "--fp8-format" in message
+def test_accepted_with_tp_comm_overlap():
+    config = model_config(EMULATED + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                      "--tp-comm-overlap"], env=world(2))
+    assert config.fp8 is not None and config.tp_comm_overlap
 
 
 def test_refused_with_fp16():

@@ -6,7 +6,9 @@ with X gathered along the first dimension, and ``matmul_reduce_scatter`` (starte
 by ``start_matmul_reduce_scatter``) reduce-scatters A B: on CUDA the peer copies run on a side stream
 beside the GEMMs, elsewhere (gloo) the plain collective and the product one after the other. The
 parallel layers call them under ``comm_overlap``; the autograd collectives of the model's regions
-live in ``mappings``.
+live in ``mappings``. Underneath, ``all_gather_each_block`` hands each gathered block to the caller's
+work as it arrives, and ``reduce_scatter_product`` (``start_reduce_scatter_product``) reduce-scatters
+any ``RowBlockProduct``: the FP8 layers (``fp8_linear``) pass their quantized GEMMs through these.
 """
 import functools
 import warnings
@@ -85,8 +87,8 @@ def _peer_buffers(group: ProcessGroup) -> _PeerBuffers:
     return _PeerBuffers(group)
 
 
-def _uses_peer_memory(tensor: torch.Tensor, group: ProcessGroup) -> bool:
-    return tensor.is_cuda and group_size(group) > 1
+def _uses_peer_memory(device: torch.device, group: ProcessGroup) -> bool:
+    return device.type == "cuda" and group_size(group) > 1
 
 
 def _push_shard(x: torch.Tensor, peers: _PeerBuffers) -> tuple[dict[int, torch.Tensor], torch.cuda.Event]:
@@ -119,7 +121,7 @@ def all_gather_matmul(shard: torch.Tensor, matrix: torch.Tensor, group: ProcessG
     copies into the returned X (kept by the callers for dW) run on the side stream beside them.
     Elsewhere (gloo) the all-gather, then the product.
     """
-    if not _uses_peer_memory(shard, group):
+    if not _uses_peer_memory(shard.device, group):
         gathered = all_gather_along_first_dim(shard, group)
         return gathered, torch.nn.functional.linear(gathered, matrix.t(), bias)
     peers, current = _peer_buffers(group), torch.cuda.current_stream()
@@ -142,72 +144,108 @@ def all_gather_matmul(shard: torch.Tensor, matrix: torch.Tensor, group: ProcessG
     return gathered.view(*leading, x.shape[1]), product.view(*leading, matrix.shape[1])
 
 
+def all_gather_each_block(shard: torch.Tensor, group: ProcessGroup,
+                          use_block: Callable[[int, torch.Tensor], None]) -> None:
+    """Calls ``use_block(r, X_r)`` on each rank's block X_r [n, m] of X, the all-gather of the k ranks'
+    ``shard`` [n, .., m] along dim 0 (r = 0 .. k - 1, in no fixed order), once it is here, to issue
+    the work that reads it. A peer's block is its slot of symmetric memory, rewritten two calls
+    later: the work must read it on the current stream before then, never keep it.
+
+    On CUDA ``use_block``'s work on the own block runs beside the push of that block to the peers;
+    then the peers' blocks, read from this rank's slot. Elsewhere the all-gather, then the blocks.
+    """
+    if not _uses_peer_memory(shard.device, group):
+        gathered = all_gather_along_first_dim(shard, group)
+        for rank, block in enumerate(gathered.reshape(-1, shard.shape[-1]).split(shard[..., 0].numel())):
+            use_block(rank, block)
+        return
+    peers, current = _peer_buffers(group), torch.cuda.current_stream()
+    x = shard.reshape(-1, shard.shape[-1])  # [n, m]
+    received, arrived = _push_shard(x, peers)
+    use_block(peers.rank, x)
+    current.wait_event(arrived)
+    for rank, block in received.items():
+        use_block(rank, block)
+    current.wait_stream(peers.stream)
+
+
 def all_gather_matmul_each_block(shard: torch.Tensor, matrix: torch.Tensor, group: ProcessGroup,
                                  use_block: Callable[[int, torch.Tensor], None]) -> torch.Tensor:
     """X B as all_gather_matmul, without returning X: instead ``use_block(r, X_r)`` is called on each
-    rank's block X_r [n, m] of X (r = 0 .. k - 1, in no fixed order) once it is here, to issue the
+    rank's block X_r [n, m] of X (``all_gather_each_block``) right after its product, to issue the
     work that reads it (the weight gradient's share of that block: dW = sum over r of dY_r^T X_r).
 
     On CUDA the own block's product and ``use_block``'s work on it both run beside the push of the
     block to the peers, more work to hide it behind than all_gather_matmul's one GEMM; the peers'
-    blocks are read from this rank's slot, never copied out. Elsewhere the all-gather, the product,
-    then the blocks.
+    blocks are read from this rank's slot, never copied out.
     """
-    if not _uses_peer_memory(shard, group):
-        gathered = all_gather_along_first_dim(shard, group)
-        rows = gathered.reshape(-1, shard.shape[-1]).split(shard[..., 0].numel())  # k blocks [n, m]
-        for rank, block in enumerate(rows):
-            use_block(rank, block)
-        return gathered.matmul(matrix)
-    peers, current = _peer_buffers(group), torch.cuda.current_stream()
-    x = shard.reshape(-1, shard.shape[-1])  # [n, m]
-    rows = x.shape[0]
-    product = x.new_empty(peers.size * rows, matrix.shape[1])  # [k n, p]
-    received, arrived = _push_shard(x, peers)
-    torch.mm(x, matrix, out=product[peers.rank * rows:(peers.rank + 1) * rows])
-    use_block(peers.rank, x)
-    current.wait_event(arrived)
-    for rank, block in received.items():
+    rows = shard[..., 0].numel()
+    product = shard.new_empty(group_size(group) * rows, matrix.shape[1])  # [k n, p]
+
+    def multiply_and_use(rank: int, block: torch.Tensor) -> None:
         torch.mm(block, matrix, out=product[rank * rows:(rank + 1) * rows])
         use_block(rank, block)
-    current.wait_stream(peers.stream)
-    return product.view(peers.size * shard.shape[0], *shard.shape[1:-1], matrix.shape[1])
+
+    all_gather_each_block(shard, group, multiply_and_use)
+    return product.view(group_size(group) * shard.shape[0], *shard.shape[1:-1], matrix.shape[1])
 
 
-def _push_partial_products(x: torch.Tensor, matrix: torch.Tensor,
-                           peers: _PeerBuffers) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
-    """Compute the blocks of X B [n, p] (X = ``x`` [n, m]) that the peers own, each pushed into its
-    peer's slot (side stream) as soon as it is ready, then the barrier there: (this rank's own rows
-    of X [n / k, m], the peers' blocks for this rank as they land in its slot, the outgoing blocks,
-    which the side stream reads until the current stream waits for it)."""
+class RowBlockProduct:
+    """A B for A [n, m] and B [m, p], computed by blocks of A's rows, as the pipelined reduce-scatter
+    needs it: ``into`` writes A[i:j] B into ``out``, ``add_into`` adds it there (cuBLAS's beta = 1: no
+    separate add), ``whole`` is the plain product (the path of the plain collectives). The FP8
+    layers subclass it to quantize each block on its way in (``fp8_linear``)."""
+
+    def __init__(self, a: torch.Tensor, matrix: torch.Tensor):
+        self.a, self.matrix = a, matrix
+        self.rows, self.columns = a.shape[0], matrix.shape[1]
+        self.dtype, self.device = a.dtype, a.device
+
+    def into(self, start: int, end: int, out: torch.Tensor) -> None:
+        torch.mm(self.a[start:end], self.matrix, out=out)
+
+    def add_into(self, start: int, end: int, out: torch.Tensor) -> None:
+        out.addmm_(self.a[start:end], self.matrix)
+
+    def whole(self) -> torch.Tensor:
+        return self.a.matmul(self.matrix)
+
+
+def _push_partial_products(product: RowBlockProduct,
+                           peers: _PeerBuffers) -> tuple[tuple[int, int], list[torch.Tensor], torch.Tensor]:
+    """Compute the blocks of ``product`` [n, p] that the peers own, each pushed into its peer's slot
+    (side stream) as soon as it is ready, then the barrier there: (this rank's own rows (start,
+    end), the peers' blocks for this rank as they land in its slot, the outgoing blocks, which the
+    side stream reads until the current stream waits for it)."""
     current = torch.cuda.current_stream()
-    rows = divide(x.shape[0], peers.size)
-    block_shape = torch.Size((rows, matrix.shape[1]))
-    block_bytes = rows * matrix.shape[1] * x.element_size()
-    offset = peers.next_slot(peers.size * block_bytes, x.device)  # a block per sending rank
+    rows = divide(product.rows, peers.size)
+    block_shape = torch.Size((rows, product.columns))
+    block_bytes = rows * product.columns * product.dtype.itemsize
+    offset = peers.next_slot(peers.size * block_bytes, product.device)  # a block per sending rank
     others = [rank for rank in range(peers.size) if rank != peers.rank]
-    outgoing = x.new_empty(len(others), *block_shape)  # [k - 1, n / k, p]: the peers' blocks
+    outgoing = torch.empty(len(others), *block_shape, dtype=product.dtype,
+                           device=product.device)  # [k - 1, n / k, p]: the peers' blocks
     for index, rank in enumerate(others):
-        torch.mm(x[rank * rows:(rank + 1) * rows], matrix, out=outgoing[index])
+        product.into(rank * rows, (rank + 1) * rows, outgoing[index])
         peers.stream.wait_stream(current)
         with torch.cuda.stream(peers.stream):  # into the peer's slot, at this rank's place
-            peers.view(rank, offset + peers.rank * block_bytes, block_shape, x.dtype).copy_(outgoing[index])
+            peers.view(rank, offset + peers.rank * block_bytes, block_shape, product.dtype).copy_(outgoing[index])
     with torch.cuda.stream(peers.stream):
         peers.barrier()  # past it, every peer's block for this rank has landed in its slot
-    received = [peers.view(peers.rank, offset + rank * block_bytes, block_shape, x.dtype) for rank in others]
-    return x[peers.rank * rows:(peers.rank + 1) * rows], received, outgoing
+    received = [peers.view(peers.rank, offset + rank * block_bytes, block_shape, product.dtype) for rank in others]
+    return (peers.rank * rows, (peers.rank + 1) * rows), received, outgoing
 
 
 class _OwnBlockAfterTransfers:
     """The end of a started reduce-scatter: ``wait()`` makes the current stream wait for the side
     stream (barrier, then the received partial sums copied into the output), then adds the rest
-    of them and the own block's product, the latter by the GEMM itself (beta = 1: no separate add).
-    It holds the outgoing blocks until then: the side stream may still be reading them, and freed
-    memory goes back to the current stream's pool."""
+    of them and the own block's product, the latter by ``add_into`` (for plain matrices the GEMM
+    itself, beta = 1). It holds the outgoing blocks until then: the side stream may still be
+    reading them, and freed memory goes back to the current stream's pool."""
 
-    def __init__(self, output: torch.Tensor, own_rows: torch.Tensor, matrix: torch.Tensor,
+    def __init__(self, output: torch.Tensor, product: RowBlockProduct, own: tuple[int, int],
                  more_received: list[torch.Tensor], outgoing: torch.Tensor, peers: _PeerBuffers):
-        self.output, self.own_rows, self.matrix = output, own_rows, matrix
+        self.output, self.product, self.own = output, product, own
         self.more_received, self.outgoing, self.peers = more_received, outgoing, peers
 
     def wait(self) -> None:
@@ -215,49 +253,63 @@ class _OwnBlockAfterTransfers:
         self.outgoing = None
         for partial in self.more_received:
             self.output += partial
-        self.output.addmm_(self.own_rows, self.matrix)
+        self.product.add_into(*self.own, self.output)
 
 
-def start_matmul_reduce_scatter(a: torch.Tensor, matrix: torch.Tensor,
-                                group: ProcessGroup) -> tuple[torch.Tensor, object]:
-    """matmul_reduce_scatter launched asynchronously: (output, work), the output valid after
-    ``work.wait()``; work issued in between (the weight gradient) runs beside the transfers. No
-    other fused collective of the group may come in between: the wait reads this call's slot, and
-    the slots' reuse rule (``_PeerBuffers``) counts on those reads preceding the next call's barrier.
+def start_reduce_scatter_product(product: RowBlockProduct, group: ProcessGroup) -> tuple[torch.Tensor, object]:
+    """Rank r's block [n / k, p] of the sum over ranks of ``product`` [n, p], launched asynchronously:
+    (output, work), the output valid after ``work.wait()``; work issued in between (the weight
+    gradient) runs beside the transfers. No other fused collective of the group may come in
+    between: the wait reads this call's slot, and the slots' reuse rule (``_PeerBuffers``) counts
+    on those reads preceding the next call's barrier.
 
-    On CUDA each rank computes the blocks of its partial product that its peers own (local GEMMs);
-    the side stream pushes each into that peer's symmetric memory as soon as it is ready (copy
-    engines over NVLink), passes the group's barrier and copies the received partial sums into the
-    output, all beside the caller's work. ``wait()`` then computes the own block into that sum
-    (cuBLAS's beta = 1: the add happens in the GEMM's epilogue), so the reduction needs no
-    elementwise pass of its own. Elsewhere the product, then the asynchronous reduce-scatter.
+    On CUDA each rank computes the blocks of its partial product that its peers own; the side stream
+    pushes each into that peer's symmetric memory as soon as it is ready (copy engines over NVLink),
+    passes the group's barrier and copies the received partial sums into the output, all beside the
+    caller's work. ``wait()`` then adds the own block's product into that sum. Elsewhere the
+    product, then the asynchronous reduce-scatter.
     """
-    if not _uses_peer_memory(a, group):
-        return start_reduce_scatter_along_first_dim(a.matmul(matrix), group)
+    if not _uses_peer_memory(product.device, group):
+        return start_reduce_scatter_along_first_dim(product.whole(), group)
     peers = _peer_buffers(group)
-    own_rows, received, outgoing = _push_partial_products(a.reshape(-1, a.shape[-1]), matrix, peers)
-    output = own_rows.new_empty(own_rows.shape[0], matrix.shape[1])  # [n / k, p]
+    own, received, outgoing = _push_partial_products(product, peers)
+    output = torch.empty(own[1] - own[0], product.columns, dtype=product.dtype, device=product.device)  # [n / k, p]
     with torch.cuda.stream(peers.stream):
         output.copy_(received[0])
-    work = _OwnBlockAfterTransfers(output, own_rows, matrix, received[1:], outgoing, peers)
-    return output.view(a.shape[0] // peers.size, *a.shape[1:-1], matrix.shape[1]), work
+    return output, _OwnBlockAfterTransfers(output, product, own, received[1:], outgoing, peers)
 
 
-def matmul_reduce_scatter(a: torch.Tensor, matrix: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Rank r's block [n / k, .., p] of sum over ranks of A B, A = ``a`` [n, .., m], B = ``matrix`` [m, p].
+def reduce_scatter_product(product: RowBlockProduct, group: ProcessGroup) -> torch.Tensor:
+    """Rank r's block [n / k, p] of the sum over ranks of ``product`` [n, p].
 
     On CUDA the peers' blocks are computed and pushed first (``_push_partial_products``), the own
     block is computed while they travel, and the received partial sums are added to it once the
-    barrier is passed (each block rounded to the input's dtype before the sum, as in NCCL's
+    barrier is passed (each block rounded to the product's dtype before the sum, as in NCCL's
     reduce-scatter). Elsewhere the product, then the reduce-scatter.
     """
-    if not _uses_peer_memory(a, group):
-        return reduce_scatter_along_first_dim(a.matmul(matrix), group)
+    if not _uses_peer_memory(product.device, group):
+        return reduce_scatter_along_first_dim(product.whole(), group)
     peers = _peer_buffers(group)
-    own_rows, received, outgoing = _push_partial_products(a.reshape(-1, a.shape[-1]), matrix, peers)
-    block = torch.mm(own_rows, matrix)  # [n / k, p]
+    own, received, outgoing = _push_partial_products(product, peers)
+    block = torch.empty(own[1] - own[0], product.columns, dtype=product.dtype, device=product.device)  # [n / k, p]
+    product.into(*own, block)
     torch.cuda.current_stream().wait_stream(peers.stream)
     del outgoing  # the side stream's reads of it are done
     for partial in received:
         block += partial
-    return block.view(a.shape[0] // peers.size, *a.shape[1:-1], matrix.shape[1])
+    return block
+
+
+def start_matmul_reduce_scatter(a: torch.Tensor, matrix: torch.Tensor,
+                                group: ProcessGroup) -> tuple[torch.Tensor, object]:
+    """matmul_reduce_scatter launched asynchronously (``start_reduce_scatter_product``): (output,
+    work), the output valid after ``work.wait()``."""
+    output, work = start_reduce_scatter_product(RowBlockProduct(a.reshape(-1, a.shape[-1]), matrix), group)
+    return output.view(a.shape[0] // group_size(group), *a.shape[1:-1], matrix.shape[1]), work
+
+
+def matmul_reduce_scatter(a: torch.Tensor, matrix: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Rank r's block [n / k, .., p] of sum over ranks of A B, A = ``a`` [n, .., m], B = ``matrix`` [m, p]
+    (``reduce_scatter_product``)."""
+    block = reduce_scatter_product(RowBlockProduct(a.reshape(-1, a.shape[-1]), matrix), group)
+    return block.view(a.shape[0] // group_size(group), *a.shape[1:-1], matrix.shape[1])

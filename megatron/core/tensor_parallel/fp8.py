@@ -113,15 +113,19 @@ def quantize_operand(x: torch.Tensor, dtype: torch.dtype, margin: int, rowwise: 
     return Fp8Operand(quantize(x, scale, dtype).contiguous(), scale)
 
 
-def scaled_mm(a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype, emulate: bool) -> torch.Tensor:
-    """a b^T ~ (q_a / s_a)(q_b / s_b)^T for a [m, k], b [n, k] -> [m, n] in ``out_dtype``, with
-    fp32 accumulation: torch._scaled_mm (q_b^T is column-major as it wants), or with ``emulate``
-    the dequantized operands' fp32 matmul."""
+def scaled_mm(a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype, emulate: bool,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """a b^T ~ (q_a / s_a)(q_b / s_b)^T for a [m, k], b [n, k] -> [m, n] in ``out_dtype`` (written into
+    ``out`` when given), with fp32 accumulation: torch._scaled_mm (q_b^T is column-major as it
+    wants), or with ``emulate`` the dequantized operands' fp32 matmul."""
     if emulate:
-        return dequantize(a.data, a.scale).matmul(dequantize(b.data, b.scale).t()).to(out_dtype)
+        product = dequantize(a.data, a.scale).matmul(dequantize(b.data, b.scale).t()).to(out_dtype)
+        return product if out is None else out.copy_(product)
     scale_a = a.scale.reciprocal()
     scale_b = b.scale.reciprocal().reshape(1, -1) if b.rowwise else b.scale.reciprocal()
-    return torch._scaled_mm(a.data, b.data.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    if out is None:
+        return torch._scaled_mm(a.data, b.data.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    return torch._scaled_mm(a.data, b.data.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, out=out)
 
 
 class DelayedScaling(torch.nn.Module):

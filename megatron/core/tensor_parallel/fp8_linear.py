@@ -32,9 +32,11 @@ from torch.distributed import ProcessGroup
 
 from megatron.core.fused_kernels.fp8_ops import absolute_maxima, quantize_pair
 from megatron.core.parallel_state import group_size
+from megatron.core.tensor_parallel.async_tp import (RowBlockProduct, all_gather_each_block, reduce_scatter_product,
+                                                    start_reduce_scatter_product)
 from megatron.core.tensor_parallel.fp8 import (ROLES, DelayedScaling, Fp8Config, Fp8Operand, saturated, scale_from_amax,
                                                scaled_mm, underflowed)
-from megatron.core.tensor_parallel.utils import all_reduce_max
+from megatron.core.tensor_parallel.utils import all_reduce_max, divide
 
 PARALLEL_DIMS = (None, "input", "output")
 
@@ -73,13 +75,10 @@ class Fp8Gemms(torch.nn.Module):
 
     def output(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, tuple[Fp8Operand, Fp8Operand]]:
         """Y = X W^T for x [m, k], weight [n, k] -> (Y [m, n] in x's dtype, (q(X^T), q(W^T)) for backward)."""
-        split = self.parallel_dim
-        x_pair = self._quantize(x, "input", rows_split=False, columns_split=split == "input")
-        if self._weight_pair is None:  # the step's first use: kept for its other micro-batches and recomputations
-            self._weight_pair = self._quantize(weight, "weight", rows_split=split == "output",
-                                               columns_split=split == "input")
-        y = scaled_mm(x_pair.direct, self._weight_pair.direct, x.dtype, self.config.emulate)
-        return y, (x_pair.transposed, self._weight_pair.transposed)
+        x_pair = self._quantize(x, "input", rows_split=False, columns_split=self.parallel_dim == "input")
+        weight_pair = self.weight_pair(weight)
+        y = scaled_mm(x_pair.direct, weight_pair.direct, x.dtype, self.config.emulate)
+        return y, (x_pair.transposed, weight_pair.transposed)
 
     def grad_operands(self, grad_output: torch.Tensor) -> Fp8Pair:
         """dY [m, n] quantized for both backward GEMMs, in one pass."""
@@ -96,29 +95,171 @@ class Fp8Gemms(torch.nn.Module):
 
     def _quantize(self, x: torch.Tensor, role: str, rows_split: bool, columns_split: bool) -> Fp8Pair:
         """x [r, c] -> q(x) and q(x^T) with the recipe's scales (module docstring)."""
+        return self.quantize_block(x, self.scales(x, role, rows_split, columns_split))
+
+    def scales(self, x: torch.Tensor, role: str, rows_split: bool, columns_split: bool,
+               own_rows: bool = True) -> "Fp8Scales":
+        """The scales that quantize x [r, c], or any block of its rows (``quantize_block``), as one
+        tensor. ``rows_split``/``columns_split``: the TP group holds the rest of the tensor's rows
+        or columns (module docstring). ``own_rows`` False (rowwise, rows split): x is this rank's block
+        of rows and the other ranks' blocks will be quantized here too, each with its own rows' scales."""
         dtype, margin = self.config.dtype(role), self.config.margin
         record = None
         if self.delayed is not None:
             record = self.delayed.amax_history[0, ROLES.index(role)]
             if self.delayed.has_scales:
                 scale = self.delayed.role_scale(role)
-                direct, transposed = quantize_pair(x, dtype, scale, scale, record)
-                return Fp8Pair(Fp8Operand(direct, scale), Fp8Operand(transposed, scale))
+                return Fp8Scales(dtype, scale, scale, record)
         if self.config.recipe == "rowwise":
-            _, row_amax, column_amax = absolute_maxima(x, tensor=False, rows=True, columns=True)
-            if columns_split:
+            _, row_amax, column_amax = absolute_maxima(x, tensor=False, rows=own_rows, columns=True)
+            if columns_split and own_rows:
                 row_amax = all_reduce_max(row_amax, self.tp_group)
             if rows_split:
                 column_amax = all_reduce_max(column_amax, self.tp_group)
-            row_scale, column_scale = scale_from_amax(row_amax, dtype, margin), scale_from_amax(column_amax, dtype, margin)
-            direct, transposed = quantize_pair(x, dtype, row_scale, column_scale)
-            return Fp8Pair(Fp8Operand(direct, row_scale), Fp8Operand(transposed, column_scale.reshape(-1, 1)))
+            row_scale = scale_from_amax(row_amax, dtype, margin) if own_rows else None
+            return Fp8Scales(dtype, row_scale, scale_from_amax(column_amax, dtype, margin), record)
         amax, _, _ = absolute_maxima(x)  # tensorwise, and delayed scaling's first step (DelayedScaling)
         if rows_split or columns_split:
             amax = all_reduce_max(amax, self.tp_group)
         scale = scale_from_amax(amax, dtype, margin)
-        direct, transposed = quantize_pair(x, dtype, scale, scale, record)
-        return Fp8Pair(Fp8Operand(direct, scale), Fp8Operand(transposed, scale))
+        return Fp8Scales(dtype, scale, scale, record)
+
+    def quantize_block(self, block: torch.Tensor, scales: "Fp8Scales", start: int = 0) -> Fp8Pair:
+        """Rows [start, start + len(block)) of the tensor ``scales`` was made for -> q(block) and
+        q(block^T); rowwise scales without rows (``own_rows`` False) take the block's own rows' amaxes."""
+        row_scale = scales.row
+        if row_scale is None:
+            _, row_amax, _ = absolute_maxima(block, tensor=False, rows=True)
+            row_scale = scale_from_amax(row_amax, scales.dtype, self.config.margin)
+        elif row_scale.dim() > 0:
+            row_scale = row_scale[start:start + block.shape[0]]
+        direct, transposed = quantize_pair(block, scales.dtype, row_scale, scales.column, scales.record)
+        return Fp8Pair(Fp8Operand(direct, row_scale), Fp8Operand(transposed, scales.transposed))
+
+    def gathered_output(self, x: torch.Tensor, weight: torch.Tensor,
+                        group: ProcessGroup) -> tuple[torch.Tensor, tuple[Fp8Operand, Fp8Operand]]:
+        """Y = X W^T for X [k n, c] the all-gather of the ranks' blocks x [n, c] (sequence parallelism
+        with --tp-comm-overlap): each block quantized as it arrives (``all_gather_each_block``) with
+        the scales of the whole X and multiplied -> (Y [k n, out], (q(X^T) [c, k n], q(W^T)))."""
+        scales = self.scales(x, "input", rows_split=True, columns_split=False, own_rows=False)
+        weight_pair = self.weight_pair(weight)
+        ranks, rows = group_size(group), x.shape[0]
+        y = x.new_empty(ranks * rows, weight.shape[0])
+        transposed = torch.empty(x.shape[1], ranks * rows, dtype=scales.dtype, device=x.device)
+
+        def multiply(rank: int, block: torch.Tensor) -> None:
+            pair = self.quantize_block(block, scales)
+            scaled_mm(pair.direct, weight_pair.direct, x.dtype, self.config.emulate, out=y[rank * rows:(rank + 1) * rows])
+            transposed[:, rank * rows:(rank + 1) * rows].copy_(pair.transposed.data)
+
+        all_gather_each_block(x, group, multiply)
+        return y, (Fp8Operand(transposed, scales.transposed), weight_pair.transposed)
+
+    def scattered_output(self, x: torch.Tensor, weight: torch.Tensor,
+                         group: ProcessGroup) -> tuple[torch.Tensor, tuple[list[Fp8Operand], Fp8Operand]]:
+        """Rank r's block of rows of the sum over ranks of X W^T, x [k n, c] (sequence parallelism
+        with --tp-comm-overlap): X's row blocks quantized one by one into the pipelined reduce-scatter
+        (``reduce_scatter_product``) -> (Y [n, out], (q(X_q^T) for each row block q, q(W^T)))."""
+        scales = self.scales(x, "input", rows_split=False, columns_split=self.parallel_dim == "input")
+        weight_pair = self.weight_pair(weight)
+        ranks = group_size(group)
+        rows = divide(x.shape[0], ranks)
+        transposed = [None] * ranks
+
+        def block_operand(start: int, end: int) -> Fp8Operand:
+            pair = self.quantize_block(x[start:end], scales, start)
+            transposed[start // rows] = pair.transposed
+            return pair.direct
+
+        product = _Fp8RowBlocks(x.shape[0], block_operand, weight_pair.direct, x.dtype, x.device,
+                                self.config.emulate, ranks)
+        return reduce_scatter_product(product, group), (transposed, weight_pair.transposed)
+
+    def gathered_grads(self, grad_output: torch.Tensor, saved: tuple[list[Fp8Operand], Fp8Operand],
+                       weight: torch.Tensor, group: ProcessGroup) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """scattered_output's backward: dY [k n, out] the all-gather of the ranks' blocks ``grad_output``
+        [n, out], each quantized as it arrives (with the scales of the whole dY) into its block of
+        dX = dY W and its share dY_q^T X_q of dW -> (dX [k n, c], dW or None when added to a main_grad)."""
+        scales = self.scales(grad_output, "grad_output", rows_split=True, columns_split=False, own_rows=False)
+        x_blocks, weight_transposed = saved
+        ranks, rows = group_size(group), grad_output.shape[0]
+        grad_input = grad_output.new_empty(ranks * rows, weight_transposed.data.shape[0])
+        grad_weights = []
+
+        def use_block(rank: int, block: torch.Tensor) -> None:
+            pair = self.quantize_block(block, scales)
+            scaled_mm(pair.direct, weight_transposed, grad_output.dtype, self.config.emulate,
+                      out=grad_input[rank * rows:(rank + 1) * rows])
+            grad_weight = _weight_gradient(weight, lambda dtype: scaled_mm(pair.transposed, x_blocks[rank], dtype,
+                                                                           self.config.emulate))
+            if grad_weight is not None:
+                grad_weights.append(grad_weight)
+
+        all_gather_each_block(grad_output, group, use_block)
+        return grad_input, sum(grad_weights) if grad_weights else None
+
+    def weight_pair(self, weight: torch.Tensor) -> Fp8Pair:
+        """q(W) and q(W^T), made at the step's first use and kept for its other micro-batches and
+        recomputations."""
+        if self._weight_pair is None:
+            split = self.parallel_dim
+            self._weight_pair = self._quantize(weight, "weight", rows_split=split == "output",
+                                               columns_split=split == "input")
+        return self._weight_pair
+
+
+@dataclass
+class Fp8Scales:
+    """What quantizes the blocks of one tensor alike (``Fp8Gemms.scales``): its FP8 dtype, the row
+    scale (a scalar, [r, 1] per row, or None: each block's own rows') and column scale (a scalar or
+    [c]), and delayed scaling's amax record (or None)."""
+
+    dtype: torch.dtype
+    row: torch.Tensor | None
+    column: torch.Tensor
+    record: torch.Tensor | None
+
+    @property
+    def transposed(self) -> torch.Tensor:
+        """The scale of q(x^T): the column scale, one per row of x^T."""
+        return self.column.reshape(-1, 1) if self.column.dim() > 0 else self.column
+
+
+class _Fp8RowBlocks(RowBlockProduct):
+    """a b^T [n, p] in FP8 by blocks of rows for the pipelined reduce-scatter: ``block_operand(i, j)``
+    gives rows [i, j) of a quantized (each block asked for once), b is quantized whole [p, m]; the
+    plain collectives' ``whole`` takes the same ``blocks`` blocks one after the other."""
+
+    def __init__(self, rows: int, block_operand, b: Fp8Operand, dtype: torch.dtype, device: torch.device,
+                 emulate: bool, blocks: int):
+        self.rows, self.columns, self.dtype, self.device = rows, b.data.shape[0], dtype, device
+        self.block_operand, self.b, self.emulate, self.blocks = block_operand, b, emulate, blocks
+
+    def into(self, start: int, end: int, out: torch.Tensor) -> None:
+        scaled_mm(self.block_operand(start, end), self.b, self.dtype, self.emulate, out=out)
+
+    def add_into(self, start: int, end: int, out: torch.Tensor) -> None:
+        out += scaled_mm(self.block_operand(start, end), self.b, self.dtype, self.emulate)
+
+    def whole(self) -> torch.Tensor:
+        rows = divide(self.rows, self.blocks)
+        return torch.cat([scaled_mm(self.block_operand(start, start + rows), self.b, self.dtype, self.emulate)
+                          for start in range(0, self.rows, rows)])
+
+
+def _rows_of(operand: Fp8Operand, start: int, end: int) -> Fp8Operand:
+    return Fp8Operand(operand.data[start:end], operand.scale[start:end] if operand.rowwise else operand.scale)
+
+
+def _weight_gradient(weight: torch.Tensor, grad_weight_of) -> torch.Tensor | None:
+    """dW from ``grad_weight_of(dtype)``: added into ``weight.main_grad`` (computed in its dtype, fp32)
+    and None returned when the weight has one, else returned in the weight's dtype."""
+    main_grad = getattr(weight, "main_grad", None)
+    grad_weight = grad_weight_of(weight.dtype if main_grad is None else main_grad.dtype)
+    if main_grad is None:
+        return grad_weight
+    main_grad.add_(grad_weight)
+    return None
 
 
 class _Fp8Matmul(torch.autograd.Function):
@@ -135,14 +276,54 @@ class _Fp8Matmul(torch.autograd.Function):
         gemms, weight = ctx.gemms, ctx.weight
         grad = gemms.grad_operands(grad_output)
         grad_input = gemms.grad_input(grad, ctx.saved, grad_output.dtype)
-        main_grad = getattr(weight, "main_grad", None)
-        grad_weight = gemms.grad_weight(grad, ctx.saved, weight.dtype if main_grad is None else main_grad.dtype)
-        if main_grad is not None:
-            main_grad.add_(grad_weight)
-            grad_weight = None
+        grad_weight = _weight_gradient(weight, lambda dtype: gemms.grad_weight(grad, ctx.saved, dtype))
         grad_bias = grad_output.sum(dim=0) if ctx.needs_input_grad[2] else None
         ctx.saved = None
         return grad_input, grad_weight, grad_bias, None
+
+
+class _Fp8GatheredMatmul(torch.autograd.Function):
+    """Y = X W^T + b for X [k n, c] gathered from the ranks' sequence blocks x [n, c] (the
+    column-parallel layer under --tp-comm-overlap), GEMMs in FP8 (``Fp8Gemms.gathered_output``);
+    backward pipelines dX = dY W with its reduce-scatter by blocks of q(dY)'s rows
+    (``start_reduce_scatter_product``) and computes dW = dY^T X from the kept q(X^T) beside the
+    transfers."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, gemms, group):
+        y, ctx.saved = gemms.gathered_output(x, weight, group)
+        ctx.gemms, ctx.weight, ctx.group = gemms, weight, group
+        return y if bias is None else y + bias
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        gemms, weight, saved = ctx.gemms, ctx.weight, ctx.saved
+        grad = gemms.grad_operands(grad_output)
+        product = _Fp8RowBlocks(grad_output.shape[0], lambda start, end: _rows_of(grad.direct, start, end), saved[1],
+                                grad_output.dtype, grad_output.device, gemms.config.emulate, group_size(ctx.group))
+        grad_input, reduction = start_reduce_scatter_product(product, ctx.group)  # [n, c]
+        grad_weight = _weight_gradient(weight, lambda dtype: gemms.grad_weight(grad, saved, dtype))
+        grad_bias = grad_output.sum(dim=0) if ctx.needs_input_grad[2] else None
+        reduction.wait()
+        ctx.saved = None
+        return grad_input, grad_weight, grad_bias, None, None
+
+
+class _Fp8ScatteredMatmul(torch.autograd.Function):
+    """Rank r's sequence block of the sum over ranks of X_r W_r^T (the row-parallel layer under
+    --tp-comm-overlap), GEMMs in FP8: ``Fp8Gemms.scattered_output`` forward, ``gathered_grads`` backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, gemms, group):
+        y, ctx.saved = gemms.scattered_output(x, weight, group)
+        ctx.gemms, ctx.weight, ctx.group = gemms, weight, group
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_input, grad_weight = ctx.gemms.gathered_grads(grad_output, ctx.saved, ctx.weight, ctx.group)
+        ctx.saved = None
+        return grad_input, grad_weight, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemms: Fp8Gemms) -> torch.Tensor:
@@ -151,6 +332,21 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     fp32) and no .grad, as ``layers._weight_and_bias_grads`` does."""
     y = _Fp8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, bias, gemms)
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemms: Fp8Gemms,
+                        group: ProcessGroup) -> torch.Tensor:
+    """The column-parallel FP8 product under --tp-comm-overlap: X W^T + b for X the all-gather along
+    dim 0 of the ranks' blocks x [n, .., c] -> [k n, .., out]."""
+    y = _Fp8GatheredMatmul.apply(x.reshape(-1, x.shape[-1]), weight, bias, gemms, group)
+    return y.view(group_size(group) * x.shape[0], *x.shape[1:-1], weight.shape[0])
+
+
+def fp8_scattered_linear(x: torch.Tensor, weight: torch.Tensor, gemms: Fp8Gemms, group: ProcessGroup) -> torch.Tensor:
+    """The row-parallel FP8 product under --tp-comm-overlap: rank r's block along dim 0 of the sum
+    over ranks of X_r W_r^T, x [k n, .., c] -> [n, .., out]."""
+    y = _Fp8ScatteredMatmul.apply(x.reshape(-1, x.shape[-1]), weight, gemms, group)
+    return y.view(x.shape[0] // group_size(group), *x.shape[1:-1], weight.shape[0])
 
 
 @dataclass

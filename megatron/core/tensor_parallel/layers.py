@@ -20,7 +20,7 @@ from torch.distributed import ProcessGroup
 from megatron.core import fused_kernels
 from megatron.core.parallel_state import group_rank, group_size
 from megatron.core.tensor_parallel.fp8 import Fp8Config
-from megatron.core.tensor_parallel.fp8_linear import Fp8Gemms, fp8_linear
+from megatron.core.tensor_parallel.fp8_linear import Fp8Gemms, fp8_gathered_linear, fp8_linear, fp8_scattered_linear
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -46,13 +46,10 @@ def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool
     tensor.partition_stride = stride
 
 
-def _check_comm_overlap(layer: str, sequence_parallel: bool, comm_overlap: bool, fp8: Fp8Config | None) -> None:
+def _check_comm_overlap(layer: str, sequence_parallel: bool, comm_overlap: bool) -> None:
     if comm_overlap and not sequence_parallel:
         raise ValueError(f"{layer}: comm_overlap pipelines the collectives of sequence parallelism; "
                          "it needs sequence_parallel=True")
-    if comm_overlap and fp8 is not None:
-        raise ValueError(f"{layer}: FP8 GEMMs are not pipelined with the collectives of --tp-comm-overlap; "
-                         "drop one of the two")
 
 
 def _fp8_gemms(fp8: Fp8Config | None, parallel_dim: str, tp_group: ProcessGroup | None,
@@ -249,7 +246,8 @@ class ColumnParallelLinear(nn.Module):
     leaves its gradient to the caller, which sums it while reading dY anyway
     (``fused_kernels.split_query_key_value``) instead of a separate pass over dY here. With ``fp8``
     the three GEMMs run in FP8 (``fp8_linear``): the input is gathered (or its gradient all-reduced)
-    by the mappings' collectives around them, without the overlaps above.
+    by the mappings' collectives around them, without the overlaps above; with ``comm_overlap`` too,
+    the gather and the reduce-scatter are pipelined with the FP8 GEMMs (``fp8_gathered_linear``).
 
     forward(x [.., input_size]) -> (y, bias or None).
     """
@@ -260,7 +258,7 @@ class ColumnParallelLinear(nn.Module):
                  sequence_parallel: bool = False, comm_overlap: bool = False, fp8: Fp8Config | None = None,
                  device: torch.device | str | None = None):
         super().__init__()
-        _check_comm_overlap(type(self).__name__, sequence_parallel, comm_overlap, fp8)
+        _check_comm_overlap(type(self).__name__, sequence_parallel, comm_overlap)
         if gather_output and stride > 1:
             raise ValueError("ColumnParallelLinear: gather_output with stride > 1 would interleave the strided "
                              "blocks of the output; keep the output split (gather_output=False)")
@@ -287,7 +285,9 @@ class ColumnParallelLinear(nn.Module):
         bias = None if self.skip_bias_add else self.bias
         if bias is not None and bias_grad_by_caller:
             bias = bias.detach()
-        if self.fp8_gemms is not None:
+        if self.fp8_gemms is not None and self.comm_overlap and group_size(self.tp_group) > 1:
+            y = fp8_gathered_linear(x, self.weight, bias, self.fp8_gemms, self.tp_group)  # [s, .., output_size / k]
+        elif self.fp8_gemms is not None:
             y = fp8_linear(self._fp8_input(x), self.weight, bias, self.fp8_gemms)
         elif group_size(self.tp_group) == 1:
             y = _local_linear(x, self.weight, bias)
@@ -323,7 +323,7 @@ class RowParallelLinear(nn.Module):
     marked ``sequence_parallel`` for the TP all-reduce of such gradients (``allreduce_sequence_parallel_grads``).
     With ``comm_overlap`` that reduce-scatter, and backward's all-gather of dY, are pipelined with
     their GEMMs (``_RowParallelOverlappedMatmul``). With ``fp8`` the local product's three GEMMs run
-    in FP8 (``fp8_linear``).
+    in FP8 (``fp8_linear``; with ``comm_overlap``, ``fp8_scattered_linear``).
 
     forward(x) -> (y [.., output_size], bias or None).
     """
@@ -334,7 +334,7 @@ class RowParallelLinear(nn.Module):
                  sequence_parallel: bool = False, comm_overlap: bool = False, fp8: Fp8Config | None = None,
                  device: torch.device | str | None = None):
         super().__init__()
-        _check_comm_overlap(type(self).__name__, sequence_parallel, comm_overlap, fp8)
+        _check_comm_overlap(type(self).__name__, sequence_parallel, comm_overlap)
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True (the input "
                              "comes from a column-parallel layer)")
@@ -358,8 +358,11 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)  # [.., input_size / k]
-        if self.comm_overlap and group_size(self.tp_group) > 1:
-            y = _RowParallelOverlappedMatmul.apply(x, self.weight, self.tp_group)  # [s / k, .., output_size]
+        if self.comm_overlap and group_size(self.tp_group) > 1:  # -> [s / k, .., output_size]
+            if self.fp8_gemms is not None:
+                y = fp8_scattered_linear(x, self.weight, self.fp8_gemms, self.tp_group)
+            else:
+                y = _RowParallelOverlappedMatmul.apply(x, self.weight, self.tp_group)
             return self._add_bias(y)
         if self.fp8_gemms is not None:
             partial = fp8_linear(x, self.weight, None, self.fp8_gemms)

@@ -93,29 +93,34 @@ def _fused_collectives_match_nccl(rank, world_size):
                            expected_gathered.reshape(-1, inner)), f"call {call}: blocks"
 
 
-def _overlapped_layers(rank, world_size):
-    """Column- then row-parallel layer under sequence parallelism, fp32 on the GPU: --tp-comm-overlap's
-    pipelined collectives give the outputs and gradients of the plain NCCL ones."""
+def _overlapped_layers(rank, world_size, fp8_recipe=None):
+    """Column- then row-parallel layer under sequence parallelism on the GPU, fp32 (or bf16 with FP8
+    GEMMs of ``fp8_recipe``): --tp-comm-overlap's pipelined collectives give the outputs and
+    gradients of the plain NCCL ones."""
+    from megatron.core.tensor_parallel.fp8 import Fp8Config
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     group, device = dist.group.WORLD, torch.device("cuda", rank)
+    dtype = torch.float32 if fp8_recipe is None else torch.bfloat16
+    fp8 = None if fp8_recipe is None else Fp8Config(format="hybrid", recipe=fp8_recipe)
     hidden, ffn, seq, batch = 64, 256, 32, 3
     torch.manual_seed(5 + rank)
-    x_block = torch.randn(seq // world_size, batch, hidden, device=device)
-    grad_block = torch.randn(seq // world_size, batch, hidden, device=device)
+    x_block = torch.randn(seq // world_size, batch, hidden, device=device, dtype=dtype)
+    grad_block = torch.randn(seq // world_size, batch, hidden, device=device, dtype=dtype)
     results = []
     for comm_overlap in (False, True):
         layers = []
         for layer, sizes in ((ColumnParallelLinear, (hidden, ffn)), (RowParallelLinear, (ffn, hidden))):
             torch.manual_seed(1234)
             layers.append(layer(*sizes, tp_group=group, init_method=torch.nn.init.normal_, device=device,
-                                use_cpu_initialization=True, sequence_parallel=True, comm_overlap=comm_overlap))
+                                params_dtype=dtype, use_cpu_initialization=True, sequence_parallel=True,
+                                comm_overlap=comm_overlap, fp8=fp8))
         x = x_block.clone().requires_grad_(True)
         y, _ = layers[1](torch.relu(layers[0](x)[0]))
         y.backward(grad_block)
         results.append([y, x.grad] + [p.grad for layer in layers for p in layer.parameters()])
     for plain, overlapped in zip(*results):
-        assert _normwise_error(overlapped, plain) < 1e-5
+        assert _normwise_error(overlapped, plain) < (1e-5 if fp8 is None else 5e-3)
 
 
 @pytest.mark.gpu
@@ -128,3 +133,11 @@ def test_fused_collectives_match_nccl_on_two_gpus():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_overlapped_layers_on_two_gpus():
     run_distributed(_overlapped_layers, 2, backend="nccl")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs 2 Hopper GPUs")
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "rowwise"])
+def test_overlapped_fp8_layers_on_two_gpus(recipe):
+    run_distributed(_overlapped_layers, 2, recipe, backend="nccl")

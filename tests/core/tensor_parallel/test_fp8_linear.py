@@ -88,19 +88,13 @@ def test_fp8_weight_gradient_goes_into_main_grad():
     torch.testing.assert_close(layers[1].weight.main_grad - 0.5, layers[0].weight.grad)
 
 
-def test_fp8_refuses_tp_comm_overlap():
-    with pytest.raises(ValueError, match="--tp-comm-overlap"):
-        ColumnParallelLinear(IN, OUT, tp_group=None, init_method=init_normal, sequence_parallel=True,
-                             comm_overlap=True, fp8=_config("tensorwise"))
-
-
-def _fp8_pair(group, recipe, sequence_parallel):
+def _fp8_pair(group, recipe, sequence_parallel, comm_overlap=False):
     torch.manual_seed(SEED)
     column = ColumnParallelLinear(IN, OUT, tp_group=group, init_method=init_normal, use_cpu_initialization=True,
-                                  sequence_parallel=sequence_parallel, fp8=_config(recipe))
+                                  sequence_parallel=sequence_parallel, comm_overlap=comm_overlap, fp8=_config(recipe))
     torch.manual_seed(SEED)
     row = RowParallelLinear(OUT, IN, tp_group=group, init_method=init_normal, use_cpu_initialization=True,
-                            sequence_parallel=sequence_parallel, fp8=_config(recipe))
+                            sequence_parallel=sequence_parallel, comm_overlap=comm_overlap, fp8=_config(recipe))
     return column, row
 
 
@@ -114,10 +108,11 @@ def _pair_step(column, row, x, grad_y, group, k, rank, split):
     return y, grad_x, _gather(column.weight.grad, 0, group), _gather(row.weight.grad, 1, group)
 
 
-def _check_tp2_equals_tp1(rank, world_size, recipe, sequence_parallel):
+def _check_tp2_equals_tp1(rank, world_size, recipe, sequence_parallel, comm_overlap=False):
     """Column- then row-parallel FP8 layers at TP = 2 give TP = 1's output and gradients, step after
     step: the amaxes of split tensors are reduced over the group (delayed scaling: when the step
-    ends), so both quantize with the same scales."""
+    ends), so both quantize with the same scales. With ``comm_overlap`` the TP = 2 layers quantize
+    block by block of the sequence, as --tp-comm-overlap's pipelined collectives hand them over."""
     import torch.distributed as dist
     group = dist.new_group([0, 1])
     steps = 3 if recipe == "delayed" else 1
@@ -126,7 +121,7 @@ def _check_tp2_equals_tp1(rank, world_size, recipe, sequence_parallel):
     results = []
     for tp_group, k in ((None, 1), (group, 2)):
         split = sequence_parallel and k > 1
-        column, row = _fp8_pair(tp_group, recipe, split)
+        column, row = _fp8_pair(tp_group, recipe, split, comm_overlap and split)
         assert torch.equal(_gather(column.weight.detach(), 0, tp_group), _master_weight((OUT, IN)))
         for x, grad_y in inputs:
             column.zero_grad()
@@ -138,10 +133,11 @@ def _check_tp2_equals_tp1(rank, world_size, recipe, sequence_parallel):
             torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp-sp"])
+@pytest.mark.parametrize("sequence_parallel, comm_overlap", [(False, False), (True, False), (True, True)],
+                         ids=["tp", "tp-sp", "tp-sp-overlap"])
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_tp2_equals_tp1_under_fp8(recipe, sequence_parallel):
-    run_distributed(_check_tp2_equals_tp1, 2, recipe, sequence_parallel)
+def test_tp2_equals_tp1_under_fp8(recipe, sequence_parallel, comm_overlap):
+    run_distributed(_check_tp2_equals_tp1, 2, recipe, sequence_parallel, comm_overlap)
 
 
 def test_delayed_scaling_resumes_exactly_from_the_saved_state():

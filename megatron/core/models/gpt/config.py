@@ -278,9 +278,6 @@ class GPTModelConfig:
             raise GPTConfigError(f"--num-layers-at-start-in-bf16 ({start}) + --num-layers-at-end-in-bf16 ({end}) "
                                  f"leave none of the --num-layers ({self.num_layers}) in FP8: lower them, or "
                                  "drop --fp8-format")
-        if self.tp_comm_overlap:
-            raise GPTConfigError("--fp8-format runs its GEMMs without --tp-comm-overlap's pipelined collectives: "
-                                 "drop one")
 
     def fp8_for_layer(self, layer_number: int) -> Fp8Config | None:
         """The FP8 settings of transformer layer ``layer_number`` (1-based, over the whole model), None
