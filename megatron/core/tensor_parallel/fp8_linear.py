@@ -149,8 +149,9 @@ class Fp8Gemms(torch.nn.Module):
 
         def multiply(rank: int, block: torch.Tensor) -> None:
             pair = self.quantize_block(block, scales)
-            scaled_mm(pair.direct, weight_pair.direct, x.dtype, self.config.emulate, out=y[rank * rows:(rank + 1) * rows])
-            transposed[:, rank * rows:(rank + 1) * rows].copy_(pair.transposed.data)
+            own = slice(rank * rows, (rank + 1) * rows)
+            scaled_mm(pair.direct, weight_pair.direct, x.dtype, self.config.emulate, out=y[own])
+            transposed[:, own].copy_(pair.transposed.data)
 
         all_gather_each_block(x, group, multiply)
         return y, (Fp8Operand(transposed, scales.transposed), weight_pair.transposed)
