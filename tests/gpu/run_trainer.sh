@@ -31,7 +31,8 @@
 #      tools/benchmarks/bench_scaling.sh runs them and prints the table
 #   8b. profiles (RUNS="profile_1gpu profile_tp2 profile_tp2_sp"): the scaling runs for 6 iterations, the
 #      last under torch.profiler on rank 0 (--profile --use-pytorch-profiler): a trace and an
-#      operator table in $OUT/<run>/
+#      operator table in $OUT/<run>/; also profile_zero1_dp2 and profile_zero3_dp2 (DP = 2 at ZeRO-1 and 3),
+#      profile_bf16_1p3b and profile_fp8_1p3b (one GPU, micro-batch 16, bf16 and FP8 delayed)
 #   9. a checkpoint to convert (RUNS="1p3b_checkpoint"): the 1.3B GPT, bf16, ZeRO-1, saved after 3
 #      iterations in $WORK/checkpoint_1p3b; tools/benchmarks/bench_checkpoint_conversion.sh converts it
 #   10. a universal checkpoint in fp16 (RUNS="universal_fp16"; fp16 does not run on CPU): a 125M GPT saved
@@ -449,6 +450,8 @@ for run in $RUNS; do
         scale_pp4) scale_run scale_pp4 4 --pipeline-model-parallel-size 4 ;;
         scale_pp4_flops) scale_run scale_pp4_flops 4 --pipeline-model-parallel-size 4 --pp-partition-method flops ;;
         profile_1gpu) profile_run profile_1gpu 1 ;;
+        profile_zero1_dp2) ZERO_STAGE=1 profile_run profile_zero1_dp2 2 ;;
+        profile_zero3_dp2) ZERO_STAGE=3 profile_run profile_zero3_dp2 2 ;;
         profile_bf16_1p3b) MBS_SCALE=16 profile_run profile_bf16_1p3b 1 ;;
         profile_fp8_1p3b) MBS_SCALE=16 profile_run profile_fp8_1p3b 1 $(fp8_flags delayed) ;;
         profile_tp2) profile_run profile_tp2 2 --tensor-model-parallel-size 2 ;;
