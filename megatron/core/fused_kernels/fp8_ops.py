@@ -12,6 +12,11 @@ For a 2-d x [m, n] in fp32, fp16 or bf16:
         from one read of x; sat clamps to +-the format's max. ``record`` (a one-element fp32 tensor
         or view) gets max(record, max |x|) in the same pass: delayed scaling's amax.
 
+    ``scales_from_amax(amax, limit, margin)``
+        -> (s, 1 / s) for each element of the fp32 ``amax``: s = limit / (amax 2^margin), or 1 where
+        amax is 0 or not finite (the scales of fp8.py, with the inverses the GEMMs multiply by), in
+        one launch instead of a handful of elementwise ops.
+
 The references do the same in torch ops (CPU, the emulation of the tests, and any input the kernel
 does not take); the kernel's float-to-FP8 conversion rounds to nearest even, as torch's cast does.
 """
@@ -84,3 +89,19 @@ def quantize_pair(x, dtype, row_scale, column_scale, record=None):
                               lambda: _matrix_violation(x) or _scales_violation(row_scale, column_scale, record),
                               lambda kernels: kernels.quantize_pair(x, dtype, row_scale, column_scale, record),
                               lambda: quantize_pair_reference(x, dtype, row_scale, column_scale, record))
+
+
+def scales_from_amax_reference(amax, limit, margin):
+    amax = amax.float()
+    usable = torch.isfinite(amax) & (amax > 0)
+    scale = torch.where(usable, limit / (torch.where(usable, amax, 1.0) * 2.0 ** margin), 1.0)
+    return scale, scale.reciprocal()
+
+
+def scales_from_amax(amax, limit, margin):
+    """(s, 1 / s) from amaxes (module docstring)."""
+    return fused_or_reference("triton_fp8", (amax,),
+                              lambda: None if amax.dtype == torch.float32 and amax.is_contiguous()
+                              else "amax is not a contiguous fp32 tensor",
+                              lambda kernels: kernels.scales_from_amax(amax, limit, margin),
+                              lambda: scales_from_amax_reference(amax, limit, margin))

@@ -1,5 +1,5 @@
 """Triton kernels of FP8 quantization (fp8_ops has the contracts): the absolute maxima of a matrix,
-and its FP8 copy with its FP8 transpose from one read.
+its FP8 copy with its FP8 transpose from one read, and the scales (with their inverses) of amaxes.
 
 Both walk x [m, n] in BLOCK_M x BLOCK_N tiles, one program per tile. The maxima reduce each tile
 along its rows, its columns or whole, and merge into the fp32 outputs (zeroed first) with atomic
@@ -66,6 +66,16 @@ def _quantize_pair_kernel(x_ptr, q_ptr, q_t_ptr, row_scale_ptr, column_scale_ptr
     tl.store(q_t_ptr + columns.to(tl.int64)[:, None] * m + rows[None, :], q_t, mask=tl.trans(inside))
 
 
+@triton.jit
+def _scales_kernel(amax_ptr, scale_ptr, inverse_ptr, count, limit, multiplier, BLOCK: tl.constexpr):
+    index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    amax = tl.load(amax_ptr + index, mask=index < count, other=0.0)
+    usable = (amax > 0) & (amax < float("inf"))  # false for nan too
+    scale = tl.where(usable, tl.math.div_rn(limit, tl.where(usable, amax, 1.0) * multiplier), 1.0)
+    tl.store(scale_ptr + index, scale, mask=index < count)
+    tl.store(inverse_ptr + index, tl.math.div_rn(1.0, scale), mask=index < count)
+
+
 def absolute_maxima(x, tensor, rows, columns):
     m, n = x.shape
     zeros = dict(dtype=torch.float32, device=x.device)
@@ -89,3 +99,11 @@ def quantize_pair(x, dtype, row_scale, column_scale, record):
         torch.finfo(dtype).max, ROW_SCALES=row_scale.dim() > 0, COLUMN_SCALES=column_scale.dim() > 0,
         RECORD=record is not None, FP8=_TRITON_FP8[dtype], BLOCK_M=_BLOCK, BLOCK_N=_BLOCK, num_warps=_WARPS)
     return q, q_t
+
+
+def scales_from_amax(amax, limit, margin):
+    scale, inverse = torch.empty_like(amax), torch.empty_like(amax)
+    count = amax.numel()
+    _scales_kernel[(cdiv(count, 1024),)](amax, scale, inverse, count, limit, 2.0 ** margin, BLOCK=1024,
+                                          num_warps=_WARPS)
+    return scale, inverse

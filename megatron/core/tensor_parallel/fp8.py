@@ -93,14 +93,26 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 @dataclass
 class Fp8Operand:
     """A 2-d operand [r, c] quantized for ``scaled_mm``: data q (row-major) and its scale s (a
-    scalar, or [r, 1] per row), x ~ q / s."""
+    scalar, or [r, 1] per row), x ~ q / s; ``inverse`` 1 / s when it was made with s (else the
+    GEMM takes the reciprocal itself)."""
 
     data: torch.Tensor
     scale: torch.Tensor
+    inverse: torch.Tensor | None = None
 
     @property
     def rowwise(self) -> bool:
         return self.scale.dim() > 0
+
+    def inverse_scale(self) -> torch.Tensor:
+        return self.scale.reciprocal() if self.inverse is None else self.inverse
+
+    def rows(self, start: int, end: int) -> "Fp8Operand":
+        """Rows [start, end) with their scales."""
+        if not self.rowwise:
+            return Fp8Operand(self.data[start:end], self.scale, self.inverse)
+        return Fp8Operand(self.data[start:end], self.scale[start:end],
+                          None if self.inverse is None else self.inverse[start:end])
 
 
 def quantize_operand(x: torch.Tensor, dtype: torch.dtype, margin: int, rowwise: bool,
@@ -114,18 +126,26 @@ def quantize_operand(x: torch.Tensor, dtype: torch.dtype, margin: int, rowwise: 
 
 
 def scaled_mm(a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype, emulate: bool,
-              out: torch.Tensor | None = None) -> torch.Tensor:
-    """a b^T ~ (q_a / s_a)(q_b / s_b)^T for a [m, k], b [n, k] -> [m, n] in ``out_dtype`` (written into
-    ``out`` when given), with fp32 accumulation: torch._scaled_mm (q_b^T is column-major as it
-    wants), or with ``emulate`` the dequantized operands' fp32 matmul."""
+              out: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """a b^T + c ~ (q_a / s_a)(q_b / s_b)^T + c for a [m, k], b [n, k] and a bias c [n] (or none) ->
+    [m, n] in ``out_dtype`` (written into ``out`` when given), with fp32 accumulation:
+    torch._scaled_mm (q_b^T is column-major as it wants; a bf16 or fp16 bias of the output's dtype
+    added in its epilogue, another after it), or with ``emulate`` the dequantized operands' fp32
+    matmul, the bias added in fp32."""
     if emulate:
-        product = dequantize(a.data, a.scale).matmul(dequantize(b.data, b.scale).t()).to(out_dtype)
+        product = dequantize(a.data, a.scale).matmul(dequantize(b.data, b.scale).t())
+        product = (product if bias is None else product + bias.float()).to(out_dtype)
         return product if out is None else out.copy_(product)
-    scale_a = a.scale.reciprocal()
-    scale_b = b.scale.reciprocal().reshape(1, -1) if b.rowwise else b.scale.reciprocal()
-    if out is None:
-        return torch._scaled_mm(a.data, b.data.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
-    return torch._scaled_mm(a.data, b.data.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, out=out)
+    scale_a = a.inverse_scale()
+    scale_b = b.inverse_scale().reshape(1, -1) if b.rowwise else b.inverse_scale()
+    in_epilogue = bias is not None and bias.dtype == out_dtype and out_dtype in (torch.bfloat16, torch.float16)
+    extra = {"bias": bias} if in_epilogue else {}
+    if out is not None:
+        extra["out"] = out
+    product = torch._scaled_mm(a.data, b.data.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, **extra)
+    if bias is not None and not in_epilogue:
+        product += bias
+    return product
 
 
 class DelayedScaling(torch.nn.Module):
@@ -152,32 +172,55 @@ class DelayedScaling(torch.nn.Module):
         self.config = config
         self.register_buffer("amax_history", torch.zeros(config.amax_history_len, len(ROLES), device=device))
         self.register_buffer("scale", torch.zeros(len(ROLES), device=device))
+        self.register_buffer("inverse", torch.zeros(len(ROLES), device=device), persistent=False)  # 1 / scale
         self.has_scales = False  # host-side mirror of scale > 0, so that no GEMM waits on the device to ask
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
         self.has_scales = bool((self.scale > 0).all())
+        if self.has_scales:
+            self.inverse.copy_(self.scale.reciprocal())
 
-    def role_scale(self, role: str) -> torch.Tensor:
-        return self.scale[ROLES.index(role)]
+    def role_scale(self, role: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The role's scale and its inverse (0-d views)."""
+        return self.scale[ROLES.index(role)], self.inverse[ROLES.index(role)]
 
     def end_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """New scales from the history (its row 0 already reduced over the ranks); returns the step's
-        amaxes and the scales they were quantized with, [3] each, for overflow counts. After the
-        first step those are the new scales themselves: each operand had its own amax's, which fit."""
-        recorded, used = self.amax_history[0].clone(), self.scale.clone()
-        if self.config.amax_compute_algo == "max":
-            amax = self.amax_history.amax(dim=0)
-        else:
-            amax = self.amax_history[0]
-        dtypes = [self.config.dtype(role) for role in ROLES]
-        self.scale.copy_(torch.stack([scale_from_amax(amax[i], dtype, self.config.margin)
-                                      for i, dtype in enumerate(dtypes)]))
-        self.amax_history.copy_(torch.roll(self.amax_history, shifts=1, dims=0))
-        self.amax_history[0].zero_()
-        if not self.has_scales:
-            used, self.has_scales = self.scale.clone(), True
-        return recorded, used
+        amaxes and the scales they were quantized with, [3] each, for overflow counts
+        (``end_delayed_steps`` of this layer alone)."""
+        recorded, used = end_delayed_steps([self], self.amax_history[0].unsqueeze(0).clone())
+        return recorded[0], used[0]
+
+
+def end_delayed_steps(states: list[DelayedScaling], recorded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ends the step of L layers' delayed scaling (one config) in a few batched kernels, whatever L:
+    ``recorded`` [L, 3] is their step's amaxes reduced over the ranks; each layer's history takes it
+    as row 0, makes its new scales (``DelayedScaling``), shifts by one and restarts row 0 at 0.
+    Returns (recorded, the scales they were quantized with) [L, 3]; after a layer's first step those
+    are its new scales themselves: each operand had its own amax's, which fit."""
+    config = states[0].config
+    if any(state.config != config for state in states):
+        raise ValueError("end_delayed_steps: the layers' delayed scaling settings differ; end each group apart")
+    histories = torch.stack([state.amax_history for state in states])  # [L, len, 3]
+    histories[:, 0] = recorded
+    used = torch.stack([state.scale for state in states])  # [L, 3]
+    amax = histories.amax(dim=1) if config.amax_compute_algo == "max" else recorded
+    scales = torch.stack([scale_from_amax(amax[:, index], config.dtype(role), config.margin)
+                          for index, role in enumerate(ROLES)], dim=1)  # [L, 3]
+    first = [not state.has_scales for state in states]
+    if all(first):
+        used = scales.clone()
+    elif any(first):
+        used = torch.where(torch.tensor(first, device=used.device).unsqueeze(1), scales, used)
+    shifted = torch.roll(histories, shifts=1, dims=1)
+    shifted[:, 0] = 0
+    torch._foreach_copy_([state.amax_history for state in states], list(shifted.unbind(0)))
+    torch._foreach_copy_([state.scale for state in states], list(scales.unbind(0)))
+    torch._foreach_copy_([state.inverse for state in states], list(scales.reciprocal().unbind(0)))
+    for state in states:
+        state.has_scales = True
+    return recorded, used
 
 
 def saturated(amax: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -30,12 +30,12 @@ from dataclasses import dataclass
 import torch
 from torch.distributed import ProcessGroup
 
-from megatron.core.fused_kernels.fp8_ops import absolute_maxima, quantize_pair
+from megatron.core.fused_kernels.fp8_ops import absolute_maxima, quantize_pair, scales_from_amax
 from megatron.core.parallel_state import group_size
 from megatron.core.tensor_parallel.async_tp import (RowBlockProduct, all_gather_each_block, reduce_scatter_product,
                                                     start_reduce_scatter_product)
-from megatron.core.tensor_parallel.fp8 import (ROLES, DelayedScaling, Fp8Config, Fp8Operand, saturated, scale_from_amax,
-                                               scaled_mm, underflowed)
+from megatron.core.tensor_parallel.fp8 import (ROLES, DelayedScaling, Fp8Config, Fp8Operand, end_delayed_steps,
+                                               format_max, saturated, scaled_mm, underflowed)
 from megatron.core.tensor_parallel.utils import all_reduce_max, divide
 
 PARALLEL_DIMS = (None, "input", "output")
@@ -73,11 +73,13 @@ class Fp8Gemms(torch.nn.Module):
         self.forget_weight()
         super()._load_from_state_dict(*args, **kwargs)
 
-    def output(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, tuple[Fp8Operand, Fp8Operand]]:
-        """Y = X W^T for x [m, k], weight [n, k] -> (Y [m, n] in x's dtype, (q(X^T), q(W^T)) for backward)."""
+    def output(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[Fp8Operand, Fp8Operand]]:
+        """Y = X W^T + b for x [m, k], weight [n, k], bias [n] or None -> (Y [m, n] in x's dtype,
+        (q(X^T), q(W^T)) for backward)."""
         x_pair = self._quantize(x, "input", rows_split=False, columns_split=self.parallel_dim == "input")
         weight_pair = self.weight_pair(weight)
-        y = scaled_mm(x_pair.direct, weight_pair.direct, x.dtype, self.config.emulate)
+        y = scaled_mm(x_pair.direct, weight_pair.direct, x.dtype, self.config.emulate, bias=bias)
         return y, (x_pair.transposed, weight_pair.transposed)
 
     def grad_operands(self, grad_output: torch.Tensor) -> Fp8Pair:
@@ -108,39 +110,43 @@ class Fp8Gemms(torch.nn.Module):
         if self.delayed is not None:
             record = self.delayed.amax_history[0, ROLES.index(role)]
             if self.delayed.has_scales:
-                scale = self.delayed.role_scale(role)
-                return Fp8Scales(dtype, scale, scale, record)
+                scale, inverse = self.delayed.role_scale(role)
+                return Fp8Scales(dtype, scale, scale, record, inverse, inverse)
+        limit = format_max(dtype)
         if self.config.recipe == "rowwise":
             _, row_amax, column_amax = absolute_maxima(x, tensor=False, rows=own_rows, columns=True)
             if columns_split and own_rows:
                 row_amax = all_reduce_max(row_amax, self.tp_group)
             if rows_split:
                 column_amax = all_reduce_max(column_amax, self.tp_group)
-            row_scale = scale_from_amax(row_amax, dtype, margin) if own_rows else None
-            return Fp8Scales(dtype, row_scale, scale_from_amax(column_amax, dtype, margin), record)
+            row_scale, row_inverse = scales_from_amax(row_amax, limit, margin) if own_rows else (None, None)
+            column_scale, column_inverse = scales_from_amax(column_amax, limit, margin)
+            return Fp8Scales(dtype, row_scale, column_scale, record, row_inverse, column_inverse)
         amax, _, _ = absolute_maxima(x)  # tensorwise, and delayed scaling's first step (DelayedScaling)
         if rows_split or columns_split:
             amax = all_reduce_max(amax, self.tp_group)
-        scale = scale_from_amax(amax, dtype, margin)
-        return Fp8Scales(dtype, scale, scale, record)
+        scale, inverse = scales_from_amax(amax, limit, margin)
+        return Fp8Scales(dtype, scale, scale, record, inverse, inverse)
 
     def quantize_block(self, block: torch.Tensor, scales: "Fp8Scales", start: int = 0) -> Fp8Pair:
         """Rows [start, start + len(block)) of the tensor ``scales`` was made for -> q(block) and
         q(block^T); rowwise scales without rows (``own_rows`` False) take the block's own rows' amaxes."""
-        row_scale = scales.row
+        row_scale, row_inverse = scales.row, scales.row_inverse
         if row_scale is None:
             _, row_amax, _ = absolute_maxima(block, tensor=False, rows=True)
-            row_scale = scale_from_amax(row_amax, scales.dtype, self.config.margin)
+            row_scale, row_inverse = scales_from_amax(row_amax, format_max(scales.dtype), self.config.margin)
         elif row_scale.dim() > 0:
-            row_scale = row_scale[start:start + block.shape[0]]
+            end = start + block.shape[0]
+            row_scale, row_inverse = row_scale[start:end], row_inverse[start:end]
         direct, transposed = quantize_pair(block, scales.dtype, row_scale, scales.column, scales.record)
-        return Fp8Pair(Fp8Operand(direct, row_scale), Fp8Operand(transposed, scales.transposed))
+        return Fp8Pair(Fp8Operand(direct, row_scale, row_inverse), scales.transposed(transposed))
 
-    def gathered_output(self, x: torch.Tensor, weight: torch.Tensor,
+    def gathered_output(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         group: ProcessGroup) -> tuple[torch.Tensor, tuple[Fp8Operand, Fp8Operand]]:
-        """Y = X W^T for X [k n, c] the all-gather of the ranks' blocks x [n, c] (sequence parallelism
-        with --tp-comm-overlap): each block quantized as it arrives (``all_gather_each_block``) with
-        the scales of the whole X and multiplied -> (Y [k n, out], (q(X^T) [c, k n], q(W^T)))."""
+        """Y = X W^T + b for X [k n, c] the all-gather of the ranks' blocks x [n, c] (sequence
+        parallelism with --tp-comm-overlap): each block quantized as it arrives
+        (``all_gather_each_block``) with the scales of the whole X and multiplied -> (Y [k n, out],
+        (q(X^T) [c, k n], q(W^T)))."""
         scales = self.scales(x, "input", rows_split=True, columns_split=False, own_rows=False)
         weight_pair = self.weight_pair(weight)
         ranks, rows = group_size(group), x.shape[0]
@@ -150,11 +156,11 @@ class Fp8Gemms(torch.nn.Module):
         def multiply(rank: int, block: torch.Tensor) -> None:
             pair = self.quantize_block(block, scales)
             own = slice(rank * rows, (rank + 1) * rows)
-            scaled_mm(pair.direct, weight_pair.direct, x.dtype, self.config.emulate, out=y[own])
+            scaled_mm(pair.direct, weight_pair.direct, x.dtype, self.config.emulate, out=y[own], bias=bias)
             transposed[:, own].copy_(pair.transposed.data)
 
         all_gather_each_block(x, group, multiply)
-        return y, (Fp8Operand(transposed, scales.transposed), weight_pair.transposed)
+        return y, (scales.transposed(transposed), weight_pair.transposed)
 
     def scattered_output(self, x: torch.Tensor, weight: torch.Tensor,
                          group: ProcessGroup) -> tuple[torch.Tensor, tuple[list[Fp8Operand], Fp8Operand]]:
@@ -213,17 +219,20 @@ class Fp8Gemms(torch.nn.Module):
 class Fp8Scales:
     """What quantizes the blocks of one tensor alike (``Fp8Gemms.scales``): its FP8 dtype, the row
     scale (a scalar, [r, 1] per row, or None: each block's own rows') and column scale (a scalar or
-    [c]), and delayed scaling's amax record (or None)."""
+    [c]), delayed scaling's amax record (or None), and the scales' inverses."""
 
     dtype: torch.dtype
     row: torch.Tensor | None
     column: torch.Tensor
     record: torch.Tensor | None
+    row_inverse: torch.Tensor | None
+    column_inverse: torch.Tensor
 
-    @property
-    def transposed(self) -> torch.Tensor:
-        """The scale of q(x^T): the column scale, one per row of x^T."""
-        return self.column.reshape(-1, 1) if self.column.dim() > 0 else self.column
+    def transposed(self, data: torch.Tensor) -> Fp8Operand:
+        """q(x^T) ``data`` with its scales: the column scales, one per row of x^T."""
+        if self.column.dim() == 0:
+            return Fp8Operand(data, self.column, self.column_inverse)
+        return Fp8Operand(data, self.column.reshape(-1, 1), self.column_inverse.reshape(-1, 1))
 
 
 class _Fp8RowBlocks(RowBlockProduct):
@@ -248,10 +257,6 @@ class _Fp8RowBlocks(RowBlockProduct):
                           for start in range(0, self.rows, rows)])
 
 
-def _rows_of(operand: Fp8Operand, start: int, end: int) -> Fp8Operand:
-    return Fp8Operand(operand.data[start:end], operand.scale[start:end] if operand.rowwise else operand.scale)
-
-
 def _weight_gradient(weight: torch.Tensor, grad_weight_of) -> torch.Tensor | None:
     """dW from ``grad_weight_of(dtype)``: added into ``weight.main_grad`` (computed in its dtype, fp32)
     and None returned when the weight has one, else returned in the weight's dtype."""
@@ -268,9 +273,9 @@ class _Fp8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, gemms):
-        y, ctx.saved = gemms.output(x, weight)
+        y, ctx.saved = gemms.output(x, weight, bias)
         ctx.gemms, ctx.weight = gemms, weight
-        return y if bias is None else y + bias
+        return y
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -292,15 +297,15 @@ class _Fp8GatheredMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, gemms, group):
-        y, ctx.saved = gemms.gathered_output(x, weight, group)
+        y, ctx.saved = gemms.gathered_output(x, weight, bias, group)
         ctx.gemms, ctx.weight, ctx.group = gemms, weight, group
-        return y if bias is None else y + bias
+        return y
 
     @staticmethod
     def backward(ctx, grad_output):
         gemms, weight, saved = ctx.gemms, ctx.weight, ctx.saved
         grad = gemms.grad_operands(grad_output)
-        product = _Fp8RowBlocks(grad_output.shape[0], lambda start, end: _rows_of(grad.direct, start, end), saved[1],
+        product = _Fp8RowBlocks(grad_output.shape[0], grad.direct.rows, saved[1],
                                 grad_output.dtype, grad_output.device, gemms.config.emulate, group_size(ctx.group))
         grad_input, reduction = start_reduce_scatter_product(product, ctx.group)  # [n, c]
         grad_weight = _weight_gradient(weight, lambda dtype: gemms.grad_weight(grad, saved, dtype))
@@ -363,23 +368,25 @@ def end_fp8_step(module: torch.nn.Module, groups: list[ProcessGroup | None]) -> 
     """Ends the step of every FP8 layer in ``module`` (after the optimizer step): their FP8 weight
     copies are forgotten, and for delayed scaling this step's amaxes (row 0 of the histories, one
     [layers, 3] tensor) are max-reduced over each of ``groups`` in turn (the ranks that hold the
-    same layers: TP, then DP) before each layer's new scales. Returns the delayed amaxes' counts,
-    None without delayed scaling."""
+    same layers: TP, then DP) before each layer's new scales, all layers of one setting at once
+    (``end_delayed_steps``: a few kernels per step, which at one launch per value would take the
+    host longer than a small model's step). Returns the delayed amaxes' counts, None without
+    delayed scaling."""
     layers = [child for child in module.modules() if isinstance(child, Fp8Gemms)]
     for layer in layers:
         layer.forget_weight()
     states = [layer.delayed for layer in layers if layer.delayed is not None]
     if not states:
         return None
-    recorded = torch.stack([state.amax_history[0] for state in states])
-    for group in groups:
-        recorded = all_reduce_max(recorded, group)
     overflows, underflows = [], []
-    for state, amax in zip(states, recorded):
-        state.amax_history[0].copy_(amax)
-        amaxes, scales = state.end_step()
+    for config in dict.fromkeys(state.config for state in states):
+        alike = [state for state in states if state.config == config]
+        recorded = torch.stack([state.amax_history[0] for state in alike])
+        for group in groups:
+            recorded = all_reduce_max(recorded, group)
+        amaxes, scales = end_delayed_steps(alike, recorded)
         for index, role in enumerate(ROLES):
-            dtype = state.config.dtype(role)
-            overflows.append(saturated(amaxes[index], scales[index], dtype))
-            underflows.append(underflowed(amaxes[index], scales[index], dtype))
+            dtype = config.dtype(role)
+            overflows.append(saturated(amaxes[:, index], scales[:, index], dtype).sum())
+            underflows.append(underflowed(amaxes[:, index], scales[:, index], dtype).sum())
     return Fp8StepCounts(torch.stack(overflows).sum(), torch.stack(underflows).sum())

@@ -1,5 +1,5 @@
 """FP8 quantization's passes (fused_kernels/fp8_ops.py): the Triton kernels against the references on a
-GPU, bit for bit, and the argument checks on any machine."""
+GPU, bit for bit, the scales' reference against fp8.py's, and the argument checks on any machine."""
 import pytest
 import torch
 
@@ -57,6 +57,32 @@ def test_quantize_pair_kernel_equals_the_reference(fp8, shape, per_row, strided)
         assert torch.equal(one.view(torch.uint8), other.view(torch.uint8))
     assert torch.equal(records[0], records[1]) and records[0].item() == x.float().abs().max().item()
     assert (found[0].float().abs() == limit).any()  # saturation happened
+
+
+def _amaxes(device):
+    """Amaxes over many magnitudes, with the ones that get a scale of 1: 0, inf and nan."""
+    values = torch.logspace(-30, 30, 2000, device=device) * torch.rand(2000, device=device)
+    return torch.cat([values, torch.tensor([0.0, float("inf"), float("nan")], device=device)])
+
+
+@pytest.mark.parametrize("margin", [0, 2])
+def test_scales_from_amax_reference_gives_fp8s_scales_and_their_inverses(margin):
+    from megatron.core.tensor_parallel.fp8 import scale_from_amax
+
+    amax = _amaxes("cpu")
+    scale, inverse = fp8_ops.scales_from_amax_reference(amax, 448.0, margin)
+    assert torch.equal(scale, scale_from_amax(amax, torch.float8_e4m3fn, margin))
+    assert torch.equal(inverse, 1 / scale) and (scale[-3:] == 1).all()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("margin", [0, 2])
+def test_scales_from_amax_kernel_equals_the_reference(margin):
+    amax = _amaxes("cuda")
+    for one, other in zip(fp8_ops.scales_from_amax(amax, 57344.0, margin),
+                          fp8_ops.scales_from_amax_reference(amax, 57344.0, margin)):
+        assert torch.equal(one, other)
 
 
 @pytest.mark.parametrize("call, message", [

@@ -71,7 +71,7 @@ def test_scaled_mm_is_the_product_of_the_dequantized_operands(rowwise, dtypes):
 
 def _record(state, role, amax):
     """What a delayed-scaling quantization of a tensor with this amax records."""
-    scale = state.role_scale(role)
+    scale, _ = state.role_scale(role)
     quantize_pair(torch.tensor([[amax, -amax / 2]]), state.config.dtype(role), scale, scale,
                   record=state.amax_history[0, fp8.ROLES.index(role)])
 
@@ -95,10 +95,35 @@ def test_delayed_scaling_history_scales_and_restore(algo):
         expected = [448.0 / (amax[0] * 2), 448.0 / (amax[1] * 2), 57344.0 / (amax[2] * 2)]
         assert state.scale.tolist() == pytest.approx(expected, rel=1e-6)
         assert state.amax_history[0].tolist() == [0.0, 0.0, 0.0]
+        assert torch.equal(state.inverse, state.scale.reciprocal())
     restored = fp8.DelayedScaling(config)
     restored.load_state_dict(state.state_dict())
     assert torch.equal(restored.amax_history, state.amax_history) and torch.equal(restored.scale, state.scale)
-    assert restored.has_scales
+    assert restored.has_scales and torch.equal(restored.inverse, state.inverse)
+    assert "inverse" not in state.state_dict()  # derived from the scales, not saved
+
+
+def test_ending_several_layers_at_once_equals_ending_each_alone():
+    """end_delayed_steps over three layers (one with scales from a step before, two fresh) gives each
+    layer's own end_step: the same returned amaxes and scales, histories and new scales."""
+    config = fp8.Fp8Config(recipe="delayed", amax_history_len=3, amax_compute_algo="max")
+    together, alone = ([fp8.DelayedScaling(config) for _ in range(3)] for _ in range(2))
+    for states in (together, alone):
+        _record(states[0], "input", 3.0)
+        states[0].end_step()
+    generator = torch.Generator().manual_seed(0)
+    for step in range(2):
+        amaxes = torch.rand(3, 3, generator=generator) * 10 ** step
+        for states in (together, alone):
+            for state, row in zip(states, amaxes):
+                for role, amax in zip(fp8.ROLES, row.tolist()):
+                    _record(state, role, amax)
+        recorded, used = fp8.end_delayed_steps(together, torch.stack([s.amax_history[0] for s in together]))
+        for index, state in enumerate(alone):
+            expected_recorded, expected_used = state.end_step()
+            assert torch.equal(recorded[index], expected_recorded) and torch.equal(used[index], expected_used)
+            assert torch.equal(together[index].amax_history, state.amax_history)
+            assert torch.equal(together[index].scale, state.scale) and together[index].has_scales
 
 
 def test_overflow_and_underflow_of_an_amax():
