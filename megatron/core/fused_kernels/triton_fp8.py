@@ -71,7 +71,8 @@ def _scales_kernel(amax_ptr, scale_ptr, inverse_ptr, count, limit, multiplier, B
     index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     amax = tl.load(amax_ptr + index, mask=index < count, other=0.0)
     usable = (amax > 0) & (amax < float("inf"))  # false for nan too
-    scale = tl.where(usable, tl.math.div_rn(limit, tl.where(usable, amax, 1.0) * multiplier), 1.0)
+    # limit * (1 / x), as torch computes limit / x for a Python number limit (the reference's rounding)
+    scale = tl.where(usable, tl.math.div_rn(1.0, tl.where(usable, amax, 1.0) * multiplier) * limit, 1.0)
     tl.store(scale_ptr + index, scale, mask=index < count)
     tl.store(inverse_ptr + index, tl.math.div_rn(1.0, scale), mask=index < count)
 

@@ -172,18 +172,23 @@ class DelayedScaling(torch.nn.Module):
         self.config = config
         self.register_buffer("amax_history", torch.zeros(config.amax_history_len, len(ROLES), device=device))
         self.register_buffer("scale", torch.zeros(len(ROLES), device=device))
-        self.register_buffer("inverse", torch.zeros(len(ROLES), device=device), persistent=False)  # 1 / scale
+        for role in ROLES:  # 1 / scale, each its own allocation: cuBLASLt rejects a scale pointer inside a tensor
+            self.register_buffer(f"inverse_{role}", torch.zeros((), device=device), persistent=False)
         self.has_scales = False  # host-side mirror of scale > 0, so that no GEMM waits on the device to ask
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
         self.has_scales = bool((self.scale > 0).all())
         if self.has_scales:
-            self.inverse.copy_(self.scale.reciprocal())
+            torch._foreach_copy_(self.inverses(), list(self.scale.reciprocal().unbind(0)))
+
+    def inverses(self) -> list[torch.Tensor]:
+        """1 / scale of each role, in ROLES' order."""
+        return [getattr(self, f"inverse_{role}") for role in ROLES]
 
     def role_scale(self, role: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The role's scale and its inverse (0-d views)."""
-        return self.scale[ROLES.index(role)], self.inverse[ROLES.index(role)]
+        """The role's scale (a 0-d view) and its inverse."""
+        return self.scale[ROLES.index(role)], getattr(self, f"inverse_{role}")
 
     def end_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """New scales from the history (its row 0 already reduced over the ranks); returns the step's
@@ -217,7 +222,8 @@ def end_delayed_steps(states: list[DelayedScaling], recorded: torch.Tensor) -> t
     shifted[:, 0] = 0
     torch._foreach_copy_([state.amax_history for state in states], list(shifted.unbind(0)))
     torch._foreach_copy_([state.scale for state in states], list(scales.unbind(0)))
-    torch._foreach_copy_([state.inverse for state in states], list(scales.reciprocal().unbind(0)))
+    torch._foreach_copy_([inverse for state in states for inverse in state.inverses()],
+                         list(scales.reciprocal().flatten().unbind(0)))
     for state in states:
         state.has_scales = True
     return recorded, used
