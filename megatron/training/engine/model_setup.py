@@ -54,6 +54,7 @@ def build_model(config: TrainConfig, groups: ParallelGroups) -> torch.nn.Module:
         with zero3.partitioned_construction(config.deepspeed.config_for_initialize(), groups):
             model = GPTModel(config.model, groups, device=device)
         zero3.register_tied_embedding(model)
+        zero3.gather_whole_layers(model)
         return model
     if not uses_pipeline_engine(groups.pp_size, config.parallel.zero_stage):
         return GPTModel(config.model, groups, device=device)

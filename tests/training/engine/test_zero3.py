@@ -1,5 +1,6 @@
 """zero3: the GPT built partitioned under zero.Init holds 1 / DP of each parameter per rank and, gathered,
-the weights of the same model built whole (same seed, CPU initialisation), TP slices included."""
+the weights of the same model built whole (same seed, CPU initialisation), TP slices included; its
+transformer layers become DeepSpeed's leaf modules."""
 import os
 
 import pytest
@@ -40,6 +41,8 @@ def _partitioned_model_has_the_whole_models_weights(rank, world_size, tp, untie)
             torch.testing.assert_close(param.data, expected[name].data, rtol=0, atol=0, msg=name)
     tied = partitioned.embedding.word_embeddings.weight
     assert (id(tied) in getattr(partitioned, "_external_params", {})) == (not untie)
+    zero3.gather_whole_layers(partitioned)  # DeepSpeed then hooks each layer as a unit, not its modules
+    assert [m for m in partitioned.modules() if deepspeed.utils.z3_leaf_module(m)] == list(partitioned.layers)
 
 
 @pytest.mark.distributed
