@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.core.tensor_parallel import fp8
+from megatron.core.tensor_parallel import fp8, fp8_linear
 from megatron.core.tensor_parallel.fp8_linear import end_fp8_step
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from tests.core.tensor_parallel.test_layers import _chunk, _gather, _master_weight, _randn
@@ -108,12 +108,27 @@ def _pair_step(column, row, x, grad_y, group, k, rank, split):
     return y, grad_x, _gather(column.weight.grad, 0, group), _gather(row.weight.grad, 1, group)
 
 
+def _gemms_check_their_inverse_scales():
+    """Every operand that reaches an FP8 GEMM carries 1 / s exactly: the CPU emulation multiplies by
+    the scales, the GPU's _scaled_mm by these inverses, so a wrong one would only show on a GPU."""
+    original = fp8_linear.scaled_mm
+
+    def checked(a, b, *args, **kwargs):
+        for operand in (a, b):
+            assert operand.inverse is not None and torch.equal(operand.inverse, operand.scale.reciprocal())
+        return original(a, b, *args, **kwargs)
+
+    fp8_linear.scaled_mm = checked
+
+
 def _check_tp2_equals_tp1(rank, world_size, recipe, sequence_parallel, comm_overlap=False):
     """Column- then row-parallel FP8 layers at TP = 2 give TP = 1's output and gradients, step after
     step: the amaxes of split tensors are reduced over the group (delayed scaling: when the step
     ends), so both quantize with the same scales. With ``comm_overlap`` the TP = 2 layers quantize
-    block by block of the sequence, as --tp-comm-overlap's pipelined collectives hand them over."""
+    block by block of the sequence, as --tp-comm-overlap's pipelined collectives hand them over.
+    Each GEMM's operands are checked to carry their exact inverse scales."""
     import torch.distributed as dist
+    _gemms_check_their_inverse_scales()
     group = dist.new_group([0, 1])
     steps = 3 if recipe == "delayed" else 1
     inputs = [(_randn(SEQ, BATCH, IN, seed=5 + step) * (step + 1), _randn(SEQ, BATCH, IN, seed=50 + step) * 0.01)
