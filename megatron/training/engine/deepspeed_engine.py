@@ -28,6 +28,7 @@ from megatron.training.engine.fp32_steps import (count_zeros_before_each_step, g
 from megatron.training.engine.interface import BatchFunction, ReadFilter
 from megatron.training.engine.megatron_deepspeed_resume import restore_optimizer_states, translating_filter
 from megatron.training.engine.mpu import DeepSpeedMPU
+from megatron.training.engine.replacements import replace
 from megatron.training.lr_schedule import AnnealingLR
 
 
@@ -100,6 +101,8 @@ def start_engine(config: TrainConfig, groups: ParallelGroups, model: torch.nn.Mo
     """deepspeed.initialize on our model, optimizer, schedule and groups, checked against our grid;
     ``make_batch`` turns a loader item into the trainer's batch."""
     pipeline = isinstance(model, PipelineModule)
+    replace("deepspeed_engine.zero_optimizer_check_without_muon", deepspeed.runtime.engine,
+            "is_zero_supported_optimizer", zero_optimizer_check_without_muon)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch_optimizer, lr_scheduler=lr_scheduler,
                                            mpu=None if pipeline else DeepSpeedMPU(groups),
                                            config=engine_ds_config(config))
@@ -108,6 +111,15 @@ def start_engine(config: TrainConfig, groups: ParallelGroups, model: torch.nn.Mo
     apply_replacements(engine, config, groups)
     adapter = PipelineEngine if pipeline else PlainEngine
     return adapter(engine, config, groups, make_batch)
+
+
+def zero_optimizer_check_without_muon(optimizer: torch.optim.Optimizer) -> bool:
+    """DeepSpeed's check that ZeRO supports ``optimizer``, without the import it makes first to add
+    its Muon optimizer to the list: that import pulls in torch's inductor, ~2.5 s of every process's
+    start. Only Muon's answer differs, and the trainer never builds Muon."""
+    from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
+
+    return type(optimizer) in ZERO_SUPPORTED_OPTIMIZERS
 
 
 def engine_ds_config(config: TrainConfig) -> dict:

@@ -99,6 +99,8 @@ REPLACEMENTS = {replacement.by: replacement for replacement in (
                 "the plain engine's optimizer names its parameters as a universal checkpoint does"),
     Replacement("comm.torch.TorchBackend.all_gather_function", "distributed.use_current_collective_names",
                 "torch's current name of all_gather_into_tensor (no FutureWarning per call)"),
+    Replacement("runtime.engine.is_zero_supported_optimizer", "deepspeed_engine.zero_optimizer_check_without_muon",
+                "ZeRO's optimizer check without importing Muon (and with it torch's inductor) at every start"),
     Replacement("runtime.activation_checkpointing.checkpointing._CUDA_RNG_STATE_TRACKER",
                 "activation_checkpointing.share_rng_tracker",
                 "DeepSpeed's recomputation replays the model-parallel dropout masks"),
