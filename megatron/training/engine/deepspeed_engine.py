@@ -11,6 +11,9 @@ DeepSpeed's rank grid and precision against ours, applies the declared replaceme
                        micro batch, the optimizer stepping at the last
 """
 import contextlib
+import importlib
+import sys
+import types
 
 import deepspeed
 import torch
@@ -28,7 +31,7 @@ from megatron.training.engine.fp32_steps import (count_zeros_before_each_step, g
 from megatron.training.engine.interface import BatchFunction, ReadFilter
 from megatron.training.engine.megatron_deepspeed_resume import restore_optimizer_states, translating_filter
 from megatron.training.engine.mpu import DeepSpeedMPU
-from megatron.training.engine.replacements import replace
+from megatron.training.engine.replacements import is_enabled
 from megatron.training.lr_schedule import AnnealingLR
 
 
@@ -101,8 +104,7 @@ def start_engine(config: TrainConfig, groups: ParallelGroups, model: torch.nn.Mo
     """deepspeed.initialize on our model, optimizer, schedule and groups, checked against our grid;
     ``make_batch`` turns a loader item into the trainer's batch."""
     pipeline = isinstance(model, PipelineModule)
-    replace("deepspeed_engine.zero_optimizer_check_without_muon", deepspeed.runtime.engine,
-            "is_zero_supported_optimizer", zero_optimizer_check_without_muon)
+    without_muon()
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch_optimizer, lr_scheduler=lr_scheduler,
                                            mpu=None if pipeline else DeepSpeedMPU(groups),
                                            config=engine_ds_config(config))
@@ -113,13 +115,21 @@ def start_engine(config: TrainConfig, groups: ParallelGroups, model: torch.nn.Mo
     return adapter(engine, config, groups, make_batch)
 
 
-def zero_optimizer_check_without_muon(optimizer: torch.optim.Optimizer) -> bool:
-    """DeepSpeed's check that ZeRO supports ``optimizer``, without the import it makes first to add
-    its Muon optimizer to the list: that import pulls in torch's inductor, ~2.5 s of every process's
-    start. Only Muon's answer differs, and the trainer never builds Muon."""
-    from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
+MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
 
-    return type(optimizer) in ZERO_SUPPORTED_OPTIMIZERS
+
+def without_muon() -> None:
+    """DeepSpeed imports its Muon optimizer's module only to compare an optimizer's type with
+    MuonWithAuxAdam, in ZeRO's optimizer check and in every ZeRO-1/2 gradient reduction; the module
+    compiles kernels and imports torch's inductor, ~2 s of every process's start. The trainer never
+    builds Muon (the flags and a ds_config optimizer block are refused), so a module holding only an
+    empty class of that name gives DeepSpeed the same answers (not Muon) without the import."""
+    if not is_enabled("deepspeed_engine.without_muon") or MUON_MODULE in sys.modules:
+        return
+    stand_in = types.ModuleType(MUON_MODULE, "Stands in for DeepSpeed's Muon optimizer (the trainer never builds it).")
+    stand_in.MuonWithAuxAdam = type("MuonWithAuxAdam", (), {})
+    sys.modules[MUON_MODULE] = stand_in
+    importlib.import_module("deepspeed.runtime.zero.muon").muon_optimizer = stand_in
 
 
 def engine_ds_config(config: TrainConfig) -> dict:

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import inspect
 import pathlib
 import re
@@ -99,8 +100,8 @@ REPLACEMENTS = {replacement.by: replacement for replacement in (
                 "the plain engine's optimizer names its parameters as a universal checkpoint does"),
     Replacement("comm.torch.TorchBackend.all_gather_function", "distributed.use_current_collective_names",
                 "torch's current name of all_gather_into_tensor (no FutureWarning per call)"),
-    Replacement("runtime.engine.is_zero_supported_optimizer", "deepspeed_engine.zero_optimizer_check_without_muon",
-                "ZeRO's optimizer check without importing Muon (and with it torch's inductor) at every start"),
+    Replacement("runtime.zero.muon.muon_optimizer", "deepspeed_engine.without_muon",
+                "DeepSpeed's type checks against Muon without importing it (and torch's inductor) at every start"),
     Replacement("runtime.activation_checkpointing.checkpointing._CUDA_RNG_STATE_TRACKER",
                 "activation_checkpointing.share_rng_tracker",
                 "DeepSpeed's recomputation replays the model-parallel dropout masks"),
@@ -156,14 +157,15 @@ def _assigns(owner: type, attribute: str) -> bool:
 
 
 def missing_targets() -> list[str]:
-    """The targets of REPLACEMENTS the installed DeepSpeed lacks: a class or module attribute, or an
-    instance attribute its class assigns (``self.<name> =``)."""
+    """The targets of REPLACEMENTS the installed DeepSpeed lacks: a class or module attribute, an
+    instance attribute its class assigns (``self.<name> =``), or a submodule (found, not imported)."""
     missing = []
     for replacement in REPLACEMENTS.values():
         owner_path, attribute = replacement.owner_and_attribute
         owner = _resolve(owner_path)
         present = owner is not None and (hasattr(owner, attribute) or (
-            inspect.isclass(owner) and _assigns(owner, attribute)))
+            inspect.isclass(owner) and _assigns(owner, attribute)) or (
+            inspect.ismodule(owner) and importlib.util.find_spec(f"{owner.__name__}.{attribute}") is not None))
         if not present:
             missing.append(replacement.target)
     return sorted(set(missing))
