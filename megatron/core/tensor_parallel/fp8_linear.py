@@ -20,10 +20,17 @@ Tensor parallelism: an amax taken over a dimension that the TP group splits is m
 group before its scale is made, so every rank quantizes with the scale of the whole tensor and
 TP = t computes what TP = 1 does. ``parallel_dim`` says what the group splits: "output"
 (column-parallel: W's rows and dY's columns), "input" (row-parallel: W's and X's columns) or None
-(one rank); the tokens are never split here. A tensor's amax is reduced when any of its dimensions
-is split, a row's when the columns are, a column's when the rows are. Delayed scaling takes its
-scales from the layer's history (``fp8.DelayedScaling``), into whose current row the quantization
-records each tensor's amax; the trainer reduces those over every rank when the step ends.
+(one rank); the tokens are split only under --tp-comm-overlap (below). A tensor's amax is reduced
+when any of its dimensions is split, a row's when the columns are, a column's when the rows are.
+Delayed scaling takes its scales from the layer's history (``fp8.DelayedScaling``), into whose
+current row the quantization records each tensor's amax; the trainer reduces those over every rank
+when the step ends.
+
+With --tp-comm-overlap (sequence parallelism) the pipelined collectives of ``async_tp`` hand the
+GEMMs one sequence block of k at a time: ``Fp8Gemms.scales`` first makes the scales of the whole
+tensor from this rank's block (its amaxes reduced over the group), then ``quantize_block``
+quantizes each block with them, so the FP8 values are the plain path's. ``fp8_gathered_linear``
+(column-parallel) and ``fp8_scattered_linear`` (row-parallel) are those layers' products.
 """
 from dataclasses import dataclass
 
