@@ -7,7 +7,7 @@ import torch
 from megatron.core.models.gpt.config import GPTConfigError
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.parallel_state import single_rank_groups
-from megatron.core.tensor_parallel.fp8 import Fp8Config
+from megatron.core.tensor_parallel.fp8 import DelayedScaling, Fp8Config
 from megatron.core.tensor_parallel.fp8_linear import Fp8Gemms, end_fp8_step
 from tests.core.models.gpt.gpt_test_utils import random_tokens, tiny_config
 
@@ -59,11 +59,15 @@ def test_config_refusals(overrides, words):
     assert all(word in str(info.value) for word in words)
 
 
+def _fp8_state(model) -> dict:
+    """The saved FP8 entries (histories and scales; the inverse scales are derived, not saved)."""
+    return {name: value for name, value in model.state_dict(keep_vars=True).items() if "fp8_gemms" in name}
+
+
 def _filled_delayed_model(**overrides):
     model = GPTModel(tiny_config(fp8=Fp8Config(recipe="delayed", emulate=True), **overrides), single_rank_groups())
-    for name, buffer in model.named_buffers():
-        if "fp8_gemms" in name:
-            buffer.fill_(3.0)
+    for buffer in _fp8_state(model).values():
+        buffer.data.fill_(3.0)
     return model
 
 
@@ -71,7 +75,11 @@ def test_delayed_scaling_state_round_trips_through_the_state_dict():
     saved = _filled_delayed_model()
     loaded = GPTModel(tiny_config(fp8=Fp8Config(recipe="delayed", emulate=True)), single_rank_groups())
     loaded.load_state_dict(saved.state_dict())
-    assert all(torch.equal(a, b) for a, b in zip(saved.buffers(), loaded.buffers()))
+    assert _fp8_state(saved).keys() == _fp8_state(loaded).keys()
+    assert all(torch.equal(value, _fp8_state(loaded)[name]) for name, value in _fp8_state(saved).items())
+    states = [module for module in loaded.modules() if isinstance(module, DelayedScaling)]
+    assert states and all(state.has_scales and torch.equal(torch.stack(state.inverses()), torch.full((3,), 1 / 3.0))
+                          for state in states)
 
 
 @pytest.mark.parametrize("fp8", [None, Fp8Config(recipe="tensorwise", emulate=True),
@@ -90,5 +98,4 @@ def test_a_state_without_fp8_loads_into_a_delayed_scaling_model_keeping_its_own_
     loaded = _filled_delayed_model()
     loaded.load_state_dict(plain.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), loaded.parameters()))
-    assert all(torch.equal(buffer, torch.full_like(buffer, 3.0))
-               for name, buffer in loaded.named_buffers() if "fp8_gemms" in name)
+    assert all(torch.equal(buffer, torch.full_like(buffer, 3.0)) for buffer in _fp8_state(loaded).values())
