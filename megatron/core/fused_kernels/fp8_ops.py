@@ -91,10 +91,15 @@ def quantize_pair(x, dtype, row_scale, column_scale, record=None):
                               lambda: quantize_pair_reference(x, dtype, row_scale, column_scale, record))
 
 
-def scales_from_amax_reference(amax, limit, margin):
+def scale_from_amax_reference(amax, limit, margin):
+    """s = limit / (amax 2^margin) in fp32, elementwise; 1 where amax is 0 or not finite."""
     amax = amax.float()
     usable = torch.isfinite(amax) & (amax > 0)
-    scale = torch.where(usable, limit / (torch.where(usable, amax, 1.0) * 2.0 ** margin), 1.0)
+    return torch.where(usable, limit / (torch.where(usable, amax, 1.0) * 2.0 ** margin), 1.0)
+
+
+def scales_from_amax_reference(amax, limit, margin):
+    scale = scale_from_amax_reference(amax, limit, margin)
     return scale, scale.reciprocal()
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.core.fused_kernels.fp8_ops import absolute_maxima
+from megatron.core.fused_kernels.fp8_ops import absolute_maxima, scale_from_amax_reference
 from megatron.core.fused_kernels.fp8_ops import saturating_cast as quantize  # sat(round(x s)) above
 
 FP8_FORMATS = ("e4m3", "hybrid")
@@ -79,10 +79,7 @@ def format_max(dtype: torch.dtype) -> float:
 
 def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, margin: int) -> torch.Tensor:
     """s = f_max / (amax 2^margin) in fp32, elementwise; 1 where amax is 0 or not finite."""
-    amax = amax.float()
-    usable = torch.isfinite(amax) & (amax > 0)
-    scale = format_max(dtype) / (torch.where(usable, amax, 1.0) * 2.0 ** margin)
-    return torch.where(usable, scale, torch.ones_like(scale))
+    return scale_from_amax_reference(amax, format_max(dtype), margin)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
