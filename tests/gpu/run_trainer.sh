@@ -69,11 +69,12 @@
 #      GPUs: fp8_6p7b_tp2_<recipe>_mbs<N> (the 6.7B at TP = 2 with sequence parallelism and selective recompute,
 #      global batch 16) and fp8_6p7b_compare. Loss parity on one GPU: RUNS="fp8_parity_bf16 fp8_parity_delayed
 #      fp8_parity_tensorwise fp8_parity_rowwise fp8_parity_compare": the 350M GPT, PARITY_ITERS iterations
-#      (default 2000), seq 1024, micro-batch 16, global batch PARITY_GBS (default 16), lr 3e-4 (warmup 100, cosine
-#      to 3e-5), validation every 200 iterations, the same data order and seed; fp8_parity_compare checks each FP8
+#      (default 2000), seq 1024, micro-batch = global batch = PARITY_GBS (default 2: 2000 iterations are six passes
+#      over the corpus, short of memorizing it, where a loss near zero makes every ratio noise), lr 3e-4 (warmup
+#      100, cosine to 3e-5), validation every 200 iterations, the same data order and seed; fp8_parity_compare checks each FP8
 #      run against bf16 (tests/gpu/fp8_parity.py: final validation loss within 1 %, no loss over +10 %) and draws
 #      the curves with tools/plot_logs.py into $OUT/fp8_parity/. RUNS="fp8_parity_side_by_side fp8_parity_compare"
-#      runs the four at once, one per GPU (in waves on fewer GPUs). Any run: GPU_IDS=1 (or 0,1) picks the GPUs,
+#      runs the four at once over the GPUs of GPU_IDS (default all). Any run: GPU_IDS=1 (or 0,1) picks the GPUs,
 #      MASTER_PORT its port.
 #   16. an 80 GB H100 on a larger GPU: a run named NAME@h100 runs NAME with PyTorch's caching allocator capped at
 #      H100_ALLOCATOR_MIB (default 80000: the H100's 81,106 MiB less about 1.1 GiB for the CUDA context and NCCL,
@@ -304,23 +305,20 @@ fp8_logs() {  # prefix -> the runs in $OUT whose logs start with it (bf16 sorts 
 }
 
 fp8_parity_run() {  # recipe: the 350M GPT's loss-parity run in bf16 ("bf16") or FP8 with that recipe
-    SEQ=1024 ITERS=${PARITY_ITERS:-2000} LOG_INTERVAL=1 gpt_run "fp8_parity_$1" 24 1024 16 bf16 16 "${PARITY_GBS:-16}" \
+    SEQ=1024 ITERS=${PARITY_ITERS:-2000} LOG_INTERVAL=1 gpt_run "fp8_parity_$1" 24 1024 16 bf16 "${PARITY_GBS:-2}" \
+        "${PARITY_GBS:-2}" \
         --lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 100 --eval-interval 200 --eval-iters 10 $(fp8_flags "$1")
 }
 
-fp8_parity_side_by_side() {  # the four parity runs at once, one GPU each (in waves when fewer GPUs)
-    local gpus index=0 recipe pids=()
-    gpus=$(nvidia-smi --list-gpus | wc -l)
+fp8_parity_side_by_side() {  # the four parity runs at once, spread over GPU_IDS (default: every GPU); the
+    # 350M at two sequences per iteration leaves room for several runs on one GPU
+    local gpus index=0 recipe
+    IFS=, read -ra gpus <<< "${GPU_IDS:-$(seq -s, 0 $(($(nvidia-smi --list-gpus | wc -l) - 1)))}"
     for recipe in bf16 delayed tensorwise rowwise; do
-        GPU_IDS=$((index % gpus)) MASTER_PORT=$((29600 + index)) fp8_parity_run "$recipe" > /dev/null &
-        pids+=($!)
+        GPU_IDS=${gpus[$((index % ${#gpus[@]}))]} MASTER_PORT=$((29600 + index)) fp8_parity_run "$recipe" > /dev/null &
         index=$((index + 1))
-        if [ $((index % gpus)) = 0 ]; then
-            wait "${pids[@]}"
-            pids=()
-        fi
     done
-    wait "${pids[@]}"
+    wait
 }
 
 fp8_parity() {  # each FP8 parity run against bf16's (tests/gpu/fp8_parity.py), and their curves (tools/plot_logs.py)
