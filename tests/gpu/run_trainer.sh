@@ -53,10 +53,12 @@
 #      the 1.3B GPT, bf16, ZeRO-1, micro-batch 1, global batch 8, log interval 2, on one GPU at sequences
 #      16384, 24576 and 32768 (expected out of memory: the longest that fits is the reference) and on two
 #      GPUs at 32768 with --ds-sequence-parallel-size 2; ulysses_compare prints each run's mean per-GPU
-#      model TFLOP/s, max allocated MB and the ratio to the first run. With 4 GPUs: ulysses_s4_64k (65536, S = 4)
+#      model TFLOP/s, max allocated MB and the ratio to the first run. With 4 GPUs: ulysses_s4_64k (65536, S = 4);
+#      profile_ulysses_s2_32k profiles ulysses_s2_32k's fourth iteration on rank 0 into $OUT/profile_ulysses_s2_32k/
 #   14. ZeRO-3 (RUNS="zero1_1p3b_dp2 zero3_1p3b_dp2 zero3_compare" on 2 GPUs): the 1.3B GPT, bf16, micro-batch 8,
 #      global batch 32, 12 iterations, log interval 2, at ZeRO-1 and at ZeRO-3 on two GPUs; zero3_compare prints
-#      each run's mean per-GPU model TFLOP/s, max allocated MB and the ratio to ZeRO-1. On one GPU, ZeRO-3 with
+#      each run's mean per-GPU model TFLOP/s, max allocated MB and the ratio to ZeRO-1 (with zero1_1p3b_dp2_mbsN and
+#      zero3_1p3b_dp2_mbsN: micro-batch N, global batch 4N, also in the table). On one GPU, ZeRO-3 with
 #      the parameters and the optimizer offloaded to the CPU (RUNS="zero3_offload_2p7b zero3_offload_6p7b
 #      zero3_offload_13b zero3_offload_compare"): the 2.7B, 6.7B and 13B GPTs of the GPT-3 table, bf16,
 #      micro-batch 1, global batch 8, 6 iterations; zero3_offload_compare prints the same table for them (a run
@@ -375,11 +377,17 @@ for run in $RUNS; do
         ulysses_1gpu_48k) ulysses_run ulysses_1gpu_48k 1 49152 ;;
         ulysses_s2_32k) ulysses_run ulysses_s2_32k 2 32768 --ds-sequence-parallel-size 2 ;;
         ulysses_s4_64k) ulysses_run ulysses_s4_64k 4 65536 --ds-sequence-parallel-size 4 ;;
+        profile_ulysses_s2_32k) ITERS_ULYSSES=4 ulysses_run profile_ulysses_s2_32k 2 32768 --ds-sequence-parallel-size 2 \
+                                    --tensorboard-dir "$OUT/profile_ulysses_s2_32k" --profile --use-pytorch-profiler \
+                                    --profile-step-start 3 --profile-step-end 4 --profile-ranks 0 ;;
         ulysses_compare) recompute_table ulysses_1gpu_16k ulysses_1gpu_24k ulysses_1gpu_32k ulysses_1gpu_48k ulysses_s2_32k \
                              ulysses_s4_64k | tee "$OUT/ulysses.txt" ;;
         zero1_1p3b_dp2) NGPUS=2 ZERO_STAGE=1 LOG_INTERVAL=2 ITERS=12 gpt_run zero1_1p3b_dp2 24 2048 16 bf16 8 32 ;;
         zero3_1p3b_dp2) NGPUS=2 ZERO_STAGE=3 LOG_INTERVAL=2 ITERS=12 gpt_run zero3_1p3b_dp2 24 2048 16 bf16 8 32 ;;
-        zero3_compare) recompute_table zero1_1p3b_dp2 zero3_1p3b_dp2 | tee "$OUT/zero3.txt" ;;
+        zero[13]_1p3b_dp2_mbs*) NGPUS=2 ZERO_STAGE=${run:4:1} LOG_INTERVAL=2 ITERS=12 gpt_run "$run" 24 2048 16 bf16 \
+                                    "${run##*_mbs}" $((4 * ${run##*_mbs})) ;;
+        zero3_compare) recompute_table zero1_1p3b_dp2 zero3_1p3b_dp2 $(fp8_logs zero1_1p3b_dp2_mbs) \
+                           $(fp8_logs zero3_1p3b_dp2_mbs) | tee "$OUT/zero3.txt" ;;
         zero3_offload_2p7b) zero3_offload_run zero3_offload_2p7b 32 2560 32 ;;
         zero3_offload_6p7b) zero3_offload_run zero3_offload_6p7b 32 4096 32 ;;
         zero3_offload_13b) zero3_offload_run zero3_offload_13b 40 5120 40 ;;
