@@ -16,17 +16,8 @@ Sequence parallelism (activations [s, b, h] split along the sequence, dim 0, out
     gather_from_sequence_parallel_region        all-gather dim 0          reduce-scatter dim 0
     reduce_scatter_to_sequence_parallel_region  reduce-scatter dim 0      all-gather dim 0
 
-DeepSpeed-Ulysses (--ds-sequence-parallel-size; the group is the sequence-parallel group):
-
-    function                                    forward                   backward
-    all_to_all(X, group, scatter_dim, gather_dim)  split scatter_dim, send   all_to_all(dY, group,
-                                                block j to rank j, concat  gather_dim, scatter_dim)
-                                                received along gather_dim
-
-Attention calls it with scatter_dim = heads and gather_dim = sequence: each rank's [b, n, s / k, hn]
-becomes [b, n / k, s, hn] (whole sequence, its heads), and back. It is the permutation of blocks
-DeepSpeed's ``deepspeed.sequence.layer.DistributedAttention`` performs; ours because megatron/core
-does not import DeepSpeed, and it runs on any backend with ``all_to_all_single`` (NCCL, gloo).
+DeepSpeed-Ulysses' exchanges, overlapped with attention, live in ``megatron.core.models.gpt.ulysses``;
+its loss sums token counts over the sequence-parallel group with ``sum_over_group``.
 
 The gather feeds a column-parallel GEMM (or the vocabulary-parallel head): every rank's gradient of
 the gathered X is a partial sum, so the adjoint sums them and hands each rank its block. The
@@ -166,42 +157,6 @@ def allreduce_sequence_parallel_gradients(module: torch.nn.Module, group: Proces
         return []
     return [param.register_hook(lambda grad: _all_reduce(grad, group))
             for param in sequence_parallel_parameters(module)]
-
-
-def _all_to_all(tensor: torch.Tensor, group: ProcessGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
-    """Rank r's [.., n (scatter_dim), .., m (gather_dim), ..] -> [.., n / k, .., k * m, ..]: block j of
-    ``scatter_dim`` goes to rank j, and the blocks received are concatenated along ``gather_dim`` in
-    rank order."""
-    world_size = group_size(group)
-    if tensor.shape[scatter_dim] % world_size != 0:
-        raise ValueError(f"all_to_all over {world_size} ranks splits dimension {scatter_dim} of shape "
-                         f"{tuple(tensor.shape)}: its size must be divisible by {world_size}")
-    blocks = tensor.unflatten(scatter_dim, (world_size, -1)).movedim(scatter_dim, 0).contiguous()
-    received = torch.empty_like(blocks)
-    dist.all_to_all_single(received, blocks, group=group)  # received[j]: rank j's block for me
-    return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
-
-
-class _AllToAll(torch.autograd.Function):
-    """Y = all_to_all(X, scatter_dim, gather_dim); dL/dX = all_to_all(dL/dY, gather_dim, scatter_dim)."""
-
-    @staticmethod
-    def forward(ctx, tensor, group, scatter_dim, gather_dim):
-        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
-        return _all_to_all(tensor, group, scatter_dim, gather_dim)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        scatter_dim, gather_dim = ctx.dims
-        return _all_to_all(grad_output, ctx.group, gather_dim, scatter_dim), None, None, None
-
-
-def all_to_all(tensor: torch.Tensor, group: ProcessGroup | None, scatter_dim: int, gather_dim: int) -> torch.Tensor:
-    """Split ``scatter_dim`` over the k ranks of ``group`` and gather ``gather_dim`` (module table);
-    dimensions are non-negative. The identity on a group of one rank."""
-    if group_size(group) == 1:
-        return tensor
-    return _AllToAll.apply(tensor, group, scatter_dim, gather_dim)
 
 
 def sum_over_group(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:

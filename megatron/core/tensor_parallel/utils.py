@@ -1,6 +1,6 @@
 """Small helpers of tensor parallelism: exact division, splits, vocabulary ranges, 1-D partitions, and
 the plain (not autograd-aware) collectives of the TP group along the first dimension, and its
-elementwise maximum (FP8's amaxes)."""
+elementwise maximum (FP8's amaxes), and the asynchronous all-to-all of DeepSpeed-Ulysses' pipeline."""
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -47,6 +47,14 @@ def reduce_scatter_along_first_dim(tensor: torch.Tensor, group: ProcessGroup) ->
     output, work = start_reduce_scatter_along_first_dim(tensor, group)
     work.wait()
     return output
+
+
+def start_all_to_all(blocks: torch.Tensor, group: ProcessGroup) -> tuple[torch.Tensor, object]:
+    """blocks [k, ...] on each of the k ranks, block j for rank j, launched asynchronously: (received
+    [k, ...], work), received[j] rank j's block for this rank, valid after ``work.wait()``."""
+    blocks = blocks.contiguous()
+    received = torch.empty_like(blocks)
+    return received, dist.all_to_all_single(received, blocks, group=group, async_op=True)
 
 
 def start_all_reduce(tensor: torch.Tensor, group: ProcessGroup) -> object:

@@ -12,6 +12,7 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
+    sum_over_group,
 )
 from tests.dist_utils import run_distributed
 
@@ -154,6 +155,10 @@ def _mappings_world4(rank, world_size):
     for mapping in MAPPINGS:
         x = torch.randn(2, 3)
         assert mapping(x, single) is x
+    count = torch.tensor(float(rank + 1), requires_grad=True)
+    total = sum_over_group(count, world_group)
+    assert total.item() == sum(range(1, world_size + 1)) and not total.requires_grad and count.item() == rank + 1
+    assert sum_over_group(count, None) is count
 
 
 @pytest.mark.distributed

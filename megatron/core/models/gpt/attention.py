@@ -17,10 +17,11 @@ Two ways to compute the same function, chosen by ``GPTModelConfig.attention_impl
   ALiBi enters the scores as B / layer_number so the softmax sees q k^T / sqrt(hn) + B again.
 
 DeepSpeed-Ulysses (``groups.sp``, --ds-sequence-parallel-size S): the layer sees this rank's slice of
-s / S positions. Its query, key and value [b, heads, s / S, hn] (rotary already applied at the
-slice's global positions) are all-to-all'ed to [b, heads / S, s, hn], the whole sequence of 1 / S of
-this TP rank's heads and key/value groups; either path above attends over the full length, and the
-output goes back to [b, heads, s / S, hn] (``ulysses_attention``).
+s / S positions. The projection's output [s / S, b, g (q + 2) hn] is all-to-all'ed, a chunk of
+key/value groups at a time, to the whole sequence of 1 / S of each chunk's groups; the heads are split
+and rotated there (at the whole sequence's positions, gathered once per layer), either path above
+attends over the full length, and the outputs go back to this rank's positions, the exchanges of one
+chunk overlapping the attention of another (``ulysses.pipelined_attention``).
 """
 import math
 
@@ -29,15 +30,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.core import fused_kernels
+from megatron.core.models.gpt import ulysses
 from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.models.gpt.init import weight_init_method
 from megatron.core.models.gpt.positional import (Llama3RopeScaling, alibi_bias, alibi_slopes,
                                                  rotary_inverse_frequencies)
-from megatron.core.parallel_state import ParallelGroups
+from megatron.core.parallel_state import ParallelGroups, group_size
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.tensor_parallel.mappings import all_to_all
 from megatron.core.tensor_parallel.random import MODEL_PARALLEL_RNG, CheckpointWithoutOutput, get_rng_tracker
-from megatron.core.tensor_parallel.utils import divide
+from megatron.core.tensor_parallel.utils import all_gather_along_first_dim, divide
 
 
 class ParallelSelfAttention(nn.Module):
@@ -112,37 +113,43 @@ class ParallelSelfAttention(nn.Module):
         """What runs between the two projections (arguments as ``forward``'s): query_key_value's
         output [s, b, np * 3 * hn] -> the heads' outputs [s, b, np * hn], dense's input. ``mixed_bias``:
         the projection's bias when it is in ``mixed`` without its gradient (``split_query_key_value``)."""
-        seq_length = mixed.shape[0]
-        query, key, value = self.heads(mixed, position_ids, mixed_bias)
         if self.sequence_parallel_group is not None:
-            return merge_heads(self.ulysses_attention(query, key, value, attention_mask))
-        alibi = None
-        if self.config.position_embedding_type == "alibi":
-            alibi = alibi_bias(self.alibi_slopes, seq_length, seq_length).to(query.dtype)
-        if self.config.attention_impl == "sdpa":
-            context = self.sdpa(query, key, value, alibi, attention_mask)
-        else:
-            context = self._materialized(query, key, value, alibi, attention_mask)
-        return merge_heads(context)
+            return self.ulysses_attention(mixed, position_ids, attention_mask, mixed_bias)
+        return merge_heads(self.attend_heads(*self.heads(mixed, position_ids, mixed_bias), attention_mask))
 
-    def ulysses_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                          attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """DeepSpeed-Ulysses (module docstring): query [b, np, s / S, hn], key, value [b, ng, s / S, hn]
-        of this rank's slice -> the heads' outputs [b, np, s / S, hn]. SP rank r attends with heads
-        [r np / S, (r + 1) np / S) of this TP rank, hence their ALiBi slopes; ``attention_mask`` is the
-        whole sequence's [b, 1, s, s] or None."""
-        group = self.sequence_parallel_group
-        query, key, value = (all_to_all(t, group, scatter_dim=1, gather_dim=2) for t in (query, key, value))
+    def attend_heads(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, first_head: int = 0) -> torch.Tensor:
+        """query [b, heads, s, hn], key, value [b, groups, s, hn] -> [b, heads, s, hn], the heads being
+        this TP rank's from ``first_head`` on (their ALiBi slopes)."""
         heads, seq_length = query.shape[1], query.shape[2]
         alibi = None
         if self.config.position_embedding_type == "alibi":
-            first = self.sequence_parallel_rank * heads
-            alibi = alibi_bias(self.alibi_slopes[first:first + heads], seq_length, seq_length).to(query.dtype)
+            slopes = self.alibi_slopes[first_head:first_head + heads]
+            alibi = alibi_bias(slopes, seq_length, seq_length).to(query.dtype)
         if self.config.attention_impl == "sdpa":
-            context = self.sdpa(query, key, value, alibi, attention_mask)
-        else:
-            context = self._materialized(query, key, value, alibi, attention_mask)
-        return all_to_all(context, group, scatter_dim=2, gather_dim=1)
+            return self.sdpa(query, key, value, alibi, attention_mask)
+        return self._materialized(query, key, value, alibi, attention_mask)
+
+    def ulysses_attention(self, mixed: torch.Tensor, position_ids: torch.Tensor,
+                          attention_mask: torch.Tensor | None, mixed_bias: torch.Tensor | None) -> torch.Tensor:
+        """DeepSpeed-Ulysses (module docstring, ``ulysses``): the projection's output [s / S, b, ng (q + 2) hn]
+        of this rank's positions, position_ids [b, s / S] (global values), ``attention_mask`` the whole
+        sequence's [b, 1, s, s] or None -> dense's input [s / S, b, np hn]."""
+        group = self.sequence_parallel_group
+        size = group_size(group)
+        if self.config.position_embedding_type == "rotary":  # the whole sequence's, in rank order
+            position_ids = all_gather_along_first_dim(position_ids.t().contiguous(), group).t().contiguous()
+        chunks = ulysses.chunk_count(self.groups_per_partition, size)
+        share = self.groups_per_partition // (chunks * size)  # key/value groups per rank and chunk
+        queries_per_group = self.config.queries_per_group
+
+        def attend_share(recv, chunk):
+            first_group = chunk * share * size + self.sequence_parallel_rank * share
+            context = self.attend_heads(*self.heads(recv, position_ids), attention_mask,
+                                        first_head=first_group * queries_per_group)
+            return merge_heads(context)
+
+        return ulysses.pipelined_attention(mixed, mixed_bias, attend_share, group, chunks)
 
     def heads(self, mixed: torch.Tensor, position_ids: torch.Tensor,
               mixed_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.models.gpt.masks import get_ltor_masks_and_position_ids
+from megatron.core.models.gpt.ulysses import chunk_count, pipelined_attention
 from megatron.core.parallel_state import initialize_model_parallel
 from tests.core.models.gpt.gpt_test_utils import (copy_full_weights, full_grads, random_tokens, randomize_parameters,
                                                   relative_error, tiny_config)
@@ -93,3 +94,51 @@ def test_splits_ulysses_cannot_make_are_refused(overrides, message):
         config.validate_for_ulysses(tp, 2)
     assert message in str(info.value)
     config.validate_for_ulysses(tp, 1)
+
+
+def _pipeline_worker(rank, world_size):
+    """pipelined_attention with a stand-in attention: share group g's block of the whole sequence maps to
+    (g + 1) cumsum_s(block), so each rank must receive the whole sequence of exactly its groups."""
+    groups, batch, width, seq = 8, 2, 3, 8  # G = 8 groups of width w = 3 on this TP rank
+    group = dist.new_group(list(range(world_size)))
+    generator = torch.Generator().manual_seed(5)
+    mixed_full = torch.randn(seq, batch, groups * width, generator=generator, dtype=torch.float64)
+    weights = torch.randn(seq, batch, groups * width, generator=generator, dtype=torch.float64)
+    bias_full = torch.randn(groups * width, generator=generator, dtype=torch.float64)
+
+    def reference(mixed):
+        blocks = mixed.unflatten(-1, (groups, width)).cumsum(0)
+        return (blocks * torch.arange(1, groups + 1, dtype=mixed.dtype)[:, None]).flatten(-2)
+
+    leaf = mixed_full.clone().requires_grad_()
+    (reference(leaf + bias_full) * weights).sum().backward()
+    mine = slice(rank * seq // world_size, (rank + 1) * seq // world_size)
+    for chunks in (1, 2, 4):
+        share = groups // (chunks * world_size)
+
+        def attend_share(recv, chunk):
+            first_group = chunk * share * world_size + rank * share
+            factors = torch.arange(first_group + 1, first_group + share + 1, dtype=recv.dtype)
+            return (recv.unflatten(-1, (share, width)).cumsum(0) * factors[:, None]).flatten(-2)
+
+        bias = bias_full.clone().requires_grad_()
+        mixed = (mixed_full[mine] + bias.detach()).requires_grad_()  # the bias already added, as in the model
+        output = pipelined_attention(mixed, bias, attend_share, group, chunks)
+        assert torch.allclose(output, reference(mixed_full + bias_full)[mine]), chunks
+        (output * weights[mine]).sum().backward()
+        assert torch.allclose(mixed.grad, leaf.grad[mine]), chunks
+        bias_grad = bias.grad.clone()
+        dist.all_reduce(bias_grad)  # each rank's is the sum over its positions
+        assert torch.allclose(bias_grad, leaf.grad.sum(dim=(0, 1))), chunks
+        with torch.no_grad():
+            assert torch.equal(pipelined_attention(mixed, bias, attend_share, group, chunks), output.detach())
+
+
+@pytest.mark.distributed
+def test_the_pipelined_exchange_sends_each_rank_its_groups_whole():
+    run_distributed(_pipeline_worker, 2)
+
+
+@pytest.mark.parametrize("groups, size, chunks", [(16, 2, 4), (8, 2, 4), (6, 2, 3), (4, 4, 1), (14, 2, 1)])
+def test_the_chunk_count_splits_every_share_evenly(groups, size, chunks):
+    assert chunk_count(groups, size) == chunks

@@ -1,0 +1,145 @@
+"""DeepSpeed-Ulysses attention with its all-to-alls hidden behind the attention of other key/value groups.
+
+Notation: S ranks in the sequence-parallel group, rank r; s the whole sequence (each rank holds s / S
+positions), b micro-batch, G the key/value groups of this TP rank, w = (q + 2) hn the width of one group in
+the query_key_value projection's output (its q query heads, key and value), C chunks.
+
+Chunk c holds groups [c G / C, (c + 1) G / C). Its share for rank j is the G / (C S) groups starting at
+c G / C + j G / (C S): rank j attends over the whole sequence for those. Per chunk, forward:
+
+    send[j]  = mixed[:, :, share(c, j)]               [S, s / S, b, G w / (C S)]   (a gather copy)
+    recv     = all_to_all(send)                       [S, s / S, b, ..] = [s, b, G w / (C S)]: rank
+                                                      j's positions of my share, in sequence order
+    context  = attend_share(recv, c)                  [s, b, H hn], H = q G / (C S) query heads
+    back     = all_to_all(context as [S, s / S, b, H hn])   back[j]: my positions of rank j's share
+    output[:, :, chunk c, share of j] = back[j]       [s / S, b, n hn]: dense's input, heads in order
+
+One all-to-all carries a chunk's queries, keys and values together, and the sequence leads every
+exchanged layout, so the received blocks are the whole sequence without a copy. The pipeline launches
+chunk c + 1's all-to-all before chunk c's attention, so the exchange runs on the communication stream
+while the attention runs; chunk c's result goes back during chunk c + 1's attention. Backward is the
+same pipeline on the gradients: dcontext of chunk c + 1 arrives during chunk c's attention backward,
+and d(recv) of chunk c returns during chunk c + 1's. Each chunk's attention is its own autograd graph,
+built in forward and differentiated in backward, so the exchanges can be ordered around it.
+
+The projection's bias is already inside ``mixed`` (ColumnParallelLinear's ``bias_grad_by_caller``): its
+gradient is the row sum of dmixed, a partial sum over this rank's positions like every weight
+gradient under Ulysses.
+"""
+from typing import Callable
+
+import torch
+from torch.distributed import ProcessGroup
+
+from megatron.core.parallel_state import group_size
+from megatron.core.tensor_parallel.utils import divide, start_all_to_all
+
+MAX_CHUNKS = 4  # a few chunks hide most of the exchange; more make each attention call small
+
+AttendShare = Callable[[torch.Tensor, int], torch.Tensor]  # (recv [s, b, G w / (C S)], chunk) -> [s, b, H hn]
+
+
+def chunk_count(groups_per_rank: int, sequence_parallel_size: int) -> int:
+    """C: the largest count up to MAX_CHUNKS that splits every rank's G / S groups evenly."""
+    shares = divide(groups_per_rank, sequence_parallel_size)
+    return max(c for c in range(1, MAX_CHUNKS + 1) if shares % c == 0)
+
+
+def pipelined_attention(mixed: torch.Tensor, bias: torch.Tensor | None, attend_share: AttendShare,
+                        group: ProcessGroup, chunks: int) -> torch.Tensor:
+    """mixed [s / S, b, G w] (bias [G w] already added, or None) -> dense's input [s / S, b, n hn]
+    (module docstring). ``attend_share(recv, c)`` attends over the whole sequence for this rank's share
+    of chunk c and returns its heads' outputs, merged; it runs under grad mode when gradients are on."""
+    if not torch.is_grad_enabled():
+        return _exchange_forward(mixed, attend_share, group, chunks, graphs=None)
+    return _PipelinedUlysses.apply(mixed, bias, attend_share, group, chunks)
+
+
+def _pipeline(chunks: int, group: ProcessGroup, send_of: Callable[[int], torch.Tensor],
+              compute: Callable[[int, torch.Tensor], torch.Tensor],
+              place: Callable[[int, torch.Tensor], None]) -> None:
+    """For each chunk c: exchange send_of(c) [S, ...], compute(c, received) [S, ...], exchange that back
+    and place(c, received). Chunk c + 1's first exchange is launched before compute(c), chunk c's
+    second before compute(c + 1): the collectives run beside the computation."""
+    incoming = start_all_to_all(send_of(0), group)
+    outgoing = []
+    for c in range(chunks):
+        received, work = incoming
+        if c + 1 < chunks:
+            incoming = start_all_to_all(send_of(c + 1), group)
+        work.wait()
+        outgoing.append(start_all_to_all(compute(c, received), group))
+    for c, (received, work) in enumerate(outgoing):
+        work.wait()
+        place(c, received)
+
+
+def _chunked(tensor: torch.Tensor, chunks: int, size: int) -> torch.Tensor:
+    """[s', b, C * S * m] -> a view [s', b, C, S, m]."""
+    return tensor.unflatten(-1, (chunks, size, -1))
+
+
+def _exchange_forward(mixed: torch.Tensor, attend_share: AttendShare, group: ProcessGroup, chunks: int,
+                      graphs: list | None) -> torch.Tensor:
+    """The forward pipeline; ``graphs`` (a list) collects each chunk's (recv leaf, context) for backward."""
+    size = group_size(group)
+    local, batch = mixed.shape[:2]
+    shares = _chunked(mixed, chunks, size)
+    output = None
+
+    def send_of(c):
+        return shares[:, :, c].movedim(2, 0)  # [S, s / S, b, G w / (C S)]
+
+    def compute(c, received):
+        recv = received.view(size * local, batch, -1)  # [s, b, G w / (C S)]
+        if graphs is None:
+            context = attend_share(recv, c)
+        else:
+            with torch.enable_grad():
+                recv = recv.detach().requires_grad_()
+                context = attend_share(recv, c)
+            graphs.append((recv, context))
+        return context.detach().reshape(size, local, batch, -1)
+
+    def place(c, received):
+        nonlocal output
+        if output is None:
+            output = mixed.new_empty(local, batch, chunks * size * received.shape[-1])
+        _chunked(output, chunks, size)[:, :, c] = received.movedim(0, 2)
+
+    _pipeline(chunks, group, send_of, compute, place)
+    return output
+
+
+class _PipelinedUlysses(torch.autograd.Function):
+    """dense input = pipelined_attention(mixed); backward runs the pipeline on the gradients."""
+
+    @staticmethod
+    def forward(ctx, mixed, bias, attend_share, group, chunks):
+        ctx.graphs = []
+        ctx.group, ctx.chunks, ctx.mixed_shape, ctx.has_bias = group, chunks, mixed.shape, bias is not None
+        return _exchange_forward(mixed, attend_share, group, chunks, ctx.graphs)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        size, chunks, graphs = group_size(ctx.group), ctx.chunks, ctx.graphs
+        local, batch = grad_output.shape[:2]
+        grad_shares = _chunked(grad_output, chunks, size)
+        grad_mixed = grad_output.new_empty(ctx.mixed_shape)
+
+        def send_of(c):
+            return grad_shares[:, :, c].movedim(2, 0)  # my positions of every rank's share of chunk c
+
+        def compute(c, received):
+            recv, context = graphs[c]
+            grad_recv, = torch.autograd.grad(context, recv, received.view(context.shape))
+            graphs[c] = None  # the chunk's graph is spent
+            return grad_recv.view(size, local, batch, -1)
+
+        def place(c, received):
+            _chunked(grad_mixed, chunks, size)[:, :, c] = received.movedim(0, 2)
+
+        _pipeline(chunks, ctx.group, send_of, compute, place)
+        ctx.graphs = None
+        grad_bias = grad_mixed.sum(dim=(0, 1)) if ctx.has_bias and ctx.needs_input_grad[1] else None
+        return grad_mixed, grad_bias, None, None, None
