@@ -69,7 +69,8 @@
 #      fp8_1p3b_delayed_mbs16 fp8_1p3b_compare"; fp8_1p3b_compare prints the mean model TFLOP/s (the same model
 #      FLOPs for both), max allocated MB and the ratio to the first run of every fp8_1p3b_* log in $OUT. On two
 #      GPUs: fp8_6p7b_tp2_<recipe>_mbs<N> (the 6.7B at TP = 2 with sequence parallelism and selective recompute,
-#      global batch 16) and fp8_6p7b_compare. Loss parity on one GPU: RUNS="fp8_parity_bf16 fp8_parity_delayed
+#      global batch 16; a name ending in _gbs<G> sets the global batch, e.g. fp8_6p7b_tp2_delayed-overlap_mbs8_gbs64) and
+#      fp8_6p7b_compare. Loss parity on one GPU: RUNS="fp8_parity_bf16 fp8_parity_delayed
 #      fp8_parity_tensorwise fp8_parity_rowwise fp8_parity_compare": the 350M GPT, PARITY_ITERS iterations
 #      (default 2000), seq 1024, micro-batch = global batch = PARITY_GBS (default 2: 2000 iterations are six passes
 #      over the corpus, short of memorizing it, where a loss near zero makes every ratio noise), lr 3e-4 (warmup
@@ -285,17 +286,20 @@ fp8_flags() {  # recipe -> the FP8 flags of that recipe (none for bf16)
     [ "$1" = bf16 ] || echo "--fp8-format hybrid --fp8-recipe $1"
 }
 
-fp8_speed_run() {  # name ngpus: fp8_1p3b_<recipe>_mbs<N> (one GPU) or fp8_6p7b_tp2_<recipe>_mbs<N> (two GPUs);
-    # a recipe ending in -overlap (bf16-overlap, delayed-overlap) adds --tp-comm-overlap
-    local name=$1 ngpus=$2 recipe mbs overlap=()
-    recipe=${name%_mbs*}
+fp8_speed_run() {  # name ngpus: fp8_1p3b_<recipe>_mbs<N> (one GPU) or fp8_6p7b_tp2_<recipe>_mbs<N> (two GPUs),
+    # optionally ending in _gbs<G> (the global batch; default 32 and 16); a recipe ending in -overlap
+    # (bf16-overlap, delayed-overlap) adds --tp-comm-overlap
+    local name=$1 ngpus=$2 recipe mbs gbs= overlap=() shape=$1
+    [ "${shape%_gbs*}" != "$shape" ] && gbs=${shape##*_gbs} && shape=${shape%_gbs*}
+    recipe=${shape%_mbs*}
     recipe=${recipe##*_}
-    mbs=${name##*_mbs}
+    mbs=${shape##*_mbs}
     [ "${recipe%-overlap}" != "$recipe" ] && overlap=(--tp-comm-overlap) && recipe=${recipe%-overlap}
     if [ "$ngpus" = 1 ]; then
-        NGPUS=1 ITERS=${ITERS_FP8:-12} LOG_INTERVAL=2 gpt_run "$name" 24 2048 16 bf16 "$mbs" 32 $(fp8_flags "$recipe")
+        NGPUS=1 ITERS=${ITERS_FP8:-12} LOG_INTERVAL=2 gpt_run "$name" 24 2048 16 bf16 "$mbs" "${gbs:-32}" \
+            $(fp8_flags "$recipe")
     else
-        NGPUS=2 ITERS=${ITERS_FP8:-12} LOG_INTERVAL=2 gpt_run "$name" 32 4096 32 bf16 "$mbs" 16 \
+        NGPUS=2 ITERS=${ITERS_FP8:-12} LOG_INTERVAL=2 gpt_run "$name" 32 4096 32 bf16 "$mbs" "${gbs:-16}" \
             --tensor-model-parallel-size 2 --sequence-parallel --recompute-activations "${overlap[@]}" \
             $(fp8_flags "$recipe")
     fi
