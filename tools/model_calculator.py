@@ -43,7 +43,8 @@ s b h (10 + 24/t) bytes, s b h (34/t) with --sequence-parallel, + 2 e s b h (1 -
 scores are materialized (the trainer's --deterministic; its default fused attention keeps none).
 With full checkpointing a layer keeps only its input (e s b h, / t with sequence parallelism) and
 one chunk is recomputed at a time; --recompute-method block checkpoints the first N layers of a
-stage only, the others keep everything. Selective recompute frees what its modules recompute: per
+stage only, the others keep everything. Selective recompute frees what its modules recompute (with
+--recompute-method block in the first N layers of a stage only): per
 s b h, layernorm the two norms' outputs (2e; e when mlp keeps the second), mlp_act the
 activation's output (e f/h / t), mlp its input and output (e (u + 1) f/h / t), core_attn the
 attention output (e / t; with rotary embeddings also the rotated query and key, e (h + k)/h / t;

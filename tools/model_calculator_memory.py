@@ -154,13 +154,15 @@ class ActivationMemory:
 def stage_activation_bytes(shape: ModelShape, layout: Layout, stage: int, layers: int) -> ActivationMemory:
     """Activations of a stage with ``layers`` layers. Full recompute, uniform: each chunk of N
     (--recompute-num-layers) layers keeps its input and one chunk is rebuilt at a time; block: the
-    first N layers keep their inputs (one rebuilt at a time), the others everything."""
+    first N layers keep their inputs (one rebuilt at a time), the others everything. Selective
+    recompute frees its modules' share in every layer, or with block in the first N only."""
     full_layer = layer_activation_bytes(shape, layout, selective=False)
     logits = logits_activation_bytes(shape, layout) if stage == layout.pipeline_parallel - 1 else 0.0
     in_flight = micro_batches_in_flight(layout, stage)
     if not layout.checkpoint_activations:
-        return ActivationMemory(per_micro_batch=layers * layer_activation_bytes(shape, layout), in_flight=in_flight,
-                                recompute=0.0, logits=logits)
+        selective = min(layout.checkpoint_num_layers, layers) if layout.recompute_method == "block" else layers
+        kept = selective * layer_activation_bytes(shape, layout) + (layers - selective) * full_layer
+        return ActivationMemory(per_micro_batch=kept, in_flight=in_flight, recompute=0.0, logits=logits)
     if layout.recompute_method == "block":
         recomputed = min(layout.checkpoint_num_layers, layers)
         kept = recomputed * layer_input_bytes(shape, layout) + (layers - recomputed) * full_layer

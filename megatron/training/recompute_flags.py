@@ -12,7 +12,9 @@ _FOREIGN_RECOMPUTE_MODULES = {**dict.fromkeys(("moe", "moe_act", "shared_experts
 def recompute_settings(flags) -> dict:
     """The model's recompute fields from Megatron-LM's flags and Megatron-DeepSpeed's:
     --checkpoint-activations = --recompute-granularity full (method uniform), --recompute-activations
-    = selective, --checkpoint-num-layers = --recompute-num-layers. Contradictions raise ArgumentError."""
+    = selective, --checkpoint-num-layers = --recompute-num-layers. Selective recompute with
+    --recompute-method block --recompute-num-layers N (which Megatron-LM refuses) keeps it to the first
+    N layers of each stage. Contradictions raise ArgumentError."""
     granularity = flags.recompute_granularity
     if flags.recompute_activations:
         if granularity == "full":
@@ -30,9 +32,14 @@ def recompute_settings(flags) -> dict:
             raise ArgumentError(f"--recompute-num-layers {flags.recompute_num_layers} contradicts "
                                 f"--checkpoint-num-layers {num_layers} (the same number): give one")
         num_layers = flags.recompute_num_layers
-    if granularity != "full" and (flags.recompute_method is not None or flags.recompute_num_layers is not None):
-        raise ArgumentError("--recompute-method and --recompute-num-layers choose the layers of full recompute: "
-                            "add --recompute-granularity full (or --checkpoint-activations)")
+    layer_choice = flags.recompute_method is not None or flags.recompute_num_layers is not None
+    if granularity is None and layer_choice:
+        raise ArgumentError("--recompute-method and --recompute-num-layers choose the layers of recompute: "
+                            "add --recompute-granularity full (or --checkpoint-activations) or selective")
+    if granularity == "selective" and layer_choice and (flags.recompute_method != "block"
+                                                        or flags.recompute_num_layers is None):
+        raise ArgumentError("selective recompute runs in every layer, or with --recompute-method block "
+                            "--recompute-num-layers N in the first N layers of each pipeline stage: give both")
     if granularity != "selective" and flags.recompute_modules is not None:
         raise ArgumentError("--recompute-modules chooses what selective recompute recomputes: add "
                             "--recompute-granularity selective (or --recompute-activations)")

@@ -14,7 +14,8 @@ f = ffn hidden size, p = heads x kv channels, g = 2 with a GLU else 1):
   r is the share of the layers' forward matmul FLOPs that recompute runs again (``recomputed_fraction``):
   1 under full recompute, uniform; N·pp / L under block (each of pp stages recomputes its first N
   layers); selective: the recomputed modules' share of a layer (core_attn: the 4sp of attention, mlp:
-  the MLP's 2hf(g + 1); layernorm and mlp_act are elementwise, no matmul). r_V = 1 only under full
+  the MLP's 2hf(g + 1); layernorm and mlp_act are elementwise, no matmul), times N·pp / L under
+  block. r_V = 1 only under full
   uniform recompute, where Megatron-DeepSpeed counts 4 passes of everything (its
   --checkpoint-activations figure, kept for continuity); 0 otherwise.
 - model TFLOP/s = F / (t · world_size · 1e12) per GPU; MFU = model TFLOP/s / measured peak TFLOP/s.
@@ -46,9 +47,7 @@ def megatron_deepspeed_tflops(*, global_batch_size: int, seq_length: int, num_la
 def recomputed_fraction(config: GPTModelConfig, pipeline_model_parallel_size: int = 1) -> float:
     """r of the module docstring: the share of the transformer layers' forward matmul FLOPs run again."""
     if config.checkpoint_activations:
-        if config.recompute_method == "uniform":
-            return 1.0
-        return min(config.checkpoint_num_layers * pipeline_model_parallel_size, config.num_layers) / config.num_layers
+        return 1.0 if config.recompute_method == "uniform" else _block_share(config, pipeline_model_parallel_size)
     if not config.recompute_modules:
         return 0.0
     glu = config.glu_activation is not None
@@ -59,7 +58,13 @@ def recomputed_fraction(config: GPTModelConfig, pipeline_model_parallel_size: in
         recomputed += 4 * config.seq_length * config.projection_size
     if "mlp" in config.recompute_modules:
         recomputed += 2 * config.hidden_size * config.ffn_hidden_size * (3 if glu else 2)
-    return recomputed / layer
+    layers = _block_share(config, pipeline_model_parallel_size) if config.recompute_method == "block" else 1.0
+    return recomputed / layer * layers
+
+
+def _block_share(config: GPTModelConfig, pipeline_model_parallel_size: int) -> float:
+    """N p / L: the share of the layers that --recompute-method block recomputes in, the first N of each stage."""
+    return min(config.checkpoint_num_layers * pipeline_model_parallel_size, config.num_layers) / config.num_layers
 
 
 def model_flops(config: GPTModelConfig, global_batch_size: int, seq_length: int) -> float:

@@ -210,6 +210,16 @@ def test_activations_per_layer(changes, per_layer, logits):
 SBH = 32 * 2 * 64  # s b h of SMALL at micro batch 2
 
 
+def test_selective_block_recompute_frees_in_the_first_n_layers_of_the_stage():
+    layout = Layout(micro_batch_size=2, precision="bf16", recompute_modules=("mlp_act",))
+    every_layer = stage_activation_bytes(SMALL, layout, 0, layers=2).per_micro_batch
+    none = stage_activation_bytes(SMALL, replace(layout, recompute_modules=()), 0, layers=2).per_micro_batch
+    assert none - every_layer == pytest.approx(2 * 2 * SBH * 4)  # e f / h per layer, f = 4h
+    first = stage_activation_bytes(SMALL, replace(layout, recompute_method="block", checkpoint_num_layers=1), 0,
+                                   layers=2).per_micro_batch
+    assert first == pytest.approx((none + every_layer) / 2)
+
+
 @pytest.mark.parametrize("changes, per_layer", [
     ({}, SBH / 2 * 34),  # s b h / t (34 + 5as/h), fused attention: no scores
     ({"materialized_attention": True}, SBH / 2 * 34 + 5 * 4 * 32 ** 2 * 2 / 2),

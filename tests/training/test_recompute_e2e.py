@@ -3,7 +3,7 @@ attention and on the hidden states) give the losses and gradient norms of the ru
 under selective recompute (the default modules, and all four), full recompute by uniform chunks
 (--checkpoint-activations --checkpoint-num-layers 2) and by block (--recompute-method block
 --recompute-num-layers 2), and, on the pipeline engine at PP = 2, under block recompute of the first
-layer of each stage and under selective recompute.
+layer of each stage and under selective recompute in the first layer of each stage (block).
 
 Set-up: test_layout_equivalence's flags (fp32, CPU initialization, padded vocabulary 1152, clipping
 at 1.0 that every step triggers) with 4 layers, 3 iterations of 4 micro-batches. The recomputation
@@ -34,7 +34,7 @@ RUNS = {
     "pp2-block": (2, PP2 + ["--recompute-granularity", "full", "--recompute-method", "block",
                             "--recompute-num-layers", "1"]),
     "pp2-selective": (2, PP2 + ["--recompute-granularity", "selective", "--recompute-modules", "core_attn",
-                                "layernorm", "mlp_act"]),
+                                "layernorm", "mlp_act", "--recompute-method", "block", "--recompute-num-layers", "1"]),
 }
 
 

@@ -41,6 +41,8 @@ def refusal(extra):
       "--recompute-num-layers", "2"], (True, "uniform", 2, ())),
     (["--recompute-activations"], (False, "uniform", 1, SELECTIVE_RECOMPUTE_DEFAULT)),
     (["--recompute-granularity", "selective"], (False, "uniform", 1, SELECTIVE_RECOMPUTE_DEFAULT)),
+    (["--recompute-activations", "--recompute-method", "block", "--recompute-num-layers", "2"],
+     (False, "block", 2, SELECTIVE_RECOMPUTE_DEFAULT)),
     (["--recompute-activations", "--recompute-modules", "core_attn", "mlp", "core_attn"],
      (False, "uniform", 1, ("core_attn", "mlp"))),
     (["--recompute-activations", "--deterministic"],
@@ -61,7 +63,10 @@ def test_flags_set_the_model_config(flags, expected):
     (FULL + ["--checkpoint-num-layers", "2", "--recompute-num-layers", "3"],
      ["--recompute-num-layers 3", "--checkpoint-num-layers 2"]),
     (["--recompute-method", "block"], ["--recompute-method", "--recompute-granularity full"]),
-    (["--recompute-activations", "--recompute-num-layers", "2"], ["--recompute-num-layers", "full"]),
+    (["--recompute-activations", "--recompute-num-layers", "2"], ["--recompute-num-layers", "--recompute-method block"]),
+    (["--recompute-activations", "--recompute-method", "uniform", "--recompute-num-layers", "2"],
+     ["selective", "--recompute-method block"]),
+    (["--recompute-activations", "--recompute-method", "block"], ["--recompute-num-layers N", "give both"]),
     (["--recompute-modules", "core_attn"], ["--recompute-modules", "--recompute-granularity selective"]),
     (FULL + ["--recompute-modules", "core_attn"], ["--recompute-modules", "selective"]),
     (["--recompute-activations", "--recompute-modules", "moe_act"],
@@ -128,6 +133,9 @@ def test_hardware_flops_count_what_each_mode_recomputes():
     assert throughput.recomputed_fraction(core) == pytest.approx(1 / 7)
     mlp = dataclasses.replace(config, recompute_modules=("mlp",))
     assert throughput.recomputed_fraction(mlp) == pytest.approx(16 / 28)
+    core_in_6 = dataclasses.replace(core, recompute_method="block", checkpoint_num_layers=6)
+    assert throughput.recomputed_fraction(core_in_6) == pytest.approx(1 / 7 / 4)
+    assert throughput.recomputed_fraction(core_in_6, pipeline_model_parallel_size=2) == pytest.approx(1 / 7 / 2)
     with_block = throughput.megatron_deepspeed_tflops(checkpoint_activations=False, recomputed_fraction=0.25, **COMMON)
     layers = 24 * 8 * 2048 * 24 * 2048 ** 2 * (1 + 2048 / (6 * 2048))
     assert (with_block - none) * 1e12 == pytest.approx(0.25 * layers)

@@ -43,7 +43,7 @@ from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.models.gpt.embedding import Embedding, OutputLayer
 from megatron.core.models.gpt.gpt_model import language_model_loss
 from megatron.core.models.gpt.layer_norm import norm_class
-from megatron.core.models.gpt.transformer_layer import ParallelTransformerLayer
+from megatron.core.models.gpt.transformer_layer import ParallelTransformerLayer, limit_selective_recompute
 from megatron.core.parallel_state import ParallelGroups
 from megatron.core.tensor_parallel.mappings import (allreduce_sequence_parallel_gradients,
                                                     scatter_to_sequence_parallel_region,
@@ -299,7 +299,8 @@ class GPTModelPipe(PipelineModule):
     layers of a stage are recomputed in backward (DeepSpeed checkpoints only chunks made of
     transformer layers; the class name matters: DeepSpeed recognises "GPTModelPipe" for that rule).
     With --recompute-method block the first --recompute-num-layers transformer layers of each stage
-    are checkpointed one by one and the rest are not.
+    are checkpointed one by one and the rest are not; under selective recompute, block keeps its
+    modules to those layers.
     """
 
     def __init__(self, config: GPTModelConfig, groups: ParallelGroups, topology,
@@ -312,10 +313,11 @@ class GPTModelPipe(PipelineModule):
                          partition_method=partition_method, activation_checkpoint_interval=interval,
                          activation_checkpoint_func=TransformerChunkCheckpoint(
                              config.distribute_checkpointed_activations, groups.tp))
+        stage_layers = [f for f in self.forward_funcs if isinstance(f, ParallelTransformerLayerPipe)]
         if config.checkpoint_activations and config.recompute_method == "block":
-            stage_layers = [f for f in self.forward_funcs if isinstance(f, ParallelTransformerLayerPipe)]
             for layer in stage_layers[:config.checkpoint_num_layers]:
                 layer.block_recompute = self.activation_checkpoint_func
+        limit_selective_recompute(stage_layers, config)
         self.config = config
         self._sequence_parallel_group = groups.tp
         self._sequence_parallel_hooks = allreduce_sequence_parallel_gradients(self, groups.tp) \

@@ -1,5 +1,6 @@
 """GPTModelPipe under full recompute: uniform hands DeepSpeed the chunk interval; block checkpoints
-the first --recompute-num-layers transformer layers of each stage, one by one, and no other layer."""
+the first --recompute-num-layers transformer layers of each stage, one by one, and no other layer;
+under selective recompute, block keeps the recomputed modules to those layers."""
 import dataclasses
 
 import pytest
@@ -36,6 +37,9 @@ def _worker(rank, world_size):
                          partition_method="type:transformer")
     assert plain.activation_checkpoint_interval == 0
     assert all(layer.block_recompute is None for layer in _stage_layers(plain))
+    selective = GPTModelPipe(dataclasses.replace(config, checkpoint_activations=False, recompute_modules=("mlp_act",)),
+                             groups, topology, partition_method="type:transformer")
+    assert [layer.mlp.recompute_modules for layer in _stage_layers(selective)] == [("mlp_act",)] * 2 + [()]
 
 
 @pytest.mark.distributed

@@ -59,6 +59,7 @@ class ParallelSelfAttention(nn.Module):
         super().__init__()
         self.config = config
         self.layer_number = layer_number
+        self.recompute_modules = config.recompute_modules  # selective recompute's (limit_selective_recompute)
         self.heads_per_partition = divide(config.num_attention_heads, groups.tp_size)
         self.groups_per_partition = divide(config.num_query_groups, groups.tp_size)
         self.head_dim = config.kv_channels
@@ -95,7 +96,7 @@ class ParallelSelfAttention(nn.Module):
         causality included) or None for plain causal attention -> (output [s, b, h], bias [h])."""
         # [s, b, np * 3 * hn], whole s under sequence parallelism; the bias gradient is summed by the split
         mixed, _ = self.query_key_value(hidden_states, bias_grad_by_caller=True)
-        if "core_attn" in self.config.recompute_modules:
+        if "core_attn" in self.recompute_modules:
             return self._dense_of_recomputed_core(mixed, position_ids, attention_mask)
         return self.dense(self.attend(mixed, position_ids, attention_mask, self.query_key_value.bias))
 

@@ -85,7 +85,9 @@ class GPTModelConfig:
     as a unit) or "block" (the first ``checkpoint_num_layers`` layers of each pipeline stage, one by
     one; the rest keep their activations). A non-empty ``recompute_modules`` is selective recompute
     inside every layer: "core_attn" (the attention between the two projections), "layernorm" (the
-    two norms' outputs), "mlp_act" (the MLP's activation output), "mlp" (the whole MLP). Dropout masks
+    two norms' outputs), "mlp_act" (the MLP's activation output), "mlp" (the whole MLP); with
+    ``recompute_method`` "block", inside the first ``checkpoint_num_layers`` layers of each pipeline
+    stage only (our extension of Megatron-LM's flags: recompute just enough to fit). Dropout masks
     are replayed exactly (``tensor_parallel.random``).
     """
 

@@ -5,7 +5,7 @@ from torch import nn
 from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.models.gpt.embedding import Embedding, OutputLayer
 from megatron.core.models.gpt.layer_norm import build_norm
-from megatron.core.models.gpt.transformer_layer import ParallelTransformerLayer
+from megatron.core.models.gpt.transformer_layer import ParallelTransformerLayer, limit_selective_recompute
 from megatron.core.parallel_state import ParallelConfigError, ParallelGroups, group_size
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.mappings import (allreduce_sequence_parallel_gradients,
@@ -74,6 +74,7 @@ class GPTModel(nn.Module):
         self.embedding = Embedding(config, groups, device=device)
         self.layers = nn.ModuleList(ParallelTransformerLayer(config, number, groups, device=device)
                                     for number in range(1, config.num_layers + 1))
+        limit_selective_recompute(list(self.layers), config)
         self.final_layernorm = build_norm(config, device)
         self.output_layer = OutputLayer(config, groups, device) if config.untie_embeddings_and_output_weights else None
         if config.sequence_parallel:

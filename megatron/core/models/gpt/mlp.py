@@ -41,6 +41,7 @@ class ParallelMLP(nn.Module):
     def __init__(self, config: GPTModelConfig, layer_number: int, groups: ParallelGroups, device=None):
         super().__init__()
         self.config = config
+        self.recompute_modules = config.recompute_modules  # selective recompute's (limit_selective_recompute)
         gated = config.glu_activation is not None
         common = dict(tp_group=groups.tp, use_cpu_initialization=config.use_cpu_initialization,
                       params_dtype=config.params_dtype, device=device,
@@ -62,10 +63,10 @@ class ParallelMLP(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[s, b, h] -> (output [s, b, h], bias [h]).
 
-        Selective recompute (``config.recompute_modules``): "mlp" keeps only the input and recomputes
+        Selective recompute (``recompute_modules``): "mlp" keeps only the input and recomputes
         the whole MLP in backward; "mlp_act" keeps no copy of the activation's output [s, b, ffn / tp]:
         dense_4h_to_h's backward recomputes it (elementwise, from the kept first-layer output)."""
-        if "mlp" in self.config.recompute_modules and torch.is_grad_enabled():
+        if "mlp" in self.recompute_modules and torch.is_grad_enabled():
             output = checkpoint(self._output, False, hidden_states)
             return output, self.dense_4h_to_h.bias
         return self._projections(hidden_states)
@@ -75,7 +76,7 @@ class ParallelMLP(nn.Module):
 
     def _projections(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         intermediate, bias = self.dense_h_to_4h(hidden_states)  # [s, b, (2) ffn / tp]
-        if "mlp_act" not in self.config.recompute_modules:
+        if "mlp_act" not in self.recompute_modules:
             return self.dense_4h_to_h(self.activation(intermediate, bias))
         recompute = CheckpointWithoutOutput()
         activated = recompute.checkpoint(self.activation, intermediate, bias)

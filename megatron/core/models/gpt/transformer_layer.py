@@ -23,14 +23,16 @@ class ParallelTransformerLayer(nn.Module):
     it drives query-key layer scaling and the layout-independent init. With sequence parallelism
     x is this rank's [s / tp, b, h] block; the norms, dropouts and adds run on it, the dropouts
     under the model-parallel RNG stream (each rank holds other positions, so other masks).
-    Selective recompute "layernorm" (``config.recompute_modules``) keeps no copy of LN_1's and LN_2's
-    outputs: the projections' backward recomputes them from x and x'.
+    Selective recompute "layernorm" (``recompute_modules``) keeps no copy of LN_1's and LN_2's
+    outputs: the projections' backward recomputes them from x and x'. ``recompute_modules`` is the
+    config's, or none in a layer that ``limit_selective_recompute`` leaves out.
     """
 
     def __init__(self, config: GPTModelConfig, layer_number: int, groups: ParallelGroups, device=None):
         super().__init__()
         self.config = config
         self.layer_number = layer_number
+        self.recompute_modules = config.recompute_modules
         self.input_layernorm = build_norm(config, device)
         self.self_attention = ParallelSelfAttention(config, layer_number, groups, device=device)
         self.post_attention_layernorm = build_norm(config, device)
@@ -59,7 +61,7 @@ class ParallelTransformerLayer(nn.Module):
         """(norm(x) in the params dtype, the residual branch: norm(x) or x). Under selective recompute
         "layernorm" the norm runs through ``recompute``, whose ``consumers()`` then keep no copy of
         its output (pre-LN only: the output must not be the residual)."""
-        if recompute is not None and "layernorm" in self.config.recompute_modules:
+        if recompute is not None and "layernorm" in self.recompute_modules:
             return recompute.checkpoint(lambda x_: norm(x_).to(self.config.params_dtype), x), x
         if self.config.apply_residual_connection_post_layernorm:
             normed = norm(x).to(self.config.params_dtype)
@@ -78,3 +80,15 @@ class ParallelTransformerLayer(nn.Module):
             with get_rng_tracker().fork(MODEL_PARALLEL_RNG):
                 return add(*arguments)
         return add(*arguments)
+
+    def without_selective_recompute(self) -> None:
+        """This layer keeps all its activations, whatever the config's selective recompute."""
+        self.recompute_modules = self.self_attention.recompute_modules = self.mlp.recompute_modules = ()
+
+
+def limit_selective_recompute(stage_layers: list[ParallelTransformerLayer], config: GPTModelConfig) -> None:
+    """Selective recompute with --recompute-method block: its modules in the first N
+    (--recompute-num-layers) layers of the stage only; the others keep their activations."""
+    if config.recompute_modules and config.recompute_method == "block":
+        for layer in stage_layers[config.checkpoint_num_layers:]:
+            layer.without_selective_recompute()

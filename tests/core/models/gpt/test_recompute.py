@@ -28,6 +28,8 @@ MODES = {
     "mlp_act": dict(recompute_modules=("mlp_act",)),
     "mlp": dict(recompute_modules=("mlp",)),
     "selective-all": dict(recompute_modules=("core_attn", "layernorm", "mlp_act", "mlp")),
+    "selective-block-2": dict(recompute_modules=("core_attn", "layernorm", "mlp_act"), recompute_method="block",
+                              checkpoint_num_layers=2),
 }
 
 
@@ -69,22 +71,41 @@ def test_block_recompute_keeps_the_activations_of_the_layers_after_the_first_n()
     tokens = random_tokens(2, 16, 64, seed=1)
 
     def kept_bytes(**mode):
-        model = build(dataclasses.replace(config, **mode), seed=2).train()
-        storages = {}
-
-        def pack(tensor):
-            storages.setdefault(tensor.untyped_storage().data_ptr(), tensor)
-            return tensor
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            model(tokens[:, :-1], labels=tokens[:, 1:])
-        parameters = {p.data_ptr() for p in model.parameters()}
-        return sum(t.untyped_storage().nbytes() for ptr, t in storages.items() if ptr not in parameters)
+        return _kept_bytes(build(dataclasses.replace(config, **mode), seed=2), tokens)
 
     full = [kept_bytes(checkpoint_activations=True, recompute_method="block", checkpoint_num_layers=n)
             for n in range(1, 5)]
     steps = [a - b for a, b in zip([kept_bytes()] + full, full)]
     assert all(step > 0 for step in steps) and max(steps) - min(steps) == 0
     assert full[-1] == kept_bytes(checkpoint_activations=True)  # block 4 of 4 = uniform 1
+
+
+def test_selective_block_recompute_frees_in_the_first_n_layers_only():
+    """Selective recompute with --recompute-method block N: layers 1..N run the modules' recompute and
+    the others keep everything, so the bytes autograd keeps fall by the same amount per layer of N."""
+    config = tiny_config(num_layers=4, recompute_modules=("layernorm", "mlp_act"), recompute_method="block")
+    tokens = random_tokens(2, 16, 64, seed=1)
+    kept = [_kept_bytes(build(dataclasses.replace(config, checkpoint_num_layers=n), seed=2), tokens)
+            for n in range(1, 5)]
+    none = _kept_bytes(build(tiny_config(num_layers=4), seed=2), tokens)
+    steps = [a - b for a, b in zip([none] + kept, kept)]
+    assert all(step > 0 for step in steps) and max(steps) == min(steps)
+    assert kept[-1] == _kept_bytes(build(dataclasses.replace(config, recompute_method="uniform"), seed=2), tokens)
+    model = build(dataclasses.replace(config, checkpoint_num_layers=3), seed=2)
+    assert [layer.mlp.recompute_modules for layer in model.layers] == [("layernorm", "mlp_act")] * 3 + [()]
+
+
+def _kept_bytes(model, tokens) -> int:
+    """The bytes of the tensors autograd keeps for the backward of one training forward, parameters aside."""
+    storages = {}
+
+    def pack(tensor):
+        storages.setdefault(tensor.untyped_storage().data_ptr(), tensor)
+        return tensor
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model.train()(tokens[:, :-1], labels=tokens[:, 1:])
+    parameters = {p.data_ptr() for p in model.parameters()}
+    return sum(t.untyped_storage().nbytes() for ptr, t in storages.items() if ptr not in parameters)
 
 
 def test_selective_recompute_frees_what_it_recomputes():
