@@ -48,7 +48,8 @@
 #      1p3b_bf16 (micro-batch 8, no recompute), global batch 32 both; recompute_compare prints each run's
 #      mean model TFLOP/s (iterations after the first log line), max allocated MB and the ratio to the
 #      first run. Variants: 1p3b_mbs16_mlp_act (--recompute-modules mlp_act), 1p3b_mbs16_core_attn
-#      (core_attn layernorm mlp_act), 1p3b_mbs16 (no recompute: expected out of memory)
+#      (core_attn layernorm mlp_act), 1p3b_mbs16_mlp_act_block<N> (mlp_act in the first N layers only:
+#      --recompute-method block --recompute-num-layers N), 1p3b_mbs16 (no recompute: expected out of memory)
 #   13. DeepSpeed-Ulysses (RUNS="ulysses_1gpu_16k ulysses_1gpu_24k ulysses_1gpu_32k ulysses_s2_32k ulysses_compare"):
 #      the 1.3B GPT, bf16, ZeRO-1, micro-batch 1, global batch 8, log interval 2, on one GPU at sequences
 #      16384, 24576 and 32768 (expected out of memory: the longest that fits is the reference) and on two
@@ -369,12 +370,16 @@ for run in $RUNS; do
         1p3b_mbs16_selective) gpt_run 1p3b_mbs16_selective 24 2048 16 bf16 16 32 --recompute-activations ;;
         1p3b_mbs16_mlp_act) gpt_run 1p3b_mbs16_mlp_act 24 2048 16 bf16 16 32 --recompute-granularity selective \
                                 --recompute-modules mlp_act ;;
+        1p3b_mbs16_mlp_act_block*) gpt_run "$run" 24 2048 16 bf16 16 32 --recompute-granularity selective \
+                                       --recompute-modules mlp_act --recompute-method block \
+                                       --recompute-num-layers "${run##*_block}" ;;
         1p3b_mbs16_layernorm) gpt_run 1p3b_mbs16_layernorm 24 2048 16 bf16 16 32 --recompute-granularity selective \
                                   --recompute-modules layernorm ;;
         1p3b_mbs16_core_attn) gpt_run 1p3b_mbs16_core_attn 24 2048 16 bf16 16 32 --recompute-granularity selective \
                                   --recompute-modules core_attn layernorm mlp_act ;;
         recompute_compare) recompute_table 1p3b_bf16 1p3b_mbs16_selective 1p3b_mbs16_mlp_act 1p3b_mbs16_layernorm \
-                               1p3b_mbs16_core_attn 1p3b_mbs16 | tee "$OUT/recompute.txt" ;;
+                               1p3b_mbs16_core_attn $(fp8_logs 1p3b_mbs16_mlp_act_block) 1p3b_mbs16 \
+                               | tee "$OUT/recompute.txt" ;;
         ulysses_1gpu_16k) ulysses_run ulysses_1gpu_16k 1 16384 ;;
         ulysses_1gpu_24k) ulysses_run ulysses_1gpu_24k 1 24576 ;;
         ulysses_1gpu_32k) ulysses_run ulysses_1gpu_32k 1 32768 ;;
