@@ -55,7 +55,9 @@
 #      16384, 24576 and 32768 (expected out of memory: the longest that fits is the reference) and on two
 #      GPUs at 32768 with --ds-sequence-parallel-size 2; ulysses_compare prints each run's mean per-GPU
 #      model TFLOP/s, max allocated MB and the ratio to the first run. With 4 GPUs: ulysses_s4_64k (65536, S = 4);
-#      profile_ulysses_s2_32k profiles ulysses_s2_32k's fourth iteration on rank 0 into $OUT/profile_ulysses_s2_32k/
+#      profile_ulysses_s2_32k profiles ulysses_s2_32k's fourth iteration on rank 0 into $OUT/profile_ulysses_s2_32k/;
+#      ulysses_s2_32k_c<N> and ulysses_s4_64k_c<N> run with at most N chunks in the pipelined exchange
+#      (tests/gpu/ulysses_chunks)
 #   14. ZeRO-3 (RUNS="zero1_1p3b_dp2 zero3_1p3b_dp2 zero3_compare" on 2 GPUs): the 1.3B GPT, bf16, micro-batch 8,
 #      global batch 32, 12 iterations, log interval 2, at ZeRO-1 and at ZeRO-3 on two GPUs; zero3_compare prints
 #      each run's mean per-GPU model TFLOP/s, max allocated MB and the ratio to ZeRO-1 (with zero1_1p3b_dp2_mbsN and
@@ -306,7 +308,7 @@ fp8_speed_run() {  # name ngpus: fp8_1p3b_<recipe>_mbs<N> (one GPU) or fp8_6p7b_
     fi
 }
 
-fp8_logs() {  # prefix -> the runs in $OUT whose logs start with it (bf16 sorts first)
+logs_starting_with() {  # prefix -> the runs in $OUT whose logs start with it, sorted (bf16 before FP8)
     local log
     for log in "$OUT/$1"*.log; do [ -f "$log" ] && basename "$log" .log; done
 }
@@ -378,7 +380,7 @@ for run in $RUNS; do
         1p3b_mbs16_core_attn) gpt_run 1p3b_mbs16_core_attn 24 2048 16 bf16 16 32 --recompute-granularity selective \
                                   --recompute-modules core_attn layernorm mlp_act ;;
         recompute_compare) recompute_table 1p3b_bf16 1p3b_mbs16_selective 1p3b_mbs16_mlp_act 1p3b_mbs16_layernorm \
-                               1p3b_mbs16_core_attn $(fp8_logs 1p3b_mbs16_mlp_act_block) 1p3b_mbs16 \
+                               1p3b_mbs16_core_attn $(logs_starting_with 1p3b_mbs16_mlp_act_block) 1p3b_mbs16 \
                                | tee "$OUT/recompute.txt" ;;
         ulysses_1gpu_16k) ulysses_run ulysses_1gpu_16k 1 16384 ;;
         ulysses_1gpu_24k) ulysses_run ulysses_1gpu_24k 1 24576 ;;
@@ -386,17 +388,20 @@ for run in $RUNS; do
         ulysses_1gpu_48k) ulysses_run ulysses_1gpu_48k 1 49152 ;;
         ulysses_s2_32k) ulysses_run ulysses_s2_32k 2 32768 --ds-sequence-parallel-size 2 ;;
         ulysses_s4_64k) ulysses_run ulysses_s4_64k 4 65536 --ds-sequence-parallel-size 4 ;;
+        ulysses_s[24]_*k_c*) ULYSSES_MAX_CHUNKS=${run##*_c} PYTHONPATH=$PWD/tests/gpu/ulysses_chunks:$PYTHONPATH \
+                                 ulysses_run "$run" "${run:9:1}" $(( ${run:11:2} * 1024 )) \
+                                 --ds-sequence-parallel-size "${run:9:1}" ;;
         profile_ulysses_s2_32k) ITERS_ULYSSES=4 ulysses_run profile_ulysses_s2_32k 2 32768 --ds-sequence-parallel-size 2 \
                                     --tensorboard-dir "$OUT/profile_ulysses_s2_32k" --profile --use-pytorch-profiler \
                                     --profile-step-start 3 --profile-step-end 4 --profile-ranks 0 ;;
-        ulysses_compare) recompute_table ulysses_1gpu_16k ulysses_1gpu_24k ulysses_1gpu_32k ulysses_1gpu_48k ulysses_s2_32k \
-                             ulysses_s4_64k | tee "$OUT/ulysses.txt" ;;
+        ulysses_compare) recompute_table $(logs_starting_with ulysses_1gpu_) $(logs_starting_with ulysses_s2_) $(logs_starting_with ulysses_s4_) \
+                             | tee "$OUT/ulysses.txt" ;;
         zero1_1p3b_dp2) NGPUS=2 ZERO_STAGE=1 LOG_INTERVAL=2 ITERS=12 gpt_run zero1_1p3b_dp2 24 2048 16 bf16 8 32 ;;
         zero3_1p3b_dp2) NGPUS=2 ZERO_STAGE=3 LOG_INTERVAL=2 ITERS=12 gpt_run zero3_1p3b_dp2 24 2048 16 bf16 8 32 ;;
         zero[13]_1p3b_dp2_mbs*) NGPUS=2 ZERO_STAGE=${run:4:1} LOG_INTERVAL=2 ITERS=12 gpt_run "$run" 24 2048 16 bf16 \
                                     "${run##*_mbs}" $((4 * ${run##*_mbs})) ;;
-        zero3_compare) recompute_table zero1_1p3b_dp2 zero3_1p3b_dp2 $(fp8_logs zero1_1p3b_dp2_mbs) \
-                           $(fp8_logs zero3_1p3b_dp2_mbs) | tee "$OUT/zero3.txt" ;;
+        zero3_compare) recompute_table zero1_1p3b_dp2 zero3_1p3b_dp2 $(logs_starting_with zero1_1p3b_dp2_mbs) \
+                           $(logs_starting_with zero3_1p3b_dp2_mbs) | tee "$OUT/zero3.txt" ;;
         zero3_offload_2p7b) zero3_offload_run zero3_offload_2p7b 32 2560 32 ;;
         zero3_offload_6p7b) zero3_offload_run zero3_offload_6p7b 32 4096 32 ;;
         zero3_offload_13b) zero3_offload_run zero3_offload_13b 40 5120 40 ;;
@@ -484,8 +489,8 @@ for run in $RUNS; do
         w4096_tp2) NGPUS=2 ITERS=20 LOG_INTERVAL=1 gpt_run w4096_tp2 16 4096 32 bf16 4 16 --tensor-model-parallel-size 2 ;;
         w4096_tp2_overlap) NGPUS=2 ITERS=20 LOG_INTERVAL=1 gpt_run w4096_tp2_overlap 16 4096 32 bf16 4 16 \
                                --tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap ;;
-        fp8_1p3b_compare) recompute_table $(fp8_logs fp8_1p3b_) | tee "$OUT/fp8_1p3b.txt" ;;
-        fp8_6p7b_compare) recompute_table $(fp8_logs fp8_6p7b_tp2_) | tee "$OUT/fp8_6p7b.txt" ;;
+        fp8_1p3b_compare) recompute_table $(logs_starting_with fp8_1p3b_) | tee "$OUT/fp8_1p3b.txt" ;;
+        fp8_6p7b_compare) recompute_table $(logs_starting_with fp8_6p7b_tp2_) | tee "$OUT/fp8_6p7b.txt" ;;
         fp8_1p3b_*_mbs*) fp8_speed_run "$run" 1 ;;
         fp8_6p7b_tp2_*_mbs*) fp8_speed_run "$run" 2 ;;
         fp8_parity_compare) fp8_parity ;;
