@@ -140,9 +140,9 @@ class ParallelSelfAttention(nn.Module):
         size = group_size(group)
         if self.config.position_embedding_type == "rotary":  # the whole sequence's, in rank order
             position_ids = all_gather_along_first_dim(position_ids.t().contiguous(), group).t().contiguous()
-        chunks = ulysses.chunk_count(self.groups_per_partition, size)
-        share = self.groups_per_partition // (chunks * size)  # key/value groups per rank and chunk
         queries_per_group = self.config.queries_per_group
+        chunks = ulysses.chunk_count(self.groups_per_partition, size, queries_per_group)
+        share = self.groups_per_partition // (chunks * size)  # key/value groups per rank and chunk
 
         def attend_share(recv, chunk):
             first_group = chunk * share * size + self.sequence_parallel_rank * share

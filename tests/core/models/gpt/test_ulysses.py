@@ -1,7 +1,8 @@
 """DeepSpeed-Ulysses (ParallelGroups.sp) in GPTModel against the one-process model, on 4 gloo ranks.
 
-Layouts: S = 2 with two sample streams (TP = 1, D = 2), and S = 2 x TP = 2 (also with
---sequence-parallel, which splits each SP rank's positions over the TP ranks). Every SP rank feeds its
+Layouts: S = 2 with two sample streams (TP = 1, D = 2; also with the exchange in two chunks, which the
+tiny models' few heads otherwise never take), and S = 2 x TP = 2 (also with --sequence-parallel, which
+splits each SP rank's positions over the TP ranks). Every SP rank feeds its
 slice of the positions (tokens, labels, loss mask, position ids keep their global values); the loss
 each returns is S x its slice's share of the whole sequence's masked mean (gpt_model.sequence_slice_token_mean),
 so the mean over the SP group is the reference loss and the mean of the gradients (what the engine's
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.models.gpt import ulysses
 from megatron.core.models.gpt.masks import get_ltor_masks_and_position_ids
 from megatron.core.models.gpt.ulysses import chunk_count, pipelined_attention
 from megatron.core.parallel_state import initialize_model_parallel
@@ -63,7 +65,8 @@ def _check_parity(config, groups):
 
 
 def _ulysses_worker(rank, world_size):
-    for tp in (1, 2):
+    for tp, min_heads_per_call in ((1, ulysses.MIN_HEADS_PER_CALL), (1, 1), (2, ulysses.MIN_HEADS_PER_CALL)):
+        ulysses.MIN_HEADS_PER_CALL = min_heads_per_call  # 1: the tiny models' exchange in several chunks
         groups = initialize_model_parallel(tensor_model_parallel_size=tp, sequence_parallel_size=2)
         assert groups.sp_size == 2 and groups.data_shard_size == 2 // tp
         for overrides in CONFIGS:
@@ -139,6 +142,12 @@ def test_the_pipelined_exchange_sends_each_rank_its_groups_whole():
     run_distributed(_pipeline_worker, 2)
 
 
-@pytest.mark.parametrize("groups, size, chunks", [(16, 2, 4), (8, 2, 4), (6, 2, 3), (4, 4, 1), (14, 2, 1)])
-def test_the_chunk_count_splits_every_share_evenly(groups, size, chunks):
-    assert chunk_count(groups, size) == chunks
+@pytest.mark.parametrize("groups, size, queries, chunks", [
+    (16, 2, 1, 1),  # the 1.3B at S = 2: 8 heads per rank, one call
+    (32, 2, 1, 2), (64, 2, 1, 4), (128, 2, 1, 4),  # wider models: calls of 8, 8 and 16 heads
+    (48, 2, 1, 3), (28, 2, 1, 1),  # 24 heads: 3 calls of 8; 14 heads: 7 does not split into calls of 8 or more
+    (8, 2, 4, 2), (8, 4, 4, 1),  # grouped queries: 4 groups of 4 heads per rank, 2 calls of 8; 2 groups, 1 call
+    (4, 4, 1, 1),
+])
+def test_the_chunk_count_keeps_calls_of_eight_heads_and_splits_every_share_evenly(groups, size, queries, chunks):
+    assert chunk_count(groups, size, queries) == chunks
