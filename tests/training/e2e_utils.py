@@ -14,6 +14,8 @@ Every subprocess runs without any launcher variable inherited from the calling s
 (``CUDA_VISIBLE_DEVICES`` empty, ``DS_ACCELERATOR=cpu``, one thread per process) unless a GPU test
 asks otherwise, and is killed (with its process group) when it outruns its timeout. Every timeout
 is multiplied by MEGATRON_TEST_TIMEOUT_SCALE (default 1; e.g. 3 on a machine shared with other jobs).
+On a machine without CUDA the trainer's processes are forked from a warm interpreter that has
+imported torch and DeepSpeed (warm_launcher.py); MEGATRON_TEST_WARM=0 starts each as a new one.
 """
 import glob
 import importlib.util
@@ -32,6 +34,7 @@ import pytest
 from megatron.training.log_reader import IterationRecord, iteration_records, validation_records
 from tests.conftest import REPO_ROOT, SAMPLE_CORPUS
 from tests.dist_utils import free_port
+from tests.training.warm_launcher import WarmProcess
 
 PRETRAIN_SCRIPT = os.path.join(REPO_ROOT, "pretrain_gpt.py")
 EXAMPLES_DIR = os.path.join(REPO_ROOT, "examples")
@@ -159,13 +162,35 @@ class ProcessSpec:
     cpu_only: bool = True
 
 
+def start_process(command: list[str], env: dict, cwd: str, output, cpu_only: bool = True):
+    """``command`` started in its own session, stdout and stderr into ``output`` (a named file open for
+    writing): a subprocess.Popen, or for the trainer on a CPU machine a WarmProcess forked from the warm
+    launcher (tests/training/warm_launcher.py), which skips the imports of a new interpreter."""
+    if cpu_only and _warm_trainer(command):
+        return WarmProcess(command[1:], env, cwd, output.name)
+    return subprocess.Popen(command, cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _warm_trainer(command: list[str]) -> bool:
+    """``python pretrain_gpt.py ...`` on a machine without CUDA, unless MEGATRON_TEST_WARM=0."""
+    import torch
+
+    return (command[:2] == [sys.executable, PRETRAIN_SCRIPT] and os.environ.get("MEGATRON_TEST_WARM", "1") != "0"
+            and not torch.cuda.is_available())
+
+
+def _named_output() -> tempfile.NamedTemporaryFile:
+    """A file for a job's output that its processes can open by name; removed when closed."""
+    return tempfile.NamedTemporaryFile(mode="w+")
+
+
 def run_together(specs: list[ProcessSpec], timeout: float = DEFAULT_TIMEOUT) -> list[RunResult]:
     """Start every process at once (each in its own session), wait for all; kill the rest on timeout."""
     started = []
     for spec in specs:
-        output = tempfile.TemporaryFile(mode="w+")
-        process = subprocess.Popen(spec.command, cwd=spec.cwd, env=subprocess_env(spec.env, spec.cpu_only),
-                                   stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+        output = _named_output()
+        process = start_process(spec.command, subprocess_env(spec.env, spec.cpu_only), spec.cwd, output,
+                                spec.cpu_only)
         started.append((spec, process, output))
     deadline = time.monotonic() + scaled_timeout(timeout)
     results = []
@@ -266,14 +291,13 @@ def run_ranks(command: list[str], nproc: int, *, env: dict | None = None,
     session; whatever ends the job (success, a failing rank, the timeout, an exception here) leaves
     no rank running."""
     port = free_port()
-    with tempfile.TemporaryFile(mode="w+") as output:
+    with _named_output() as output:
         processes = []
         try:
             for rank in range(nproc):
-                processes.append(subprocess.Popen(
-                    [sys.executable, *command], cwd=REPO_ROOT,
-                    env=subprocess_env({**(env or {}), **rank_variables(rank, nproc, port)}),
-                    stdout=output, stderr=subprocess.STDOUT, start_new_session=True))
+                processes.append(start_process(
+                    [sys.executable, *command], subprocess_env({**(env or {}), **rank_variables(rank, nproc, port)}),
+                    REPO_ROOT, output))
             status, timed_out = wait_for_ranks(processes, scaled_timeout(timeout))
         finally:
             kill_sessions(processes)
@@ -304,8 +328,7 @@ class Job:
     def __init__(self, commands_and_envs, timeout: float = DEFAULT_TIMEOUT):
         self.timeout = scaled_timeout(timeout)
         self.output = tempfile.NamedTemporaryFile("w+", delete=False)
-        self.processes = [subprocess.Popen(command, cwd=REPO_ROOT, env=subprocess_env(env), stdout=self.output,
-                                           stderr=subprocess.STDOUT, start_new_session=True)
+        self.processes = [start_process(command, subprocess_env(env), REPO_ROOT, self.output)
                           for command, env in commands_and_envs]
 
     def text(self) -> str:
