@@ -2,23 +2,8 @@
 # call 4 (x4): FP8 after the delayed-scaling fix. GPU 0: the FP8 GPU tests, then the 1.3B bf16/FP8 runs at
 # micro-batch 16 and a profile of FP8 delayed; GPUs 1,2: the overlapped FP8 test, then the 6.7B at TP = 2;
 # GPU 3: the four loss-parity runs at once. Everything tarred into $OUT/runs.tgz
-set -o pipefail
-RESULTS=$OUT
-export OUT=/tmp/runs PARITY_ITERS=2000
-mkdir -p $OUT
-T0=$(date +%s)
-stamp() { echo "$(($(date +%s) - T0)) s: $*" >> $OUT/timeline.txt; }
-finish() { stamp finish; tar czf $RESULTS/runs.tgz --exclude='*.pt.trace.json' -C $OUT . ; cp $OUT/timeline.txt $RESULTS/; }
-trap finish EXIT
-nvidia-smi --query-gpu=name,memory.total --format=csv > $OUT/device.txt
-summarize() {  # run: its trace's tables
-    local trace
-    trace=$(ls $OUT/$1/*.pt.trace.json 2>/dev/null | head -n 1)
-    [ -n "$trace" ] || return
-    timeout 60 python3 tools/benchmarks/trace_summary.py "$trace" > $OUT/$1_summary.md 2>&1
-    timeout 60 python3 tools/benchmarks/trace_summary.py --by-operator "$trace" > $OUT/$1_by_operator.md 2>&1
-    timeout 60 python3 tools/benchmarks/trace_summary.py --idle "$trace" > $OUT/$1_idle.md 2>&1
-}
+source tests/gpu/device_call.sh
+export PARITY_ITERS=2000
 stamp start
 (LANES="3=fp8_parity_side_by_side" RUNS=fp8_parity_compare bash tests/gpu/run_trainer.sh > $OUT/parity_driver.log 2>&1
  stamp parity) &
@@ -39,9 +24,6 @@ export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
  GPU_IDS=1,2 MASTER_PORT=29531 LANE=7 RUNS="fp8_6p7b_tp2_bf16-overlap_mbs4 fp8_6p7b_tp2_delayed-overlap_mbs8 fp8_6p7b_compare fp8_6p7b_tp2_delayed-overlap_mbs4 fp8_6p7b_tp2_bf16-overlap_mbs8 fp8_6p7b_compare" \
      bash tests/gpu/run_trainer.sh > $OUT/lane12.log 2>&1
  stamp lane12) &
-deadline=$((T0 + 550))
-while [ -n "$(jobs -rp)" ] && [ "$(date +%s)" -lt $deadline ]; do sleep 5; done
-stamp "done or deadline"
-kill $(jobs -rp) 2>/dev/null
+wait_for_lanes 550
 [ -f $OUT/fp8_parity.txt ] || (timeout 20 python3 tests/gpu/fp8_parity.py $OUT/fp8_parity_bf16.log $OUT/fp8_parity_delayed.log \
     $OUT/fp8_parity_tensorwise.log $OUT/fp8_parity_rowwise.log > $OUT/fp8_parity_partial.txt 2>&1)

@@ -3,32 +3,10 @@
 # the pipelined Ulysses exchange (d2a83b1). GPUs 0,1: the 6.7B bf16/FP8 pairs at micro-batch 8 and 16, then ZeRO-1
 # against ZeRO-3 at DP = 2 (micro-batch 8). GPUs 2,3: Ulysses S = 2 at 32768 and its profile, one GPU at 49152 and at
 # 32768 side by side, then ZeRO-1 against ZeRO-3 at micro-batch 16. Everything tarred into $OUT/runs.tgz
-set -o pipefail
-RESULTS=$OUT
-export OUT=/tmp/runs ITERS_ULYSSES=6
-mkdir -p $OUT
-T0=$(date +%s)
-stamp() { echo "$(($(date +%s) - T0)) s: $*" >> $OUT/timeline.txt; }
-finish() { stamp finish; tar czf $RESULTS/runs.tgz --exclude='*.pt.trace.json' -C $OUT . ; cp $OUT/timeline.txt $RESULTS/; }
-trap finish EXIT
-nvidia-smi --query-gpu=name,memory.total --format=csv > $OUT/device.txt
-summarize() {  # run: its trace's tables
-    local trace
-    trace=$(ls $OUT/$1/*.pt.trace.json 2>/dev/null | head -n 1)
-    [ -n "$trace" ] || return
-    timeout 60 python3 tools/benchmarks/trace_summary.py "$trace" > $OUT/$1_summary.md 2>&1
-    timeout 60 python3 tools/benchmarks/trace_summary.py --by-operator "$trace" > $OUT/$1_by_operator.md 2>&1
-    timeout 60 python3 tools/benchmarks/trace_summary.py --idle "$trace" > $OUT/$1_idle.md 2>&1
-}
+source tests/gpu/device_call.sh
+export ITERS_ULYSSES=6
 stamp start
-RUNS=" " bash tests/gpu/run_trainer.sh > $OUT/prepare.log 2>&1  # installs the wheels, prepares the data
-stamp prepared
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
-trainer() {  # gpus lane runs...
-    local gpus=$1 lane=$2
-    shift 2
-    GPU_IDS=$gpus MASTER_PORT=$((29511 + 10 * lane)) LANE=$lane RUNS="$*" bash tests/gpu/run_trainer.sh >> $OUT/lane$lane.log 2>&1
-}
+prepare_machine  # installs the wheels, prepares the data
 (ITERS_FP8=8 trainer 0,1 1 fp8_6p7b_tp2_bf16-overlap_mbs8_gbs64 fp8_6p7b_tp2_delayed-overlap_mbs8_gbs64 \
      fp8_6p7b_tp2_bf16-overlap_mbs16_gbs64 fp8_6p7b_tp2_delayed-overlap_mbs16_gbs64 fp8_6p7b_compare
  stamp fp8_6p7b
@@ -43,8 +21,5 @@ trainer() {  # gpus lane runs...
  stamp ulysses_1gpu
  trainer 2,3 2 zero1_1p3b_dp2_mbs16 zero3_1p3b_dp2_mbs16
  stamp zero_mbs16) &
-deadline=$((T0 + 555))
-while [ -n "$(jobs -rp)" ] && [ "$(date +%s)" -lt $deadline ]; do sleep 5; done
-stamp "lanes done or deadline"
-kill $(jobs -rp) 2>/dev/null
+wait_for_lanes 555
 RUNS="ulysses_compare zero3_compare fp8_6p7b_compare" LANE=6 timeout 20 bash tests/gpu/run_trainer.sh > $OUT/compare.log 2>&1

@@ -3,24 +3,10 @@
 # Ulysses' one-GPU reference at 49152; GPU 1: ZeRO-3 with CPU offload of the 6.7B, then one GPU at 32768; GPUs 2,3:
 # Ulysses S = 2 with 1, 2 and 4 chunks, then ZeRO-1 against ZeRO-3 at micro-batch 32; then, if the time allows,
 # Ulysses S = 4 at 65536 on the four GPUs. Everything tarred into $OUT/runs.tgz
-set -o pipefail
-RESULTS=$OUT
-export OUT=/tmp/runs ITERS_ULYSSES=6 ITERS_OFFLOAD=6
-mkdir -p $OUT
-T0=$(date +%s)
-stamp() { echo "$(($(date +%s) - T0)) s: $*" >> $OUT/timeline.txt; }
-finish() { stamp finish; tar czf $RESULTS/runs.tgz --exclude='*.pt.trace.json' -C $OUT . ; cp $OUT/timeline.txt $RESULTS/; }
-trap finish EXIT
-nvidia-smi --query-gpu=name,memory.total --format=csv > $OUT/device.txt
+source tests/gpu/device_call.sh
+export ITERS_ULYSSES=6 ITERS_OFFLOAD=6
 stamp start
-RUNS=" " bash tests/gpu/run_trainer.sh > $OUT/prepare.log 2>&1  # installs the wheels, prepares the data
-stamp prepared
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
-trainer() {  # gpus lane runs...
-    local gpus=$1 lane=$2
-    shift 2
-    GPU_IDS=$gpus MASTER_PORT=$((29511 + 10 * lane)) LANE=$lane RUNS="$*" bash tests/gpu/run_trainer.sh >> $OUT/lane$lane.log 2>&1
-}
+prepare_machine  # installs the wheels, prepares the data
 (ITERS=16 LOG_INTERVAL=2 trainer 0 1 1p3b_bf16@h100 1p3b_mbs16_mlp_act_block6@h100 1p3b_mbs16_mlp_act_block8@h100 \
      1p3b_mbs16_mlp_act@h100
  stamp recompute
@@ -34,14 +20,10 @@ trainer() {  # gpus lane runs...
  stamp ulysses_s2
  trainer 2,3 3 zero1_1p3b_dp2_mbs32 zero3_1p3b_dp2_mbs32
  stamp zero_mbs32) &
-deadline=$((T0 + 560))
-while [ -n "$(jobs -rp)" ] && [ "$(date +%s)" -lt $deadline ]; do sleep 5; done
-stamp "lanes done or deadline"
-kill $(jobs -rp) 2>/dev/null
+wait_for_lanes 560
 if [ $(($(date +%s) + 140)) -lt $deadline ]; then
     (trainer 0,1,2,3 4 ulysses_s4_64k_c2; stamp s4) &
-    while [ -n "$(jobs -rp)" ] && [ "$(date +%s)" -lt $deadline ]; do sleep 5; done
-    kill $(jobs -rp) 2>/dev/null
+    wait_for_lanes 560
 fi
 RUNS="recompute_compare zero3_offload_compare ulysses_compare zero3_compare" LANE=6 timeout 20 \
     bash tests/gpu/run_trainer.sh > $OUT/compare.log 2>&1
