@@ -58,8 +58,8 @@ def _read_exactly(connection: socket.socket, size: int) -> bytes:
 
 
 def _run_child(command: list[str], env: dict, cwd: str, output: str) -> None:
-    """In the forked child: become the script's interpreter, then exit with its status (never returns)."""
-    os.setsid()
+    """In the forked child, a session leader already: become the script's interpreter, then exit with its
+    status (never returns)."""
     descriptor = os.open(output, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -157,14 +157,22 @@ def serve(path: str) -> None:
             request = _receive(connection)
             _reap(finished)
             if request[0] == "start":
+                led, leading = os.pipe()
                 pid = os.fork()
                 if pid == 0:
                     try:
                         listener.close()
                         connection.close()
+                        os.setsid()
+                        os.write(leading, b"1")
+                        os.close(leading)
+                        os.close(led)
                         _run_child(*request[1:])
                     finally:
                         os._exit(70)  # _run_child failed before the script: never back into this loop
+                os.close(leading)
+                os.read(led, 1)  # the pid is answered once it leads its session: killpg reaches it at once
+                os.close(led)
                 finished.pop(pid, None)  # a status left by an earlier child of the same pid
                 _send(connection, pid)
             else:
