@@ -34,6 +34,7 @@ from megatron.training.data_loading import DataLoadingError, check_dataset_files
 from megatron.training.dist_utils import first_to_report, peer_lost, rank, world_size  # noqa: E402
 from megatron.training.initialize import FusedKernelConstraintError  # noqa: E402
 from megatron.training.lr_schedule import LRScheduleError  # noqa: E402
+from megatron.training.signals import exit_without_finalization  # noqa: E402
 from megatron.training.training import TrainingDivergedError, pretrain  # noqa: E402
 
 # How long every rank stays after an error: rank 0 holds the store the others ask whether it is reported, and
@@ -98,3 +99,4 @@ def report_run_failure(error: Exception):
 
 if __name__ == "__main__":
     main()
+    exit_without_finalization(0)

@@ -28,6 +28,8 @@ import subprocess
 import sys
 import time
 
+from megatron.training.signals import run_exit_handlers
+
 PRELOAD = ("torch", "torch.distributed", "torch.optim", "torch._dynamo", "deepspeed")
 STARTUP_TIMEOUT = 120  # seconds for the server's imports, times MEGATRON_TEST_TIMEOUT_SCALE
 _server = None  # (process, socket path) of this test session's server
@@ -91,9 +93,7 @@ def _run_child(command: list[str], env: dict, cwd: str, output: str) -> None:
 
 def _interpret(script: str) -> int:
     """Run ``script`` as __main__ and finish as the interpreter would: its exit status."""
-    import atexit
     import runpy
-    import threading
     import traceback
 
     status, interrupted = 0, False
@@ -112,10 +112,7 @@ def _interpret(script: str) -> int:
     except BaseException:  # noqa: BLE001 - the interpreter reports any uncaught exception the same way
         traceback.print_exc()
         status = 1
-    threading._shutdown()  # the interpreter joins the non-daemon threads before the atexit handlers
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
+    run_exit_handlers()
     if interrupted:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
