@@ -241,14 +241,16 @@ def run_summary_lines(totals: RunTotals, iteration: int, consumed_samples: int, 
 # ---------------------------------------------------------------------------------------- memory
 
 
-def memory_report_line(rank: int, iteration: int, device=None) -> str:
+def memory_report_line(rank: int, iteration: int, device=None, moment: str | None = None) -> str:
     """``[Rank r] (after N iterations) memory (MB) | allocated: ... | max allocated: ... | reserved: ... |
-    max reserved: ...`` from the CUDA allocator of ``device``.
+    max reserved: ...`` from the CUDA allocator of ``device``; ``moment`` replaces "after N iterations"
+    (the line after set-up: what the model, optimizer and engine hold before the first step, and the
+    peak of building them).
 
     On CPU (``device`` None or a CPU device) the process's peak resident set size is reported
     instead: ``[Rank r] (after N iterations) memory (MB) | max resident: ...``.
     """
-    label = f"[Rank {rank}] (after {iteration} iterations) memory (MB)"
+    label = f"[Rank {rank}] ({moment or f'after {iteration} iterations'}) memory (MB)"
     if device is None or torch.device(device).type != "cuda":
         # ru_maxrss is in kilobytes on Linux.
         max_resident = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0

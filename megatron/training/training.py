@@ -71,6 +71,7 @@ from megatron.training.timers import Timers
 
 LOSS_KEY = "lm loss"
 BILLION = 1e9
+SETUP_MOMENT = "after model, optimizer, and learning rate scheduler are built"
 
 
 class TrainingDivergedError(RuntimeError):
@@ -193,7 +194,9 @@ class Trainer:
                 self.curriculum.restore(loaded.curriculum_seqlen)
         self.calculator.update(self.progress.consumed_train_samples)
         self.first_iteration = self.progress.iteration + 1
-        dist_utils.print_rank_0(datetime_line("after model, optimizer, and learning rate scheduler are built"))
+        dist_utils.print_rank_0(datetime_line(SETUP_MOMENT))
+        if self.device.type == "cuda":  # the set-up's own peak, apart from the training's (the GPU's allocator only)
+            self._report_memory(self.progress.iteration, SETUP_MOMENT)
         self.named_sets = not config.data.dataset.data_path
         self.iterators = self._build_data()
         try:
@@ -506,12 +509,13 @@ class Trainer:
             self.memory_reported = True
             self._report_memory(p.iteration)
 
-    def _report_memory(self, iteration: int):
+    def _report_memory(self, iteration: int, moment: str | None = None):
         """Collective. Rank 0 prints the memory line of the rank that used the most (ranks of DP index
         0 compete: their replicas use what theirs do), with how many ranks were compared."""
         entry = None
         if self.groups.dp_rank == 0:
-            entry = (peak_memory_megabytes(self.device), memory_report_line(dist_utils.rank(), iteration, self.device))
+            entry = (peak_memory_megabytes(self.device),
+                     memory_report_line(dist_utils.rank(), iteration, self.device, moment))
         entries = [found for found in dist_utils.gather_objects(entry) if found is not None]
         line = max(entries)[1]
         if len(entries) > 1:

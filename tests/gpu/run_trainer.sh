@@ -55,9 +55,9 @@
 #      16384, 24576 and 32768 (expected out of memory: the longest that fits is the reference) and on two
 #      GPUs at 32768 with --ds-sequence-parallel-size 2; ulysses_compare prints each run's mean per-GPU
 #      model TFLOP/s, max allocated MB and the ratio to the first run. With 4 GPUs: ulysses_s4_64k (65536, S = 4);
-#      profile_ulysses_s2_32k profiles ulysses_s2_32k's fourth iteration on rank 0 into $OUT/profile_ulysses_s2_32k/;
-#      ulysses_s2_32k_c<N> and ulysses_s4_64k_c<N> run with at most N chunks in the pipelined exchange
-#      (tests/gpu/ulysses_chunks)
+#      variants ulysses_s<S>_<K>k[_c<N>][_peer] run S GPUs at K x 1024 with the exchange in exactly N chunks and/or
+#      through peer memory (copy engines) instead of NCCL (tests/gpu/ulysses_chunks); profile_<variant> profiles
+#      its fourth iteration on rank 0 into $OUT/profile_<variant>/
 #   14. ZeRO-3 (RUNS="zero1_1p3b_dp2 zero3_1p3b_dp2 zero3_compare" on 2 GPUs): the 1.3B GPT, bf16, micro-batch 8,
 #      global batch 32, 12 iterations, log interval 2, at ZeRO-1 and at ZeRO-3 on two GPUs; zero3_compare prints
 #      each run's mean per-GPU model TFLOP/s, max allocated MB and the ratio to ZeRO-1 (with zero1_1p3b_dp2_mbsN and
@@ -244,13 +244,14 @@ reliability_runs() {  # precision: save at 10 of 20 deterministic iterations, re
 }
 
 recompute_table() {  # run... : mean model TFLOP/s after the first log line, max allocated MB, ratio to the first run
-    # (the memory line comes once, at the first log line: log interval 2 or more puts a whole step with the
-    # optimizer states in its peak, which interval 1 does not)
+    # (the iterations' memory line comes once, at the first log line: log interval 2 or more puts a whole step
+    # with the optimizer states in its peak, which interval 1 does not; on the GPU a line after set-up comes first)
     local run first=
     for run in "$@"; do
         local log=$OUT/$run.log tflops peak
         tflops=$(grep -so "model TFLOP/s: [0-9.]*" "$log" | tail -n +2 | awk '{s += $3; n++} END {if (n) printf "%.2f", s / n}')
-        peak=$(grep -so "max allocated: [0-9.]*" "$log" | head -n 1 | awk '{printf "%.0f", $3}')
+        peak=$(grep -s "iterations) memory (MB)" "$log" | grep -o "max allocated: [0-9.]*" | head -n 1 \
+               | awk '{printf "%.0f", $3}')
         [ -z "$first" ] && first=$tflops
         echo "$run | model TFLOP/s: ${tflops:-none} | max allocated MB: ${peak:-none} | vs $1: $(awk -v a="$tflops" -v b="$first" 'BEGIN {if (a && b) printf "%.1f%%", 100 * a / b; else print "n/a"}')"
     done
@@ -261,6 +262,16 @@ ulysses_run() {  # name ngpus seq [flags...]: the 1.3B GPT at sequence seq, micr
     shift 3
     NGPUS=$ngpus SEQ=$seq ITERS=${ITERS_ULYSSES:-10} LOG_INTERVAL=2 gpt_run "$name" 24 2048 16 bf16 1 8 \
         --max-position-embeddings "$seq" "$@"
+}
+
+ulysses_variant() {  # name ulysses_s<S>_<K>k[_c<N>][_peer] [flags...]: S GPUs at K x 1024 positions, the exchange in
+    # exactly N chunks and/or through peer memory (tests/gpu/ulysses_chunks sets them in each rank)
+    local name=$1 spec=$2 chunks="" exchange=""
+    shift 2
+    [[ $spec =~ _c([0-9]+) ]] && chunks=${BASH_REMATCH[1]}
+    [[ $spec == *_peer* ]] && exchange=peer
+    ULYSSES_CHUNKS=$chunks ULYSSES_EXCHANGE=$exchange PYTHONPATH=$PWD/tests/gpu/ulysses_chunks:$PYTHONPATH \
+        ulysses_run "$name" "${spec:9:1}" $(( ${spec:11:2} * 1024 )) --ds-sequence-parallel-size "${spec:9:1}" "$@"
 }
 
 zero3_offload_run() {  # name layers hidden heads [flags...]: one GPU, ZeRO-3, parameters and optimizer on the CPU
@@ -388,12 +399,10 @@ for run in $RUNS; do
         ulysses_1gpu_48k) ulysses_run ulysses_1gpu_48k 1 49152 ;;
         ulysses_s2_32k) ulysses_run ulysses_s2_32k 2 32768 --ds-sequence-parallel-size 2 ;;
         ulysses_s4_64k) ulysses_run ulysses_s4_64k 4 65536 --ds-sequence-parallel-size 4 ;;
-        ulysses_s[24]_*k_c*) ULYSSES_MAX_CHUNKS=${run##*_c} PYTHONPATH=$PWD/tests/gpu/ulysses_chunks:$PYTHONPATH \
-                                 ulysses_run "$run" "${run:9:1}" $(( ${run:11:2} * 1024 )) \
-                                 --ds-sequence-parallel-size "${run:9:1}" ;;
-        profile_ulysses_s2_32k) ITERS_ULYSSES=4 ulysses_run profile_ulysses_s2_32k 2 32768 --ds-sequence-parallel-size 2 \
-                                    --tensorboard-dir "$OUT/profile_ulysses_s2_32k" --profile --use-pytorch-profiler \
-                                    --profile-step-start 3 --profile-step-end 4 --profile-ranks 0 ;;
+        ulysses_s[24]_*k_*) ulysses_variant "$run" "$run" ;;
+        profile_ulysses_s[24]_*k*) ITERS_ULYSSES=4 ulysses_variant "$run" "${run#profile_}" --tensorboard-dir "$OUT/$run" \
+                                       --profile --use-pytorch-profiler --profile-step-start 3 --profile-step-end 4 \
+                                       --profile-ranks 0 ;;
         ulysses_compare) recompute_table $(logs_starting_with ulysses_1gpu_) $(logs_starting_with ulysses_s2_) $(logs_starting_with ulysses_s4_) \
                              | tee "$OUT/ulysses.txt" ;;
         zero1_1p3b_dp2) NGPUS=2 ZERO_STAGE=1 LOG_INTERVAL=2 ITERS=12 gpt_run zero1_1p3b_dp2 24 2048 16 bf16 8 32 ;;

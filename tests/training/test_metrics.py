@@ -265,6 +265,8 @@ def test_memory_line_on_cpu():
     line = metrics.memory_report_line(3, 10)
     match = re.fullmatch(r"\[Rank 3\] \(after 10 iterations\) memory \(MB\) \| max resident: (\d+\.\d+)", line)
     assert match and float(match[1]) > 10.0
+    line = metrics.memory_report_line(3, 0, moment="after model, optimizer, and learning rate scheduler are built")
+    assert line.startswith("[Rank 3] (after model, optimizer, and learning rate scheduler are built) memory (MB) | ")
 
 
 @pytest.mark.gpu

@@ -24,7 +24,7 @@ from megatron.core.tensor_parallel.utils import (all_gather_along_first_dim, div
 
 
 class _PeerBuffers:
-    """Two slots of symmetric memory per TP group (each rank's slots writable by its peers over
+    """Two slots of symmetric memory per group (the TP group, or Ulysses' sequence-parallel group) (each rank's slots writable by its peers over
     NVLink), used in turn by the fused collectives below, and a side stream for the peer copies
     (of high priority: its barrier kernel takes the first SM a GEMM beside it frees).
 
@@ -59,9 +59,10 @@ class _PeerBuffers:
             self.memory = self.symmetric_memory.empty(2 * slot_bytes, dtype=torch.uint8, device=device)
             self.handle = self.symmetric_memory.rendezvous(self.memory, self.group.group_name)
         except RuntimeError as error:
-            raise RuntimeError("the TP group's GPUs cannot map each other's memory (symmetric memory: "
-                               f"{error}); --tp-comm-overlap needs the TP group on one node with peer access "
-                               "(NVLink or PCIe P2P): drop the flag") from error
+            raise RuntimeError("the group's GPUs cannot map each other's memory (symmetric memory: "
+                               f"{error}); --tp-comm-overlap needs the TP group, the peer exchange of "
+                               "DeepSpeed-Ulysses the sequence-parallel group, on one node with peer access "
+                               "(NVLink or PCIe P2P)") from error
         self.slot_bytes, self.views = slot_bytes, {}
 
     def next_slot(self, nbytes: int, device: torch.device) -> int:
@@ -254,6 +255,48 @@ class _OwnBlockAfterTransfers:
         for partial in self.more_received:
             self.output += partial
         self.product.add_into(*self.own, self.output)
+
+
+class _SideStreamWork:
+    """A collective running on a side stream: ``wait()`` makes the current stream wait for its end."""
+
+    def __init__(self, done: torch.cuda.Event):
+        self.done = done
+
+    def wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self.done)
+
+
+def start_peer_all_to_all(blocks: torch.Tensor, group: ProcessGroup) -> tuple[torch.Tensor, object]:
+    """``start_all_to_all`` through symmetric memory: blocks [k, ...] (block j for rank j), launched on
+    the side stream: (received [k, ...], work), received[j] rank j's block for this rank after
+    ``work.wait()``.
+
+    Pulled, not pushed: the side stream gathers the peers' blocks into this rank's slot (at their
+    place), passes the group's barrier, then copies each peer's block for this rank out of that peer's
+    slot (copy engines over NVLink: no SMs taken from the computation beside it) and its own block
+    from ``blocks``. Everything ends on the side stream, so several may be in flight: a slot is written
+    again two calls later, after the next call's barrier, which each peer passes only once its copies
+    of this one are done (``_PeerBuffers``)."""
+    peers, current = _peer_buffers(group), torch.cuda.current_stream()
+    block_shape, dtype = blocks.shape[1:], blocks.dtype
+    block_bytes = blocks[0].numel() * dtype.itemsize
+    offset = peers.next_slot(peers.size * block_bytes, blocks.device)
+    others = [rank for rank in range(peers.size) if rank != peers.rank]
+    received = torch.empty(blocks.shape, dtype=dtype, device=blocks.device)
+    peers.stream.wait_stream(current)
+    with torch.cuda.stream(peers.stream):
+        for rank in others:  # into this rank's slot, at the destination's place
+            peers.view(peers.rank, offset + rank * block_bytes, block_shape, dtype).copy_(blocks[rank])
+        peers.barrier()  # past it, every peer's slot holds its blocks of this call
+        for rank in others:
+            received[rank].copy_(peers.view(rank, offset + peers.rank * block_bytes, block_shape, dtype))
+        received[peers.rank].copy_(blocks[peers.rank])
+        done = torch.cuda.Event()
+        done.record()
+    blocks.record_stream(peers.stream)  # a source freed before the copies end stays out of the current pool
+    received.record_stream(peers.stream)
+    return received, _SideStreamWork(done)
 
 
 def start_reduce_scatter_product(product: RowBlockProduct, group: ProcessGroup) -> tuple[torch.Tensor, object]:

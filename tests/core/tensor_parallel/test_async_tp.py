@@ -5,7 +5,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.tensor_parallel.async_tp import (all_gather_matmul, all_gather_matmul_each_block,
-                                                    matmul_reduce_scatter, start_matmul_reduce_scatter)
+                                                    matmul_reduce_scatter, start_matmul_reduce_scatter,
+                                                    start_peer_all_to_all)
 from megatron.core.tensor_parallel.utils import all_gather_along_first_dim, reduce_scatter_along_first_dim
 from tests.dist_utils import run_distributed
 
@@ -141,3 +142,32 @@ def test_overlapped_layers_on_two_gpus():
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "rowwise"])
 def test_overlapped_fp8_layers_on_two_gpus(recipe):
     run_distributed(_overlapped_layers, 2, recipe, backend="nccl")
+
+
+def _peer_all_to_all_matches_nccl(rank, world_size):
+    """start_peer_all_to_all against NCCL's all_to_all_single: strided sources (as Ulysses sends them),
+    several exchanges in flight at once over both slots, shapes that grow the slots, sources dropped
+    before the wait and new allocations between start and wait."""
+    group, device = dist.group.WORLD, torch.device("cuda", rank)
+    generator = torch.Generator(device).manual_seed(200 + rank)
+    for rows, width in [(16, 24), (256, 96), (16, 24), (1024, 40)] * 3:
+        started, expected = [], []
+        for _ in range(3):
+            whole = torch.randn(rows, 2, world_size * width, generator=generator, device=device,
+                                dtype=torch.bfloat16)
+            blocks = whole.unflatten(-1, (world_size, width)).movedim(2, 0)  # [k, rows, 2, width], strided
+            reference = torch.empty_like(blocks.contiguous())
+            dist.all_to_all_single(reference, blocks.contiguous(), group=group)
+            expected.append(reference)
+            started.append(start_peer_all_to_all(blocks, group))
+            del whole, blocks
+            torch.randn(rows, 2, world_size * width, device=device).mul_(2)  # reuses freed memory, if allowed
+        for (received, work), reference in zip(started, expected):
+            work.wait()
+            assert torch.equal(received, reference), (rows, width)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_peer_all_to_all_matches_nccl_on_two_gpus():
+    run_distributed(_peer_all_to_all_matches_nccl, 2, backend="nccl")

@@ -33,6 +33,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from megatron.core.parallel_state import group_size
+from megatron.core.tensor_parallel.async_tp import start_peer_all_to_all
 from megatron.core.tensor_parallel.utils import divide, start_all_to_all
 
 MAX_CHUNKS = 4  # a few chunks hide most of the exchange
@@ -40,6 +41,9 @@ MAX_CHUNKS = 4  # a few chunks hide most of the exchange
 # rank) trained at 729.5 model TFLOP/s per GPU with one chunk, 725.4 with two (4 heads per call) and 718.8
 # with four (2 heads), on H200s in one call: the overlap did not repay narrower calls there.
 MIN_HEADS_PER_CALL = 8
+# How the exchange travels between GPUs: "nccl" (NCCL's all-to-all kernel, on the SMs) or "peer" (copy
+# engines through symmetric memory, start_peer_all_to_all: the SMs stay with the attention beside it).
+EXCHANGE = "nccl"
 
 AttendShare = Callable[[torch.Tensor, int], torch.Tensor]  # (recv [s, b, G w / (C S)], chunk) -> [s, b, H hn]
 
@@ -68,17 +72,24 @@ def _pipeline(chunks: int, group: ProcessGroup, send_of: Callable[[int], torch.T
     """For each chunk c: exchange send_of(c) [S, ...], compute(c, received) [S, ...], exchange that back
     and place(c, received). Chunk c + 1's first exchange is launched before compute(c), chunk c's
     second before compute(c + 1): the collectives run beside the computation."""
-    incoming = start_all_to_all(send_of(0), group)
+    incoming = _start_exchange(send_of(0), group)
     outgoing = []
     for c in range(chunks):
         received, work = incoming
         if c + 1 < chunks:
-            incoming = start_all_to_all(send_of(c + 1), group)
+            incoming = _start_exchange(send_of(c + 1), group)
         work.wait()
-        outgoing.append(start_all_to_all(compute(c, received), group))
+        outgoing.append(_start_exchange(compute(c, received), group))
     for c, (received, work) in enumerate(outgoing):
         work.wait()
         place(c, received)
+
+
+def _start_exchange(blocks: torch.Tensor, group: ProcessGroup) -> tuple[torch.Tensor, object]:
+    """The all-to-all of ``blocks`` [S, ...] started (EXCHANGE: through peer memory on CUDA)."""
+    if EXCHANGE == "peer" and blocks.is_cuda:
+        return start_peer_all_to_all(blocks, group)
+    return start_all_to_all(blocks, group)
 
 
 def _chunked(tensor: torch.Tensor, chunks: int, size: int) -> torch.Tensor:

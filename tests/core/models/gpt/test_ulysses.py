@@ -99,19 +99,22 @@ def test_splits_ulysses_cannot_make_are_refused(overrides, message):
     config.validate_for_ulysses(tp, 1)
 
 
-def _pipeline_worker(rank, world_size):
+def _pipeline_worker(rank, world_size, exchange="nccl"):
     """pipelined_attention with a stand-in attention: share group g's block of the whole sequence maps to
-    (g + 1) cumsum_s(block), so each rank must receive the whole sequence of exactly its groups."""
+    (g + 1) cumsum_s(block), so each rank must receive the whole sequence of exactly its groups. On the
+    GPU with ``exchange`` "peer" the all-to-alls go through peer memory (ulysses.EXCHANGE)."""
     groups, batch, width, seq = 8, 2, 3, 8  # G = 8 groups of width w = 3 on this TP rank
     group = dist.new_group(list(range(world_size)))
+    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    ulysses.EXCHANGE = exchange
     generator = torch.Generator().manual_seed(5)
-    mixed_full = torch.randn(seq, batch, groups * width, generator=generator, dtype=torch.float64)
-    weights = torch.randn(seq, batch, groups * width, generator=generator, dtype=torch.float64)
-    bias_full = torch.randn(groups * width, generator=generator, dtype=torch.float64)
+    mixed_full, weights = (torch.randn(seq, batch, groups * width, generator=generator, dtype=torch.float64).to(device)
+                           for _ in range(2))
+    bias_full = torch.randn(groups * width, generator=generator, dtype=torch.float64).to(device)
 
     def reference(mixed):
         blocks = mixed.unflatten(-1, (groups, width)).cumsum(0)
-        return (blocks * torch.arange(1, groups + 1, dtype=mixed.dtype)[:, None]).flatten(-2)
+        return (blocks * torch.arange(1, groups + 1, dtype=mixed.dtype, device=device)[:, None]).flatten(-2)
 
     leaf = mixed_full.clone().requires_grad_()
     (reference(leaf + bias_full) * weights).sum().backward()
@@ -121,7 +124,7 @@ def _pipeline_worker(rank, world_size):
 
         def attend_share(recv, chunk):
             first_group = chunk * share * world_size + rank * share
-            factors = torch.arange(first_group + 1, first_group + share + 1, dtype=recv.dtype)
+            factors = torch.arange(first_group + 1, first_group + share + 1, dtype=recv.dtype, device=device)
             return (recv.unflatten(-1, (share, width)).cumsum(0) * factors[:, None]).flatten(-2)
 
         bias = bias_full.clone().requires_grad_()
@@ -140,6 +143,13 @@ def _pipeline_worker(rank, world_size):
 @pytest.mark.distributed
 def test_the_pipelined_exchange_sends_each_rank_its_groups_whole():
     run_distributed(_pipeline_worker, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("exchange", ["nccl", "peer"])
+def test_the_pipelined_exchange_on_two_gpus(exchange):
+    run_distributed(_pipeline_worker, 2, exchange, backend="nccl")
 
 
 @pytest.mark.parametrize("groups, size, queries, chunks", [
