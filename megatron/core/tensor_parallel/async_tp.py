@@ -267,10 +267,12 @@ class _SideStreamWork:
         torch.cuda.current_stream().wait_event(self.done)
 
 
-def start_peer_all_to_all(blocks: torch.Tensor, group: ProcessGroup) -> tuple[torch.Tensor, object]:
+def start_peer_all_to_all(blocks: torch.Tensor, group: ProcessGroup,
+                          into: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
     """``start_all_to_all`` through symmetric memory: blocks [k, ...] (block j for rank j), launched on
     the side stream: (received [k, ...], work), received[j] rank j's block for this rank after
-    ``work.wait()``.
+    ``work.wait()``; with ``into`` (a view of that shape, any strides) the blocks land there, on the
+    side stream too, and it is returned as received.
 
     Pulled, not pushed: the side stream gathers the peers' blocks into this rank's slot (at their
     place), passes the group's barrier, then copies each peer's block for this rank out of that peer's
@@ -283,7 +285,7 @@ def start_peer_all_to_all(blocks: torch.Tensor, group: ProcessGroup) -> tuple[to
     block_bytes = blocks[0].numel() * dtype.itemsize
     offset = peers.next_slot(peers.size * block_bytes, blocks.device)
     others = [rank for rank in range(peers.size) if rank != peers.rank]
-    received = torch.empty(blocks.shape, dtype=dtype, device=blocks.device)
+    received = torch.empty(blocks.shape, dtype=dtype, device=blocks.device) if into is None else into
     peers.stream.wait_stream(current)
     with torch.cuda.stream(peers.stream):
         for rank in others:  # into this rank's slot, at the destination's place

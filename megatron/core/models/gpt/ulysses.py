@@ -23,6 +23,10 @@ same pipeline on the gradients: dcontext of chunk c + 1 arrives during chunk c's
 and d(recv) of chunk c returns during chunk c + 1's. Each chunk's attention is its own autograd graph,
 built in forward and differentiated in backward, so the exchanges can be ordered around it.
 
+NCCL's all-to-all runs on the SMs, beside the attention it is meant to hide behind; with EXCHANGE "peer"
+each exchange instead runs on a side stream through symmetric memory (``start_peer_all_to_all``: the
+copy engines carry the blocks over NVLink) and also copies the returned blocks into place there.
+
 The projection's bias is already inside ``mixed`` (ColumnParallelLinear's ``bias_grad_by_caller``): its
 gradient is the row sum of dmixed, a partial sum over this rank's positions like every weight
 gradient under Ulysses.
@@ -68,10 +72,10 @@ def pipelined_attention(mixed: torch.Tensor, bias: torch.Tensor | None, attend_s
 
 def _pipeline(chunks: int, group: ProcessGroup, send_of: Callable[[int], torch.Tensor],
               compute: Callable[[int, torch.Tensor], torch.Tensor],
-              place: Callable[[int, torch.Tensor], None]) -> None:
+              destination: Callable[[int, torch.Tensor], torch.Tensor]) -> None:
     """For each chunk c: exchange send_of(c) [S, ...], compute(c, received) [S, ...], exchange that back
-    and place(c, received). Chunk c + 1's first exchange is launched before compute(c), chunk c's
-    second before compute(c + 1): the collectives run beside the computation."""
+    into destination(c, computed) (a view [S, ...]). Chunk c + 1's first exchange is launched before
+    compute(c), chunk c's second before compute(c + 1): the collectives run beside the computation."""
     incoming = _start_exchange(send_of(0), group)
     outgoing = []
     for c in range(chunks):
@@ -79,17 +83,31 @@ def _pipeline(chunks: int, group: ProcessGroup, send_of: Callable[[int], torch.T
         if c + 1 < chunks:
             incoming = _start_exchange(send_of(c + 1), group)
         work.wait()
-        outgoing.append(_start_exchange(compute(c, received), group))
-    for c, (received, work) in enumerate(outgoing):
+        computed = compute(c, received)
+        outgoing.append(_start_exchange(computed, group, destination(c, computed)))
+    for _, work in outgoing:
         work.wait()
-        place(c, received)
 
 
-def _start_exchange(blocks: torch.Tensor, group: ProcessGroup) -> tuple[torch.Tensor, object]:
-    """The all-to-all of ``blocks`` [S, ...] started (EXCHANGE: through peer memory on CUDA)."""
+class _CopyAfterWait:
+    """A started all-to-all whose wait also copies the received blocks into their destination."""
+
+    def __init__(self, work, received: torch.Tensor, into: torch.Tensor):
+        self.work, self.received, self.into = work, received, into
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.into.copy_(self.received)
+
+
+def _start_exchange(blocks: torch.Tensor, group: ProcessGroup,
+                    into: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
+    """The all-to-all of ``blocks`` [S, ...] started (EXCHANGE: through peer memory on CUDA, where the
+    copy into ``into`` runs on the exchange's stream too); with ``into`` the blocks land there."""
     if EXCHANGE == "peer" and blocks.is_cuda:
-        return start_peer_all_to_all(blocks, group)
-    return start_all_to_all(blocks, group)
+        return start_peer_all_to_all(blocks, group, into)
+    received, work = start_all_to_all(blocks, group)
+    return (received, work) if into is None else (into, _CopyAfterWait(work, received, into))
 
 
 def _chunked(tensor: torch.Tensor, chunks: int, size: int) -> torch.Tensor:
@@ -119,13 +137,13 @@ def _exchange_forward(mixed: torch.Tensor, attend_share: AttendShare, group: Pro
             graphs.append((recv, context))
         return context.detach().reshape(size, local, batch, -1)
 
-    def place(c, received):
+    def destination(c, computed):
         nonlocal output
         if output is None:
-            output = mixed.new_empty(local, batch, chunks * size * received.shape[-1])
-        _chunked(output, chunks, size)[:, :, c] = received.movedim(0, 2)
+            output = mixed.new_empty(local, batch, chunks * size * computed.shape[-1])
+        return _chunked(output, chunks, size)[:, :, c].movedim(2, 0)  # [S, s / S, b, H hn]
 
-    _pipeline(chunks, group, send_of, compute, place)
+    _pipeline(chunks, group, send_of, compute, destination)
     return output
 
 
@@ -154,10 +172,10 @@ class _PipelinedUlysses(torch.autograd.Function):
             graphs[c] = None  # the chunk's graph is spent
             return grad_recv.view(size, local, batch, -1)
 
-        def place(c, received):
-            _chunked(grad_mixed, chunks, size)[:, :, c] = received.movedim(0, 2)
+        def destination(c, computed):
+            return _chunked(grad_mixed, chunks, size)[:, :, c].movedim(2, 0)
 
-        _pipeline(chunks, ctx.group, send_of, compute, place)
+        _pipeline(chunks, ctx.group, send_of, compute, destination)
         ctx.graphs = None
         grad_bias = grad_mixed.sum(dim=(0, 1)) if ctx.has_bias and ctx.needs_input_grad[1] else None
         return grad_mixed, grad_bias, None, None, None
