@@ -54,6 +54,7 @@ from megatron.training.arguments import report_error_and_exit  # noqa: E402
 from megatron.training.dist_utils import broadcast_object_from_rank_0, is_rank_0, print_rank_0  # noqa: E402
 from megatron.training.inference_model import (InferenceSetupError, load_inference_model,  # noqa: E402
                                                parse_inference_arguments)
+from megatron.training.signals import exit_without_finalization  # noqa: E402
 
 MAX_PROMPTS = 128
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes [-2**63, 2**64 - 1]
@@ -252,4 +253,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_finalization(main() or 0)
