@@ -55,8 +55,9 @@
 #      16384, 24576 and 32768 (expected out of memory: the longest that fits is the reference) and on two
 #      GPUs at 32768 with --ds-sequence-parallel-size 2; ulysses_compare prints each run's mean per-GPU
 #      model TFLOP/s, max allocated MB and the ratio to the first run. With 4 GPUs: ulysses_s4_64k (65536, S = 4);
-#      variants ulysses_s<S>_<K>k[_c<N>][_peer] run S GPUs at K x 1024 with the exchange in exactly N chunks and/or
-#      through peer memory (copy engines) instead of NCCL (tests/gpu/ulysses_chunks); profile_<variant> profiles
+#      variants ulysses_s<S>_<K>k[_c<N>][_peer][_proj] run S GPUs at K x 1024 with the exchange in exactly N chunks,
+#      through peer memory (copy engines) instead of NCCL, hidden behind the projections' GEMMs with one attention
+#      call per layer (ulysses_projections) instead of chunks of heads (tests/gpu/ulysses_chunks); profile_<variant> profiles
 #      its fourth iteration on rank 0 into $OUT/profile_<variant>/
 #   14. ZeRO-3 (RUNS="zero1_1p3b_dp2 zero3_1p3b_dp2 zero3_compare" on 2 GPUs): the 1.3B GPT, bf16, micro-batch 8,
 #      global batch 32, 12 iterations, log interval 2, at ZeRO-1 and at ZeRO-3 on two GPUs; zero3_compare prints
@@ -264,13 +265,15 @@ ulysses_run() {  # name ngpus seq [flags...]: the 1.3B GPT at sequence seq, micr
         --max-position-embeddings "$seq" "$@"
 }
 
-ulysses_variant() {  # name ulysses_s<S>_<K>k[_c<N>][_peer] [flags...]: S GPUs at K x 1024 positions, the exchange in
-    # exactly N chunks and/or through peer memory (tests/gpu/ulysses_chunks sets them in each rank)
-    local name=$1 spec=$2 chunks="" exchange=""
+ulysses_variant() {  # name ulysses_s<S>_<K>k[_c<N>][_peer][_proj] [flags...]: S GPUs at K x 1024 positions, the
+    # exchange in exactly N chunks, through peer memory, behind the projections (tests/gpu/ulysses_chunks sets them)
+    local name=$1 spec=$2 chunks="" exchange="" projections=""
     shift 2
     [[ $spec =~ _c([0-9]+) ]] && chunks=${BASH_REMATCH[1]}
     [[ $spec == *_peer* ]] && exchange=peer
-    ULYSSES_CHUNKS=$chunks ULYSSES_EXCHANGE=$exchange PYTHONPATH=$PWD/tests/gpu/ulysses_chunks:$PYTHONPATH \
+    [[ $spec == *_proj* ]] && projections=1
+    ULYSSES_CHUNKS=$chunks ULYSSES_EXCHANGE=$exchange ULYSSES_OVERLAP_PROJECTIONS=$projections \
+        PYTHONPATH=$PWD/tests/gpu/ulysses_chunks:$PYTHONPATH \
         ulysses_run "$name" "${spec:9:1}" $(( ${spec:11:2} * 1024 )) --ds-sequence-parallel-size "${spec:9:1}" "$@"
 }
 

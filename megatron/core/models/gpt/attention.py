@@ -31,6 +31,7 @@ from torch import nn
 
 from megatron.core import fused_kernels
 from megatron.core.models.gpt import ulysses
+from megatron.core.models.gpt.ulysses_projections import HeadLayout, overlapped_attention
 from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.models.gpt.init import weight_init_method
 from megatron.core.models.gpt.positional import (Llama3RopeScaling, alibi_bias, alibi_slopes,
@@ -64,6 +65,7 @@ class ParallelSelfAttention(nn.Module):
         self.groups_per_partition = divide(config.num_query_groups, groups.tp_size)
         self.head_dim = config.kv_channels
         self.sequence_parallel_group, self.sequence_parallel_rank = groups.sp, groups.sp_rank
+        self.tensor_parallel_size = groups.tp_size
         common = dict(tp_group=groups.tp, use_cpu_initialization=config.use_cpu_initialization,
                       params_dtype=config.params_dtype, device=device,
                       sequence_parallel=config.sequence_parallel,
@@ -94,11 +96,45 @@ class ParallelSelfAttention(nn.Module):
                 attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden_states [s, b, h], position_ids [b, s], attention_mask bool [b, 1, s, s] (True = masked,
         causality included) or None for plain causal attention -> (output [s, b, h], bias [h])."""
+        if self._overlaps_projections():
+            return self.projections_overlapped_ulysses(hidden_states, position_ids, attention_mask), self.dense.bias
         # [s, b, np * 3 * hn], whole s under sequence parallelism; the bias gradient is summed by the split
         mixed, _ = self.query_key_value(hidden_states, bias_grad_by_caller=True)
         if "core_attn" in self.recompute_modules:
             return self._dense_of_recomputed_core(mixed, position_ids, attention_mask)
         return self.dense(self.attend(mixed, position_ids, attention_mask, self.query_key_value.bias))
+
+    def _overlaps_projections(self) -> bool:
+        """DeepSpeed-Ulysses with the exchanges beside the projections (``ulysses.OVERLAP_PROJECTIONS``), where
+        the plain projections run: TP = 1, no FP8, the attention core not recomputed alone."""
+        return (self.sequence_parallel_group is not None and ulysses.OVERLAP_PROJECTIONS
+                and self.tensor_parallel_size == 1 and self.query_key_value.fp8_gemms is None
+                and "core_attn" not in self.recompute_modules)
+
+    def projections_overlapped_ulysses(self, hidden_states: torch.Tensor, position_ids: torch.Tensor,
+                                       attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """DeepSpeed-Ulysses with one attention call for this rank's heads and the exchanges beside the
+        projections (``ulysses_projections``): hidden_states [s / S, b, h] -> dense's output [s / S, b, h]
+        without its bias."""
+        group = self.sequence_parallel_group
+        position_ids = self._whole_sequence_positions(position_ids)
+        share = divide(self.groups_per_partition, group_size(group))
+        first_head = self.sequence_parallel_rank * share * self.config.queries_per_group
+
+        def attend(query, key, value):
+            return merge_heads(self.attend_heads(*self.positioned(query, key, value, position_ids), attention_mask,
+                                                 first_head=first_head))
+
+        layout = HeadLayout(self.groups_per_partition, self.config.queries_per_group, self.head_dim)
+        return overlapped_attention(hidden_states, self.query_key_value.weight, self.query_key_value.bias,
+                                    self.dense.weight, attend, layout, group)
+
+    def _whole_sequence_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """Under Ulysses with rotary embeddings: the whole sequence's position ids [b, s], in rank order (the
+        rotation is applied after the exchange); otherwise ``position_ids`` as they are."""
+        if self.config.position_embedding_type != "rotary":
+            return position_ids
+        return all_gather_along_first_dim(position_ids.t().contiguous(), self.sequence_parallel_group).t().contiguous()
 
     def _dense_of_recomputed_core(self, mixed: torch.Tensor, position_ids: torch.Tensor,
                                   attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,8 +174,7 @@ class ParallelSelfAttention(nn.Module):
         sequence's [b, 1, s, s] or None -> dense's input [s / S, b, np hn]."""
         group = self.sequence_parallel_group
         size = group_size(group)
-        if self.config.position_embedding_type == "rotary":  # the whole sequence's, in rank order
-            position_ids = all_gather_along_first_dim(position_ids.t().contiguous(), group).t().contiguous()
+        position_ids = self._whole_sequence_positions(position_ids)
         queries_per_group = self.config.queries_per_group
         chunks = ulysses.chunk_count(self.groups_per_partition, size, queries_per_group)
         share = self.groups_per_partition // (chunks * size)  # key/value groups per rank and chunk
@@ -159,6 +194,12 @@ class ParallelSelfAttention(nn.Module):
         # q [s, b, np, hn], k and v [s, b, ng, hn]
         query, key, value = fused_kernels.split_query_key_value(mixed, mixed_bias, self.head_dim,
                                                                 self.config.queries_per_group)
+        return self.positioned(query, key, value, position_ids)
+
+    def positioned(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """query [s, b, np, hn], key, value [s, b, ng, hn] -> query [b, np, s, hn], key, value [b, ng, s, hn],
+        the rotary embedding applied to query and key."""
         if self.config.position_embedding_type == "rotary":  # and [s, b, heads, hn] -> [b, heads, s, hn]
             query, key = fused_kernels.rotary_embedding(query, key, position_ids,
                                                         self.rotary_frequencies(position_ids.device))

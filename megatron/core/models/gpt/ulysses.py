@@ -48,6 +48,10 @@ MIN_HEADS_PER_CALL = 8
 # How the exchange travels between GPUs: "nccl" (NCCL's all-to-all kernel, on the SMs) or "peer" (copy
 # engines through symmetric memory, start_peer_all_to_all: the SMs stay with the attention beside it).
 EXCHANGE = "nccl"
+# Where the exchanges hide: False, behind the attention of other chunks of heads (pipelined_attention); True,
+# behind the projections' GEMMs with one attention call for all of a rank's heads (ulysses_projections; at
+# TP = 1 without FP8, else as False).
+OVERLAP_PROJECTIONS = False
 
 AttendShare = Callable[[torch.Tensor, int], torch.Tensor]  # (recv [s, b, G w / (C S)], chunk) -> [s, b, H hn]
 
@@ -76,15 +80,15 @@ def _pipeline(chunks: int, group: ProcessGroup, send_of: Callable[[int], torch.T
     """For each chunk c: exchange send_of(c) [S, ...], compute(c, received) [S, ...], exchange that back
     into destination(c, computed) (a view [S, ...]). Chunk c + 1's first exchange is launched before
     compute(c), chunk c's second before compute(c + 1): the collectives run beside the computation."""
-    incoming = _start_exchange(send_of(0), group)
+    incoming = start_exchange(send_of(0), group)
     outgoing = []
     for c in range(chunks):
         received, work = incoming
         if c + 1 < chunks:
-            incoming = _start_exchange(send_of(c + 1), group)
+            incoming = start_exchange(send_of(c + 1), group)
         work.wait()
         computed = compute(c, received)
-        outgoing.append(_start_exchange(computed, group, destination(c, computed)))
+        outgoing.append(start_exchange(computed, group, destination(c, computed)))
     for _, work in outgoing:
         work.wait()
 
@@ -100,7 +104,7 @@ class _CopyAfterWait:
         self.into.copy_(self.received)
 
 
-def _start_exchange(blocks: torch.Tensor, group: ProcessGroup,
+def start_exchange(blocks: torch.Tensor, group: ProcessGroup,
                     into: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
     """The all-to-all of ``blocks`` [S, ...] started (EXCHANGE: through peer memory on CUDA, where the
     copy into ``into`` runs on the exchange's stream too); with ``into`` the blocks land there."""

@@ -1,7 +1,7 @@
 """DeepSpeed-Ulysses (ParallelGroups.sp) in GPTModel against the one-process model, on 4 gloo ranks.
 
 Layouts: S = 2 with two sample streams (TP = 1, D = 2; also with the exchange in two chunks, which the
-tiny models' few heads otherwise never take), and S = 2 x TP = 2 (also with --sequence-parallel, which
+tiny models' few heads otherwise never take, and with the exchanges beside the projections), and S = 2 x TP = 2 (also with --sequence-parallel, which
 splits each SP rank's positions over the TP ranks). Every SP rank feeds its
 slice of the positions (tokens, labels, loss mask, position ids keep their global values); the loss
 each returns is S x its slice's share of the whole sequence's masked mean (gpt_model.sequence_slice_token_mean),
@@ -65,8 +65,10 @@ def _check_parity(config, groups):
 
 
 def _ulysses_worker(rank, world_size):
-    for tp, min_heads_per_call in ((1, ulysses.MIN_HEADS_PER_CALL), (1, 1), (2, ulysses.MIN_HEADS_PER_CALL)):
-        ulysses.MIN_HEADS_PER_CALL = min_heads_per_call  # 1: the tiny models' exchange in several chunks
+    default = ulysses.MIN_HEADS_PER_CALL
+    # 1 head per call: the tiny models' exchange in several chunks; overlap: beside the projections (TP = 1)
+    for tp, min_heads_per_call, overlap in ((1, default, False), (1, 1, False), (1, default, True), (2, default, False)):
+        ulysses.MIN_HEADS_PER_CALL, ulysses.OVERLAP_PROJECTIONS = min_heads_per_call, overlap
         groups = initialize_model_parallel(tensor_model_parallel_size=tp, sequence_parallel_size=2)
         assert groups.sp_size == 2 and groups.data_shard_size == 2 // tp
         for overrides in CONFIGS:
