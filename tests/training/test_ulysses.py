@@ -13,7 +13,8 @@ process and in a Ulysses layout of 4 processes:
     alibi       ALiBi at TP = 2 x S = 2 with --sequence-parallel (the pipeline engine at PP = 1): each
                 rank's slopes are those of its heads, and each SP rank's positions split over TP
 
-and learned again at ZeRO 3 x S = 2 (2 processes; ZeRO 3 gives ZeRO 0's losses).
+and learned again at ZeRO 3 x S = 2 (2 processes; ZeRO 3 gives ZeRO 0's losses). rope-gqa and learned at
+ZeRO 3 run once more with the exchanges beside the projections (ulysses_projections_trainer.py).
 
 Resumes, compared with iterations 3-6 of the one-process run: learned's checkpoint loads as it is
 at PP = 2 x S = 1 (ZeRO 0: the optimizer state sits in the model-states files, whatever the
@@ -28,7 +29,7 @@ import shutil
 import pytest
 
 from megatron.core.flops import model_flops_per_iteration
-from tests.training.e2e_utils import read_scalars, run_pretrain
+from tests.training.e2e_utils import PRETRAIN_SCRIPT, read_scalars, run_pretrain, run_script
 from tests.training.test_layout_equivalence import (GLOBAL_BATCH, SEQ_LENGTH, TRAIN_ITERS,
                                                     assert_counters_of_every_iteration, common_flags, series)
 from tools.convert_checkpoint import ds_to_universal
@@ -43,15 +44,21 @@ SUMMARY_SPEED = re.compile(r"tokens per second: ([\d.]+) \| model TFLOP/s per GP
 ROPE_GQA = ["--position-embedding-type", "rotary", "--group-query-attention", "--num-query-groups", "2"]
 MODELS = {"learned": ["--eod-mask-loss"], "rope-gqa": ROPE_GQA + ["--zero-stage", "2"],
           "alibi": ["--position-embedding-type", "alibi"]}
-# Ulysses run -> (the model whose one-process run it must match, processes, layout flags, whether it saves)
-ULYSSES = {"learned": ("learned", 4, S2 + PP2, True), "rope-gqa": ("rope-gqa", 4, S2, True),
-           "alibi": ("alibi", 4, S2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], False),
-           "learned-zero3": ("learned", 2, S2 + ["--zero-stage", "3"], False)}
+PROJECTIONS_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ulysses_projections_trainer.py")
+# Ulysses run -> (the model whose one-process run it must match, processes, layout flags, whether it saves,
+# the script)
+ULYSSES = {"learned": ("learned", 4, S2 + PP2, True, PRETRAIN_SCRIPT),
+           "rope-gqa": ("rope-gqa", 4, S2, True, PRETRAIN_SCRIPT),
+           "alibi": ("alibi", 4, S2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], False,
+                     PRETRAIN_SCRIPT),
+           "learned-zero3": ("learned", 2, S2 + ["--zero-stage", "3"], False, PRETRAIN_SCRIPT),
+           "rope-gqa-projections": ("rope-gqa", 4, S2, False, PROJECTIONS_SCRIPT),
+           "learned-zero3-projections": ("learned", 2, S2 + ["--zero-stage", "3"], False, PROJECTIONS_SCRIPT)}
 
 
-def train(data, directory, processes: int, flags: list[str]) -> dict:
+def train(data, directory, processes: int, flags: list[str], script: str = PRETRAIN_SCRIPT) -> dict:
     tensorboard = os.path.join(directory, "tb")
-    result = run_pretrain(common_flags(data) + flags + ["--tensorboard-dir", tensorboard], nproc=processes)
+    result = run_script([script, *common_flags(data), *flags, "--tensorboard-dir", tensorboard], nproc=processes)
     result.assert_ok()
     return {"scalars": read_scalars(tensorboard), "lines": result.log_lines(), "output": result.output,
             "processes": processes}
@@ -75,11 +82,11 @@ def runs(e2e_data, tmp_path_factory):
             if kind == "single":
                 found[model, kind] = train(e2e_data, directory, 1, MODELS[model])
             else:
-                reference, processes, layout, saves = ULYSSES[model]
+                reference, processes, layout, saves, script = ULYSSES[model]
                 save = os.path.join(directory, "checkpoints")
                 extra = ["--save", save, "--save-interval", str(SAVE_ITERATION)] if saves else []
-                found[model, kind] = dict(train(e2e_data, directory, processes, MODELS[reference] + layout + extra),
-                                          save=save)
+                found[model, kind] = dict(train(e2e_data, directory, processes, MODELS[reference] + layout + extra,
+                                                script), save=save)
         return found[model, kind]
 
     return run
@@ -97,6 +104,9 @@ def test_ulysses_matches_the_one_process_run(runs, name):
     assert [line.number("lm loss") for line in ulysses["lines"]] == \
         pytest.approx(series(single["scalars"], LOSS), rel=LOSS_RTOL)
     assert "initializing DeepSpeed-Ulysses sequence parallel with size 2" in ulysses["output"]
+    if ULYSSES[name][4] == PROJECTIONS_SCRIPT:  # every rank's attention took the projections' path
+        counts = [int(count) for count in re.findall(r"projections-overlapped attention calls: (\d+)", ulysses["output"])]
+        assert len(counts) == ULYSSES[name][1] and min(counts) > 0, counts
 
 
 def test_flops_count_attention_at_the_full_length(runs):
