@@ -170,7 +170,6 @@ class LauncherWatch:
         return f"the {name} launcher (pid {pid}) has ended"
 
 
-
 def run_exit_handlers() -> None:
     """What the interpreter does at exit before its finalization: join the non-daemon threads, run the
     atexit handlers, flush stdout and stderr."""

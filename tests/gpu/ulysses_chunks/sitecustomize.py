@@ -5,13 +5,26 @@
 ``ULYSSES_OVERLAP_PROJECTIONS=1`` hides it behind the projections instead (``.._proj``). Fewer chunks give
 each attention call more heads; more chunks hide more of the all-to-alls."""
 import os
+import sys
 
 SETTINGS = ("ULYSSES_CHUNKS", "ULYSSES_EXCHANGE", "ULYSSES_OVERLAP_PROJECTIONS")
+
+
+def _checked(name: str, allowed) -> str:
+    value = os.environ.get(name, "")
+    if value and not allowed(value):
+        print(f"tests/gpu/ulysses_chunks: {name}={value!r} is not a setting it knows", file=sys.stderr)
+        os._exit(2)  # an exception here would end the interpreter's start-up with a fatal error
+    return value
+
 
 if "LOCAL_RANK" in os.environ and any(os.environ.get(name) for name in SETTINGS):
     from megatron.core.models.gpt import ulysses
 
-    if os.environ.get("ULYSSES_CHUNKS"):
-        ulysses.MAX_CHUNKS, ulysses.MIN_HEADS_PER_CALL = int(os.environ["ULYSSES_CHUNKS"]), 1
-    ulysses.EXCHANGE = os.environ.get("ULYSSES_EXCHANGE") or ulysses.EXCHANGE
-    ulysses.OVERLAP_PROJECTIONS = os.environ.get("ULYSSES_OVERLAP_PROJECTIONS") == "1"
+    chunks = _checked("ULYSSES_CHUNKS", lambda value: value.isdigit() and int(value) > 0)
+    exchange = _checked("ULYSSES_EXCHANGE", lambda value: value in ("nccl", "peer"))
+    projections = _checked("ULYSSES_OVERLAP_PROJECTIONS", lambda value: value in ("0", "1"))
+    if chunks:
+        ulysses.MAX_CHUNKS, ulysses.MIN_HEADS_PER_CALL = int(chunks), 1
+    ulysses.EXCHANGE = exchange or ulysses.EXCHANGE
+    ulysses.OVERLAP_PROJECTIONS = projections == "1"

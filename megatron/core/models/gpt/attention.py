@@ -31,11 +31,11 @@ from torch import nn
 
 from megatron.core import fused_kernels
 from megatron.core.models.gpt import ulysses
-from megatron.core.models.gpt.ulysses_projections import HeadLayout, overlapped_attention
 from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.models.gpt.init import weight_init_method
 from megatron.core.models.gpt.positional import (Llama3RopeScaling, alibi_bias, alibi_slopes,
                                                  rotary_inverse_frequencies)
+from megatron.core.models.gpt.ulysses_projections import HeadLayout, overlapped_attention
 from megatron.core.parallel_state import ParallelGroups, group_size
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.random import MODEL_PARALLEL_RNG, CheckpointWithoutOutput, get_rng_tracker

@@ -105,7 +105,7 @@ class _CopyAfterWait:
 
 
 def start_exchange(blocks: torch.Tensor, group: ProcessGroup,
-                    into: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
+                   into: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
     """The all-to-all of ``blocks`` [S, ...] started (EXCHANGE: through peer memory on CUDA, where the
     copy into ``into`` runs on the exchange's stream too); with ``into`` the blocks land there."""
     if EXCHANGE == "peer" and blocks.is_cuda:

@@ -88,10 +88,10 @@ def _product(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     return a.matmul(b).to(dtype)
 
 
-def _gradient_for(weight: torch.Tensor) -> tuple[torch.dtype, torch.Tensor | None]:
-    """(the dtype a weight's gradient is built in, its main_grad accumulator or None)."""
+def _gradient_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype a weight's gradient is built in: its main_grad accumulator's, if it has one."""
     main_grad = getattr(weight, "main_grad", None)
-    return (weight.dtype if main_grad is None else main_grad.dtype), main_grad
+    return weight.dtype if main_grad is None else main_grad.dtype
 
 
 def _delivered(weight: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
@@ -125,12 +125,12 @@ def _forward(x, qkv_weight, qkv_bias, dense_weight, attend, layout, group,
         graph.append((leaves, context))
     heads = context.detach().view(size, local * batch, -1)  # [S, M, Y], by the rank of the positions
     back, work = ulysses.start_exchange(heads, group)
-    columns = heads.shape[-1]
-    output = heads[rank].matmul(dense_weight[:, rank * columns:(rank + 1) * columns].t())  # [M, h], beside it
+    dense_blocks = dense_weight.split(heads.shape[-1], dim=1)  # D_j [h, Y]
+    output = heads[rank].matmul(dense_blocks[rank].t())  # [M, h], beside the exchange
     work.wait()
     for j in range(size):
         if j != rank:
-            output.addmm_(back[j], dense_weight[:, j * columns:(j + 1) * columns].t())
+            output.addmm_(back[j], dense_blocks[j].t())
     return output.view(local, batch, hidden), back
 
 
@@ -152,10 +152,9 @@ class _OverlappedUlysses(torch.autograd.Function):
         size, group, layout = group_size(ctx.group), ctx.group, ctx.layout
         local, batch, hidden = x.shape
         grad_rows = grad_output.reshape(-1, hidden)  # [M, h]
-        columns = back.shape[-1]
-        grad_heads = grad_rows.new_empty(size, grad_rows.shape[0], columns)
-        for j in range(size):  # dback[j] = dy D_j
-            torch.mm(grad_rows, dense_weight[:, j * columns:(j + 1) * columns], out=grad_heads[j])
+        grad_heads = grad_rows.new_empty(size, grad_rows.shape[0], back.shape[-1])
+        for j, block in enumerate(dense_weight.split(back.shape[-1], dim=1)):  # dback[j] = dy D_j
+            torch.mm(grad_rows, block, out=grad_heads[j])
         grad_heads, work = ulysses.start_exchange(grad_heads, group)  # [S, M, Y] = d context [s, b, Y]
         grad_dense = _dense_weight_grad(grad_rows, back, dense_weight)  # beside the exchange
         work.wait()
@@ -182,7 +181,7 @@ def _part_outputs(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 def _dense_weight_grad(grad_rows: torch.Tensor, back: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """dD [h, H hn], D_j's columns dy^T back[j] (added into main_grad when the weight has one)."""
-    dtype, _ = _gradient_for(weight)
+    dtype = _gradient_dtype(weight)
     transposed = torch.stack([_product(block.t(), grad_rows, dtype) for block in back])  # [S, Y, h] = dD_j^T
     return _delivered(weight, transposed.view(-1, grad_rows.shape[1]).t().contiguous())
 
@@ -190,7 +189,7 @@ def _dense_weight_grad(grad_rows: torch.Tensor, back: torch.Tensor, weight: torc
 def _projection_grads(rows: torch.Tensor, weight: torch.Tensor, outgoing: list, layout: HeadLayout, size: int,
                       has_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(dx [M, h], dW, db) from each part's returned gradient dout_p [S, M, X_p], taken as it arrives."""
-    dtype, _ = _gradient_for(weight)
+    dtype = _gradient_dtype(weight)
     grad_x = None
     grad_weight = torch.empty(weight.shape, dtype=dtype, device=weight.device)
     grad_bias = torch.empty(weight.shape[0], dtype=rows.dtype, device=rows.device) if has_bias else None
