@@ -52,7 +52,7 @@
 #      --recompute-method block --recompute-num-layers N), 1p3b_mbs16 (no recompute: expected out of memory)
 #   13. DeepSpeed-Ulysses (RUNS="ulysses_1gpu_16k ulysses_1gpu_24k ulysses_1gpu_32k ulysses_s2_32k ulysses_compare"):
 #      the 1.3B GPT, bf16, ZeRO-1, micro-batch 1, global batch 8, log interval 2, on one GPU at sequences
-#      16384, 24576 and 32768 (expected out of memory: the longest that fits is the reference) and on two
+#      16384, 24576, 32768, 49152 and 57344 (ulysses_1gpu_<K>k: the longest that fits is the reference) and on two
 #      GPUs at 32768 with --ds-sequence-parallel-size 2; ulysses_compare prints each run's mean per-GPU
 #      model TFLOP/s, max allocated MB and the ratio to the first run. With 4 GPUs: ulysses_s4_64k (65536, S = 4);
 #      variants ulysses_s<S>_<K>k[_c<N>][_peer][_proj] run S GPUs at K x 1024 with the exchange in exactly N chunks,
@@ -86,7 +86,9 @@
 #   16. an 80 GB H100 on a larger GPU: a run named NAME@h100 runs NAME with PyTorch's caching allocator capped at
 #      H100_ALLOCATOR_MIB (default 80000: the H100's 81,106 MiB less about 1.1 GiB for the CUDA context and NCCL,
 #      tests/gpu/memory_cap/sitecustomize.py), e.g. RUNS="1p3b_bf16@h100 1p3b_mbs16_selective@h100 1p3b_mbs16@h100".
-#      The ZeRO-3 offload runs also write the largest host memory of their processes into <run>.log.
+#      The ZeRO-3 offload runs also write the largest host memory of their processes into <run>.log. With
+#      GPU_MEMORY_HISTORY=PREFIX an @h100 run's ranks record the allocator's history and write PREFIX.rank<R>.md,
+#      the blocks alive at the peak by where they were allocated (tools/benchmarks/memory_peak.py).
 #   17. several runs at once on one machine: LANES="0,1=zero1_1p3b_dp2 zero3_1p3b_dp2;2=1p3b_bf16@h100;3=..." runs
 #      each lane's runs in order on its GPUs (its own port and data cache), the lanes side by side, then RUNS
 #      (the comparisons).
@@ -400,6 +402,7 @@ for run in $RUNS; do
         ulysses_1gpu_24k) ulysses_run ulysses_1gpu_24k 1 24576 ;;
         ulysses_1gpu_32k) ulysses_run ulysses_1gpu_32k 1 32768 ;;
         ulysses_1gpu_48k) ulysses_run ulysses_1gpu_48k 1 49152 ;;
+        ulysses_1gpu_56k) ulysses_run ulysses_1gpu_56k 1 57344 ;;
         ulysses_s2_32k) ulysses_run ulysses_s2_32k 2 32768 --ds-sequence-parallel-size 2 ;;
         ulysses_s4_64k) ulysses_run ulysses_s4_64k 4 65536 --ds-sequence-parallel-size 4 ;;
         ulysses_s[24]_*k_*) ulysses_variant "$run" "$run" ;;

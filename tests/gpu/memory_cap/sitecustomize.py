@@ -3,7 +3,13 @@
 ``tests/gpu/run_trainer.sh`` puts this folder first on ``PYTHONPATH`` for its ``@h100`` runs, so that the
 runs the acceptance criteria set on an 80 GB H100 can be made on an H200. Memory outside the allocator
 (the CUDA context, NCCL's buffers) is not capped; the script's default cap leaves room for it.
+
+With ``GPU_MEMORY_HISTORY=PREFIX`` set too, each rank records the allocator's history from its start and,
+at its exit, writes ``PREFIX.rank<R>.md``: the blocks alive at its peak by where they were allocated
+(``tools/benchmarks/memory_peak.py``).
 """
+import atexit
+import importlib.util
 import os
 
 if os.environ.get("GPU_MEMORY_MIB") and "LOCAL_RANK" in os.environ:
@@ -12,3 +18,16 @@ if os.environ.get("GPU_MEMORY_MIB") and "LOCAL_RANK" in os.environ:
     _device = int(os.environ["LOCAL_RANK"])
     _total = torch.cuda.get_device_properties(_device).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, int(os.environ["GPU_MEMORY_MIB"]) * 2**20 / _total), _device)
+
+    if os.environ.get("GPU_MEMORY_HISTORY"):
+        torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=2_000_000)
+
+        def _write_peak_report(prefix=os.environ["GPU_MEMORY_HISTORY"], rank=os.environ.get("RANK", "0")):
+            spec = importlib.util.spec_from_file_location("memory_peak", os.path.join(
+                os.path.dirname(__file__), "..", "..", "..", "tools", "benchmarks", "memory_peak.py"))
+            memory_peak = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(memory_peak)
+            with open(f"{prefix}.rank{rank}.md", "w") as handle:
+                handle.write(memory_peak.report(torch.cuda.memory._snapshot()) + "\n")
+
+        atexit.register(_write_peak_report)
