@@ -13,8 +13,10 @@ process and in a Ulysses layout of 4 processes:
     alibi       ALiBi at TP = 2 x S = 2 with --sequence-parallel (the pipeline engine at PP = 1): each
                 rank's slopes are those of its heads, and each SP rank's positions split over TP
 
-and learned again at ZeRO 3 x S = 2 (2 processes; ZeRO 3 gives ZeRO 0's losses). rope-gqa and learned at
-ZeRO 3 run once more with the exchanges beside the projections (ulysses_projections_trainer.py).
+and learned again at ZeRO 3 x S = 2 (2 processes; ZeRO 3 gives ZeRO 0's losses). At TP = 1 the attention
+takes the path with the exchanges beside the projections (ulysses.OVERLAP_PROJECTIONS; the ZeRO-3 run
+counts its calls through ulysses_trainer.py); rope-gqa and learned at ZeRO 3 run once more with it off
+(the pipelined exchange that TP = 2 takes), their calls counted too.
 
 Resumes, compared with iterations 3-6 of the one-process run: learned's checkpoint loads as it is
 at PP = 2 x S = 1 (ZeRO 0: the optimizer state sits in the model-states files, whatever the
@@ -44,21 +46,26 @@ SUMMARY_SPEED = re.compile(r"tokens per second: ([\d.]+) \| model TFLOP/s per GP
 ROPE_GQA = ["--position-embedding-type", "rotary", "--group-query-attention", "--num-query-groups", "2"]
 MODELS = {"learned": ["--eod-mask-loss"], "rope-gqa": ROPE_GQA + ["--zero-stage", "2"],
           "alibi": ["--position-embedding-type", "alibi"]}
-PROJECTIONS_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ulysses_projections_trainer.py")
+COUNTING_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ulysses_trainer.py")
 # Ulysses run -> (the model whose one-process run it must match, processes, layout flags, whether it saves,
-# the script)
-ULYSSES = {"learned": ("learned", 4, S2 + PP2, True, PRETRAIN_SCRIPT),
-           "rope-gqa": ("rope-gqa", 4, S2, True, PRETRAIN_SCRIPT),
-           "alibi": ("alibi", 4, S2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], False,
-                     PRETRAIN_SCRIPT),
-           "learned-zero3": ("learned", 2, S2 + ["--zero-stage", "3"], False, PRETRAIN_SCRIPT),
-           "rope-gqa-projections": ("rope-gqa", 4, S2, False, PROJECTIONS_SCRIPT),
-           "learned-zero3-projections": ("learned", 2, S2 + ["--zero-stage", "3"], False, PROJECTIONS_SCRIPT)}
+# the attention path every rank must take where the run counts it (ulysses_trainer.py), else None)
+ULYSSES = {"learned": ("learned", 4, S2 + PP2, True, None),
+           "rope-gqa": ("rope-gqa", 4, S2, True, None),
+           "alibi": ("alibi", 4, S2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], False, None),
+           "learned-zero3": ("learned", 2, S2 + ["--zero-stage", "3"], False, "projections"),
+           "rope-gqa-pipelined": ("rope-gqa", 4, S2, False, "pipelined"),
+           "learned-zero3-pipelined": ("learned", 2, S2 + ["--zero-stage", "3"], False, "pipelined")}
 
 
-def train(data, directory, processes: int, flags: list[str], script: str = PRETRAIN_SCRIPT) -> dict:
+def train(data, directory, processes: int, flags: list[str], path: str | None = None) -> dict:
+    """The run's scalars, log lines and output; with ``path``, through ulysses_trainer.py with the exchanges
+    beside the projections off where ``path`` is "pipelined"."""
     tensorboard = os.path.join(directory, "tb")
-    result = run_script([script, *common_flags(data), *flags, "--tensorboard-dir", tensorboard], nproc=processes)
+    script, env = PRETRAIN_SCRIPT, None
+    if path is not None:
+        script, env = COUNTING_SCRIPT, {"ULYSSES_OVERLAP_PROJECTIONS": "0"} if path == "pipelined" else None
+    result = run_script([script, *common_flags(data), *flags, "--tensorboard-dir", tensorboard], nproc=processes,
+                        env=env)
     result.assert_ok()
     return {"scalars": read_scalars(tensorboard), "lines": result.log_lines(), "output": result.output,
             "processes": processes}
@@ -82,11 +89,11 @@ def runs(e2e_data, tmp_path_factory):
             if kind == "single":
                 found[model, kind] = train(e2e_data, directory, 1, MODELS[model])
             else:
-                reference, processes, layout, saves, script = ULYSSES[model]
+                reference, processes, layout, saves, path = ULYSSES[model]
                 save = os.path.join(directory, "checkpoints")
                 extra = ["--save", save, "--save-interval", str(SAVE_ITERATION)] if saves else []
                 found[model, kind] = dict(train(e2e_data, directory, processes, MODELS[reference] + layout + extra,
-                                                script), save=save)
+                                                path), save=save)
         return found[model, kind]
 
     return run
@@ -104,9 +111,12 @@ def test_ulysses_matches_the_one_process_run(runs, name):
     assert [line.number("lm loss") for line in ulysses["lines"]] == \
         pytest.approx(series(single["scalars"], LOSS), rel=LOSS_RTOL)
     assert "initializing DeepSpeed-Ulysses sequence parallel with size 2" in ulysses["output"]
-    if ULYSSES[name][4] == PROJECTIONS_SCRIPT:  # every rank's attention took the projections' path
-        counts = [int(count) for count in re.findall(r"projections-overlapped attention calls: (\d+)", ulysses["output"])]
-        assert len(counts) == ULYSSES[name][1] and min(counts) > 0, counts
+    path = ULYSSES[name][4]
+    if path is not None:  # every rank's attention took that path, and only it
+        counts = re.findall(r"Ulysses attention calls: projections (\d+), pipelined (\d+)", ulysses["output"])
+        taken = [int(pair[path == "pipelined"]) for pair in counts]
+        other = [int(pair[path != "pipelined"]) for pair in counts]
+        assert len(counts) == ULYSSES[name][1] and min(taken) > 0 and max(other) == 0, counts
 
 
 def test_flops_count_attention_at_the_full_length(runs):

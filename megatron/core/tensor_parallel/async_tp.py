@@ -267,12 +267,13 @@ class _SideStreamWork:
         torch.cuda.current_stream().wait_event(self.done)
 
 
-def start_peer_all_to_all(blocks: torch.Tensor, group: ProcessGroup,
-                          into: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
+def start_peer_all_to_all(blocks: torch.Tensor, group: ProcessGroup, into: torch.Tensor | None = None,
+                          with_own: bool = True) -> tuple[torch.Tensor, object]:
     """``start_all_to_all`` through symmetric memory: blocks [k, ...] (block j for rank j), launched on
     the side stream: (received [k, ...], work), received[j] rank j's block for this rank after
     ``work.wait()``; with ``into`` (a view of that shape, any strides) the blocks land there, on the
-    side stream too, and it is returned as received.
+    side stream too, and it is returned as received. Without ``with_own``, received[r] is never
+    written and blocks[r] never read (as ``start_all_to_all_of_others``).
 
     Pulled, not pushed: the side stream gathers the peers' blocks into this rank's slot (at their
     place), passes the group's barrier, then copies each peer's block for this rank out of that peer's
@@ -293,7 +294,8 @@ def start_peer_all_to_all(blocks: torch.Tensor, group: ProcessGroup,
         peers.barrier()  # past it, every peer's slot holds its blocks of this call
         for rank in others:
             received[rank].copy_(peers.view(rank, offset + peers.rank * block_bytes, block_shape, dtype))
-        received[peers.rank].copy_(blocks[peers.rank])
+        if with_own:
+            received[peers.rank].copy_(blocks[peers.rank])
         done = torch.cuda.Event()
         done.record()
     blocks.record_stream(peers.stream)  # a source freed before the copies end stays out of the current pool

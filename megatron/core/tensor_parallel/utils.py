@@ -1,6 +1,6 @@
 """Small helpers of tensor parallelism: exact division, splits, vocabulary ranges, 1-D partitions, and
 the plain (not autograd-aware) collectives of the TP group along the first dimension, and its
-elementwise maximum (FP8's amaxes), and the asynchronous all-to-all of DeepSpeed-Ulysses' pipeline."""
+elementwise maximum (FP8's amaxes), and the asynchronous all-to-alls of DeepSpeed-Ulysses."""
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -55,6 +55,32 @@ def start_all_to_all(blocks: torch.Tensor, group: ProcessGroup) -> tuple[torch.T
     blocks = blocks.contiguous()
     received = torch.empty_like(blocks)
     return received, dist.all_to_all_single(received, blocks, group=group, async_op=True)
+
+
+def start_all_to_all_of_others(blocks: torch.Tensor, group: ProcessGroup) -> tuple[torch.Tensor, object]:
+    """``start_all_to_all`` without this rank's own block: (received [k, ...], work), received[j] rank j's
+    block for this rank after ``work.wait()`` for j != r, while received[r] is never written and blocks[r]
+    never read (point-to-point sends and receives), so the caller may compute both beside the transfers."""
+    rank, size = group_rank(group), group_size(group)
+    received = torch.empty(blocks.shape, dtype=blocks.dtype, device=blocks.device)
+    operations = []
+    for j in range(size):
+        if j != rank:
+            peer = dist.get_global_rank(group, j)
+            operations.append(dist.P2POp(dist.isend, blocks[j].contiguous(), peer, group))
+            operations.append(dist.P2POp(dist.irecv, received[j], peer, group))
+    return received, _AllOf(dist.batch_isend_irecv(operations))
+
+
+class _AllOf:
+    """Several started works waited on as one."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
 
 
 def start_all_reduce(tensor: torch.Tensor, group: ProcessGroup) -> object:

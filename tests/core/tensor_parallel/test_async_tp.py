@@ -147,8 +147,9 @@ def test_overlapped_fp8_layers_on_two_gpus(recipe):
 def _peer_all_to_all_matches_nccl(rank, world_size):
     """start_peer_all_to_all against NCCL's all_to_all_single: strided sources (as Ulysses sends them),
     several exchanges in flight at once over both slots, shapes that grow the slots, sources dropped
-    before the wait, new allocations between start and wait, and every third exchange landing in a
-    strided destination (``into``)."""
+    before the wait, new allocations between start and wait, every third exchange landing in a
+    strided destination (``into``), and every third without the own block (``with_own=False``: the
+    caller's own slot, written while the others travel, kept)."""
     group, device = dist.group.WORLD, torch.device("cuda", rank)
     generator = torch.Generator(device).manual_seed(200 + rank)
     for rows, width in [(16, 24), (256, 96), (16, 24), (1024, 40)] * 3:
@@ -161,8 +162,11 @@ def _peer_all_to_all_matches_nccl(rank, world_size):
             dist.all_to_all_single(reference, blocks.contiguous(), group=group)
             expected.append(reference)
             into = torch.zeros_like(whole).unflatten(-1, (world_size, width)).movedim(2, 0) if index == 2 else None
-            started.append(start_peer_all_to_all(blocks, group, into))
+            started.append(start_peer_all_to_all(blocks, group, into, with_own=index != 1))
             assert into is None or started[-1][0] is into
+            if index == 1:
+                started[-1][0][rank].fill_(7.0)
+                reference[rank] = 7.0
             del whole, blocks
             torch.randn(rows, 2, world_size * width, device=device).mul_(2)  # reuses freed memory, if allowed
         for (received, work), reference in zip(started, expected):

@@ -10,6 +10,7 @@ from megatron.core.tensor_parallel.utils import (
     gather_split_1d_tensor,
     split_tensor_along_last_dim,
     split_tensor_into_1d_equal_chunks,
+    start_all_to_all_of_others,
 )
 from tests.dist_utils import run_distributed
 
@@ -65,3 +66,22 @@ def _utils_world2(rank, world_size):
 @pytest.mark.distributed
 def test_1d_split_and_gather_on_2_ranks():
     run_distributed(_utils_world2, 2)
+
+
+def _all_to_all_of_others(rank, world_size):
+    """Over a group of ranks 2, 0, 1 (group ranks 0, 1, 2): every other rank's block arrives, the own
+    slot keeps what the caller wrote there while the blocks travelled, and the own block is not sent."""
+    group = dist.new_group([2, 0, 1])
+    me = dist.get_rank(group)
+    blocks = torch.stack([torch.full((2, 3), 10.0 * me + j) for j in range(3)])  # block j for group rank j
+    blocks[me] = float("nan")
+    received, work = start_all_to_all_of_others(blocks, group)
+    received[me] = -1.0
+    work.wait()
+    expected = torch.stack([torch.full((2, 3), -1.0 if j == me else 10.0 * j + me) for j in range(3)])
+    assert torch.equal(received, expected)
+
+
+@pytest.mark.distributed
+def test_all_to_all_of_others_on_3_ranks():
+    run_distributed(_all_to_all_of_others, 3)
