@@ -180,7 +180,9 @@ def _weight_and_bias_grads(grad_output: torch.Tensor, x: torch.Tensor, weight: t
 
 class _LocalMatmul(torch.autograd.Function):
     """Y = X W^T + b on this rank alone (no collective), for weights with a ``main_grad``: backward
-    adds dW into it (``_weight_and_bias_grads``) instead of returning dW to autograd."""
+    adds dW into it (``_weight_and_bias_grads``) instead of returning dW to autograd; and for weights
+    ``released_after_use``: it saves the parameter itself for backward, where torch's linear saves a
+    view of its data (W^T), which keeps that data alive after the parameter lets it go."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
@@ -195,8 +197,11 @@ class _LocalMatmul(torch.autograd.Function):
 
 
 def _local_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """X W^T + b on this rank: through ``_LocalMatmul`` when backward must add dW into ``weight.main_grad``."""
-    if getattr(weight, "main_grad", None) is not None and torch.is_grad_enabled() and weight.requires_grad:
+    """X W^T + b on this rank: through ``_LocalMatmul`` when backward must add dW into ``weight.main_grad``
+    or the weight is ``released_after_use`` (the trainer marks ZeRO-3's parameters so: their gathered data
+    is freed after each forward and gathered again for backward)."""
+    saves_itself = getattr(weight, "main_grad", None) is not None or getattr(weight, "released_after_use", False)
+    if saves_itself and torch.is_grad_enabled() and weight.requires_grad:
         return _LocalMatmul.apply(x, weight, bias)
     return fused_kernels.linear(x, weight, bias)
 

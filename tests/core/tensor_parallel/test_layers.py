@@ -323,3 +323,44 @@ def test_cuda_weight_gradients_accumulate_unrounded_in_fp32():
     fused_error = (layer.weight.main_grad.double() - exact).norm() / exact.norm()
     rounded_error = (rounded.double() - exact).norm() / exact.norm()
     assert fused_error < 1e-5 and fused_error < rounded_error / 10, (fused_error, rounded_error)
+
+
+def _saved_tensors(grad_fn, seen=None) -> list[torch.Tensor]:
+    """Every tensor the graph behind ``grad_fn`` saved for backward."""
+    seen = set() if seen is None else seen
+    if grad_fn is None or grad_fn in seen:
+        return []
+    seen.add(grad_fn)
+    saved = [value for name in dir(grad_fn) if name.startswith("_saved_")
+             for value in [getattr(grad_fn, name)] if isinstance(value, torch.Tensor)]
+    saved += [value for value in getattr(grad_fn, "saved_tensors", ()) if isinstance(value, torch.Tensor)]
+    for next_fn, _ in grad_fn.next_functions:
+        saved += _saved_tensors(next_fn, seen)
+    return saved
+
+
+@pytest.mark.parametrize("layer_class", [ColumnParallelLinear, RowParallelLinear])
+def test_a_weight_released_after_use_is_saved_as_itself(layer_class):
+    """ZeRO-3 frees a gathered weight by replacing its data after the forward, and gathers it again for
+    backward: the graph must hold the parameter, not a view of the data it had (torch's own linear keeps
+    W^T), or every layer's gathered weights stay alive until backward. Gradients stay torch's."""
+    layer = layer_class(IN, OUT, tp_group=None, init_method=init_normal, use_cpu_initialization=True)
+    reference = torch.nn.Linear(IN, OUT)
+    reference.weight.data.copy_(layer.weight.data)
+    reference.bias.data.copy_(layer.bias.data)
+    x = torch.randn(5, 2, IN, requires_grad=True)
+    torch_saved = _saved_tensors(reference(x).grad_fn)
+    assert any(t.data_ptr() == reference.weight.data_ptr() and t is not reference.weight for t in torch_saved)
+
+    layer.weight.released_after_use = True
+    output, bias = layer(x)
+    output = output if bias is None else output + bias
+    gathered = layer.weight.data
+    layer.weight.data = torch.empty(0)  # released, as ZeRO-3 does after the layer's forward
+    assert all(t.data_ptr() != gathered.data_ptr() for t in _saved_tensors(output.grad_fn) if t.numel())
+    layer.weight.data = gathered  # gathered again for backward
+    grad = torch.randn(5, 2, OUT)
+    output.backward(grad)
+    reference(x).backward(grad)
+    torch.testing.assert_close(layer.weight.grad, reference.weight.grad)
+    torch.testing.assert_close(layer.bias.grad, reference.bias.grad)
