@@ -196,7 +196,7 @@ class _LocalMatmul(torch.autograd.Function):
         return grad_output.matmul(weight), grad_weight, grad_bias
 
 
-def _local_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def local_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """X W^T + b on this rank: through ``_LocalMatmul`` when backward must add dW into ``weight.main_grad``
     or the weight is ``released_after_use`` (the trainer marks ZeRO-3's parameters so: their gathered data
     is freed after each forward and gathered again for backward)."""
@@ -295,7 +295,7 @@ class ColumnParallelLinear(nn.Module):
         elif self.fp8_gemms is not None:
             y = fp8_linear(self._fp8_input(x), self.weight, bias, self.fp8_gemms)
         elif group_size(self.tp_group) == 1:
-            y = _local_linear(x, self.weight, bias)
+            y = local_linear(x, self.weight, bias)
         else:  # [s / k or s, .., input_size] -> [s, .., output_size / k]
             y = _ColumnParallelMatmul.apply(x, self.weight, bias, self.tp_group, self.sequence_parallel,
                                             self.comm_overlap)
@@ -372,7 +372,7 @@ class RowParallelLinear(nn.Module):
         if self.fp8_gemms is not None:
             partial = fp8_linear(x, self.weight, None, self.fp8_gemms)
         else:
-            partial = _local_linear(x, self.weight)  # [.., output_size], this rank's X_r A_r
+            partial = local_linear(x, self.weight)  # [.., output_size], this rank's X_r A_r
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)  # [s / k, .., output_size]
         else:

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megatron.core.tensor_parallel.random import get_rng_tracker, model_parallel_seed
+from tests.autograd_utils import saved_tensors
 from tests.dist_utils import run_distributed
 
 IN, OUT, VOCAB, HIDDEN = 8, 12, 16, 6
@@ -325,20 +326,6 @@ def test_cuda_weight_gradients_accumulate_unrounded_in_fp32():
     assert fused_error < 1e-5 and fused_error < rounded_error / 10, (fused_error, rounded_error)
 
 
-def _saved_tensors(grad_fn, seen=None) -> list[torch.Tensor]:
-    """Every tensor the graph behind ``grad_fn`` saved for backward."""
-    seen = set() if seen is None else seen
-    if grad_fn is None or grad_fn in seen:
-        return []
-    seen.add(grad_fn)
-    saved = [value for name in dir(grad_fn) if name.startswith("_saved_")
-             for value in [getattr(grad_fn, name)] if isinstance(value, torch.Tensor)]
-    saved += [value for value in getattr(grad_fn, "saved_tensors", ()) if isinstance(value, torch.Tensor)]
-    for next_fn, _ in grad_fn.next_functions:
-        saved += _saved_tensors(next_fn, seen)
-    return saved
-
-
 @pytest.mark.parametrize("layer_class", [ColumnParallelLinear, RowParallelLinear])
 def test_a_weight_released_after_use_is_saved_as_itself(layer_class):
     """ZeRO-3 frees a gathered weight by replacing its data after the forward, and gathers it again for
@@ -349,7 +336,7 @@ def test_a_weight_released_after_use_is_saved_as_itself(layer_class):
     reference.weight.data.copy_(layer.weight.data)
     reference.bias.data.copy_(layer.bias.data)
     x = torch.randn(5, 2, IN, requires_grad=True)
-    torch_saved = _saved_tensors(reference(x).grad_fn)
+    torch_saved = saved_tensors(reference(x).grad_fn)
     assert any(t.data_ptr() == reference.weight.data_ptr() and t is not reference.weight for t in torch_saved)
 
     layer.weight.released_after_use = True
@@ -357,7 +344,7 @@ def test_a_weight_released_after_use_is_saved_as_itself(layer_class):
     output = output if bias is None else output + bias
     gathered = layer.weight.data
     layer.weight.data = torch.empty(0)  # released, as ZeRO-3 does after the layer's forward
-    assert all(t.data_ptr() != gathered.data_ptr() for t in _saved_tensors(output.grad_fn) if t.numel())
+    assert all(t.data_ptr() != gathered.data_ptr() for t in saved_tensors(output.grad_fn) if t.numel())
     layer.weight.data = gathered  # gathered again for backward
     grad = torch.randn(5, 2, OUT)
     output.backward(grad)

@@ -8,7 +8,7 @@ from megatron.core.models.gpt.init import initialize_replicated_weight, stable_e
 from megatron.core.models.gpt.layer_norm import LayerNorm
 from megatron.core.models.gpt.positional import LearnedPositionEmbedding
 from megatron.core.parallel_state import ParallelGroups
-from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
+from megatron.core.tensor_parallel.layers import VocabParallelEmbedding, local_linear
 from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                     gather_from_sequence_parallel_region)
 
@@ -24,6 +24,8 @@ def vocab_parallel_logits(hidden_states: torch.Tensor, weight: torch.Tensor, seq
         hidden_states = gather_from_sequence_parallel_region(hidden_states, tp_group)  # [s, ..., h]
     else:
         hidden_states = copy_to_tensor_model_parallel_region(hidden_states, tp_group)
+    if getattr(weight, "released_after_use", False):  # ZeRO-3: saved as itself for backward (local_linear)
+        return local_linear(hidden_states.to(weight.dtype), weight)
     return fused_kernels.linear(hidden_states.to(weight.dtype), weight)
 
 

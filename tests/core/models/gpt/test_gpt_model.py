@@ -8,6 +8,7 @@ from megatron.core.parallel_state import initialize_model_parallel, single_rank_
 from megatron.core.tensor_parallel.random import model_parallel_seed
 from tests.core.models.gpt.gpt_test_utils import (copy_full_weights, full_grads, full_weights, random_tokens,
                                                   randomize_parameters, relative_error, tiny_config)
+from tests.autograd_utils import saved_tensors
 from tests.dist_utils import run_distributed
 
 EOD = 0
@@ -301,3 +302,31 @@ def _tensor_parallel_worker(rank, world_size):
 @pytest.mark.distributed
 def test_tensor_parallel_parity_and_layout_independent_init():
     run_distributed(_tensor_parallel_worker, 4)
+
+
+@pytest.mark.parametrize("untied", [False, True])
+def test_parameters_released_after_use_are_not_held_by_the_graph(untied):
+    """Under ZeRO-3 (every parameter ``released_after_use``) no tensor saved for backward shares the memory
+    of a parameter's data once the forward is done, so DeepSpeed's release frees it; the gradients after
+    the parameters are gathered again are those of the unmarked model."""
+    config = tiny_config(untie_embeddings_and_output_weights=untied)
+    tokens = random_tokens(2, config.seq_length, config.padded_vocab_size)
+    positions = torch.arange(config.seq_length)[None].expand(2, -1)
+    model_parallel_seed(1234, 0, 0)
+    reference, model = build(config, seed=3), build(config, seed=3)
+    for param in model.parameters():
+        param.released_after_use = True
+    loss = model(tokens, positions, None).float().square().mean()
+    gathered = {name: param.data for name, param in model.named_parameters()}
+    memory = {param.untyped_storage().data_ptr(): name for name, param in model.named_parameters()}
+    for param in model.parameters():
+        param.data = torch.empty(0)
+    held = {memory[t.untyped_storage().data_ptr()] for t in saved_tensors(loss.grad_fn)
+            if t.untyped_storage().data_ptr() in memory}
+    assert held == set()
+    for name, param in model.named_parameters():
+        param.data = gathered[name]
+    loss.backward()
+    reference(tokens, positions, None).float().square().mean().backward()
+    for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, expected.grad, msg=name)
