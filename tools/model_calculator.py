@@ -31,10 +31,15 @@ Model states per GPU, for P parameters on the GPU (ZeRO, Rajbhandari et al. 2020
 in fp32), gradients 2P (4P in fp32; + 4P with fp32 gradient accumulation, or that 4P alone with
 bf16's immediate_grad_update, the trainer's default), Adam 12P (fp32 master copy and two moments; 8P
 in fp32). ZeRO 1 divides the optimizer states by d S (S: Ulysses' sequence-parallel size, 1
-without), 2 the gradients too, 3 the weights too, and ZeRO 3 adds the weights of two modules
-gathered at once (the one running, the one prefetched; the largest module counts: a layer, the
-embedding or the output layer). Offload: --offload-optimizer puts Adam's states and an fp32 gradient
-partition, 16P/(d S), in host memory (and at ZeRO 2 and 3 no gradient partition stays on the GPU);
+without), 2 the gradients too, 3 the weights too, and ZeRO 3 adds the gathered weights: two modules
+(the one running, the one prefetched; the largest module counts: a layer, the embedding or the
+output layer) and the layers DeepSpeed keeps gathered from their forward to their backward, those
+whose weights come back within stage3_max_reuse_distance = 1e9 gathered elements: after layer i of
+L, 2 (L - 1 - i) P_layer elements are gathered before its backward, so floor(1e9 / (2 P_layer)) + 1
+layers. Offload: --offload-optimizer puts Adam's states and an fp32 gradient partition, 16P/(d S),
+in host memory (at ZeRO 2 and 3 no gradient partition stays on the GPU, but at ZeRO 3 four
+reduce_bucket_size = 5e8-element buffers in the weights' dtype do: the bucket, its reduce-scatter's
+output and the reduced gradients of up to two buckets waiting for their copy to the host);
 --offload-param (ZeRO 3) the 2P/(d S) weight partition, leaving only the gathered weights.
 
 Activations of one layer and micro-batch (estimate, Korthikanti et al. 2022), with e = 2, f = 4h:
@@ -83,7 +88,7 @@ from megatron.training.throughput import recomputed_fraction  # noqa: E402
 from tools.model_calculator_inputs import (NORMALIZATIONS, POSITION_EMBEDDING_TYPES, PRECISIONS,  # noqa: E402
                                            RECOMPUTE_METHODS, ZERO_STAGES, CalculatorError, Layout, ModelShape,
                                            TrainingBudget, padded_vocab_size)
-from tools.model_calculator_memory import (layer_activation_bytes, model_state_bytes,  # noqa: E402
+from tools.model_calculator_memory import (layer_activation_bytes, model_state_bytes, zero3_gathered_parameters,  # noqa: E402
                                            stage_activation_bytes)
 from tools.model_calculator_report import format_report  # noqa: E402
 
@@ -227,6 +232,7 @@ class ParameterCounts:
     layers_per_stage: list[int]
     per_gpu: list[int]
     largest_module_per_gpu: int  # the most one module (a layer, the embedding, the head) holds on a GPU
+    layer_per_gpu: int  # one transformer layer's parameters on a GPU
 
 
 def model_config(shape: ModelShape, tensor_parallel: int):
@@ -357,10 +363,11 @@ def count_parameters(shape: ModelShape, tensor_parallel: int = 1, pipeline_paral
     total = sum(p.numel() for module in unique for p in module.parameters())
     per_gpu = [_stage_parameters_per_gpu(stage, build, tensor_parallel) for stage in stages]
     largest = max(_per_gpu(build(spec), tensor_parallel) for spec in specs)
+    layer = next((_per_gpu(build(spec), tensor_parallel) for spec in specs if _is_transformer_layer(spec)), 0)
     return ParameterCounts(total=total, without_embeddings=total - word - position - output, word_embeddings=word,
                            position_embeddings=position, output_layer=output,
                            layers_per_stage=[sum(map(_is_transformer_layer, stage)) for stage in stages],
-                           per_gpu=per_gpu, largest_module_per_gpu=largest)
+                           per_gpu=per_gpu, largest_module_per_gpu=largest, layer_per_gpu=layer)
 
 
 # ------------------------------------------------------------------------------------------ FLOPs and time
@@ -420,14 +427,15 @@ def training_days(model_flops_per_token: float, budget: TrainingBudget, num_gpus
 
 
 def _memory_figures(shape: ModelShape, layout: Layout, counts: ParameterCounts) -> list[dict]:
-    """Per pipeline stage: activations and model states at every ZeRO stage, in bytes (ZeRO 3 gathers
-    two modules at a time: the one running and the one prefetched)."""
+    """Per pipeline stage: activations and model states at every ZeRO stage, in bytes (ZeRO 3's gathered
+    weights: ``zero3_gathered_parameters``)."""
     stages = []
     for stage, (layers, parameters) in enumerate(zip(counts.layers_per_stage, counts.per_gpu)):
         activations = stage_activation_bytes(shape, layout, stage, layers)
         by_zero = {}
         for zero in ZERO_STAGES:
-            states = model_state_bytes(parameters, layout, zero, gathered_parameters=2 * counts.largest_module_per_gpu)
+            gathered = zero3_gathered_parameters(counts.largest_module_per_gpu, counts.layer_per_gpu, layers)
+            states = model_state_bytes(parameters, layout, zero, gathered_parameters=gathered)
             by_zero[str(zero)] = {**asdict(states), "activations": activations.total,
                                   "total": states.total + activations.total}
         stages.append({"stage": stage, "layers": layers, "parameters_per_gpu": parameters,

@@ -38,15 +38,33 @@ def bytes_per_parameter(precision: str, fp32_grad_accumulation: bool = False,
     return 2, 4 if drops_16_bit_gradients else 6, 12
 
 
+# DeepSpeed's ZeRO-3 defaults (zero_optimization): a parameter stays gathered when it is used again within
+# stage3_max_reuse_distance gathered elements; gradients are reduced in buckets of reduce_bucket_size elements.
+ZERO3_MAX_REUSE_DISTANCE = 10**9
+ZERO3_REDUCE_BUCKET_SIZE = 5 * 10**8
+# Under optimizer offload the GPU keeps four such buckets at ZeRO 3 (the bucket, its reduce-scatter's output and
+# the reduced gradients of up to two buckets waiting for their copy to the host): 3.72 and 3.56 GiB of the 2.7B's
+# and the 6.7B's measured peaks on one GPU.
+ZERO3_OFFLOAD_GRADIENT_BUCKETS = 4
+
+
+def zero3_gathered_parameters(largest_module: int, layer: int, layers: int) -> int:
+    """Parameters ZeRO 3 holds gathered on a GPU at once: the largest module twice (the one running and
+    the one prefetched) and the layers kept from their forward to their backward, floor(R / (2 P_layer))
+    + 1 of a stage's ``layers`` (R = ZERO3_MAX_REUSE_DISTANCE; module docstring of model_calculator)."""
+    kept = min(layers, ZERO3_MAX_REUSE_DISTANCE // (2 * layer) + 1) if layer else 0
+    return 2 * largest_module + kept * layer
+
+
 def model_state_bytes(parameters: int, layout: Layout, zero_stage: int | None = None,
                       gathered_parameters: int = 0) -> StateMemory:
     """Model states of a GPU holding ``parameters``: ZeRO stage z splits over its D S ranks the
     optimizer (z >= 1), the gradients (z >= 2) and the weights (z = 3; then the GPU also holds
-    ``gathered_parameters`` gathered at once: the module running and the one prefetched). Offload
-    (DeepSpeed's CPU Adam) moves the optimizer states and an fp32 gradient partition, 16 bytes per
-    partitioned parameter, to host memory, and at z >= 2 the gradient partitions leave the GPU as
-    they are reduced; parameter offload (z = 3) moves the 16-bit weight partition too, leaving the
-    gathered ones on the GPU."""
+    ``gathered_parameters`` gathered at once: ``zero3_gathered_parameters``). Offload (DeepSpeed's CPU
+    Adam) moves the optimizer states and an fp32 gradient partition, 16 bytes per partitioned
+    parameter, to host memory, and at z >= 2 the gradient partitions leave the GPU as they are
+    reduced (at z = 3 through ZERO3_OFFLOAD_GRADIENT_BUCKETS buckets that stay); parameter offload
+    (z = 3) moves the 16-bit weight partition too, leaving the gathered ones on the GPU."""
     stage = layout.zero_stage if zero_stage is None else zero_stage
     d = layout.zero_partitions
     weight, gradient, optimizer = bytes_per_parameter(layout.precision, layout.fp32_grad_accumulation,
@@ -58,8 +76,8 @@ def model_state_bytes(parameters: int, layout: Layout, zero_stage: int | None = 
     if layout.offload_optimizer and stage >= 1:
         host += (optimizer + 4) * parameters / d
         optimizer_states = 0.0
-        if stage >= 2:  # each partition's gradients go to the host as they are reduced (buckets not counted)
-            gradients = 0.0
+        if stage >= 2:  # each partition's gradients go to the host as they are reduced
+            gradients = ZERO3_OFFLOAD_GRADIENT_BUCKETS * ZERO3_REDUCE_BUCKET_SIZE * weight if stage >= 3 else 0.0
     if layout.offload_param and stage >= 3:
         host += weight * parameters / d
         weights = weight * gathered_parameters

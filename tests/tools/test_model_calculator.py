@@ -143,11 +143,14 @@ def test_memory_equals_a_hand_computation():
 
 def test_zero3_and_offload_by_hand():
     """ZeRO 3 partitions the weights too and gathers two modules at a time (the largest on SMALL: the
-    word embedding, 1000 x 64 + the 32 x 64 positions); optimizer offload moves Adam's 12 bytes and
-    an fp32 gradient partition (4) per partitioned parameter to the host (at ZeRO 3 the GPU keeps no
-    gradient partition), parameter offload the 2-byte weight partition."""
-    parameters = 2 * (12 * 64 ** 2 + 13 * 64) + 1000 * 64 + 32 * 64 + 2 * 64
-    gathered = 2 * (1000 * 64 + 32 * 64)
+    word embedding, 1000 x 64 + the 32 x 64 positions) and keeps both small layers gathered from their
+    forward to their backward (a layer of 49,984 is far under the reuse distance); optimizer offload
+    moves Adam's 12 bytes and an fp32 gradient partition (4) per partitioned parameter to the host (at
+    ZeRO 3 the GPU keeps no gradient partition but four 5e8-element reduce buckets), parameter offload
+    the 2-byte weight partition."""
+    layer = 12 * 64 ** 2 + 13 * 64
+    parameters = 2 * layer + 1000 * 64 + 32 * 64 + 2 * 64
+    gathered = 2 * (1000 * 64 + 32 * 64) + 2 * layer
     base = dict(num_gpus=4, micro_batch_size=2, global_batch_size=16, zero_stage=3, precision="fp16")
     plain = calculate(SMALL, Layout(**base))["memory_per_gpu"]["stages"][0]["by_zero_stage"]["3"]
     assert plain["weights"] == pytest.approx(2 * parameters / 4 + 2 * gathered)
@@ -155,7 +158,7 @@ def test_zero3_and_offload_by_hand():
                                                                                      12 * parameters / 4, 0.0))
     offloaded = calculate(SMALL, Layout(**base, offload_optimizer=True, offload_param=True))
     states = offloaded["memory_per_gpu"]["stages"][0]["by_zero_stage"]["3"]
-    assert (states["weights"], states["gradients"], states["optimizer"]) == pytest.approx((2 * gathered, 0.0, 0.0))
+    assert (states["weights"], states["gradients"], states["optimizer"]) == pytest.approx((2 * gathered, 4 * 5e8 * 2, 0.0))
     assert states["host"] == pytest.approx((12 + 4 + 2) * parameters / 4)
     optimizer_only = calculate(SMALL, Layout(**{**base, "zero_stage": 1}, offload_optimizer=True))
     zero1 = optimizer_only["memory_per_gpu"]["stages"][0]["by_zero_stage"]["1"]
@@ -481,3 +484,14 @@ def test_flops_partition_gives_the_untied_head_its_share():
         "parameters"]["layers_per_stage"] == [4, 2]
     with pytest.raises(CalculatorError, match="--pp-partition-method 'stages' is not supported"):
         layers_per_stage(shape, 2, "stages")
+
+
+def test_zero3_keeps_the_layers_within_the_reuse_distance_gathered():
+    """DeepSpeed keeps a layer's weights gathered when they come back within 1e9 gathered elements: with
+    2 (L - 1 - i) P_layer elements between layer i's forward and its backward, floor(1e9 / (2 P_layer)) + 1
+    layers, at most the stage's."""
+    from tools.model_calculator_memory import zero3_gathered_parameters
+    assert zero3_gathered_parameters(10, 201_000_000, 32) == 20 + 3 * 201_000_000
+    assert zero3_gathered_parameters(10, 78_680_000, 32) == 20 + 7 * 78_680_000
+    assert zero3_gathered_parameters(10, 1_000, 4) == 20 + 4 * 1_000
+    assert zero3_gathered_parameters(10, 0, 0) == 20
