@@ -57,7 +57,8 @@
 #      model TFLOP/s, max allocated MB and the ratio to the first run. With 4 GPUs: ulysses_s4_64k (65536, S = 4);
 #      variants ulysses_s<S>_<K>k[_c<N>][_peer][_proj] run S GPUs at K x 1024 with the exchange in exactly N chunks,
 #      through peer memory (copy engines) instead of NCCL, hidden behind the projections' GEMMs with one attention
-#      call per layer (ulysses_projections) instead of chunks of heads (tests/gpu/ulysses_chunks); profile_<variant> profiles
+#      call per layer (ulysses_projections) instead of chunks of heads (tests/gpu/ulysses_chunks; a variant without _proj
+#      is pipelined, ulysses_s<S>_<K>k alone takes the default: beside the projections at TP = 1); profile_<variant> profiles
 #      its fourth iteration on rank 0 into $OUT/profile_<variant>/
 #   14. ZeRO-3 (RUNS="zero1_1p3b_dp2 zero3_1p3b_dp2 zero3_compare" on 2 GPUs): the 1.3B GPT, bf16, micro-batch 8,
 #      global batch 32, 12 iterations, log interval 2, at ZeRO-1 and at ZeRO-3 on two GPUs; zero3_compare prints

@@ -2,8 +2,10 @@
 ``tests/gpu/run_trainer.sh`` can compare settings without a flag (``megatron.core.models.gpt.ulysses``):
 ``ULYSSES_CHUNKS=N`` pipelines the exchange in N chunks whatever the heads per attention call
 (``ulysses_s2_32k_c<N>``), ``ULYSSES_EXCHANGE=peer`` sends it through peer memory (``.._peer``),
-``ULYSSES_OVERLAP_PROJECTIONS=1`` hides it behind the projections instead (``.._proj``). Fewer chunks give
-each attention call more heads; more chunks hide more of the all-to-alls."""
+``ULYSSES_OVERLAP_PROJECTIONS=1`` hides it behind the projections instead (``.._proj``; once any setting is
+given, a variant without ``_proj`` runs the pipelined exchange, which a run with none of them, the default
+at TP = 1, does not). Fewer chunks give each attention call more heads; more chunks hide more of the
+all-to-alls."""
 import os
 import sys
 
