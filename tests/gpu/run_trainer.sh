@@ -153,7 +153,7 @@ gpt_run() {  # name layers hidden heads precision mbs gbs [extra flags...]
         --num-layers "$layers" --hidden-size "$hidden" --num-attention-heads "$heads" \
         --seq-length "${SEQ:-2048}" --max-position-embeddings 2048 --pad-vocab-size-to 50304 \
         --micro-batch-size "$mbs" --global-batch-size "$gbs" --train-iters "$ITERS" \
-        --lr 1e-4 --min-lr 1e-5 --lr-warmup-iters 2 --lr-decay-style cosine --clip-grad 1.0 \
+        --lr 1e-4 --min-lr 1e-5 --lr-warmup-iters $(( ITERS > 2 ? 2 : ITERS - 1 )) --lr-decay-style cosine --clip-grad 1.0 \
         --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.02 \
         --hidden-dropout 0 --attention-dropout 0 $precision_flag --seed 1234 \
         --vocab-file "$WORK/tokenizer/vocab.json" --merge-file "$WORK/tokenizer/merges.txt" \
