@@ -52,7 +52,7 @@
 #      --recompute-method block --recompute-num-layers N), 1p3b_mbs16 (no recompute: expected out of memory)
 #   13. DeepSpeed-Ulysses (RUNS="ulysses_1gpu_16k ulysses_1gpu_24k ulysses_1gpu_32k ulysses_s2_32k ulysses_compare"):
 #      the 1.3B GPT, bf16, ZeRO-1, micro-batch 1, global batch 8, log interval 2, on one GPU at sequences
-#      16384, 24576, 32768, 49152 and 57344 (ulysses_1gpu_<K>k: the longest that fits is the reference) and on two
+#      K x 1024 (ulysses_1gpu_<K>k, e.g. 16k, 32k, 56k: the longest that fits is the reference) and on two
 #      GPUs at 32768 with --ds-sequence-parallel-size 2; ulysses_compare prints each run's mean per-GPU
 #      model TFLOP/s, max allocated MB and the ratio to the first run. With 4 GPUs: ulysses_s4_64k (65536, S = 4);
 #      variants ulysses_s<S>_<K>k[_c<N>][_peer][_proj] run S GPUs at K x 1024 with the exchange in exactly N chunks,
@@ -399,11 +399,7 @@ for run in $RUNS; do
         recompute_compare) recompute_table 1p3b_bf16 1p3b_mbs16_selective 1p3b_mbs16_mlp_act 1p3b_mbs16_layernorm \
                                1p3b_mbs16_core_attn $(logs_starting_with 1p3b_mbs16_mlp_act_block) 1p3b_mbs16 \
                                | tee "$OUT/recompute.txt" ;;
-        ulysses_1gpu_16k) ulysses_run ulysses_1gpu_16k 1 16384 ;;
-        ulysses_1gpu_24k) ulysses_run ulysses_1gpu_24k 1 24576 ;;
-        ulysses_1gpu_32k) ulysses_run ulysses_1gpu_32k 1 32768 ;;
-        ulysses_1gpu_48k) ulysses_run ulysses_1gpu_48k 1 49152 ;;
-        ulysses_1gpu_56k) ulysses_run ulysses_1gpu_56k 1 57344 ;;
+        ulysses_1gpu_[0-9]*k) kilo=${run#ulysses_1gpu_}; ulysses_run "$run" 1 $(( ${kilo%k} * 1024 )) ;;
         ulysses_s2_32k) ulysses_run ulysses_s2_32k 2 32768 --ds-sequence-parallel-size 2 ;;
         ulysses_s4_64k) ulysses_run ulysses_s4_64k 4 65536 --ds-sequence-parallel-size 4 ;;
         ulysses_s[24]_*k_*) ulysses_variant "$run" "$run" ;;

@@ -1,0 +1,20 @@
+#!/bin/bash
+# call 13 (x2; prepared, not run): Ulysses' 90 % goal against both readings of "the longest sequence that fits one
+# GPU": an H200 (57344, call 9) and an 80 GB H100 (the allocator capped at 80000 MiB: 32768 wanted 81.0 GiB in
+# calls 1-6, so 30720 or 28672 is the longest). GPUs 0,1: S = 2 at 32768, the default exchange (NCCL) and peer
+# memory; then GPU 0 one GPU at 30720 and 28672 capped beside GPU 1 one GPU at 57344; then a profile of the peer
+# run. Everything tarred into $OUT/runs.tgz
+source tests/gpu/device_call.sh
+export ITERS_ULYSSES=6
+stamp start
+prepare_machine  # installs the wheels, prepares the data
+(trainer 0,1 1 ulysses_s2_32k ulysses_s2_32k_proj_peer
+ stamp ulysses_s2
+ (trainer 0 2 ulysses_1gpu_30k@h100 ulysses_1gpu_28k@h100; stamp h100) &
+ (trainer 1 3 ulysses_1gpu_56k; stamp h200) &
+ wait
+ trainer 0,1 4 profile_ulysses_s2_32k_proj_peer
+ stamp profile
+ summarize profile_ulysses_s2_32k_proj_peer) &
+wait_for_lanes 560
+RUNS="ulysses_compare" LANE=6 timeout 20 bash tests/gpu/run_trainer.sh > $OUT/compare.log 2>&1
