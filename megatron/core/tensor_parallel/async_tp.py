@@ -25,8 +25,9 @@ from megatron.core.tensor_parallel.utils import (all_gather_along_first_dim, div
 
 class _PeerBuffers:
     """Two slots of symmetric memory per group, the TP group or Ulysses' sequence-parallel group (each
-    rank's slots writable by its peers over NVLink), used in turn by the fused collectives below, and a side stream for the peer copies
-    (of high priority: its barrier kernel takes the first SM a GEMM beside it frees).
+    rank's slots writable by its peers over NVLink), used in turn by the fused collectives below, and a
+    side stream for the peer copies (of high priority: its barrier kernel takes the first SM a GEMM
+    beside it frees).
 
     Each call writes its peers' slots at its place, passes one group barrier, then reads its own
     slot of the same call and joins those reads into the current stream before the call (or, for

@@ -2,7 +2,6 @@
 import torch
 from torch import nn
 
-from megatron.core import fused_kernels
 from megatron.core.models.gpt.config import GPTModelConfig
 from megatron.core.models.gpt.init import initialize_replicated_weight, stable_embedding_init_method, weight_init_method
 from megatron.core.models.gpt.layer_norm import LayerNorm
@@ -24,9 +23,7 @@ def vocab_parallel_logits(hidden_states: torch.Tensor, weight: torch.Tensor, seq
         hidden_states = gather_from_sequence_parallel_region(hidden_states, tp_group)  # [s, ..., h]
     else:
         hidden_states = copy_to_tensor_model_parallel_region(hidden_states, tp_group)
-    if getattr(weight, "released_after_use", False):  # ZeRO-3: saved as itself for backward (local_linear)
-        return local_linear(hidden_states.to(weight.dtype), weight)
-    return fused_kernels.linear(hidden_states.to(weight.dtype), weight)
+    return local_linear(hidden_states.to(weight.dtype), weight)  # a ZeRO-3 weight saved as itself for backward
 
 
 class Embedding(nn.Module):
