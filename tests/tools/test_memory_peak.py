@@ -63,3 +63,18 @@ def test_the_command_prints_each_device_with_a_history(tmp_path):
     assert "| 0.0 | 1 | deepspeed/runtime/zero/stage3.py:900 reduce_ready |" in printed
     assert "| 0.0 | 2 | 1 other sites |" in printed
     assert "device 0" not in printed
+
+
+def test_the_command_names_a_file_it_cannot_read(tmp_path):
+    not_pickled, no_traces = tmp_path / "notes.txt", tmp_path / "other.pickle"
+    not_pickled.write_text("a text file\n")
+    no_traces.write_bytes(pickle.dumps({"segments": []}))
+    for path, message in ((tmp_path / "missing.pickle", "No such file or directory"),
+                          (not_pickled, "not a pickled allocator snapshot"),
+                          (no_traces, "not an allocator snapshot (no device_traces")):
+        result = subprocess.run([sys.executable, "tools/benchmarks/memory_peak.py", str(path)],
+                                capture_output=True, text=True)
+        assert result.returncode == 2 and f"{path}: {message}" in result.stderr, result.stderr
+    result = subprocess.run([sys.executable, "tools/benchmarks/memory_peak.py", str(no_traces), "--top", "0"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "--top 0: list at least one site" in result.stderr

@@ -106,8 +106,18 @@ def main(argv=None) -> None:
     parser.add_argument("snapshot", help="a pickle from torch.cuda.memory._dump_snapshot")
     parser.add_argument("--top", type=int, default=30, help="the number of sites listed (default 30)")
     args = parser.parse_args(argv)
-    with open(args.snapshot, "rb") as handle:
-        snapshot = pickle.load(handle)
+    if args.top < 1:
+        parser.error(f"--top {args.top}: list at least one site")
+    try:
+        with open(args.snapshot, "rb") as handle:
+            snapshot = pickle.load(handle)
+    except OSError as error:
+        parser.error(f"{args.snapshot}: {error.strerror}")
+    except (pickle.UnpicklingError, EOFError, ValueError) as error:
+        parser.error(f"{args.snapshot}: not a pickled allocator snapshot ({error})")
+    if not isinstance(snapshot, dict) or "device_traces" not in snapshot:
+        parser.error(f"{args.snapshot}: not an allocator snapshot (no device_traces; record it with "
+                     f"torch.cuda.memory._record_memory_history before torch.cuda.memory._dump_snapshot)")
     print(report(snapshot, args.top))
 
 
