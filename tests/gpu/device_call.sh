@@ -37,6 +37,7 @@ summarize() {  # run: its trace's tables
     timeout 60 python3 tools/benchmarks/trace_summary.py "$trace" > $OUT/$1_summary.md 2>&1
     timeout 60 python3 tools/benchmarks/trace_summary.py --by-operator "$trace" > $OUT/$1_by_operator.md 2>&1
     timeout 60 python3 tools/benchmarks/trace_summary.py --idle "$trace" > $OUT/$1_idle.md 2>&1
+    timeout 60 python3 tools/benchmarks/trace_summary.py --exposed "$trace" > $OUT/$1_exposed.md 2>&1
 }
 
 wait_for_lanes() {  # seconds

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from tools.benchmarks.trace_summary import (idle_by_cause, kernel_class, lead_before_first_work, main, subtract,
-                                            summarize, time_by_operator, union)
+from tools.benchmarks.trace_summary import (difference, exposed_by_waiter, idle_by_cause, kernel_class,
+                                            lead_before_first_work, main, subtract, summarize, time_by_operator, union)
 
 
 def kernel(name, start, duration):
@@ -17,6 +17,8 @@ def test_union_and_subtract_against_a_unit_grid():
     grid = lambda spans: {t for s, e in spans for t in range(s, e)}  # noqa: E731
     assert union(intervals) == [(0, 5), (7, 8), (10, 14)]
     assert subtract(union(intervals), cover) == len(grid(intervals) - grid(cover)) == 5
+    assert difference(union(intervals), cover) == [(0, 1), (2, 4), (11, 13)]
+    assert grid(difference(union(intervals), cover)) == grid(intervals) - grid(cover)
 
 
 def test_kernel_classes():
@@ -117,8 +119,9 @@ def test_by_operator_table_multiplies_each_trace(tmp_path, capsys):
 
 @pytest.mark.parametrize("flags, message", [
     (["--multiply", "2"], "give --by-operator too"),
-    (["--minimum-ms", "2"], "--minimum-ms shapes the table of --by-operator or --idle"),
+    (["--minimum-ms", "2"], "--minimum-ms shapes the table of --by-operator, --idle or --exposed"),
     (["--by-operator", "--idle"], "give one"),
+    (["--idle", "--exposed"], "give one"),
     (["--idle", "--multiply", "1"], "give --by-operator too"),
     (["--by-operator", "--multiply", "1", "2"], "one factor per trace: 1 traces, 2 factors"),
     (["--by-operator", "--multiply", "0"], "factors must be positive"),
@@ -193,3 +196,40 @@ def test_idle_table_names_the_hosts_lead(tmp_path, capsys):
     rows = capsys.readouterr().out.splitlines()
     assert rows[1] == ("before the first GPU work: 4.0 ms from the start of 'iteration 3' "
                        "(longest host operators: aten::any 2.0 ms)")
+
+
+def exposed_events(scale=1):
+    """An exchange beside a GEMM (times in µs x ``scale``): its barrier and peer copy outlast the GEMM by 30, then
+    the dense GEMM that needs it starts; a second exchange runs alone 20 before the attention; a
+    last barrier ends the trace; a copy on this device counts as neither."""
+    events = [
+        cpu_op("_OverlappedUlysses", 0, 500), cpu_op("aten::mm", 1, 2), launch(1, 2),
+        cpu_op("aten::copy_", 3, 2), launch(2, 4), cpu_op("aten::addmm_", 5, 2), launch(3, 6),
+        cpu_op("aten::_cudnn_attention_forward", 7, 2), launch(4, 8),
+        launched_kernel("nvjet_gemm", 1, 0, 100), launched_kernel("barrier_kernel symmetric_memory", 10, 10, 40),
+        launched_kernel("Memcpy PtoP (Device -> Device)", 2, 60, 70, "gpu_memcpy"),  # 100..130 exposed
+        launched_kernel("Memcpy DtoD (Device -> Device)", 11, 130, 10, "gpu_memcpy"),
+        launched_kernel("nvjet_gemm", 3, 140, 50),
+        launched_kernel("Memcpy PtoP (Device -> Device)", 12, 200, 20, "gpu_memcpy"),  # 200..220 exposed
+        launched_kernel("cudnn_attention_fwd", 4, 230, 100),
+        launched_kernel("barrier_kernel symmetric_memory", 13, 330, 5),  # exposed, nothing after it
+    ]
+    return [{**e, "ts": e["ts"] * scale, "dur": e["dur"] * scale} for e in events]
+
+
+def test_exposed_communication_is_charged_to_the_computation_that_waited():
+    charged = exposed_by_waiter(exposed_events())
+    assert charged == {"_OverlappedUlysses: aten::addmm_": pytest.approx((0.03, 1)),
+                       "_OverlappedUlysses: aten::_cudnn_attention_forward": pytest.approx((0.02, 1)),
+                       "(end of trace)": pytest.approx((0.005, 1))}
+    assert sum(ms for ms, _ in charged.values()) == pytest.approx(summarize(exposed_events())["exposed communication"])
+
+
+def test_exposed_table(tmp_path, capsys):
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": exposed_events(scale=100)}))
+    main(["--exposed", path.as_posix()])
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[0] == f"{path}: exposed communication 5.5 ms"
+    assert rows[3:] == ["| _OverlappedUlysses: aten::addmm_ | 3.0 | 1 |",  # largest first; the end's 0.5 ms left out
+                        "| _OverlappedUlysses: aten::_cudnn_attention_forward | 2.0 | 1 |"]

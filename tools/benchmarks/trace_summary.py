@@ -28,8 +28,16 @@ trace, largest rows first; under the profiler the host runs slower, so the host'
 upper bound of the unprofiled run's. Above each table, the host's lead: the time from the start of
 the trainer's "iteration N" range to the iteration's first GPU work, and the host operators that
 took the most of it (time the idle table cannot see, being outside the GPU's span).
+
+    python tools/benchmarks/trace_summary.py --exposed [--minimum-ms M] TRACE [TRACE ...]
+
+instead splits each trace's exposed communication by the computation that waited for it: each
+piece is charged to the first computation kernel starting at or after its end, named as in
+--by-operator (the wait of an exchange whose transfers, or whose slower peer, outlast the work
+beside them).
 """
 import argparse
+import bisect
 import collections
 import json
 import re
@@ -63,20 +71,27 @@ def length(intervals: list[tuple[float, float]]) -> float:
     return sum(end - start for start, end in intervals)
 
 
-def subtract(intervals: list[tuple[float, float]], cover: list[tuple[float, float]]) -> float:
-    """Length of the disjoint ``intervals`` outside the disjoint ``cover``."""
-    outside, j = 0.0, 0
+def difference(intervals: list[tuple[float, float]], cover: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The parts of the disjoint, sorted ``intervals`` outside the disjoint, sorted ``cover``, in order."""
+    parts, j = [], 0
     for start, end in intervals:
         position = start
         while j < len(cover) and cover[j][1] <= position:
             j += 1
         k = j
         while k < len(cover) and cover[k][0] < end:
-            outside += max(0.0, cover[k][0] - position)
+            if cover[k][0] > position:
+                parts.append((position, cover[k][0]))
             position = max(position, cover[k][1])
             k += 1
-        outside += max(0.0, end - position)
-    return outside
+        if end > position:
+            parts.append((position, end))
+    return parts
+
+
+def subtract(intervals: list[tuple[float, float]], cover: list[tuple[float, float]]) -> float:
+    """Length of the disjoint ``intervals`` outside the disjoint ``cover``."""
+    return length(difference(intervals, cover))
 
 
 def complete_events(events: list[dict], categories: tuple[str, ...]) -> list[dict]:
@@ -84,21 +99,34 @@ def complete_events(events: list[dict], categories: tuple[str, ...]) -> list[dic
     return [e for e in events if e.get("ph") == "X" and e.get("cat") in categories]
 
 
+def timed_work(events: list[dict]) -> list[tuple[float, float, str, object]]:
+    """(start, end, name, launch correlation) in µs of the kernels and peer-to-peer copies ("Memcpy PtoP
+    ...": the only copies that count, as communication), sorted by start."""
+    return sorted((e["ts"], e["ts"] + e["dur"], e["name"], e.get("args", {}).get("correlation"))
+                  for e in complete_events(events, ("kernel", "gpu_memcpy"))
+                  if e["cat"] == "kernel" or "PtoP" in e.get("name", ""))
+
+
+def communication_and_computation(work: list[tuple]) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """The unions of the communication items of ``timed_work`` and of the others."""
+    communication = union([(s, e) for s, e, name, _ in work if kernel_class(name) == "communication"])
+    computation = union([(s, e) for s, e, name, _ in work if kernel_class(name) != "communication"])
+    return communication, computation
+
+
 def summarize(events: list[dict]) -> dict[str, float]:
     """Figures in milliseconds of the kernel events (``cat`` == "kernel", ``ts``/``dur`` in µs) and the
     peer-to-peer copies (``cat`` == "gpu_memcpy", "Memcpy PtoP ...")."""
-    kernels = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in complete_events(events, ("kernel", "gpu_memcpy"))
-               if e["cat"] == "kernel" or "PtoP" in e.get("name", "")]
+    kernels = timed_work(events)
     if not kernels:
         raise ValueError("the trace has no GPU kernels")
-    everything = union([(start, end) for start, end, _ in kernels])
-    communication = union([(s, e) for s, e, name in kernels if kernel_class(name) == "communication"])
-    computation = union([(s, e) for s, e, name in kernels if kernel_class(name) != "communication"])
+    everything = union([(start, end) for start, end, _, _ in kernels])
+    communication, computation = communication_and_computation(kernels)
     span = everything[-1][1] - everything[0][0]
     figures = {"span": span, "busy": length(everything), "idle": span - length(everything),
                "communication": length(communication), "exposed communication": subtract(communication, computation)}
     for label in [label for label, _ in CLASSES] + ["other"]:
-        figures[f"{label} kernels"] = sum(e - s for s, e, name in kernels if kernel_class(name) == label)
+        figures[f"{label} kernels"] = sum(e - s for s, e, name, _ in kernels if kernel_class(name) == label)
     return {key: value / 1000.0 for key, value in figures.items()}
 
 
@@ -185,6 +213,31 @@ def idle_by_cause(events: list[dict]) -> dict[str, tuple[float, float, int]]:
     return {key: (host, wait, gaps) for key, (host, wait, gaps) in causes.items()}
 
 
+def exposed_by_waiter(events: list[dict]) -> dict[str, tuple[float, int]]:
+    """launcher -> (ms, pieces) of the exposed communication charged to the computation that waited for it.
+
+    Each piece of communication during which no computation runs (``summarize``'s exposed
+    communication) is charged to the first computation kernel that starts at or after the piece's
+    end, named as in --by-operator ("(end of trace)" after the last): the work held back until the
+    transfer or the peer was done.
+    """
+    work = timed_work(events)
+    if not work:
+        raise ValueError("the trace has no GPU kernels")
+    chains = _launch_chains(events)
+    computation_items = [(start, correlation) for start, _, name, correlation in work
+                         if kernel_class(name) != "communication"]
+    starts = [start for start, _ in computation_items]
+    charged: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
+    for start, end in difference(*communication_and_computation(work)):
+        index = bisect.bisect_left(starts, end)
+        waiter = (launcher(chains.get(computation_items[index][1], [])) if index < len(starts)
+                  else "(end of trace)")
+        charged[waiter][0] += (end - start) / 1000.0
+        charged[waiter][1] += 1
+    return {key: (ms, pieces) for key, (ms, pieces) in charged.items()}
+
+
 def lead_before_first_work(events: list[dict],
                            operators: int = 3) -> tuple[str, float, list[tuple[str, float]]] | None:
     """(name of the longest "iteration N" host range, ms from its start to the first GPU work, the
@@ -242,13 +295,22 @@ def print_by_operator(paths: list[str], tables: list[dict[str, float]], multipli
     print("| total | " + " | ".join(f"{sum(t.values()):.1f}" for t in scaled) + " |")
 
 
+def print_exposed(path: str, charged: dict[str, tuple[float, int]], minimum_ms: float) -> None:
+    print(f"{path}: exposed communication {sum(ms for ms, _ in charged.values()):.1f} ms")
+    print("| waited for it | exposed (ms) | pieces |")
+    print("|---|---|---|")
+    for key, (ms, pieces) in sorted(charged.items(), key=lambda item: -item[1][0]):
+        if ms >= minimum_ms:
+            print(f"| {key} | {ms:.1f} | {pieces} |")
+
+
 def _check_table_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.by_operator and args.idle:
-        parser.error("--by-operator and --idle print different tables: give one")
+    if args.by_operator + args.idle + args.exposed > 1:
+        parser.error("--by-operator, --idle and --exposed print different tables: give one")
     if args.multiply is not None and not args.by_operator:
         parser.error("--multiply shapes the table of --by-operator: give --by-operator too")
-    if args.minimum_ms is not None and not (args.by_operator or args.idle):
-        parser.error("--minimum-ms shapes the table of --by-operator or --idle: give one of them too")
+    if args.minimum_ms is not None and not (args.by_operator or args.idle or args.exposed):
+        parser.error("--minimum-ms shapes the table of --by-operator, --idle or --exposed: give one of them too")
     if args.multiply is not None:
         if len(args.multiply) != len(args.traces):
             parser.error(f"--multiply takes one factor per trace: {len(args.traces)} traces, "
@@ -266,12 +328,16 @@ def main(argv=None) -> None:
     parser.add_argument("--multiply", type=float, nargs="+", metavar="K",
                         help="with --by-operator: one factor per trace (default 1 each)")
     parser.add_argument("--idle", action="store_true", help="the idle time by the work that ends it, host or wait")
+    parser.add_argument("--exposed", action="store_true",
+                        help="the exposed communication by the computation that waited for it")
     parser.add_argument("--minimum-ms", type=float, default=None,
-                        help="with --by-operator or --idle: leave out rows below this (in every column; default 1)")
+                        help="with --by-operator, --idle or --exposed: leave out rows below this (in every column; "
+                             "default 1)")
     args = parser.parse_args(argv)
     _check_table_options(parser, args)
     multipliers = args.multiply or [1.0] * len(args.traces)
-    summary = time_by_operator if args.by_operator else idle_report if args.idle else summarize
+    summary = (time_by_operator if args.by_operator else idle_report if args.idle
+               else exposed_by_waiter if args.exposed else summarize)
     rows = []
     for path in args.traces:
         try:
@@ -283,9 +349,9 @@ def main(argv=None) -> None:
     if args.by_operator:
         print_by_operator(args.traces, [table for _, table in rows], multipliers, minimum_ms)
         return
-    if args.idle:
+    if args.idle or args.exposed:
         for path, report in rows:
-            print_idle(path, report, minimum_ms)
+            (print_idle if args.idle else print_exposed)(path, report, minimum_ms)
         return
     keys = list(rows[0][1])
     print("| trace | " + " | ".join(f"{key} (ms)" for key in keys) + " |")
