@@ -55,12 +55,12 @@
 #      K x 1024 (ulysses_1gpu_<K>k, e.g. 16k, 32k, 56k: the longest that fits is the reference) and on two
 #      GPUs at 32768 with --ds-sequence-parallel-size 2; ulysses_compare prints each run's mean per-GPU
 #      model TFLOP/s, max allocated MB and the ratio to the first run. With 4 GPUs: ulysses_s4_64k (65536, S = 4);
-#      variants ulysses_s<S>_<K>k[_c<N>][_peer][_proj][_mbs<B>] run S GPUs at K x 1024 (micro-batch B, default 1)
-#      with the exchange in exactly N chunks, through peer memory (copy engines) instead of NCCL, hidden behind the
-#      projections' GEMMs with one attention call per layer (ulysses_projections) instead of chunks of heads
-#      (tests/gpu/ulysses_chunks; a variant without _proj is pipelined, ulysses_s<S>_<K>k alone takes the default:
-#      beside the projections at TP = 1); profile_<variant> profiles its fourth iteration on rank 0 into
-#      $OUT/profile_<variant>/
+#      variants ulysses_s<S>_<K>k[_c<N>][_peer|_nccl][_proj][_mbs<B>] run S GPUs at K x 1024 (micro-batch B, default
+#      1) with the exchange in exactly N chunks, through peer memory (copy engines) or NCCL (default: peer memory
+#      within one host), hidden behind the projections' GEMMs with one attention call per layer
+#      (ulysses_projections) instead of chunks of heads (tests/gpu/ulysses_chunks; a variant without _proj is
+#      pipelined, ulysses_s<S>_<K>k alone takes the default: beside the projections at TP = 1); profile_<variant>
+#      profiles its fourth iteration on rank 0 into $OUT/profile_<variant>/
 #   14. ZeRO-3 (RUNS="zero1_1p3b_dp2 zero3_1p3b_dp2 zero3_compare" on 2 GPUs): the 1.3B GPT, bf16, micro-batch 8,
 #      global batch 32, 12 iterations, log interval 2, at ZeRO-1 and at ZeRO-3 on two GPUs; zero3_compare prints
 #      each run's mean per-GPU model TFLOP/s, max allocated MB and the ratio to ZeRO-1 (with zero1_1p3b_dp2_mbsN and
@@ -277,6 +277,7 @@ ulysses_variant() {  # name ulysses_s<S>_<K>k[_c<N>][_peer][_proj][_mbs<B>] [fla
     [[ $spec =~ _c([0-9]+) ]] && chunks=${BASH_REMATCH[1]}
     [[ $spec =~ _mbs([0-9]+) ]] && micro_batch=${BASH_REMATCH[1]}
     [[ $spec == *_peer* ]] && exchange=peer
+    [[ $spec == *_nccl* ]] && exchange=nccl
     [[ $spec == *_proj* ]] && projections=1
     ULYSSES_CHUNKS=$chunks ULYSSES_EXCHANGE=$exchange ULYSSES_OVERLAP_PROJECTIONS=$projections ULYSSES_MBS=$micro_batch \
         PYTHONPATH=$PWD/tests/gpu/ulysses_chunks:$PYTHONPATH \

@@ -11,6 +11,7 @@ work as it arrives, and ``reduce_scatter_product`` (``start_reduce_scatter_produ
 any ``RowBlockProduct``: the FP8 layers (``fp8_linear``) pass their quantized GEMMs through these.
 """
 import functools
+import socket
 import warnings
 from collections.abc import Callable
 
@@ -87,6 +88,39 @@ class _PeerBuffers:
 @functools.cache
 def _peer_buffers(group: ProcessGroup) -> _PeerBuffers:
     return _PeerBuffers(group)
+
+
+def host_identity() -> str:
+    """This machine's name and boot id: equal for the processes of one host (containers included, where the
+    kernel is shared), different across hosts that happen to share a name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def peers_reachable(places: list[tuple[str, int]], rank: int, can_access) -> bool:
+    """Whether rank ``rank`` of a group whose ranks sit at ``places`` (host identity, CUDA device index;
+    by rank) can map every peer's memory: all on its host, and ``can_access(device, other)`` for each
+    other device."""
+    host, device = places[rank]
+    return all(other_host == host and (other == device or can_access(device, other))
+               for other_host, other in places)
+
+
+@functools.cache
+def peer_memory_reaches(group: ProcessGroup) -> bool:
+    """Whether the exchanges of ``group`` (its ranks on CUDA devices) can go through symmetric memory: every
+    rank's GPU on one host and able to map each peer's (``peers_reachable``), agreed by all ranks. A
+    collective, once per group: every rank of the group calls it at the same point."""
+    places = [None] * group_size(group)
+    dist.all_gather_object(places, (host_identity(), torch.cuda.current_device()), group=group)
+    reachable = torch.tensor([float(peers_reachable(places, group_rank(group), torch.cuda.can_device_access_peer))],
+                             device="cuda")
+    dist.all_reduce(reachable, op=dist.ReduceOp.MIN, group=group)
+    return bool(reachable.item())
 
 
 def _uses_peer_memory(device: torch.device, group: ProcessGroup) -> bool:

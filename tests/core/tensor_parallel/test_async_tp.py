@@ -1,12 +1,14 @@
 """The async-TP engine of megatron/core/tensor_parallel/async_tp.py: its gloo paths on CPU, its
 symmetric-memory paths against NCCL on two GPUs."""
+import socket
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.core.tensor_parallel.async_tp import (all_gather_matmul, all_gather_matmul_each_block,
-                                                    matmul_reduce_scatter, start_matmul_reduce_scatter,
-                                                    start_peer_all_to_all)
+from megatron.core.tensor_parallel.async_tp import (all_gather_matmul, all_gather_matmul_each_block, host_identity,
+                                                    matmul_reduce_scatter, peers_reachable,
+                                                    start_matmul_reduce_scatter, start_peer_all_to_all)
 from megatron.core.tensor_parallel.utils import all_gather_along_first_dim, reduce_scatter_along_first_dim
 from tests.dist_utils import run_distributed
 
@@ -142,6 +144,22 @@ def test_overlapped_layers_on_two_gpus():
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "rowwise"])
 def test_overlapped_fp8_layers_on_two_gpus(recipe):
     run_distributed(_overlapped_layers, 2, recipe, backend="nccl")
+
+
+def test_peers_are_reachable_on_one_host_with_peer_access_only():
+    def linked(*pairs):  # devices that can map each other's memory
+        return lambda device, other: (device, other) in pairs or (other, device) in pairs
+
+    one_host = [("node-a/boot-1", 0), ("node-a/boot-1", 1), ("node-a/boot-1", 2)]
+    assert all(peers_reachable(one_host, rank, linked((0, 1), (0, 2), (1, 2))) for rank in range(3))
+    assert not peers_reachable(one_host, 0, linked((0, 1)))  # 0 cannot map 2
+    assert peers_reachable(one_host, 1, linked((0, 1), (1, 2)))  # 1 reaches both; the group's answer (the
+    assert not peers_reachable(one_host, 0, linked((0, 1), (1, 2)))  # minimum over ranks) is still no: 0 cannot
+    two_hosts = [("node-a/boot-1", 0), ("node-b/boot-7", 0)]
+    assert not any(peers_reachable(two_hosts, rank, linked()) for rank in range(2))
+    same_name = [("node-a/boot-1", 0), ("node-a/boot-2", 1)]  # one name, two machines
+    assert not peers_reachable(same_name, 0, linked((0, 1)))
+    assert host_identity().startswith(socket.gethostname() + "/")
 
 
 def _peer_all_to_all_matches_nccl(rank, world_size):

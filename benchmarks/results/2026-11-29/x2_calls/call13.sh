@@ -1,20 +1,24 @@
 #!/bin/bash
-# call 13 (x2; prepared, not run): Ulysses' 90 % goal against both readings of "the longest sequence that fits one
-# GPU": an H200 (57344, call 9) and an 80 GB H100 (the allocator capped at 80000 MiB: 32768 wanted 81.0 GiB in
-# calls 1-6, so 30720 or 28672 is the longest). GPUs 0,1: S = 2 at 32768, the default exchange (NCCL) and peer
-# memory; then GPU 0 one GPU at 30720 and 28672 capped beside GPU 1 one GPU at 57344; then a profile of the peer
-# run. Everything tarred into $OUT/runs.tgz
+# call 13 (x2): the exchange's new default ("auto": peer memory within one host) on its GPU tests, then Ulysses'
+# 90 % goal against both readings of "the longest sequence that fits one GPU": an H200 (57344, call 9) and an 80 GB
+# H100 (the allocator capped at 80000 MiB: 32768 wanted 81.0 GiB in calls 1-6, so 30720 or 28672 is the longest).
+# GPUs 0,1: S = 2 at 32768 by default, through NCCL, and by default at micro-batch 2; then GPU 0 one GPU at 30720 and
+# 28672 capped beside GPU 1 one GPU at 57344; then a profile of the default run with its exposed communication by
+# the work that waited. Everything tarred into $OUT/runs.tgz
 source tests/gpu/device_call.sh
 export ITERS_ULYSSES=6
 stamp start
 prepare_machine  # installs the wheels, prepares the data
-(trainer 0,1 1 ulysses_s2_32k ulysses_s2_32k_proj_peer
+(CUDA_VISIBLE_DEVICES=0,1 timeout 60 python3 -m pytest -q -rfs -k "two_gpus" \
+     tests/core/models/gpt/test_ulysses_projections.py > $OUT/gpu_tests.log 2>&1
+ stamp gpu_tests
+ trainer 0,1 1 ulysses_s2_32k ulysses_s2_32k_proj_nccl ulysses_s2_32k_mbs2
  stamp ulysses_s2
  (trainer 0 2 ulysses_1gpu_30k@h100 ulysses_1gpu_28k@h100; stamp h100) &
  (trainer 1 3 ulysses_1gpu_56k; stamp h200) &
  wait
- trainer 0,1 4 profile_ulysses_s2_32k_proj_peer
+ trainer 0,1 4 profile_ulysses_s2_32k_proj
  stamp profile
- summarize profile_ulysses_s2_32k_proj_peer) &
-wait_for_lanes 560
+ summarize profile_ulysses_s2_32k_proj) &
+wait_for_lanes 565
 RUNS="ulysses_compare" LANE=6 timeout 20 bash tests/gpu/run_trainer.sh > $OUT/compare.log 2>&1

@@ -23,9 +23,9 @@ same pipeline on the gradients: dcontext of chunk c + 1 arrives during chunk c's
 and d(recv) of chunk c returns during chunk c + 1's. Each chunk's attention is its own autograd graph,
 built in forward and differentiated in backward, so the exchanges can be ordered around it.
 
-NCCL's all-to-all runs on the SMs, beside the attention it is meant to hide behind; with EXCHANGE "peer"
-each exchange instead runs on a side stream through symmetric memory (``start_peer_all_to_all``: the
-copy engines carry the blocks over NVLink) and also copies the returned blocks into place there.
+NCCL's all-to-all runs on the SMs, beside the work it is meant to hide behind; through peer memory
+(EXCHANGE) each exchange instead runs on a side stream through symmetric memory (``start_peer_all_to_all``:
+the copy engines carry the blocks over NVLink) and also copies the returned blocks into place there.
 
 The projection's bias is already inside ``mixed`` (ColumnParallelLinear's ``bias_grad_by_caller``): its
 gradient is the row sum of dmixed, a partial sum over this rank's positions like every weight
@@ -37,7 +37,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from megatron.core.parallel_state import group_size
-from megatron.core.tensor_parallel.async_tp import start_peer_all_to_all
+from megatron.core.tensor_parallel.async_tp import peer_memory_reaches, start_peer_all_to_all
 from megatron.core.tensor_parallel.utils import divide, start_all_to_all, start_all_to_all_of_others
 
 MAX_CHUNKS = 4  # a few chunks hide most of the exchange
@@ -45,9 +45,11 @@ MAX_CHUNKS = 4  # a few chunks hide most of the exchange
 # rank) trained at 729.5 model TFLOP/s per GPU with one chunk, 725.4 with two (4 heads per call) and 718.8
 # with four (2 heads), on H200s in one call: the overlap did not repay narrower calls there.
 MIN_HEADS_PER_CALL = 8
-# How the exchange travels between GPUs: "nccl" (NCCL's all-to-all kernel, on the SMs) or "peer" (copy
-# engines through symmetric memory, start_peer_all_to_all: the SMs stay with the attention beside it).
-EXCHANGE = "nccl"
+# How the exchange travels between GPUs: "nccl" (NCCL's kernels, on the SMs), "peer" (copy engines through
+# symmetric memory, start_peer_all_to_all: the SMs stay with the work beside it), or "auto": "peer" where the
+# sequence-parallel group's GPUs share a host and can map each other's memory (peer_memory_reaches), else
+# "nccl". Gloo groups (CPU tensors) take the plain collectives whatever it says.
+EXCHANGE = "auto"
 # Where the exchanges hide: False, behind the attention of other chunks of heads (pipelined_attention); True,
 # behind the projections' GEMMs with one attention call for all of a rank's heads (ulysses_projections; at
 # TP = 1 without FP8, else as False). The 1.3B GPT at S = 2 and sequence 32768 on two H200s in one call:
@@ -111,7 +113,7 @@ def start_exchange(blocks: torch.Tensor, group: ProcessGroup, into: torch.Tensor
     copy into ``into`` runs on the exchange's stream too); with ``into`` the blocks land there. Without
     ``with_own`` only the other ranks' blocks travel: received[r] is left to the caller, who may write
     it (and blocks[r] need not be written) while the others travel."""
-    if EXCHANGE == "peer" and blocks.is_cuda:
+    if _through_peer_memory(blocks, group):
         return start_peer_all_to_all(blocks, group, into, with_own)
     if not with_own:
         if into is not None:
@@ -119,6 +121,13 @@ def start_exchange(blocks: torch.Tensor, group: ProcessGroup, into: torch.Tensor
         return start_all_to_all_of_others(blocks, group)
     received, work = start_all_to_all(blocks, group)
     return (received, work) if into is None else (into, _CopyAfterWait(work, received, into))
+
+
+def _through_peer_memory(blocks: torch.Tensor, group: ProcessGroup) -> bool:
+    """Whether this exchange goes through symmetric memory (EXCHANGE)."""
+    if not blocks.is_cuda or EXCHANGE == "nccl":
+        return False
+    return EXCHANGE == "peer" or peer_memory_reaches(group)
 
 
 def _chunked(tensor: torch.Tensor, chunks: int, size: int) -> torch.Tensor:

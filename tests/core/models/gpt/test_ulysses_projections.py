@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from megatron.core.models.gpt import ulysses
 from megatron.core.models.gpt.ulysses_projections import HeadLayout, overlapped_attention
+from megatron.core.tensor_parallel.async_tp import peer_memory_reaches
 from tests.dist_utils import run_distributed
 
 SEQ, BATCH, HIDDEN, HEAD_DIM = 8, 2, 6, 3
@@ -45,13 +46,16 @@ def _close(found: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 def _worker(rank, world_size, groups, queries_per_group, with_bias, with_main_grad, exchange="nccl"):
-    """On gloo in float64; on NCCL (one GPU per rank) in bf16 with ``exchange`` (ulysses.EXCHANGE)."""
+    """On gloo in float64; on NCCL (one GPU per rank) in bf16 with ``exchange`` (ulysses.EXCHANGE; "auto" takes
+    peer memory between two GPUs of one host)."""
     layout = HeadLayout(groups, queries_per_group, HEAD_DIM)
     heads = groups * queries_per_group
     generator = torch.Generator().manual_seed(3)
     on_gpu = dist.get_backend() == "nccl"
     device, dtype = (torch.device("cuda", rank), torch.bfloat16) if on_gpu else (torch.device("cpu"), torch.float64)
     ulysses.EXCHANGE = exchange
+    if on_gpu and exchange == "auto":
+        assert peer_memory_reaches(dist.group.WORLD)
 
     def randn(*shape):
         return torch.randn(*shape, generator=generator, dtype=torch.float64).to(device, dtype)
@@ -107,6 +111,6 @@ def test_overlapped_attention_matches_the_one_process_projections(groups, querie
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("exchange", ["nccl", "peer"])
+@pytest.mark.parametrize("exchange", ["nccl", "peer", "auto"])
 def test_overlapped_attention_on_two_gpus(exchange):
     run_distributed(_worker, 2, 4, 2, True, True, exchange, backend="nccl")
