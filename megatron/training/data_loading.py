@@ -21,6 +21,7 @@ Batches: a sample holds s + 1 tokens; tokens = text[:, :-1], labels = text[:, 1:
 position ids and the optional attention mask come from get_ltor_masks_and_position_ids with
 --eod-mask-loss / --reset-position-ids / --reset-attention-mask, computed on the device.
 """
+import multiprocessing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -128,6 +129,13 @@ def batch_function(eod_token: int, data_config: DataConfig, device: torch.device
     return make_batch
 
 
+# Workers forked from the trainer itself would keep, copy-on-write, every page of host memory it held
+# when they started (under CPU offload, the optimizer states): the trainer rewrites them each step, so
+# each page then exists twice. A fork server, a fresh interpreter started on first use, forks them
+# instead; the datasets reach them pickled (their index arrays re-mapped from their cache files).
+WORKER_START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else None
+
+
 @dataclass
 class LoaderSettings:
     """How one split is read: sampler kind, micro batch, this rank's DP coordinates, workers, seed."""
@@ -156,11 +164,13 @@ def build_data_loader(dataset, consumed_samples: int, settings: LoaderSettings) 
     # A private generator seeds the workers: drawing from the default one would shift the dropout
     # masks of a resumed run, whose loaders start at another point of the RNG stream.
     generator = torch.Generator().manual_seed(settings.seed)
+    workers = {}
     if settings.num_workers > 0:
         end_worker_processes_at_exit()
+        workers = dict(persistent_workers=True, worker_init_fn=ignore_exit_signals,
+                       multiprocessing_context=WORKER_START_METHOD)
     return DataLoader(dataset, batch_sampler=sampler, num_workers=settings.num_workers, generator=generator,
-                      pin_memory=torch.cuda.is_available(), persistent_workers=settings.num_workers > 0,
-                      worker_init_fn=ignore_exit_signals if settings.num_workers > 0 else None)
+                      pin_memory=torch.cuda.is_available(), **workers)
 
 
 class LoaderBatches:

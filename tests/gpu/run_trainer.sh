@@ -295,15 +295,10 @@ zero3_offload_run() {  # name layers hidden heads [flags...]: one GPU, ZeRO-3, p
     cat "$OUT/$name.host" >> "$OUT/$name.log" 2>/dev/null
 }
 
-host_memory_peak() {  # name: every 2 s, the resident memory (MB) of the processes whose command line holds
-    # the run's own data cache path (its ranks and the launcher's two small processes); the largest so far goes to
-    # $OUT/name.host
-    local name=$1 peak=0 now
-    while sleep 2; do
-        now=$(ps -eo rss=,comm=,args= | awk -v marker="$WORK/cache_$name " '$2 != "awk" && index($0, marker) {kb += $1}
-            END {print int(kb / 1024)}')
-        [ "$now" -gt "$peak" ] && peak=$now && echo "host resident peak (MB): $peak" > "$OUT/$name.host"
-    done
+host_memory_peak() {  # name: every 2 s, the host memory held by the run (the processes whose command line holds
+    # its own data cache path, and their descendants: workers, the fork server), shared pages counted once
+    # (tools/benchmarks/host_memory.py); the largest so far goes to $OUT/name.host
+    exec python3 tools/benchmarks/host_memory.py "$WORK/cache_$1 " --output "$OUT/$1.host" > /dev/null
 }
 
 fp8_flags() {  # recipe -> the FP8 flags of that recipe (none for bf16)

@@ -251,6 +251,27 @@ def test_loader_workers_end_at_each_new_epoch_and_at_close():
     assert set(multiprocessing.active_children()) == before
 
 
+def _resident_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads resident memory from /proc")
+def test_loader_workers_do_not_map_the_trainers_memory():
+    """A worker forked from the trainer would map (copy-on-write) every page the trainer held, its
+    optimizer states under CPU offload: the workers start from a fork server instead."""
+    settings = LoaderSettings("single", micro_batch_size=2, data_parallel_rank=0, data_parallel_size=1,
+                              num_workers=1, seed=1)
+    ballast = torch.ones(1536, 1024, 1024, dtype=torch.uint8)  # 1.5 GiB resident in this process
+    before = set(multiprocessing.active_children())
+    iterator = training_iterator(_dataset(4), 0, settings)
+    assert _ids([next(iterator)]) == [[0, 1]]
+    (worker,) = set(multiprocessing.active_children()) - before
+    assert _resident_mib(worker.pid) < 1024 < _resident_mib(os.getpid())
+    iterator.close()
+    del ballast
+
+
 def test_cyclic_loader_reshuffles_each_epoch_and_keeps_the_default_rng():
     settings = LoaderSettings("cyclic", micro_batch_size=2, data_parallel_rank=0, data_parallel_size=1,
                               num_workers=0, seed=3)

@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from megatron.core.data.gpt_dataset import DatasetConfigError, load_or_build_cached_arrays
+from megatron.core.data.gpt_dataset import DatasetConfigError, MappedIndexArrays, load_or_build_cached_arrays
 from megatron.core.data.helpers import load_helpers
 
 BLEND_KINDS = ("dataset_index", "dataset_sample_index")
@@ -45,7 +45,7 @@ def _describe(dataset):
     return f"{label}: {len(dataset)} samples"
 
 
-class BlendedDataset:
+class BlendedDataset(MappedIndexArrays):
     """`size` samples drawn from `datasets` in proportion to `weights` (see the module docstring).
 
     ``blend[k] == datasets[dataset_index[k]][dataset_sample_index[k]]``. With `cache_dir`, the
@@ -53,6 +53,8 @@ class BlendedDataset:
     the weights and the children's lengths, all the indices depend on) and built once by the
     first rank of `group`; without it they are built in memory.
     """
+
+    MAPPED_KINDS = BLEND_KINDS
 
     def __init__(self, datasets, weights, size, name="blend", cache_dir=None, group=None):
         if len(datasets) != len(weights):

@@ -275,7 +275,26 @@ def index_cache_paths(data_prefix, name, num_samples, seq_length, seed, fingerpr
     return {kind: f"{stem}_{kind}.npy" for kind in INDEX_KINDS}
 
 
-class GPTDataset:
+class MappedIndexArrays:
+    """Pickled without its index arrays (the attributes named by ``MAPPED_KINDS``) when they were read
+    from the cache files ``cache_paths``: the copy (a DataLoader worker's) maps those files again instead
+    of receiving the arrays' contents."""
+
+    MAPPED_KINDS: tuple[str, ...] = ()
+
+    def __getstate__(self):
+        if getattr(self, "cache_paths", None) is None:
+            return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if k not in self.MAPPED_KINDS}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if getattr(self, "cache_paths", None) is not None:
+            for kind in self.MAPPED_KINDS:
+                setattr(self, kind, np.load(self.cache_paths[kind], mmap_mode="r"))
+
+
+class GPTDataset(MappedIndexArrays):
     """Samples of ``seq_length + 1`` tokens packed from `documents` of `indexed_dataset`.
 
     ``dataset[i] == {"text": int64[seq_length + 1]}``; ``len(dataset) = N >= num_samples`` (whole
@@ -285,6 +304,8 @@ class GPTDataset:
     Given `vocab_size`, a sample holding an id outside [0, vocab_size) raises IndexedDatasetError
     naming the ``.bin`` and the item (a min and a max over the s + 1 ids: microseconds a sample).
     """
+
+    MAPPED_KINDS = INDEX_KINDS
 
     def __init__(self, name, data_prefix, indexed_dataset, documents, num_samples, seq_length,
                  seed, cache_dir=None, group=None, vocab_size=None):
@@ -318,14 +339,6 @@ class GPTDataset:
         self.sample_idx = arrays["sample_idx"]
         self.shuffle_idx = arrays["shuffle_idx"]
 
-    def __getstate__(self):
-        # DataLoader workers re-map the cached indices instead of receiving copies.
-        return {k: v for k, v in self.__dict__.items() if k not in INDEX_KINDS}
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        for kind in INDEX_KINDS:
-            setattr(self, kind, np.load(self.cache_paths[kind], mmap_mode="r"))
 
     def __len__(self):
         return self.shuffle_idx.shape[0]

@@ -1,6 +1,7 @@
-"""BlendedDataset: proportions, never past a child's end, many datasets, cached indices."""
+"""BlendedDataset: proportions, never past a child's end, many datasets, cached indices, pickling."""
 import math
 import os
+import pickle
 
 import numpy as np
 import pytest
@@ -114,3 +115,16 @@ def test_blend_of_gpt_datasets_returns_their_samples(tmp_path):
         np.testing.assert_array_equal(blend[k]["text"], child[int(blend.dataset_sample_index[k])]["text"])
     with pytest.raises(IndexError):
         blend[size]
+
+
+def test_a_pickled_blend_maps_its_cached_indices_again(tmp_path):
+    """A DataLoader worker receives the blend pickled: with a cache, its indices travel as paths."""
+    weights, size = [0.7, 0.3], 20_000
+    cached = BlendedDataset(children_for(weights, size), weights, size, cache_dir=str(tmp_path))
+    clone = pickle.loads(pickle.dumps(cached))
+    assert len(pickle.dumps(cached)) < 4096 and isinstance(clone.dataset_index, np.memmap)
+    assert [clone[k] for k in range(0, size, 997)] == [cached[k] for k in range(0, size, 997)]
+    in_memory = BlendedDataset(children_for(weights, size), weights, size)  # no cache: the arrays travel
+    clone = pickle.loads(pickle.dumps(in_memory))
+    assert len(pickle.dumps(in_memory)) > size and [clone[k] for k in range(0, size, 997)] == \
+        [cached[k] for k in range(0, size, 997)]
