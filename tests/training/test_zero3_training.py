@@ -3,7 +3,8 @@ zero.Init trains to ZeRO-1's losses at DP = 2 and at TP = 2 x DP = 2 (tied embed
 parallelism and activation checkpointing in the second), and so it does with its parameters and
 optimizer offloaded to the CPU: by the ds_config (DeepSpeed's CPU Adam), and by Microsoft
 Megatron-DeepSpeed's flags (--remote-device cpu --cpu-optimizer --cpu_torch_adam: torch's AdamW on
-the CPU). In bf16 it says that the BF16_Optimizer's step replacements are off and stays within
+the CPU), both with the optimizer's fp32 gradients sharing the accumulation buffer (over two
+micro-batches per step). In bf16 it says that the BF16_Optimizer's step replacements are off and stays within
 bf16's rounding of those losses. The ds_config sets DeepSpeed's persistence thresholds to 0, so
 that every parameter of the tiny model is partitioned and gathered around each use (by default
 DeepSpeed keeps parameters under 100k elements whole on every rank).
@@ -14,7 +15,7 @@ import json
 
 import pytest
 
-from megatron.training.engine.deepspeed_engine import ZERO3_STEPS_LINE
+from megatron.training.engine.deepspeed_engine import SHARED_GRADIENTS_LINE, ZERO3_STEPS_LINE
 from tests.training.e2e_utils import run_pretrain, tiny_gpt_flags
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -67,6 +68,7 @@ def test_zero_3_with_cpu_offload_gives_the_losses_of_zero_1(zero_1_losses, e2e_d
     config = ds_config(tmp_path, 3, **PARTITION_EVERYTHING, **offload)
     result = run_pretrain(run_flags(e2e_data) + ["--deepspeed_config", config], nproc=2)
     assert losses(result) == pytest.approx(zero_1_losses["dp2"], rel=1e-5)
+    assert result.output.count(SHARED_GRADIENTS_LINE) == 1  # the CPU Adam read the accumulation buffer itself
 
 
 def test_microsoft_offload_flags_give_the_losses_of_zero_1(zero_1_losses, e2e_data, tmp_path):
@@ -74,6 +76,7 @@ def test_microsoft_offload_flags_give_the_losses_of_zero_1(zero_1_losses, e2e_da
              "--cpu-optimizer", "--cpu_torch_adam"]
     result = run_pretrain(run_flags(e2e_data) + flags, nproc=2)
     assert losses(result) == pytest.approx(zero_1_losses["dp2"], rel=1e-5)
+    assert result.output.count(SHARED_GRADIENTS_LINE) == 1
 
 
 def test_bf16_at_zero_3_says_the_step_replacements_are_off(zero_1_losses, e2e_data, tmp_path):

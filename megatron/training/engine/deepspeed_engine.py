@@ -25,7 +25,7 @@ from megatron.core.parallel_state import ParallelGroups
 from megatron.training import dist_utils
 from megatron.training.config import TrainConfig
 from megatron.training.data_loading import pipeline_batch
-from megatron.training.engine import bf16_steps, checkpoint_io
+from megatron.training.engine import bf16_steps, checkpoint_io, zero3
 from megatron.training.engine.fp32_steps import (count_zeros_before_each_step, guard_fp32_steps,
                                                  synchronize_after_each_step)
 from megatron.training.engine.interface import BatchFunction, ReadFilter
@@ -73,6 +73,8 @@ ZERO3_STEPS_LINE = ("ZeRO-3: the bf16 step replacements (one-kernel gradient acc
                     "weights, clip inside AdamW) are off: they work on BF16_Optimizer's flat fp32 buffers, which "
                     "ZeRO-3 replaces by its own partitions; DeepSpeed's stage-3 optimizer steps the torch AdamW "
                     "(fused on CUDA) on them")
+SHARED_GRADIENTS_LINE = ("ZeRO-3 offload: the CPU optimizer's fp32 gradients are views of the buffer the reduced "
+                         "gradients accumulate in")
 
 
 def apply_replacements(engine, config: TrainConfig, groups: ParallelGroups) -> None:
@@ -82,6 +84,9 @@ def apply_replacements(engine, config: TrainConfig, groups: ParallelGroups) -> N
         guard_fp32_steps(engine, groups)
     if engine.bfloat16_enabled() and engine.zero_optimization_stage() == 3:
         dist_utils.print_rank_0(ZERO3_STEPS_LINE)
+    freed = zero3.share_offloaded_gradient_partitions(engine)
+    if freed:
+        dist_utils.print_rank_0(f"{SHARED_GRADIENTS_LINE} ({freed / 2 ** 30:.2f} GiB less host memory on rank 0)")
     elif engine.bfloat16_enabled():
         bf16_steps.accumulate_in_one_kernel(engine)
         if config.precision.gradient_accumulation_fusion:

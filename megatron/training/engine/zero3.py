@@ -29,6 +29,9 @@ The tied output head reads the word embeddings outside their module's forward: t
 registered as an external parameter of the model, so DeepSpeed gathers it for the whole forward
 and backward.
 
+``share_offloaded_gradient_partitions`` drops one of the two fp32 gradient partitions DeepSpeed keeps in
+host memory under optimizer offload (4 of its 22 bytes per parameter).
+
 ``gather_whole_layers`` makes each transformer layer one of DeepSpeed's leaf modules: its parameters
 are gathered and released together, and DeepSpeed hooks the layer instead of each of its norms,
 projections and attention modules. Each hook costs the host tens of microseconds (DeepSpeed's
@@ -47,6 +50,7 @@ from megatron.core.checkpoint.sharding import is_fp8_state
 from megatron.core.models.gpt.transformer_layer import ParallelTransformerLayer
 from megatron.core.parallel_state import ParallelGroups
 from megatron.training.engine.mpu import DeepSpeedMPU
+from megatron.training.engine.replacements import is_enabled
 
 
 class _PartitionAfterParent(deepspeed.zero.Init):
@@ -93,6 +97,60 @@ def gather_whole_layers(model: torch.nn.Module) -> None:
     deepspeed.utils.set_z3_leaf_modules(model, [ParallelTransformerLayer])
     for param in model.parameters():
         param.released_after_use = True
+
+
+def gradient_views(partition_sizes: list[list[int]], positions: list[list[tuple[int, int]]],
+                   group_sizes: list[int]) -> list[tuple[int, int]] | None:
+    """Where each sub-group's fp32 gradient lies in the flat accumulation buffer: (start, length) per
+    sub-group i, or None when some parameter's two places differ. ``partition_sizes[i]`` are the
+    partition sizes n_p of sub-group i's parameters in order (the buffer holds every parameter's slice
+    back to back in that order: parameter p at o_p); ``positions[i]`` their (sub-group, offset d_p) in
+    the fp32 gradients (DeepSpeed's ``grad_position``); ``group_sizes[i]`` the fp32 partition's length.
+    They line up when every p of sub-group i has o_p = o_first(i) + d_p and the lengths agree."""
+    views, offset = [], 0
+    for group, (sizes, places, length) in enumerate(zip(partition_sizes, positions, group_sizes)):
+        start = offset
+        for size, (owner, destination) in zip(sizes, places):
+            if owner != group or offset != start + destination:
+                return None
+            offset += size
+        if offset - start != length:
+            return None
+        views.append((start, length))
+    return views
+
+
+def share_offloaded_gradient_partitions(engine) -> float:
+    """ZeRO-3 with the optimizer offloaded to the CPU: each sub-group's fp32 gradient (what its CPU Adam
+    reads) made a view of the flat buffer in which DeepSpeed accumulates the reduced gradients; returns the
+    bytes of host memory freed (0 when it does not apply or the two layouts differ).
+
+    DeepSpeed keeps both in host memory, 4 bytes per parameter each, and at each accumulation boundary
+    copies every parameter's slice of the buffer into its place in the fp32 gradient; once the places
+    coincide (``gradient_views``) that copy writes each slice onto itself, and the separate fp32
+    gradients (27 GB for a 6.7B GPT on one GPU) are freed. The next window's first micro-batch
+    overwrites the buffer, after the step has read it."""
+    optimizer = engine.optimizer
+    if not (is_enabled("zero3.share_offloaded_gradient_partitions") and engine.zero_optimization_stage() == 3
+            and getattr(optimizer, "offload_optimizer", False) and not getattr(optimizer, "swap_optimizer", True)):
+        return 0.0
+    flat = getattr(optimizer, "grad_partitions_flat_buffer", None)
+    fp32_groups = optimizer.fp32_partitioned_groups_flat
+    gradients = [group.grad for group in fp32_groups]
+    if flat is None or any(g is None or g.dtype != flat.dtype or g.device != flat.device for g in gradients):
+        return 0.0
+    views = gradient_views([[p.partition_numel() for p in group] for group in optimizer.fp16_groups],
+                           [[tuple(optimizer.grad_position[optimizer.get_param_id(p)][:2]) for p in group]
+                            for group in optimizer.fp16_groups],
+                           [group.numel() for group in fp32_groups])
+    if views is None:
+        return 0.0
+    freed = 0.0
+    for group, gradient, (start, length) in zip(fp32_groups, gradients, views):
+        if gradient.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
+            freed += gradient.untyped_storage().nbytes()
+        group.grad = flat.narrow(0, start, length)
+    return freed
 
 
 def is_partitioned(param: torch.Tensor) -> bool:

@@ -49,3 +49,15 @@ def _partitioned_model_has_the_whole_models_weights(rank, world_size, tp, untie)
 @pytest.mark.parametrize("tp, untie", [(1, False), (2, True)], ids=["dp2", "tp2-dp2-untied"])
 def test_partitioned_model_has_the_whole_models_weights(tp, untie):
     run_distributed(_partitioned_model_has_the_whole_models_weights, 2 * tp, tp, untie)
+
+
+def test_gradient_views_where_both_layouts_agree():
+    """Two sub-groups of parameters of partition sizes (3, 2) and (4,): the accumulation buffer holds them
+    back to back, the fp32 gradients at offsets (0, 3) and (0,)."""
+    from megatron.training.engine.zero3 import gradient_views
+
+    sizes, positions = [[3, 2], [4]], [[(0, 0), (0, 3)], [(1, 0)]]
+    assert gradient_views(sizes, positions, [5, 4]) == [(0, 5), (5, 4)]
+    assert gradient_views(sizes, [[(0, 0), (0, 4)], [(1, 0)]], [5, 4]) is None  # a gap in the fp32 gradient
+    assert gradient_views(sizes, [[(0, 0), (1, 3)], [(1, 0)]], [5, 4]) is None  # another sub-group's
+    assert gradient_views(sizes, positions, [6, 4]) is None  # a longer fp32 partition (padding)
