@@ -9,7 +9,7 @@ stamp start
 prepare_machine  # installs the wheels, prepares the data
 (trainer 0 1 zero3_offload_2p7b@h100; stamp after
  mkdir -p $OUT/before
- (cd before && PYTHONPATH=/tmp/site:$PWD/before OUT=$OUT/before GPU_IDS=0 MASTER_PORT=29531 LANE=2 RUNS="zero3_offload_2p7b@h100 zero3_offload_compare" \
+ (cd before && PYTHONPATH=/tmp/site:$PWD OUT=$OUT/before GPU_IDS=0 MASTER_PORT=29531 LANE=2 RUNS="zero3_offload_2p7b@h100 zero3_offload_compare" \
       bash tests/gpu/run_trainer.sh >> $OUT/before/lane2.log 2>&1); stamp before) &
 wait_for_lanes 500
 RUNS="zero3_offload_compare" LANE=6 timeout 15 bash tests/gpu/run_trainer.sh > $OUT/compare.log 2>&1
