@@ -62,8 +62,9 @@ def model_state_bytes(parameters: int, layout: Layout, zero_stage: int | None = 
     optimizer (z >= 1), the gradients (z >= 2) and the weights (z = 3; then the GPU also holds
     ``gathered_parameters`` gathered at once: ``zero3_gathered_parameters``). Offload (DeepSpeed's CPU
     Adam) moves the optimizer states and an fp32 gradient partition, 16 bytes per partitioned
-    parameter, to host memory (at z = 3 DeepSpeed keeps a second one for its CPU Adam, which the trainer
-    makes a view of the first), and at z >= 2 the gradient partitions leave the GPU as they are
+    parameter, to host memory (at z = 3 DeepSpeed's set-up allocates a second one for its CPU Adam, 20
+    bytes: the trainer then makes it a view of the first, but the peak has passed), and at z >= 2 the
+    gradient partitions leave the GPU as they are
     reduced (at z = 3 through ZERO3_OFFLOAD_GRADIENT_BUCKETS buckets that stay); parameter offload
     (z = 3) moves the 16-bit weight partition too, leaving the gathered ones on the GPU."""
     stage = layout.zero_stage if zero_stage is None else zero_stage
@@ -75,7 +76,7 @@ def model_state_bytes(parameters: int, layout: Layout, zero_stage: int | None = 
     optimizer_states = optimizer * parameters / (d if stage >= 1 else 1)
     host = 0.0
     if layout.offload_optimizer and stage >= 1:
-        host += (optimizer + 4) * parameters / d
+        host += (optimizer + (8 if stage >= 3 else 4)) * parameters / d
         optimizer_states = 0.0
         if stage >= 2:  # each partition's gradients go to the host as they are reduced
             gradients = ZERO3_OFFLOAD_GRADIENT_BUCKETS * ZERO3_REDUCE_BUCKET_SIZE * weight if stage >= 3 else 0.0
