@@ -37,9 +37,9 @@ output layer) and the layers DeepSpeed keeps gathered from their forward to thei
 whose weights come back within stage3_max_reuse_distance = 1e9 gathered elements: after layer i of
 L, 2 (L - 1 - i) P_layer elements are gathered before its backward, so floor(1e9 / (2 P_layer)) + 1
 layers. Offload: --offload-optimizer puts Adam's states and an fp32 gradient partition, 16P/(d S),
-in host memory (at ZeRO 3 DeepSpeed's set-up allocates a second fp32 gradient partition for its CPU
-Adam, 20P/(d S) at the peak, which the trainer then makes a view of the first; at ZeRO 2 and 3 no
-gradient partition stays on the GPU, but at ZeRO 3 four reduce_bucket_size = 5e8-element buffers in
+in host memory (at ZeRO 3 DeepSpeed allocates a second fp32 gradient partition for its CPU Adam,
+20P/(d S); the trainer makes it a view of the first after set-up, yet the measured peak did not fall;
+at ZeRO 2 and 3 no gradient partition stays on the GPU, but at ZeRO 3 four reduce_bucket_size = 5e8-element buffers in
 the weights' dtype do: the bucket, its reduce-scatter's output and the reduced gradients of up to two
 buckets waiting for their copy to the host);
 --offload-param (ZeRO 3) the 2P/(d S) weight partition, leaving only the gathered weights.

@@ -62,9 +62,9 @@ def model_state_bytes(parameters: int, layout: Layout, zero_stage: int | None = 
     optimizer (z >= 1), the gradients (z >= 2) and the weights (z = 3; then the GPU also holds
     ``gathered_parameters`` gathered at once: ``zero3_gathered_parameters``). Offload (DeepSpeed's CPU
     Adam) moves the optimizer states and an fp32 gradient partition, 16 bytes per partitioned
-    parameter, to host memory (at z = 3 DeepSpeed's set-up allocates a second one for its CPU Adam, 20
-    bytes: the trainer then makes it a view of the first, but the peak has passed), and at z >= 2 the
-    gradient partitions leave the GPU as they are
+    parameter, to host memory (at z = 3 DeepSpeed allocates a second one for its CPU Adam, 20 bytes;
+    the trainer makes it a view of the first after set-up, yet the measured peak did not fall), and at
+    z >= 2 the gradient partitions leave the GPU as they are
     reduced (at z = 3 through ZERO3_OFFLOAD_GRADIENT_BUCKETS buckets that stay); parameter offload
     (z = 3) moves the 16-bit weight partition too, leaving the gathered ones on the GPU."""
     stage = layout.zero_stage if zero_stage is None else zero_stage

@@ -146,7 +146,7 @@ def test_zero3_and_offload_by_hand():
     word embedding, 1000 x 64 + the 32 x 64 positions) and keeps both small layers gathered from their
     forward to their backward (a layer of 49,984 is far under the reuse distance); optimizer offload
     moves Adam's 12 bytes and an fp32 gradient partition (4) per partitioned parameter to the host, at
-    ZeRO 3 two of them at the set-up's peak (8; the GPU keeps no gradient partition but four 5e8-element
+    ZeRO 3 two of them (8; the GPU keeps no gradient partition but four 5e8-element
     reduce buckets), parameter offload the 2-byte weight partition."""
     layer = 12 * 64 ** 2 + 13 * 64
     parameters = 2 * layer + 1000 * 64 + 32 * 64 + 2 * 64
