@@ -295,11 +295,11 @@ zero3_offload_run() {  # name layers hidden heads [flags...]: one GPU, ZeRO-3, p
     cat "$OUT/$name.host" >> "$OUT/$name.log" 2>/dev/null
 }
 
-host_memory_peak() {  # name: every 2 s, the host memory held by the run (the processes whose command line holds
-    # its own data cache path, and their descendants: workers, the fork server), shared pages counted once
+host_memory_peak() {  # name: the host memory held by the run (the processes whose command line holds
+    # its own data cache path, and their descendants: workers, the fork server), shared pages counted once, each second
     # (tools/benchmarks/host_memory.py); the largest so far goes to $OUT/name.host, every reading to
     # $OUT/name.host_readings
-    exec python3 tools/benchmarks/host_memory.py "$WORK/cache_$1 " --output "$OUT/$1.host" > "$OUT/$1.host_readings"
+    exec python3 tools/benchmarks/host_memory.py "$WORK/cache_$1 " --every 1 --output "$OUT/$1.host" > "$OUT/$1.host_readings"
 }
 
 fp8_flags() {  # recipe -> the FP8 flags of that recipe (none for bf16)

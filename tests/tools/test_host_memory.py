@@ -1,5 +1,6 @@
 """tools/benchmarks/host_memory.py: a run's processes and the memory they hold once."""
 import os
+import re
 import subprocess
 import sys
 import time
@@ -76,7 +77,8 @@ def test_the_command_follows_the_run_and_writes_its_peak(forking_run, tmp_path):
         assert reader.wait(timeout=30) == 0
     finally:
         reader.kill()
-    assert first.endswith("in 2 processes\n") and 256 < int(first.split()[0]) < 256 + 128
+    assert re.fullmatch(r"\d+ MB in 2 processes at \d\d:\d\d:\d\d\n", first)
+    assert 256 < int(first.split()[0]) < 256 + 128
     assert output.read_text().startswith("host peak (MB): ")
 
 

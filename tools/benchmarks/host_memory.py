@@ -8,8 +8,9 @@ in /proc. A process's share is its proportional set size (Pss, /proc/PID/smaps_r
 shares with others count a part each, so the sum is the memory the run holds once, where a sum of
 resident sizes would count a worker's copy-on-write view of its parent's pages again. Where
 smaps_rollup cannot be read, the resident size (VmRSS of /proc/PID/status) stands in, and the line
-says so. Every SECONDS (default 2) it prints the sum in MB and, with --output, writes the largest so
-far there ("host peak (MB): N"); it ends when no process of the run is left, after one was seen.
+says so. Every SECONDS (default 2) it prints the sum in MB and the time of day (to set beside the
+run's log) and, with --output, writes the largest so far there ("host peak (MB): N"); it ends when
+no process of the run is left, after one was seen.
 """
 import argparse
 import os
@@ -101,8 +102,8 @@ def main(argv=None) -> None:
             return
         seen = seen or count > 0
         if count:
-            print(f"{mb} MB in {count} processes" + ("" if proportional else " (resident sizes: no Pss here)"),
-                  flush=True)
+            print(f"{mb} MB in {count} processes at {time.strftime('%H:%M:%S')}"
+                  + ("" if proportional else " (resident sizes: no Pss here)"), flush=True)
         if mb > peak:
             peak = mb
             if args.output:
