@@ -60,7 +60,7 @@
 #      within one host), hidden behind the projections' GEMMs with one attention call per layer
 #      (ulysses_projections) instead of chunks of heads (tests/gpu/ulysses_chunks; a variant without _proj is
 #      pipelined, ulysses_s<S>_<K>k alone takes the default: beside the projections at TP = 1); profile_<variant>
-#      profiles its fourth iteration on rank 0 into $OUT/profile_<variant>/
+#      (and profile_ulysses_1gpu_<K>k) profiles its fourth iteration on rank 0 into $OUT/profile_<variant>/
 #   14. ZeRO-3 (RUNS="zero1_1p3b_dp2 zero3_1p3b_dp2 zero3_compare" on 2 GPUs): the 1.3B GPT, bf16, micro-batch 8,
 #      global batch 32, 12 iterations, log interval 2, at ZeRO-1 and at ZeRO-3 on two GPUs; zero3_compare prints
 #      each run's mean per-GPU model TFLOP/s, max allocated MB and the ratio to ZeRO-1 (with zero1_1p3b_dp2_mbsN and
@@ -400,6 +400,10 @@ for run in $RUNS; do
                                1p3b_mbs16_core_attn $(logs_starting_with 1p3b_mbs16_mlp_act_block) 1p3b_mbs16 \
                                | tee "$OUT/recompute.txt" ;;
         ulysses_1gpu_[0-9]*k) kilo=${run#ulysses_1gpu_}; ulysses_run "$run" 1 $(( ${kilo%k} * 1024 )) ;;
+        profile_ulysses_1gpu_[0-9]*k) kilo=${run#profile_ulysses_1gpu_}
+                                      ITERS_ULYSSES=4 ulysses_run "$run" 1 $(( ${kilo%k} * 1024 )) \
+                                          --tensorboard-dir "$OUT/$run" --profile --use-pytorch-profiler \
+                                          --profile-step-start 3 --profile-step-end 4 --profile-ranks 0 ;;
         ulysses_s2_32k) ulysses_run ulysses_s2_32k 2 32768 --ds-sequence-parallel-size 2 ;;
         ulysses_s4_64k) ulysses_run ulysses_s4_64k 4 65536 --ds-sequence-parallel-size 4 ;;
         ulysses_s[24]_*k_*) ulysses_variant "$run" "$run" ;;
