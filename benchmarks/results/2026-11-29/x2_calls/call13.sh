@@ -4,12 +4,13 @@
 # H100 (the allocator capped at 80000 MiB: 32768 wanted 81.0 GiB in calls 1-6, so 30720 or 28672 is the longest).
 # GPUs 0,1: S = 2 at 32768 by default, through NCCL, and by default at micro-batch 2; then GPU 0 one GPU at 30720 and
 # 28672 capped beside GPU 1 one GPU at 57344; then a profile of the default run with its exposed communication by
-# the work that waited. Everything tarred into $OUT/runs.tgz
+# the work that waited, and cuDNN's attention alone at the rank's shape on the same GPU (call 18: the one-GPU
+# reference's attention runs at its speed alone). Everything tarred into $OUT/runs.tgz
 source tests/gpu/device_call.sh
 export ITERS_ULYSSES=6
 stamp start
 prepare_machine  # installs the wheels, prepares the data
-(CUDA_VISIBLE_DEVICES=0,1 timeout 60 python3 -m pytest -q -rfs -k "two_gpus" \
+(CUDA_VISIBLE_DEVICES=0,1 timeout 60 python3 -m pytest -q -rfs -k "two_gpus and auto" \
      tests/core/models/gpt/test_ulysses_projections.py > $OUT/gpu_tests.log 2>&1
  stamp gpu_tests
  trainer 0,1 1 ulysses_s2_32k ulysses_s2_32k_proj_nccl ulysses_s2_32k_mbs2
@@ -19,6 +20,7 @@ prepare_machine  # installs the wheels, prepares the data
  wait
  trainer 0,1 4 profile_ulysses_s2_32k_proj
  stamp profile
- summarize profile_ulysses_s2_32k_proj) &
-wait_for_lanes 565
+ summarize profile_ulysses_s2_32k_proj
+ timeout 40 python3 tools/benchmarks/bench_attention_shapes.py 8:32768 > $OUT/attention_shapes.txt 2>&1) &
+wait_for_lanes 560
 RUNS="ulysses_compare" LANE=6 timeout 20 bash tests/gpu/run_trainer.sh > $OUT/compare.log 2>&1
