@@ -101,26 +101,39 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def peers_reachable(places: list[tuple[str, int]], rank: int, can_access) -> bool:
-    """Whether rank ``rank`` of a group whose ranks sit at ``places`` (host identity, CUDA device index;
-    by rank) can map every peer's memory: all on its host, and ``can_access(device, other)`` for each
-    other device."""
+def peers_reachable(places: list[tuple[str, str]], rank: int, visible: dict[str, int], can_access) -> bool:
+    """Whether rank ``rank`` of a group whose ranks sit at ``places`` (host identity, GPU identity; by rank)
+    can map every peer's memory: all on its host, each peer's GPU visible in this process (``visible``: GPU
+    identity -> CUDA index here; a launcher that shows each process its own GPU alone hides them) and
+    ``can_access(mine, theirs)`` by those indices."""
     host, device = places[rank]
-    return all(other_host == host and (other == device or can_access(device, other))
-               for other_host, other in places)
+    mine = visible.get(device)
+    if mine is None:
+        return False
+    for other_host, other in places:
+        theirs = visible.get(other)
+        if other_host != host or theirs is None or (theirs != mine and not can_access(mine, theirs)):
+            return False
+    return True
+
+
+def _gpu_identity(index: int) -> str:
+    """A GPU's identity across processes: its UUID (the index where torch does not report one)."""
+    return str(getattr(torch.cuda.get_device_properties(index), "uuid", index))
 
 
 @functools.cache
 def peer_memory_reaches(group: ProcessGroup) -> bool:
     """Whether the exchanges of ``group`` (its ranks on CUDA devices) can go through symmetric memory: every
-    rank's GPU on one host and able to map each peer's (``peers_reachable``), agreed by all ranks. A
-    collective, once per group: every rank of the group calls it at the same point."""
+    rank's GPU on one host, visible to each rank and able to map each peer's (``peers_reachable``), agreed
+    by all ranks. A collective, once per group: every rank of the group calls it at the same point."""
+    visible = {_gpu_identity(index): index for index in range(torch.cuda.device_count())}
     places = [None] * group_size(group)
-    dist.all_gather_object(places, (host_identity(), torch.cuda.current_device()), group=group)
-    reachable = torch.tensor([float(peers_reachable(places, group_rank(group), torch.cuda.can_device_access_peer))],
-                             device="cuda")
-    dist.all_reduce(reachable, op=dist.ReduceOp.MIN, group=group)
-    return bool(reachable.item())
+    dist.all_gather_object(places, (host_identity(), _gpu_identity(torch.cuda.current_device())), group=group)
+    reachable = peers_reachable(places, group_rank(group), visible, torch.cuda.can_device_access_peer)
+    agreed = torch.tensor([float(reachable)], device="cuda")
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    return bool(agreed.item())
 
 
 def _uses_peer_memory(device: torch.device, group: ProcessGroup) -> bool:

@@ -147,18 +147,23 @@ def test_overlapped_fp8_layers_on_two_gpus(recipe):
 
 
 def test_peers_are_reachable_on_one_host_with_peer_access_only():
-    def linked(*pairs):  # devices that can map each other's memory
-        return lambda device, other: (device, other) in pairs or (other, device) in pairs
+    def linked(*pairs):  # CUDA indices that can map each other's memory
+        return lambda mine, theirs: (mine, theirs) in pairs or (theirs, mine) in pairs
 
-    one_host = [("node-a/boot-1", 0), ("node-a/boot-1", 1), ("node-a/boot-1", 2)]
-    assert all(peers_reachable(one_host, rank, linked((0, 1), (0, 2), (1, 2))) for rank in range(3))
-    assert not peers_reachable(one_host, 0, linked((0, 1)))  # 0 cannot map 2
-    assert peers_reachable(one_host, 1, linked((0, 1), (1, 2)))  # 1 reaches both; the group's answer (the
-    assert not peers_reachable(one_host, 0, linked((0, 1), (1, 2)))  # minimum over ranks) is still no: 0 cannot
-    two_hosts = [("node-a/boot-1", 0), ("node-b/boot-7", 0)]
-    assert not any(peers_reachable(two_hosts, rank, linked()) for rank in range(2))
-    same_name = [("node-a/boot-1", 0), ("node-a/boot-2", 1)]  # one name, two machines
-    assert not peers_reachable(same_name, 0, linked((0, 1)))
+    all_visible = {"gpu-a": 0, "gpu-b": 1, "gpu-c": 2}
+    one_host = [("node-1/boot-1", "gpu-a"), ("node-1/boot-1", "gpu-b"), ("node-1/boot-1", "gpu-c")]
+    assert all(peers_reachable(one_host, rank, all_visible, linked((0, 1), (0, 2), (1, 2))) for rank in range(3))
+    assert not peers_reachable(one_host, 0, all_visible, linked((0, 1)))  # a has no access to c
+    assert peers_reachable(one_host, 1, all_visible, linked((0, 1), (1, 2)))  # b reaches both; the group's answer
+    assert not peers_reachable(one_host, 0, all_visible, linked((0, 1), (1, 2)))  # (the minimum) is still no
+    own_gpu_only = [{"gpu-a": 0}, {"gpu-b": 0}, {"gpu-c": 0}]  # a launcher showing each process its own GPU
+    assert not any(peers_reachable(one_host, rank, own_gpu_only[rank], linked()) for rank in range(3))
+    reordered = {"gpu-c": 0, "gpu-a": 1, "gpu-b": 2}  # another order of the same GPUs: reached by identity
+    assert peers_reachable(one_host, 2, reordered, linked((0, 1), (0, 2), (1, 2)))
+    two_hosts = [("node-1/boot-1", "gpu-a"), ("node-2/boot-7", "gpu-x")]
+    assert not any(peers_reachable(two_hosts, rank, {"gpu-a": 0, "gpu-x": 1}, linked((0, 1))) for rank in range(2))
+    same_name = [("node-1/boot-1", "gpu-a"), ("node-1/boot-2", "gpu-b")]  # one name, two machines
+    assert not peers_reachable(same_name, 0, all_visible, linked((0, 1)))
     assert host_identity().startswith(socket.gethostname() + "/")
 
 
