@@ -3,9 +3,10 @@
 # 90 % goal against both readings of "the longest sequence that fits one GPU": an H200 (57344, call 9) and an 80 GB
 # H100 (the allocator capped at 80000 MiB: 32768 wanted 81.0 GiB in calls 1-6, so 30720 or 28672 is the longest).
 # GPUs 0,1: S = 2 at 32768 by default and through NCCL (ulysses_s2_32k_mbs2, micro-batch 2, left for a call with
-# more device time); then GPU 0 one GPU at 30720 and 28672 capped beside GPU 1 one GPU at 57344; then a profile of the default run with its exposed communication by
-# the work that waited, and cuDNN's attention alone at the rank's shape on the same GPU (call 18: the one-GPU
-# reference's attention runs at its speed alone). Everything tarred into $OUT/runs.tgz
+# more device time); then GPU 0 one GPU at 30720 and 28672 capped beside GPU 1 one GPU at 57344; then a profile of
+# the default run with its exposed communication by the work that waited, and cuDNN's attention alone at the rank's
+# shape on the same GPU (call 18: the one-GPU reference's attention runs at its speed alone). Everything tarred
+# into $OUT/runs.tgz
 source tests/gpu/device_call.sh
 export ITERS_ULYSSES=6
 stamp start
