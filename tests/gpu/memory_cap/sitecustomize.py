@@ -7,10 +7,17 @@ runs the acceptance criteria set on an 80 GB H100 can be made on an H200. Memory
 With ``GPU_MEMORY_HISTORY=PREFIX`` set too, each rank records the allocator's history from its start and,
 at its exit, writes ``PREFIX.rank<R>.md``: the blocks alive at its peak by where they were allocated
 (``tools/benchmarks/memory_peak.py``).
+
+With ``HOST_MEMORY_REPORT=PREFIX`` each rank appends to ``PREFIX.rank<R>.txt`` every 5 s its host memory by
+kind (anonymous, file-backed and shared pages resident, from /proc/self/status) and the pinned memory
+PyTorch's host allocator holds (``torch.cuda.host_memory_stats``), with the time of day: which of them grows
+when a run's host memory does (``tools/benchmarks/host_memory.py`` gives the whole run's).
 """
 import atexit
 import importlib.util
 import os
+import threading
+import time
 
 if os.environ.get("GPU_MEMORY_MIB") and "LOCAL_RANK" in os.environ:
     import torch
@@ -31,3 +38,20 @@ if os.environ.get("GPU_MEMORY_MIB") and "LOCAL_RANK" in os.environ:
                 handle.write(memory_peak.report(torch.cuda.memory._snapshot()) + "\n")
 
         atexit.register(_write_peak_report)
+
+    if os.environ.get("HOST_MEMORY_REPORT"):
+        def _host_memory_line() -> str:
+            with open("/proc/self/status") as status:
+                kinds = {line.split(":")[0]: int(line.split()[1]) // 1024 for line in status
+                         if line.startswith(("VmRSS", "RssAnon", "RssFile", "RssShmem"))}
+            pinned = getattr(torch.cuda, "host_memory_stats", dict)()
+            held = {key: value // 2**20 for key, value in pinned.items() if "bytes" in key and "current" in key}
+            return f"{time.strftime('%H:%M:%S')} MB: {kinds} pinned: {held}"
+
+        def _report_host_memory(path=f"{os.environ['HOST_MEMORY_REPORT']}.rank{os.environ.get('RANK', '0')}.txt"):
+            while True:
+                with open(path, "a") as report:
+                    report.write(_host_memory_line() + "\n")
+                time.sleep(5)
+
+        threading.Thread(target=_report_host_memory, daemon=True).start()
