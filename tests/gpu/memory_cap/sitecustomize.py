@@ -16,10 +16,14 @@ when a run's host memory does (``tools/benchmarks/host_memory.py`` gives the who
 import atexit
 import importlib.util
 import os
+import sys
 import threading
 import time
 
-if os.environ.get("GPU_MEMORY_MIB") and "LOCAL_RANK" in os.environ:
+# The trainer's ranks only: the loader's fork server, started with their environment, must not open a CUDA context.
+_is_trainer_rank = "LOCAL_RANK" in os.environ and os.path.basename(getattr(sys, "argv", [""])[0]) == "pretrain_gpt.py"
+
+if os.environ.get("GPU_MEMORY_MIB") and _is_trainer_rank:
     import torch
 
     _device = int(os.environ["LOCAL_RANK"])
