@@ -98,8 +98,8 @@ REPLACEMENTS = {replacement.by: replacement for replacement in (
                 "a universal checkpoint loads at ZeRO-3 cut by TP, then by DP, each group keeping its settings"),
     Replacement("runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3.grad_partitions_flat_buffer",
                 "zero3.share_offloaded_gradient_partitions",
-                "under optimizer offload, the fp32 gradients are views of the accumulation buffer: 4 bytes per "
-                "parameter less host memory"),
+                "under optimizer offload (unpinned), the fp32 gradients are views of the accumulation buffer: 4 "
+                "bytes per parameter less host memory"),
     Replacement("runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.param_names", "checkpoint_io.universal_parameter_names",
                 "the plain engine's optimizer names its parameters as a universal checkpoint does"),
     Replacement("comm.torch.TorchBackend.all_gather_function", "distributed.use_current_collective_names",
