@@ -82,11 +82,11 @@ def apply_replacements(engine, config: TrainConfig, groups: ParallelGroups) -> N
     pipeline = isinstance(engine.module, PipelineModule)
     if not (engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization()):
         guard_fp32_steps(engine, groups)
-    if engine.bfloat16_enabled() and engine.zero_optimization_stage() == 3:
-        dist_utils.print_rank_0(ZERO3_STEPS_LINE)
     freed = zero3.share_offloaded_gradient_partitions(engine)
     if freed:
         dist_utils.print_rank_0(f"{SHARED_GRADIENTS_LINE} ({freed / 2 ** 30:.2f} GiB less host memory on rank 0)")
+    if engine.bfloat16_enabled() and engine.zero_optimization_stage() == 3:
+        dist_utils.print_rank_0(ZERO3_STEPS_LINE)
     elif engine.bfloat16_enabled():
         bf16_steps.accumulate_in_one_kernel(engine)
         if config.precision.gradient_accumulation_fusion:

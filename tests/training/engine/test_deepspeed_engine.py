@@ -65,3 +65,39 @@ print(answers, 'torch._inductor.compile_fx' in sys.modules, getattr(sys.modules[
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=300,
                             cwd=REPO_ROOT)
     assert result.stdout.strip().splitlines()[-1] == "[True, True, False] False None"
+
+
+class _Stage3Bf16Engine:
+    """What apply_replacements asks of a bf16 engine at ZeRO-3 whose optimizer is not offloaded."""
+
+    module = None
+    optimizer = object()
+
+    def fp16_enabled(self):
+        return False
+
+    def bfloat16_enabled(self):
+        return True
+
+    def zero_optimization(self):
+        return True
+
+    def zero_optimization_stage(self):
+        return 3
+
+
+def test_bf16_at_zero_3_gets_none_of_the_bf16_step_replacements(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from megatron.training.engine import bf16_steps, deepspeed_engine
+
+    applied = []
+    for name in ("accumulate_in_one_kernel", "norm_in_few_kernels", "adamw_writes_bf16_weights", "clip_in_adamw",
+                 "skip_single_rank_reduction", "fuse_weight_gradient_accumulation"):
+        monkeypatch.setattr(bf16_steps, name, lambda engine, name=name: applied.append(name))
+    config = SimpleNamespace(precision=SimpleNamespace(gradient_accumulation_fusion=True),
+                             logging=SimpleNamespace(log_num_zeros_in_grad=False),
+                             parallel=SimpleNamespace(sync_tp_duplicated_parameters=False))
+    deepspeed_engine.apply_replacements(_Stage3Bf16Engine(), config, SimpleNamespace(tp_size=1))
+    assert applied == []
+    assert deepspeed_engine.ZERO3_STEPS_LINE in capsys.readouterr().out
