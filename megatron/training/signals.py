@@ -101,7 +101,7 @@ LAUNCHER_MODULES = ("deepspeed.launcher.launch", "deepspeed.launcher.runner", "t
                     "torch.distributed.launch")
 
 
-def _proc_parent(pid: int) -> int | None:
+def process_parent(pid: int) -> int | None:
     """The parent pid of ``pid`` from /proc, None when the process is gone or /proc is unreadable."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -112,7 +112,8 @@ def _proc_parent(pid: int) -> int | None:
     return int(stat[stat.rindex(")") + 2:].split()[1])
 
 
-def _proc_command(pid: int) -> list[str]:
+def process_command(pid: int) -> list[str]:
+    """The arguments of ``pid``'s command line from /proc, [] when the process is gone or /proc is unreadable."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return [part.decode(errors="replace") for part in f.read().split(b"\0") if part]
@@ -138,7 +139,7 @@ class LauncherWatch:
     its terminal. Without /proc (not Linux) only this process's parent is watched.
     """
 
-    def __init__(self, parent_of=_proc_parent, command_of=_proc_command):
+    def __init__(self, parent_of=process_parent, command_of=process_command):
         self._parent_of = parent_of
         self.chain: list[tuple[int, str]] = []  # (pid, launcher name)
         pid = os.getppid()

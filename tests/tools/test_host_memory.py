@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from tools.benchmarks.host_memory import main, parent_pid, proportional_kib, run_memory_mb, run_processes
+from megatron.training.signals import process_parent
+from tools.benchmarks.host_memory import main, proportional_kib, run_memory_mb, run_processes
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"), reason="needs Linux's /proc")
 
@@ -49,7 +50,7 @@ def test_a_run_is_its_marked_processes_and_their_descendants(forking_run):
     while len(found := run_processes(marker)) < 2 and time.time() < deadline:
         time.sleep(0.1)
     (child,) = found - {process.pid}
-    assert process.pid in found and parent_pid(child) == process.pid
+    assert process.pid in found and process_parent(child) == process.pid
     assert run_processes(marker, exclude=process.pid) == set()  # the caller and what it started left out
     assert run_processes(marker + "-other") == set()
 

@@ -249,10 +249,10 @@ def test_launcher_names():
 
 def test_the_watch_of_this_process_reads_the_real_process_table():
     """pytest's parent is no launcher, and the /proc readers agree with os.getppid."""
-    from megatron.training.signals import _proc_parent
+    from megatron.training.signals import process_parent
 
-    assert _proc_parent(os.getpid()) == os.getppid()
-    assert _proc_parent(2 ** 22 + 1) is None  # beyond pid_max: no such process
+    assert process_parent(os.getpid()) == os.getppid()
+    assert process_parent(2 ** 22 + 1) is None  # beyond pid_max: no such process
     assert not LauncherWatch().gone()
 
 

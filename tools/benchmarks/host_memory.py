@@ -14,25 +14,12 @@ no process of the run is left, after one was seen.
 """
 import argparse
 import os
+import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-def parent_pid(pid: int) -> int | None:
-    """The parent of ``pid`` (field 4 of /proc/PID/stat), None once the process is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[1])  # the command name, in parentheses, may hold spaces
-
-
-def command_line(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
+from megatron.training.signals import process_command, process_parent  # noqa: E402
 
 
 def _descendants(roots: list[int], children: dict[int, list[int]]) -> set[int]:
@@ -52,11 +39,12 @@ def run_processes(marker: str, exclude: int | None = None) -> set[int]:
     pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
     children: dict[int, list[int]] = {}
     for pid in pids:
-        parent = parent_pid(pid)
+        parent = process_parent(pid)
         if parent is not None:
             children.setdefault(parent, []).append(pid)
     excluded = _descendants([exclude], children) if exclude is not None else set()
-    return _descendants([pid for pid in pids if marker in command_line(pid)], children) - excluded
+    marked = [pid for pid in pids if marker in "".join(f"{argument} " for argument in process_command(pid))]
+    return _descendants(marked, children) - excluded
 
 
 def proportional_kib(pid: int) -> tuple[int, bool] | None:
