@@ -88,9 +88,11 @@
 #   16. an 80 GB H100 on a larger GPU: a run named NAME@h100 runs NAME with PyTorch's caching allocator capped at
 #      H100_ALLOCATOR_MIB (default 80000: the H100's 81,106 MiB less about 1.1 GiB for the CUDA context and NCCL,
 #      tests/gpu/memory_cap/sitecustomize.py), e.g. RUNS="1p3b_bf16@h100 1p3b_mbs16_selective@h100 1p3b_mbs16@h100".
-#      The ZeRO-3 offload runs also write the largest host memory of their processes into <run>.log. With
-#      GPU_MEMORY_HISTORY=PREFIX an @h100 run's ranks record the allocator's history and write PREFIX.rank<R>.md,
-#      the blocks alive at the peak by where they were allocated (tools/benchmarks/memory_peak.py).
+#      The ZeRO-3 offload runs also write the largest host memory of their processes into <run>.log (every
+#      second's reading into <run>.host_readings). With GPU_MEMORY_HISTORY=PREFIX an @h100 run's ranks record the
+#      allocator's history and write PREFIX.rank<R>.md, the blocks alive at the peak by where they were allocated
+#      (tools/benchmarks/memory_peak.py); with HOST_MEMORY_REPORT=PREFIX they write their host memory by kind and
+#      PyTorch's pinned memory every 5 s into PREFIX.rank<R>.txt.
 #   17. several runs at once on one machine: LANES="0,1=zero1_1p3b_dp2 zero3_1p3b_dp2;2=1p3b_bf16@h100;3=..." runs
 #      each lane's runs in order on its GPUs (its own port and data cache), the lanes side by side, then RUNS
 #      (the comparisons).

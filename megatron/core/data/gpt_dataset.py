@@ -339,7 +339,6 @@ class GPTDataset(MappedIndexArrays):
         self.sample_idx = arrays["sample_idx"]
         self.shuffle_idx = arrays["shuffle_idx"]
 
-
     def __len__(self):
         return self.shuffle_idx.shape[0]
 

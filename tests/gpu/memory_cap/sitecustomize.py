@@ -8,7 +8,7 @@ With ``GPU_MEMORY_HISTORY=PREFIX`` set too, each rank records the allocator's hi
 at its exit, writes ``PREFIX.rank<R>.md``: the blocks alive at its peak by where they were allocated
 (``tools/benchmarks/memory_peak.py``).
 
-With ``HOST_MEMORY_REPORT=PREFIX`` each rank appends to ``PREFIX.rank<R>.txt`` every 5 s its host memory by
+With ``HOST_MEMORY_REPORT=PREFIX`` set too, each rank appends to ``PREFIX.rank<R>.txt`` every 5 s its host memory by
 kind (anonymous, file-backed and shared pages resident, from /proc/self/status) and the pinned memory
 PyTorch's host allocator holds (``torch.cuda.host_memory_stats``), with the time of day: which of them grows
 when a run's host memory does (``tools/benchmarks/host_memory.py`` gives the whole run's).
